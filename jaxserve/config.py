@@ -1,0 +1,102 @@
+"""Typed configs for the engine, KV cache, scheduler, mesh and server: one place for defaults.
+
+This module only holds plain data; it must not import JAX (the frontend imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The demo model ships inside the package so `jaxserve serve` with no --model serves it.
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    block_size: tokens per KV block.
+    num_blocks: total KV blocks per dp rank; None means size from `memory_fraction`
+        of the device memory left after the weights (on the CPU: a fixed default).
+    enable_prefix_caching: reuse full blocks named by their chained hash.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.85
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_seqs: most requests in one step (per dp rank).
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+    max_model_len: most tokens (prompt + output) of one request; None = the model's.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class MeshConfig:
+    """Device mesh: dp (attention data parallel) x tp (tensor parallel); ep = dp * tp."""
+
+    dp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """Parse "dp=2,tp=4". Raises ValueError naming the bad part."""
+        values = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("dp", "tp") or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"mesh: expected 'dp=D,tp=T' with positive integers, got {part!r}")
+            values[key] = int(value)
+        return cls(**values)
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine process needs to start."""
+
+    model: str = str(DEMO_MODEL_DIR)
+    dtype: str = "float32"  # activation/weight dtype: float32 or bfloat16
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    # JAX persistent compilation cache; None disables it.
+    compilation_cache_dir: str | None = str(Path.home() / ".cache" / "jaxserve" / "jax_cache")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        d = dict(d)
+        return cls(
+            cache=CacheConfig(**d.pop("cache", {})),
+            scheduler=SchedulerConfig(**d.pop("scheduler", {})),
+            mesh=MeshConfig(**d.pop("mesh", {})),
+            **d,
+        )
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The gRPC frontend."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051

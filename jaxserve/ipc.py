@@ -1,0 +1,182 @@
+"""Message types between processes, and the ZeroMQ sockets that carry them.
+
+Every message is a small dataclass here, sent as one msgpack frame
+`[type_name, {field: value}]`; numpy arrays travel as raw buffers (msgpack ext type),
+not lists. No JAX here: the frontend and the detokenizer import this module.
+
+The paths (see DESIGN.md, Processes):
+    frontend    --EngineRequest/AbortRequest-->  engine
+    engine      --EngineOutputs/EngineStats---->  detokenizer
+    detokenizer --AbortRequest (stop string)-->  engine
+    detokenizer --TextOutputs/EngineStats------>  frontend
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+_NDARRAY_EXT = 1
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A validated, tokenized request. `sampling` is SamplingParams.to_dict()."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray  # [P] int32
+    sampling: dict
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens of one request after one engine step.
+
+    finish_reason: None while running; "stop" (EOS / stop token / stop string),
+        "length" (max_tokens or max_model_len), "abort", or "error" (then `error` says why).
+    stop_reason: the stop token id that ended it, if any.
+    first: on a request's first output only, {"prompt_token_ids": ..., "sampling": ...}
+        so the detokenizer learns the request in order with its tokens.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    first: dict | None = None
+    logprobs: list | None = None
+
+
+@dataclass(slots=True)
+class EngineOutputs:
+    """Everything one engine step produced."""
+
+    outputs: list[RequestOutput]
+    step: int = 0
+
+
+@dataclass(slots=True)
+class TextOutput:
+    """A text delta for one request, ready for the client stream.
+
+    stop_reason: the matched stop string, or the stop token id, or None.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    logprobs: list | None = None
+
+
+@dataclass(slots=True)
+class TextOutputs:
+    outputs: list[TextOutput]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Engine facts and gauges, sent at start-up (ready=True) and after steps that change them."""
+
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    vocab_size: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    ready: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    reason: str = ""
+
+
+_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        EngineRequest,
+        AbortRequest,
+        RequestOutput,
+        EngineOutputs,
+        TextOutput,
+        TextOutputs,
+        EngineStats,
+        Shutdown,
+    )
+}
+
+
+def _default(obj: Any):
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        header = msgpack.packb([arr.dtype.str, list(arr.shape)])
+        return msgpack.ExtType(_NDARRAY_EXT, len(header).to_bytes(4, "little") + header + arr.tobytes())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if dataclasses.is_dataclass(obj):
+        return [type(obj).__name__, {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}]
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes):
+    if code != _NDARRAY_EXT:
+        return msgpack.ExtType(code, data)
+    n = int.from_bytes(data[:4], "little")
+    dtype, shape = msgpack.unpackb(data[4 : 4 + n])
+    return np.frombuffer(data[4 + n :], dtype=np.dtype(dtype)).reshape(shape)
+
+
+def _revive(obj: Any):
+    """Turn [type_name, fields] pairs back into dataclasses (recursively)."""
+    if isinstance(obj, list):
+        if len(obj) == 2 and isinstance(obj[0], str) and obj[0] in _TYPES and isinstance(obj[1], dict):
+            cls = _TYPES[obj[0]]
+            return cls(**{k: _revive(v) for k, v in obj[1].items()})
+        return [_revive(x) for x in obj]
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    """One msgpack frame for a message dataclass."""
+    return msgpack.packb(msg, default=_default, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    """Inverse of `encode`. Raises ValueError on a frame that is not a known message."""
+    obj = _revive(msgpack.unpackb(frame, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+    if type(obj).__name__ not in _TYPES:
+        raise ValueError(f"not a jaxserve message: {type(obj).__name__}")
+    return obj
+
+
+def make_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    """A socket with linger 0 (so a dying peer never blocks shutdown), bound or connected."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock

@@ -1,0 +1,91 @@
+"""The model contract: what every model family implements and what the engine relies on.
+
+A model is an `nnx.Module` whose forward is a pure function of
+(tokens, positions, kv_cache, attention metadata) -> (hidden states, kv_cache),
+in the style of vLLM's tpu-inference. Scheduling, sampling and batching live outside.
+
+Batches are *flat*: the T tokens of a step are the concatenation of every scheduled
+request's new tokens (prefill chunks and decodes alike), padded to a bucket size.
+
+KV cache layout (per layer, one array for K and one for V):
+    [num_blocks, block_size, num_kv_heads, head_dim]
+A token at position p of a request lives in slot
+    block_table[p // block_size] * block_size + p % block_size.
+Block 0 is the *null block*: never handed to a request, so padded block-table entries
+may point at it safely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+# One (K, V) pair per layer.
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+# Padded tokens carry this slot; the model drops their K/V writes.
+PAD_SLOT = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a flat batch reads and writes the paged KV cache.
+
+    T = padded number of tokens in the step, R = padded number of requests,
+    B = max blocks per request (max_model_len / block_size, rounded up).
+
+    slot_mapping: [T] int32, flat slot to write token t's K/V; PAD_SLOT (-1) for padding.
+    block_tables: [R, B] int32, KV block ids of request r; unused entries are 0 (null block).
+    seq_lens: [R] int32, context length of request r once this step's tokens are written
+        (0 for padded rows).
+    query_start_loc: [R + 1] int32, token t belongs to request r iff
+        query_start_loc[r] <= t < query_start_loc[r + 1]; padded rows repeat the last value.
+    token_req: [T] int32, the request row of token t (padded tokens point at a padded row
+        or any row; their outputs are ignored).
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array
+    token_req: jax.Array
+
+
+class CausalLM(Protocol):
+    """What the engine calls on a model (all arrays on device, inside jit)."""
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32, position of each token in its request
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # hidden [T, hidden_size], updated cache
+        ...
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> [N, vocab] float32
+        ...
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    """Shape of one layer's K (or V) cache array."""
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.float32,
+    sharding=None,
+) -> KVCache:
+    """Zero-filled KV cache: one (K, V) pair of [num_blocks, block_size, kv_heads, head_dim]."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(make(), make()) for _ in range(num_layers)]

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up the test environment and run the whole CPU test suite.
+#   bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh test
+venv="${JAXSERVE_VENV:-.venv}"
+# Tests that need several devices get them from emulated CPU devices (see tests/conftest.py).
+exec "$venv/bin/python" -m pytest -q "$@"
