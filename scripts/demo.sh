@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up jaxserve on a fresh machine, serve the bundled demo MoE model, and stream a completion.
+#   bash scripts/demo.sh ["prompt"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh
+venv="${JAXSERVE_VENV:-.venv}"
+port="${JAXSERVE_PORT:-50051}"
+prompt="${1:-import }"
+
+"$venv/bin/jaxserve" serve --port "$port" &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+
+# Wait for the gRPC health service to report SERVING (start-up compiles the step functions).
+"$venv/bin/python" - "$port" <<'PY'
+import sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}"))
+deadline = time.time() + 600
+while time.time() < deadline:
+    try:
+        if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+            sys.exit(0)
+    except grpc.RpcError:
+        pass
+    time.sleep(0.5)
+sys.exit("server did not become ready within 600 s")
+PY
+
+"$venv/bin/jaxserve" generate --server "127.0.0.1:$port" --max-tokens 48 --temperature 0 "$prompt"
+echo
