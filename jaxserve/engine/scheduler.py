@@ -1,0 +1,353 @@
+"""`Scheduler`: which sequences compute how many tokens in the next step, and what follows.
+
+Continuous batching under two limits per step, `max_num_batched_tokens` (the token
+budget) and `max_num_seqs`, in the style of vLLM v1's scheduler
+(`vllm/v1/core/sched/scheduler.py`): there is no prefill or decode phase, only a number
+of tokens each sequence still has to compute. One step:
+
+1. Running sequences that are decoding (one missing token) are scheduled first, oldest
+   first, so a long prompt being prefilled never stalls them; then running sequences
+   still in (chunked) prefill take what is left of the budget.
+2. When a running sequence needs a KV block and none is free, the newest running
+   sequence is preempted by recompute: its blocks are freed and it goes back to the
+   head of the waiting queue (Kwon et al., "Efficient Memory Management for Large
+   Language Model Serving with PagedAttention", SOSP 2023, section 4.5).
+3. If nothing was preempted, waiting sequences are admitted in FCFS order, reusing
+   prefix-cached blocks, with their prompt chunked to fit the remaining budget.
+
+After the device step, `update` advances each sequence, appends sampled tokens, checks
+the stop conditions and returns the `RequestOutput`s. Aborts and requests that can never
+fit end with one final output on the next `update` (or `drain_finished`).
+Pure Python: no JAX, no sockets, no text.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.ipc import RequestOutput
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of a step: compute token_ids[start : start + num_tokens] of `seq`.
+
+    samples: whether this chunk reaches the end of seq.token_ids, so the logits at its
+        last token give the sequence's next token (False for a partial prefill chunk).
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The decision for one step; rows are in scheduling order (decodes first)."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """Host copies of what the sampler produced for each row of a step.
+
+    token_ids: [R] int32; logprobs: [R] float32 or None;
+    top_token_ids / top_logprobs: [R, K] or None.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a `BlockManager`.
+
+    Args:
+        block_manager: the KV block pool.
+        max_num_seqs: most running sequences (and rows per step).
+        max_num_batched_tokens: token budget per step.
+        max_model_len: most tokens (prompt + output) of one sequence.
+        eos_token_ids: the model's end-of-sequence ids (honoured unless ignore_eos).
+        enable_chunked_prefill: split prompts over steps; when off, a prompt waits until
+            it fits the step's budget whole.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        enable_chunked_prefill: bool = True,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({max_num_seqs}), "
+                f"got {max_num_batched_tokens}"
+            )
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self._finished: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+        # Counters for the metrics layer (monotonic).
+        self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found cached
+        self.num_prefill_tokens_computed = 0  # tokens computed by non-decode rows
+        self.num_decode_tokens_computed = 0
+
+    # ----- requests in and out -----------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished)
+
+    def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a request needs at its longest (its final token is never computed)."""
+        longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        return self.bm.blocks_for(longest - 1)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; one that can never be served is finished with an error output.
+
+        Raises:
+            ValueError: seq.request_id is already live (a caller bug, not a bad request).
+        """
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id: {seq.request_id!r} is already running")
+        seq.arrival_seq = next(self._arrivals)
+        seq.status = SequenceStatus.WAITING
+        error = self._unservable(seq)
+        if error is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.error = "error", error
+            self._finished.append(self._output(seq, []))
+            return
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def _unservable(self, seq: Sequence) -> str | None:
+        if seq.num_prompt_tokens >= self.max_model_len:
+            return (
+                f"prompt: {seq.num_prompt_tokens} tokens leave no room for output within "
+                f"max_model_len={self.max_model_len}"
+            )
+        need = self.max_blocks_needed(seq.num_prompt_tokens, seq.params.max_tokens)
+        if need > self.bm.num_usable_blocks:
+            return (
+                f"max_tokens: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.params.max_tokens}) needs {need} KV blocks but the cache has only "
+                f"{self.bm.num_usable_blocks}"
+            )
+        if not self.enable_chunked_prefill and seq.num_prompt_tokens > self.max_num_batched_tokens:
+            return (
+                f"prompt: {seq.num_prompt_tokens} tokens exceed max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Finish waiting or running requests with "abort"; unknown ids are ignored."""
+        for request_id in request_ids:
+            seq = self.requests.get(request_id)
+            if seq is None:
+                continue
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            else:
+                self.running.remove(seq)
+            self._finish(seq, "abort")
+            self._finished.append(self._output(seq, []))
+
+    def drain_finished(self) -> list[RequestOutput]:
+        """Final outputs of aborted and rejected requests since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
+    # ----- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Allocates (and may preempt) KV blocks; see module doc."""
+        out = SchedulerOutput()
+        chunks: dict[Sequence, int] = {}
+        budget = self._schedule_running(chunks, out)
+        if out.num_preempted == 0:
+            self._admit_waiting(chunks, budget)
+        for seq, n in chunks.items():
+            start = seq.num_computed_tokens
+            out.requests.append(ScheduledRequest(seq, start, n, start + n == seq.num_tokens))
+        return out
+
+    def _schedule_running(self, chunks: dict[Sequence, int], out: SchedulerOutput) -> int:
+        budget = self.max_num_batched_tokens
+        # Decodes (1 missing token) before prefill chunks; oldest first within each.
+        order = sorted(self.running, key=lambda s: (s.num_missing_tokens > 1, s.arrival_seq))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_missing_tokens, budget)
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = max(self.running, key=lambda s: s.arrival_seq)
+                budget += chunks.pop(victim, 0)
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                chunks[seq] = n
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, chunks: dict[Sequence, int], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.lookup_prefix(seq)
+            num_cached = len(cached) * self.bm.block_size
+            n = seq.num_tokens - num_cached
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.bm.allocate(seq, num_cached + n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += num_cached
+            self.running.append(seq)
+            chunks[seq] = n
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Head of the queue: it arrived before everything still waiting (FCFS).
+        self.waiting.appendleft(seq)
+
+    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
+        """Apply a finished step: advance computed tokens, append samples, stop, emit.
+
+        Args:
+            sched: the decision `schedule` returned for this step.
+            samples: the sampler's outputs, row r for sched.requests[r].
+
+        Returns:
+            Outputs for every request that got a token or finished (aborts included).
+        """
+        outputs = self.drain_finished()
+        for row, item in enumerate(sched.requests):
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            seq.num_computed_tokens = item.start + item.num_tokens
+            if item.samples and item.num_tokens == 1 and item.start >= seq.num_prompt_tokens:
+                self.num_decode_tokens_computed += 1
+            else:
+                self.num_prefill_tokens_computed += item.num_tokens
+            self.bm.register_computed(seq)
+            if not item.samples:
+                continue
+            token = int(samples.token_ids[row])
+            seq.append_token(token)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, seq.finish_reason)
+            outputs.append(self._output(seq, [token], _row_logprobs(seq, samples, row)))
+        return outputs
+
+    # ----- finishing ---------------------------------------------------------------------
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Set finish_reason/stop_reason: stop tokens win over length limits."""
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+
+    def _output(
+        self, seq: Sequence, new_token_ids: list[int], logprobs: list | None = None
+    ) -> RequestOutput:
+        first = None
+        if not seq.first_output_sent:
+            seq.first_output_sent = True
+            first = {
+                "prompt_token_ids": seq.prompt_token_ids,
+                "sampling": seq.params.to_dict(),
+            }
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=seq.finish_reason if seq.is_finished else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            error=seq.error,
+            first=first,
+            logprobs=logprobs,
+        )
+
+
+def _row_logprobs(seq: Sequence, samples: StepSamples, row: int) -> list | None:
+    """Per new token: {"logprob", "top_token_ids", "top_logprobs"} (top-N as requested)."""
+    k = seq.params.logprobs
+    if k is None or samples.logprobs is None:
+        return None
+    entry = {"logprob": float(samples.logprobs[row]), "top_token_ids": [], "top_logprobs": []}
+    if k > 0 and samples.top_token_ids is not None:
+        entry["top_token_ids"] = samples.top_token_ids[row, :k].tolist()
+        entry["top_logprobs"] = samples.top_logprobs[row, :k].tolist()
+    return [entry]

@@ -1,0 +1,98 @@
+"""`Sequence`: the engine's record of one request, from arrival to its final status.
+
+A sequence is a token list (prompt, then sampled outputs) plus how much of it has its
+K/V in the cache (`num_computed_tokens`) and where (`block_table`). The scheduler moves
+it between WAITING and RUNNING and finishes it; the block manager fills its block table.
+Plain data: no JAX, no scheduling decisions here.
+
+There is no separate prefill/decode state (as in vLLM v1): each step a running sequence
+computes some of its `num_tokens - num_computed_tokens` missing tokens; once none are
+missing, the step's logits at its last token give the next token. A preempted sequence
+simply forgets its computed tokens and recomputes prompt + outputs later.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.engine.block_hash import BlockHash
+from jaxserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request inside the engine. Identity (not value) equality: usable as a dict key.
+
+    request_id: the caller's id, unique among live requests.
+    token_ids: prompt followed by outputs so far.
+    num_prompt_tokens: length of the prompt prefix of token_ids.
+    params: the request's sampling and stopping parameters.
+    seed: the resolved per-request RNG seed (drawn by the engine when params.seed is None).
+    arrival_seq: admission order (FCFS position; larger = newer; preemption picks the largest).
+    num_computed_tokens: tokens whose K/V are in the cache (a prefix of token_ids).
+    block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
+    block_hashes: chained hashes of the full blocks of token_ids, filled lazily.
+    num_registered_blocks: leading blocks of block_table already offered to the prefix cache.
+    num_cached_tokens: prompt tokens found in the prefix cache at the last admission.
+    first_output_sent: whether an output (with its `first` header) already left the engine.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_seq: int = 0
+    arrival_time: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_output_sent: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+    _prompt_array: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        """[P] int32, built once (the sampler's penalties read it every step)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.token_ids[: self.num_prompt_tokens], np.int32)
+        return self._prompt_array
+
+    @property
+    def num_missing_tokens(self) -> int:
+        """Tokens still to compute before this sequence can sample (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
