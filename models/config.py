@@ -1,0 +1,165 @@
+"""`ModelConfig`: the architecture hyper-parameters of a model, parsed from HF `config.json`.
+
+This module only reads plain dicts; it must not import JAX or build anything. Both the
+transformers 4.x spellings (`rope_theta`, `rope_scaling`, `num_experts`) and the 5.x ones
+(`rope_parameters`, `num_local_experts`) are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Architectures whose router always renormalizes its top-k probabilities (no config flag).
+_ALWAYS_RENORMALIZE = ("MixtralForCausalLM",)
+
+# Per-family RoPE base when config.json omits it (transformers' `default_theta`).
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}
+_FALLBACK_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Hyper-parameters shared by the decoder-only MoE families.
+
+    Sizes are in elements; `moe_intermediate_size` is one expert's SwiGLU width and
+    `intermediate_size` the dense MLP's (Mixtral: both are `intermediate_size`).
+    `eos_token_ids` is always a tuple (HF allows an int, a list or null).
+    `sliding_window` is None for full attention, else the number of most recent keys
+    (including the query's own) each query sees.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) uses the MoE block instead of a dense MLP.
+
+        Follows HF `Qwen3MoeDecoderLayer` exactly; Mixtral configs (step 1, no
+        mlp_only_layers) make every layer MoE.
+        """
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse a HF `config.json` dict.
+
+        Raises:
+            ValueError: a required field is missing, or the config asks for something
+                these families do not implement (rope scaling, attention bias, a non-SiLU
+                activation, Qwen3 sliding-window layers); the message names the field.
+        """
+        architecture = _architecture(hf)
+        hidden = _require(hf, "hidden_size", int)
+        heads = _require(hf, "num_attention_heads", int)
+        num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+        if num_experts is None:
+            raise ValueError("config.json: missing 'num_local_experts' (or 'num_experts')")
+        intermediate = _require(hf, "intermediate_size", int)
+        _check_supported(hf, architecture)
+        return cls(
+            architecture=architecture,
+            vocab_size=_require(hf, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or intermediate),
+            num_hidden_layers=_require(hf, "num_hidden_layers", int),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf, architecture),
+            max_position_embeddings=_require(hf, "max_position_embeddings", int),
+            num_experts=int(num_experts),
+            num_experts_per_tok=_require(hf, "num_experts_per_tok", int),
+            norm_topk_prob=architecture in _ALWAYS_RENORMALIZE
+            or bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(hf, architecture),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
+        )
+
+
+def normalize_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """HF token-id fields may be an int, a list or null; return a tuple of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures")
+    if not archs:
+        raise ValueError("config.json: missing 'architectures' (e.g. ['Qwen3MoeForCausalLM'])")
+    return str(archs[0])
+
+
+def _require(hf: dict[str, Any], key: str, kind: type) -> Any:
+    if hf.get(key) is None:
+        raise ValueError(f"config.json: missing required field {key!r}")
+    return kind(hf[key])
+
+
+def _rope_theta(hf: dict[str, Any], architecture: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        theta = _DEFAULT_ROPE_THETA.get(architecture, _FALLBACK_ROPE_THETA)
+    return float(theta)
+
+
+def _check_supported(hf: dict[str, Any], architecture: str) -> None:
+    # transformers 5.x keeps the rope type in rope_parameters; 4.x in rope_scaling.
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"config.json: {key}.rope_type={rope_type!r} is not supported "
+                "(only plain RoPE, rope_type 'default')"
+            )
+    if hf.get("attention_bias"):
+        raise ValueError("config.json: attention_bias=true is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+    if architecture != "MixtralForCausalLM" and hf.get("use_sliding_window"):
+        raise ValueError(
+            f"config.json: use_sliding_window=true is not supported for {architecture}"
+        )
+
+
+def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
+    # Qwen3 configs carry a sliding_window value that only applies with use_sliding_window.
+    if architecture != "MixtralForCausalLM":
+        return None
+    window = hf.get("sliding_window")
+    return None if window is None else int(window)

@@ -1,0 +1,261 @@
+"""The decoder-only transformer stack shared by the MoE families.
+
+A family (qwen3_moe.py, mixtral.py) subclasses `DecoderOnlyLM`, choosing per-family
+options (q/k norm) and declaring its HF weight-name map; the forward lives here once.
+The forward is the contract of `jaxserve.models.base.CausalLM`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxserve.models.base import AttentionMetadata, KVCache
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.layers import MLP, Attention, KVPair, MoeBlock, RMSNorm, param
+from jaxserve.models.weight_map import (
+    WeightSpec,
+    copy,
+    fused_down,
+    fused_gate_up,
+    linear,
+    stacked_experts,
+)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); mlp is MoE or dense."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, qk_norm: bool, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            rope_theta=c.rope_theta,
+            rms_norm_eps=c.rms_norm_eps,
+            qk_norm=qk_norm,
+            sliding_window=c.sliding_window,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
+        if c.is_moe_layer(layer):
+            self.mlp = MoeBlock(
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.norm_topk_prob,
+                dtype,
+                rngs,
+            )
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        kv: KVPair | None,
+        metadata: AttentionMetadata | None,
+    ) -> tuple[jax.Array, KVPair | None]:
+        """x: [T, embed] -> ([T, embed], updated kv or None)."""
+        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, kv, metadata)
+        h = x + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class DecoderOnlyLM(nnx.Module):
+    """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head.
+
+    Weights: embed_tokens [vocab, embed]; lm_head [embed, vocab] (absent when
+    tie_word_embeddings: the embedding is reused).
+    """
+
+    # Families set this: per-head RMSNorm on q and k before RoPE (Qwen3).
+    QK_NORM: bool = False
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = nnx.List(
+            DecoderLayer(c, i, self.QK_NORM, dtype, rngs) for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype)
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata | None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Run the flat batch of T tokens through the stack.
+
+        tokens, positions: [T] int32. With kv_cache (one (K, V) per layer) and metadata,
+        attention reads/writes the paged cache and the updated cache is returned. With
+        both None (cache-less mode, for training under `jax.vmap`), the T tokens are one
+        causal sequence and the returned cache is None.
+
+        Returns (hidden [T, embed] after the final norm, kv_cache).
+        """
+        if (kv_cache is None) != (metadata is None):
+            raise ValueError("kv_cache and metadata must be both given or both None")
+        if kv_cache is not None and len(kv_cache) != len(self.layers):
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
+        x = self.embed_tokens[...][tokens]
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, None if kv_cache is None else kv_cache[i], metadata)
+            new_cache.append(kv)
+        return self.norm(x), (None if kv_cache is None else new_cache)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [N, embed] -> logits [N, vocab] float32."""
+        if self.lm_head is None:
+            head = self.embed_tokens[...].T
+        else:
+            head = self.lm_head[...]
+        return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+
+    # ----- HF weight-name map -------------------------------------------------------------
+
+    def hf_weight_specs(self) -> list[WeightSpec]:
+        """Every parameter with the HF tensor names it loads from (see weight_map.py).
+
+        The attention, norm, dense-MLP, embedding and LM-head names are common to the
+        Llama-style families; the MoE block's names come from `moe_weight_specs`.
+        """
+        c = self.config
+        h, d = c.hidden_size, c.head_dim
+        nq, nkv = c.num_attention_heads, c.num_key_value_heads
+        specs = [
+            WeightSpec(("embed_tokens",), (copy("model.embed_tokens.weight", (c.vocab_size, h)),))
+        ]
+        for i in range(c.num_hidden_layers):
+            hf, ours = f"model.layers.{i}", ("layers", i)
+            attn = (*ours, "self_attn")
+            specs += [
+                WeightSpec(
+                    (*ours, "input_layernorm", "weight"),
+                    (copy(f"{hf}.input_layernorm.weight", (h,)),),
+                ),
+                WeightSpec(
+                    (*ours, "post_attention_layernorm", "weight"),
+                    (copy(f"{hf}.post_attention_layernorm.weight", (h,)),),
+                ),
+                WeightSpec(
+                    (*attn, "q_proj"),
+                    (linear(f"{hf}.self_attn.q_proj.weight", nq * d, h, (h, nq, d)),),
+                ),
+                WeightSpec(
+                    (*attn, "k_proj"),
+                    (linear(f"{hf}.self_attn.k_proj.weight", nkv * d, h, (h, nkv, d)),),
+                ),
+                WeightSpec(
+                    (*attn, "v_proj"),
+                    (linear(f"{hf}.self_attn.v_proj.weight", nkv * d, h, (h, nkv, d)),),
+                ),
+                WeightSpec(
+                    (*attn, "o_proj"),
+                    (linear(f"{hf}.self_attn.o_proj.weight", h, nq * d, (nq, d, h)),),
+                ),
+            ]
+            if self.QK_NORM:
+                specs += [
+                    WeightSpec(
+                        (*attn, "q_norm", "weight"), (copy(f"{hf}.self_attn.q_norm.weight", (d,)),)
+                    ),
+                    WeightSpec(
+                        (*attn, "k_norm", "weight"), (copy(f"{hf}.self_attn.k_norm.weight", (d,)),)
+                    ),
+                ]
+            if c.is_moe_layer(i):
+                specs += self.moe_weight_specs(i)
+            else:
+                specs += _dense_mlp_specs(hf, ours, h, c.intermediate_size)
+        specs.append(WeightSpec(("norm", "weight"), (copy("model.norm.weight", (h,)),)))
+        if self.lm_head is not None:
+            specs.append(
+                WeightSpec(
+                    ("lm_head",), (linear("lm_head.weight", c.vocab_size, h, (h, c.vocab_size)),)
+                )
+            )
+        return specs
+
+    def moe_weight_specs(self, layer: int) -> list[WeightSpec]:
+        """The MoE block's specs for decoder layer `layer` (family-specific names)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare its MoE weight names")
+
+
+def _dense_mlp_specs(hf: str, ours: tuple, hidden: int, inter: int) -> list[WeightSpec]:
+    mlp = (*ours, "mlp")
+    return [
+        WeightSpec(
+            (*mlp, "gate_proj"),
+            (linear(f"{hf}.mlp.gate_proj.weight", inter, hidden, (hidden, inter)),),
+        ),
+        WeightSpec(
+            (*mlp, "up_proj"), (linear(f"{hf}.mlp.up_proj.weight", inter, hidden, (hidden, inter)),)
+        ),
+        WeightSpec(
+            (*mlp, "down_proj"),
+            (linear(f"{hf}.mlp.down_proj.weight", hidden, inter, (inter, hidden)),),
+        ),
+    ]
+
+
+def moe_block_specs(
+    config: ModelConfig,
+    layer: int,
+    *,
+    router_names: tuple[str, ...],
+    experts_prefix: str,
+    expert_names: tuple[str, str, str],
+    fused_prefix: str,
+) -> list[WeightSpec]:
+    """Specs of one `MoeBlock` (decoder layer `layer`).
+
+    router_names: candidate names of the router weight [E, embed] (first present wins).
+    experts_prefix / expert_names: per-expert layout, tensors
+        f"{experts_prefix}.{e}.{name}.weight" for name in (gate, up, down) — the layout of
+        checkpoints on the Hub and of transformers' `save_pretrained`; written on export.
+    fused_prefix: transformers 5.x in-memory layout, f"{fused_prefix}.gate_up_proj"
+        [E, 2*inter, embed] and f"{fused_prefix}.down_proj" [E, embed, inter].
+    """
+    c = config
+    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    ours = ("layers", layer, "mlp")
+    gate, up, down = expert_names
+
+    def per_expert(name: str, out_features: int, in_features: int):
+        names = [f"{experts_prefix}.{x}.{name}.weight" for x in range(e)]
+        return stacked_experts(names, out_features, in_features)
+
+    router = tuple(linear(n, e, h, (h, e)) for n in router_names)
+    return [
+        WeightSpec((*ours, "router"), router),
+        WeightSpec(
+            (*ours, "w_gate"),
+            (per_expert(gate, i, h), fused_gate_up(f"{fused_prefix}.gate_up_proj", e, i, h, 0)),
+        ),
+        WeightSpec(
+            (*ours, "w_up"),
+            (per_expert(up, i, h), fused_gate_up(f"{fused_prefix}.gate_up_proj", e, i, h, 1)),
+        ),
+        WeightSpec(
+            (*ours, "w_down"),
+            (per_expert(down, h, i), fused_down(f"{fused_prefix}.down_proj", e, i, h)),
+        ),
+    ]

@@ -1,0 +1,290 @@
+"""Flax NNX layers shared by the model families: RMSNorm, RoPE, GQA attention over the
+paged KV cache, the dense SwiGLU MLP and the MoE block.
+
+Every weight is declared once, here, with its shape, dtype and *logical* axes (metadata
+`out_sharding`, read by `nnx.get_partition_spec`); the sharding rules table that maps
+logical axes to mesh axes lives in `jaxserve.sharding`, not here. Logical axis names:
+"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp".
+
+Numerics follow HF transformers (Qwen3-MoE / Mixtral): RMSNorm and RoPE in float32,
+router softmax in float32, attention softmax in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxserve.models.base import PAD_SLOT, AttentionMetadata
+
+from jaxserve.kernels.paged_attention_ref import masked_softmax, paged_attention_ref
+
+KVPair = tuple[jax.Array, jax.Array]
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+# HF models initialise linear weights with normal(0, initializer_range=0.02).
+_DEFAULT_INIT: Initializer = nnx.initializers.normal(stddev=0.02)
+
+
+def param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    dtype: jnp.dtype,
+    init: Initializer = _DEFAULT_INIT,
+) -> nnx.Param:
+    """A weight with its logical axes recorded as `out_sharding` metadata.
+
+    `eager_sharding=False`: the weight is not placed at creation (the loader places each
+    weight on its shard when it reads it), so building a model needs no mesh.
+    """
+    if len(shape) != len(axes):
+        raise ValueError(f"param: shape {shape} and logical axes {axes} differ in rank")
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+def _ones(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    del key
+    return jnp.ones(shape, dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), HF order: normalize in float32,
+    cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = param(rngs, (dim,), (axis_name,), dtype, _ones)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., dim] -> [..., dim], same dtype."""
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        return self.weight[...] * normed
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, RoFormer), HF `rotate_half` convention:
+    the two halves of head_dim (not interleaved pairs) form the rotated pairs.
+
+    x: [T, heads, head_dim]; positions: [T] int. Math in float32, result in x.dtype.
+    """
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, head_dim]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter this step's K (or V) into the paged cache.
+
+    cache: [num_blocks, block_size, kv_heads, head_dim]; new: [T, kv_heads, head_dim];
+    slot_mapping: [T] int32 flat slots, PAD_SLOT for padded tokens (their writes are
+    dropped by pointing them past the end).
+    """
+    num_blocks, block_size = cache.shape[:2]
+    num_slots = num_blocks * block_size
+    flat = cache.reshape(num_slots, *cache.shape[2:])
+    slots = jnp.where(slot_mapping == PAD_SLOT, num_slots, slot_mapping)
+    flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def dense_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float, sliding_window: int | None = None
+) -> jax.Array:
+    """Causal GQA attention of T tokens forming one sequence (no cache; training path).
+
+    q: [T, num_heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("tkgd,skd->tkgs", qg.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    idx = jnp.arange(num_tokens)
+    mask = idx[None, :] <= idx[:, None]
+    if sliding_window is not None:
+        mask &= idx[:, None] - idx[None, :] < sliding_window
+    probs = masked_softmax(scores, mask[:, None, None, :])
+    out = jnp.einsum("tkgs,skd->tkgd", probs, v.astype(jnp.float32))
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional per-head q/k
+    RMSNorm (Qwen3), reading and writing the paged KV cache.
+
+    Weights: q_proj [embed, q_heads, head_dim], k_proj/v_proj [embed, kv_heads, head_dim],
+    o_proj [q_heads, head_dim, embed].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float,
+        rms_norm_eps: float,
+        qk_norm: bool,
+        sliding_window: int | None,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        self.rope_theta = rope_theta
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+        self.q_proj = param(
+            rngs, (hidden_size, num_heads, head_dim), ("embed", "q_heads", "head_dim"), dtype
+        )
+        self.k_proj = param(
+            rngs, (hidden_size, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
+        )
+        self.v_proj = param(
+            rngs, (hidden_size, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
+        )
+        self.o_proj = param(
+            rngs, (num_heads, head_dim, hidden_size), ("q_heads", "head_dim", "embed"), dtype
+        )
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, "head_dim", dtype, rngs) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, "head_dim", dtype, rngs) if qk_norm else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        kv: KVPair | None,
+        metadata: AttentionMetadata | None,
+    ) -> tuple[jax.Array, KVPair | None]:
+        """x: [T, embed]; positions: [T]; kv: this layer's (K, V) cache or None together
+        with metadata None (cache-less: the T tokens are one causal sequence).
+
+        Returns ([T, embed], updated (K, V) or None).
+        """
+        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])
+        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])
+        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_theta)
+
+        if kv is None:
+            if metadata is not None:
+                raise ValueError("Attention: metadata given without a KV cache")
+            out = dense_causal_attention(q, k, v, self.scale, self.sliding_window)
+        else:
+            k_cache = write_kv(kv[0], k, metadata.slot_mapping)
+            v_cache = write_kv(kv[1], v, metadata.slot_mapping)
+            kv = (k_cache, v_cache)
+            out = paged_attention_ref(
+                q, k_cache, v_cache, positions, metadata, self.scale, self.sliding_window
+            )
+        return jnp.einsum("thd,hde->te", out, self.o_proj[...]), kv
+
+
+class MLP(nnx.Module):
+    """Dense SwiGLU MLP (Shazeer 2020): down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_proj = param(rngs, (hidden_size, intermediate_size), ("embed", "mlp"), dtype)
+        self.up_proj = param(rngs, (hidden_size, intermediate_size), ("embed", "mlp"), dtype)
+        self.down_proj = param(rngs, (intermediate_size, hidden_size), ("mlp", "embed"), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [T, embed] -> [T, embed]."""
+        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        return h @ self.down_proj[...]
+
+
+def route(
+    x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k softmax router (Shazeer et al. 2017; HF Qwen3-MoE / Mixtral order: softmax over
+    all experts in float32, then top-k, then optional renormalization).
+
+    x: [T, embed]; router: [embed, experts].
+    Returns (topk_weights [T, k] in x.dtype, topk_ids [T, k] int32).
+    """
+    logits = x @ router
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def moe_experts_dense(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """SwiGLU experts computed densely: every token through every expert, unselected
+    experts weighted zero. Exact, and cheap for small models on the CPU (where
+    `lax.ragged_dot` is dense anyway); the grouped-matmul kernel path replaces this.
+
+    x: [T, embed]; topk_weights: [T, k]; topk_ids: [T, k] int32;
+    w_gate, w_up: [E, embed, expert_mlp]; w_down: [E, expert_mlp, embed]. Returns [T, embed].
+    """
+    num_tokens = x.shape[0]
+    num_experts = w_gate.shape[0]
+    combine = jnp.zeros((num_tokens, num_experts), x.dtype)
+    combine = combine.at[jnp.arange(num_tokens)[:, None], topk_ids].add(topk_weights)
+    gate = jnp.einsum("te,Eei->tEi", x, w_gate)
+    up = jnp.einsum("te,Eei->tEi", x, w_up)
+    h = jax.nn.silu(gate) * up
+    out = jnp.einsum("tEi,Eie->tEe", h, w_down)
+    return jnp.einsum("tEe,tE->te", out, combine)
+
+
+class MoeBlock(nnx.Module):
+    """Sparse MoE block: router -> top-k -> SwiGLU experts -> weighted sum.
+
+    Weights: router [embed, experts]; w_gate, w_up [experts, embed, expert_mlp];
+    w_down [experts, expert_mlp, embed].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        if not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]"
+            )
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        e, h, i = num_experts, hidden_size, moe_intermediate_size
+        self.router = param(rngs, (h, e), ("embed", "experts"), dtype)
+        self.w_gate = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
+        self.w_up = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
+        self.w_down = param(rngs, (e, i, h), ("experts", "expert_mlp", "embed"), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [T, embed] -> [T, embed]."""
+        weights, ids = route(x, self.router[...], self.top_k, self.norm_topk_prob)
+        return moe_experts_dense(
+            x, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...]
+        )

@@ -1,0 +1,229 @@
+"""Load a HF model folder (config.json + safetensors) into an NNX model, and export back.
+
+The model is built abstractly (`nnx.eval_shape`: no weights allocated), then each
+parameter is read tensor by tensor with `safetensors.safe_open` (never a whole file),
+cast, and placed directly on its target sharding. Which sharding each parameter gets is
+one hook, `ShardingFn`; the rules table that fills it lives in `jaxserve.sharding`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxserve.models.config import ModelConfig, normalize_token_ids
+from jaxserve.models.decoder import DecoderOnlyLM
+from jaxserve.models.registry import model_class
+from jaxserve.models.weight_map import CheckpointLayout, ParamPath, WeightSpec, path_str
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+logger = logging.getLogger(__name__)
+
+# (parameter path like "layers.0.mlp.w_gate", its logical axes) -> where it is placed.
+ShardingFn = Callable[[str, tuple[str, ...]], jax.sharding.Sharding]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Checkpoint tensors that are safe to leave unread (non-persistent buffers of old exports).
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Parse `config.json`, adding the EOS ids of `generation_config.json` if present
+    (HF `generate` stops on those, and instruct models list extra ones there)."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found (is {model_dir} a HF model folder?)")
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        extra = normalize_token_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
+        config = dataclasses.replace(config, eos_token_ids=eos)
+    return config
+
+
+def default_sharding_fn(mesh: jax.sharding.Mesh | None = None) -> ShardingFn:
+    """Replicate every parameter over `mesh`, or put it on the first device if None."""
+    if mesh is None:
+        target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+        target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return lambda path, axes: target
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: jnp.dtype = jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    shardings: ShardingFn | None = None,
+) -> tuple[DecoderOnlyLM, ModelConfig]:
+    """Build the model of `model_dir` and fill it from its safetensors.
+
+    Args:
+        model_dir: HF folder with config.json and model.safetensors, or sharded
+            *.safetensors with model.safetensors.index.json.
+        dtype: parameter dtype (checkpoint tensors are cast to it).
+        mesh: the device mesh; with no `shardings`, parameters are replicated over it.
+        shardings: the placement hook, (path, logical axes) -> Sharding.
+
+    Returns:
+        (model with concrete, placed parameters, its ModelConfig).
+
+    Raises:
+        ValueError: unsupported architecture (lists the supported ones), a missing or
+            mis-shaped tensor (names it and the shapes), or checkpoint tensors no
+            parameter reads.
+        FileNotFoundError: no config.json or no safetensors files.
+    """
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    cls = model_class(config.architecture)
+    abstract = nnx.eval_shape(lambda: cls(config, dtype, rngs=nnx.Rngs(0)))
+    place = shardings or default_sharding_fn(mesh)
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    specs = abstract.hf_weight_specs()
+    _check_specs_cover(specs, variables)
+
+    with _CheckpointReader(model_dir) as checkpoint:
+        for spec in specs:
+            var = variables[spec.path]
+            layout = _pick_layout(spec, checkpoint)
+            value = layout.to_param(
+                [checkpoint.read(n, s) for n, s in zip(layout.names, layout.shapes, strict=True)]
+            )
+            if value.shape != tuple(var.shape):
+                raise ValueError(
+                    f"parameter {path_str(spec.path)}: converted shape {value.shape} "
+                    f"!= model shape {tuple(var.shape)}"
+                )
+            axes = var.get_metadata().get("out_sharding") or ()
+            sharding = place(path_str(spec.path), tuple(axes))
+            var.set_value(jax.device_put(value.astype(np.dtype(var.dtype)), sharding))
+        _report_unused(checkpoint, config)
+
+    return nnx.merge(graphdef, nnx.from_flat_state(variables)), config
+
+
+def save_hf_weights(model: DecoderOnlyLM, path: str | Path) -> Path:
+    """Write the model's weights as HF-named safetensors (the inverse of the name map).
+
+    Experts are written per expert (`...experts.{e}.gate_proj.weight`), the layout that
+    transformers `from_pretrained` reads for both families. `path` is a folder; the file
+    is `path/model.safetensors` (the whole model passes through host memory: meant for
+    small models such as the demo model). config.json is the caller's to write.
+    """
+    out_dir = Path(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    for spec in model.hf_weight_specs():
+        layout = next(lay for lay in spec.layouts if lay.from_param is not None)
+        value = np.asarray(jax.device_get(variables[spec.path].get_value()))
+        for name, tensor in zip(layout.names, layout.from_param(value), strict=True):
+            tensors[name] = np.ascontiguousarray(tensor)
+    target = out_dir / SINGLE_FILE
+    save_file(tensors, str(target), metadata={"format": "pt"})
+    return target
+
+
+class _CheckpointReader(contextlib.AbstractContextManager):
+    """Tensor-by-tensor reads across the safetensors files of a folder."""
+
+    def __init__(self, model_dir: Path):
+        self._files: dict[str, Path] = _tensor_files(model_dir)
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+        self.read_names: set[str] = set()
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+        """One tensor as a NumPy array; ValueError if its shape is not `expected_shape`."""
+        file = self._files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="np"))
+        handle = self._handles[file]
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != tuple(expected_shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {shape}, expected {tuple(expected_shape)}"
+            )
+        self.read_names.add(name)
+        return handle.get_tensor(name)
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index if sharded, else from the files' headers."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="np") as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
+    return names
+
+
+def _pick_layout(spec: WeightSpec, checkpoint: _CheckpointReader) -> CheckpointLayout:
+    for layout in spec.layouts:
+        if all(checkpoint.has(n) for n in layout.names):
+            return layout
+    # Name the first missing tensor of each candidate layout.
+    missing = [next(n for n in lay.names if not checkpoint.has(n)) for lay in spec.layouts]
+    raise ValueError(
+        f"checkpoint is missing tensor {missing[0]!r} (for parameter {path_str(spec.path)}"
+        + (f"; alternative layouts also missing {missing[1:]}" if len(missing) > 1 else "")
+        + ")"
+    )
+
+
+def _check_specs_cover(specs: list[WeightSpec], variables: dict[ParamPath, nnx.Variable]):
+    # A name-map bug, not a user error: every parameter needs exactly one spec.
+    spec_paths = [s.path for s in specs]
+    if sorted(map(path_str, spec_paths)) != sorted(map(path_str, variables)):
+        raise RuntimeError(
+            "weight name map does not match the model's parameters: "
+            f"unmapped {sorted(set(map(path_str, variables)) - set(map(path_str, spec_paths)))}, "
+            f"unknown {sorted(set(map(path_str, spec_paths)) - set(map(path_str, variables)))}"
+        )
+
+
+def _report_unused(checkpoint: _CheckpointReader, config: ModelConfig) -> None:
+    unused = sorted(checkpoint.names() - checkpoint.read_names)
+    harmless = [
+        n
+        for n in unused
+        if n.endswith(_IGNORABLE_SUFFIXES) or (config.tie_word_embeddings and n == "lm_head.weight")
+    ]
+    suspicious = [n for n in unused if n not in harmless]
+    if suspicious:
+        raise ValueError(
+            f"checkpoint has {len(suspicious)} tensors no parameter reads (unsupported "
+            f"feature or name-map bug): {suspicious[:10]}"
+        )
+    if harmless:
+        logger.warning("ignoring unused checkpoint tensors: %s", harmless)

@@ -1,0 +1,32 @@
+"""Model families by HF `architectures` name: the one place a new family is registered."""
+
+from __future__ import annotations
+
+from jaxserve.models.decoder import DecoderOnlyLM
+from jaxserve.models.mixtral import MixtralForCausalLM
+from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_REGISTRY: dict[str, type[DecoderOnlyLM]] = {
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Names accepted in config.json `architectures`, sorted."""
+    return sorted(MODEL_REGISTRY)
+
+
+def model_class(architecture: str) -> type[DecoderOnlyLM]:
+    """The model class for an HF architecture name.
+
+    Raises:
+        ValueError: unknown architecture; the message lists the supported ones.
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"config.json: architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        ) from None
