@@ -19,6 +19,7 @@ from jaxserve.models.weight_map import (
     fused_down,
     fused_gate_up,
     linear,
+    one,
     stacked_experts,
 )
 
@@ -140,58 +141,36 @@ class DecoderOnlyLM(nnx.Module):
         c = self.config
         h, d = c.hidden_size, c.head_dim
         nq, nkv = c.num_attention_heads, c.num_key_value_heads
-        specs = [
-            WeightSpec(("embed_tokens",), (copy("model.embed_tokens.weight", (c.vocab_size, h)),))
-        ]
+        specs = [one(("embed_tokens",), copy("model.embed_tokens.weight", (c.vocab_size, h)))]
         for i in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{i}", ("layers", i)
-            attn = (*ours, "self_attn")
+            attn, hf_attn = (*ours, "self_attn"), f"{hf}.self_attn"
             specs += [
-                WeightSpec(
-                    (*ours, "input_layernorm", "weight"),
-                    (copy(f"{hf}.input_layernorm.weight", (h,)),),
+                one(
+                    (*ours, "input_layernorm", "weight"), copy(f"{hf}.input_layernorm.weight", (h,))
                 ),
-                WeightSpec(
+                one(
                     (*ours, "post_attention_layernorm", "weight"),
-                    (copy(f"{hf}.post_attention_layernorm.weight", (h,)),),
+                    copy(f"{hf}.post_attention_layernorm.weight", (h,)),
                 ),
-                WeightSpec(
-                    (*attn, "q_proj"),
-                    (linear(f"{hf}.self_attn.q_proj.weight", nq * d, h, (h, nq, d)),),
-                ),
-                WeightSpec(
-                    (*attn, "k_proj"),
-                    (linear(f"{hf}.self_attn.k_proj.weight", nkv * d, h, (h, nkv, d)),),
-                ),
-                WeightSpec(
-                    (*attn, "v_proj"),
-                    (linear(f"{hf}.self_attn.v_proj.weight", nkv * d, h, (h, nkv, d)),),
-                ),
-                WeightSpec(
-                    (*attn, "o_proj"),
-                    (linear(f"{hf}.self_attn.o_proj.weight", h, nq * d, (nq, d, h)),),
-                ),
+                one((*attn, "q_proj"), linear(f"{hf_attn}.q_proj.weight", nq * d, h, (h, nq, d))),
+                one((*attn, "k_proj"), linear(f"{hf_attn}.k_proj.weight", nkv * d, h, (h, nkv, d))),
+                one((*attn, "v_proj"), linear(f"{hf_attn}.v_proj.weight", nkv * d, h, (h, nkv, d))),
+                one((*attn, "o_proj"), linear(f"{hf_attn}.o_proj.weight", h, nq * d, (nq, d, h))),
             ]
             if self.QK_NORM:
                 specs += [
-                    WeightSpec(
-                        (*attn, "q_norm", "weight"), (copy(f"{hf}.self_attn.q_norm.weight", (d,)),)
-                    ),
-                    WeightSpec(
-                        (*attn, "k_norm", "weight"), (copy(f"{hf}.self_attn.k_norm.weight", (d,)),)
-                    ),
+                    one((*attn, "q_norm", "weight"), copy(f"{hf_attn}.q_norm.weight", (d,))),
+                    one((*attn, "k_norm", "weight"), copy(f"{hf_attn}.k_norm.weight", (d,))),
                 ]
             if c.is_moe_layer(i):
                 specs += self.moe_weight_specs(i)
             else:
                 specs += _dense_mlp_specs(hf, ours, h, c.intermediate_size)
-        specs.append(WeightSpec(("norm", "weight"), (copy("model.norm.weight", (h,)),)))
+        specs.append(one(("norm", "weight"), copy("model.norm.weight", (h,))))
         if self.lm_head is not None:
-            specs.append(
-                WeightSpec(
-                    ("lm_head",), (linear("lm_head.weight", c.vocab_size, h, (h, c.vocab_size)),)
-                )
-            )
+            head = linear("lm_head.weight", c.vocab_size, h, (h, c.vocab_size))
+            specs.append(one(("lm_head",), head))
         return specs
 
     def moe_weight_specs(self, layer: int) -> list[WeightSpec]:
@@ -200,18 +179,16 @@ class DecoderOnlyLM(nnx.Module):
 
 
 def _dense_mlp_specs(hf: str, ours: tuple, hidden: int, inter: int) -> list[WeightSpec]:
-    mlp = (*ours, "mlp")
+    mlp, hf_mlp = (*ours, "mlp"), f"{hf}.mlp"
     return [
-        WeightSpec(
+        one(
             (*mlp, "gate_proj"),
-            (linear(f"{hf}.mlp.gate_proj.weight", inter, hidden, (hidden, inter)),),
+            linear(f"{hf_mlp}.gate_proj.weight", inter, hidden, (hidden, inter)),
         ),
-        WeightSpec(
-            (*mlp, "up_proj"), (linear(f"{hf}.mlp.up_proj.weight", inter, hidden, (hidden, inter)),)
-        ),
-        WeightSpec(
+        one((*mlp, "up_proj"), linear(f"{hf_mlp}.up_proj.weight", inter, hidden, (hidden, inter))),
+        one(
             (*mlp, "down_proj"),
-            (linear(f"{hf}.mlp.down_proj.weight", hidden, inter, (inter, hidden)),),
+            linear(f"{hf_mlp}.down_proj.weight", hidden, inter, (inter, hidden)),
         ),
     ]
 

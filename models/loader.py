@@ -65,7 +65,7 @@ def default_sharding_fn(mesh: jax.sharding.Mesh | None = None) -> ShardingFn:
 
 def load_model(
     model_dir: str | Path,
-    dtype: jnp.dtype = jnp.float32,
+    dtype: jnp.dtype | str = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
     shardings: ShardingFn | None = None,
 ) -> tuple[DecoderOnlyLM, ModelConfig]:
@@ -74,7 +74,8 @@ def load_model(
     Args:
         model_dir: HF folder with config.json and model.safetensors, or sharded
             *.safetensors with model.safetensors.index.json.
-        dtype: parameter dtype (checkpoint tensors are cast to it).
+        dtype: parameter dtype, a JAX dtype or its name ("bfloat16"); checkpoint tensors
+            are cast to it.
         mesh: the device mesh; with no `shardings`, parameters are replicated over it.
         shardings: the placement hook, (path, logical axes) -> Sharding.
 
@@ -88,6 +89,7 @@ def load_model(
         FileNotFoundError: no config.json or no safetensors files.
     """
     model_dir = Path(model_dir)
+    dtype = jnp.dtype(dtype)
     config = load_config(model_dir)
     cls = model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: cls(config, dtype, rngs=nnx.Rngs(0)))

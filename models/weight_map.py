@@ -43,6 +43,11 @@ class WeightSpec:
     layouts: tuple[CheckpointLayout, ...]
 
 
+def one(path: ParamPath, layout: CheckpointLayout) -> WeightSpec:
+    """A parameter stored in a single layout."""
+    return WeightSpec(path, (layout,))
+
+
 def copy(name: str, shape: tuple[int, ...]) -> CheckpointLayout:
     """A tensor stored as-is (norm weights, the embedding)."""
     return CheckpointLayout((name,), (shape,), lambda ts: ts[0], lambda p: [p])
