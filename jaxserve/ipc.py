@@ -4,17 +4,20 @@ Every message is a small dataclass here, sent as one msgpack frame
 `[type_name, {field: value}]`; numpy arrays travel as raw buffers (msgpack ext type),
 not lists. No JAX here: the frontend and the detokenizer import this module.
 
-The paths (see DESIGN.md, Processes):
+The paths (see DESIGN.md, Processes); each socket is bound by the process that reads it
+(`IpcAddresses`), and every producer connects:
     frontend    --EngineRequest/AbortRequest-->  engine
     engine      --EngineOutputs/EngineStats---->  detokenizer
     detokenizer --AbortRequest (stop string)-->  engine
     detokenizer --TextOutputs/EngineStats------>  frontend
+Stats travel the same path as outputs, so the frontend sees them in step order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -45,9 +48,13 @@ class RequestOutput:
 
     finish_reason: None while running; "stop" (EOS / stop token / stop string),
         "length" (max_tokens or max_model_len), "abort", or "error" (then `error` says why).
+        With "stop" from the engine, the last of `new_token_ids` is the EOS or stop token:
+        it counts as an output token but is not detokenized (as in vLLM).
     stop_reason: the stop token id that ended it, if any.
     first: on a request's first output only, {"prompt_token_ids": ..., "sampling": ...}
         so the detokenizer learns the request in order with its tokens.
+    logprobs: when the request asked for them, one entry per new token:
+        [logprob of the token, [[top_token_id, logprob], ...]] (top-N, most likely first).
     """
 
     request_id: str
@@ -132,7 +139,9 @@ def _default(obj: Any):
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         header = msgpack.packb([arr.dtype.str, list(arr.shape)])
-        return msgpack.ExtType(_NDARRAY_EXT, len(header).to_bytes(4, "little") + header + arr.tobytes())
+        return msgpack.ExtType(
+            _NDARRAY_EXT, len(header).to_bytes(4, "little") + header + arr.tobytes()
+        )
     if isinstance(obj, np.generic):
         return obj.item()
     if dataclasses.is_dataclass(obj):
@@ -151,7 +160,12 @@ def _ext_hook(code: int, data: bytes):
 def _revive(obj: Any):
     """Turn [type_name, fields] pairs back into dataclasses (recursively)."""
     if isinstance(obj, list):
-        if len(obj) == 2 and isinstance(obj[0], str) and obj[0] in _TYPES and isinstance(obj[1], dict):
+        if (
+            len(obj) == 2
+            and isinstance(obj[0], str)
+            and obj[0] in _TYPES
+            and isinstance(obj[1], dict)
+        ):
             cls = _TYPES[obj[0]]
             return cls(**{k: _revive(v) for k, v in obj[1].items()})
         return [_revive(x) for x in obj]
@@ -169,6 +183,26 @@ def decode(frame: bytes) -> Any:
     if type(obj).__name__ not in _TYPES:
         raise ValueError(f"not a jaxserve message: {type(obj).__name__}")
     return obj
+
+
+@dataclass(frozen=True, slots=True)
+class IpcAddresses:
+    """The ZeroMQ endpoints of one server, each bound by the process that reads it."""
+
+    engine_input: str  # EngineRequest/AbortRequest in; bound by the engine
+    detokenizer_input: str  # EngineOutputs/EngineStats in; bound by the sidecar
+    frontend_input: str  # TextOutputs/EngineStats in; bound by the frontend
+
+    @classmethod
+    def in_dir(cls, directory: str | Path) -> IpcAddresses:
+        """ipc:// endpoints under a private directory (keep its path short: unix socket
+        paths are limited to ~107 bytes)."""
+        d = Path(directory)
+        return cls(
+            engine_input=f"ipc://{d / 'engine'}",
+            detokenizer_input=f"ipc://{d / 'detokenizer'}",
+            frontend_input=f"ipc://{d / 'frontend'}",
+        )
 
 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:

@@ -1,0 +1,183 @@
+"""A small synchronous Python client for the jaxserve gRPC API.
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    with JaxserveClient("127.0.0.1:50051") as client:
+        for delta in client.generate("import ", max_tokens=32, temperature=0):
+            print(delta.text, end="", flush=True)
+
+Errors are `grpc.RpcError` (`.code()`, `.details()`): INVALID_ARGUMENT names the bad
+field; UNAVAILABLE means the engine is starting or gone. Leaving the `generate` loop early
+cancels the call, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class GenerateDelta:
+    """One streamed response. finish_reason is None until the last one ("stop", "length",
+    "abort"); stop_reason is the matched stop string or stop token id; the token counts
+    are set on the last one."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    model: str
+    max_model_len: int
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_running: int
+    num_waiting: int
+    vocab_size: int
+
+
+def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
+    kind = resp.WhichOneof("matched_stop")
+    return GenerateDelta(
+        request_id=resp.request_id,
+        text=resp.text,
+        token_ids=list(resp.token_ids),
+        finish_reason=resp.finish_reason or None,
+        stop_reason=getattr(resp, kind) if kind else None,
+        prompt_tokens=resp.prompt_tokens,
+        completion_tokens=resp.completion_tokens,
+        logprobs=[(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.logprobs]
+        or None,
+    )
+
+
+def build_generate_request(
+    prompt: str | Sequence[int],
+    *,
+    request_id: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    skip_special_tokens: bool | None = None,
+    return_token_ids: bool = False,
+    logprobs: int | None = None,
+) -> pb.GenerateRequest:
+    """The GenerateRequest for these arguments; None leaves a field unset (server default,
+    see jaxserve.proto). A str prompt is text; a sequence of ints is token ids."""
+    sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}))
+    for name, value in (
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("min_p", min_p),
+        ("seed", seed),
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = pb.GenerateRequest(
+        request_id=request_id or "",
+        sampling=sampling,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        return_token_ids=return_token_ids,
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("skip_special_tokens", skip_special_tokens),
+        ("logprobs", logprobs),
+    ):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+class JaxserveClient:
+    """Blocking client over one channel; thread-safe (one channel, many calls)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051") -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.JaxserveStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **params
+    ) -> Iterator[GenerateDelta]:
+        """Stream the completion of `prompt` as deltas; the last has finish_reason.
+
+        params: the keyword arguments of `build_generate_request` (max_tokens,
+            temperature, top_k, top_p, seed, stop, ...). timeout: seconds for the call.
+        Raises grpc.RpcError on a bad request (INVALID_ARGUMENT) or a dead engine.
+        """
+        call = self._stub.Generate(build_generate_request(prompt, **params), timeout=timeout)
+        try:
+            for resp in call:
+                yield _delta(resp)
+        finally:
+            call.cancel()  # a no-op after the stream ended; aborts it if the caller left
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """Abort a running request; returns False if no such request was running."""
+        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+
+    def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        info = self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return ServerInfo(**{f: getattr(info, f) for f in ServerInfo.__slots__})
+
+    def is_serving(self, *, timeout: float | None = 5.0) -> bool:
+        """True if the health service says SERVING (False if unreachable)."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_until_serving(self, timeout: float) -> None:
+        """Block until the server is SERVING. Raises TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"server not SERVING within {timeout} s")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> JaxserveClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

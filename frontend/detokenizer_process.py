@@ -1,0 +1,178 @@
+"""The detokenizer sidecar: engine token ids in, text deltas out, stop strings owned here.
+
+    python -m jaxserve.frontend.detokenizer_process --model DIR --detokenizer-input ipc://...\
+        --frontend-input ipc://... --engine-input ipc://... --parent-pid N
+
+`OutputProcessor` is the logic (pure, testable without sockets): one
+`IncrementalDetokenizer` per request, learned from the request's first engine output.
+When a stop string matches, the request's final TextOutput goes to the frontend at once
+and an AbortRequest goes to the engine; the engine's later outputs for that request
+(tokens already in flight, then its final "abort") are dropped. The main loop around it
+forwards EngineStats unchanged, in order with the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+
+import zmq
+from tokenizers import Tokenizer
+
+from jaxserve.frontend.detokenizer import IncrementalDetokenizer
+from jaxserve.frontend.tokenizer import load_tokenizer
+from jaxserve.ipc import (
+    AbortRequest,
+    EngineOutputs,
+    EngineStats,
+    RequestOutput,
+    Shutdown,
+    TextOutput,
+    TextOutputs,
+    decode,
+    encode,
+    make_socket,
+)
+from jaxserve.lifetime import die_with_parent, ignore_sigint
+
+logger = logging.getLogger("jaxserve.detokenizer")
+
+
+@dataclass(slots=True)
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int = 0
+    stopped: bool = False  # a stop string ended it; waiting for the engine's final output
+
+
+class OutputProcessor:
+    """Turns engine RequestOutputs into client TextOutputs; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def num_requests(self) -> int:
+        """Requests with state here (running, or stopped and awaiting the engine's final)."""
+        return len(self._requests)
+
+    def process(self, outputs: list[RequestOutput]) -> tuple[list[TextOutput], list[str]]:
+        """Returns (text outputs for the frontend, request ids the engine must abort)."""
+        texts: list[TextOutput] = []
+        aborts: list[str] = []
+        for out in outputs:
+            text = self._process_one(out, aborts)
+            if text is not None:
+                texts.append(text)
+        return texts, aborts
+
+    def _state(self, out: RequestOutput) -> _RequestState:
+        state = self._requests.get(out.request_id)
+        if state is None:
+            # Normally `first` is set here; a request aborted or rejected before it ran
+            # may finish without it, and then the defaults serve (there is no text).
+            sampling = (out.first or {}).get("sampling", {})
+            detok = IncrementalDetokenizer(
+                self._tokenizer,
+                skip_special_tokens=sampling.get("skip_special_tokens", True),
+                stop=sampling.get("stop", ()),
+            )
+            state = _RequestState(detok)
+            self._requests[out.request_id] = state
+        if out.num_prompt_tokens:
+            state.num_prompt_tokens = out.num_prompt_tokens
+        return state
+
+    def _process_one(self, out: RequestOutput, aborts: list[str]) -> TextOutput | None:
+        finished = out.finish_reason is not None
+        if out.finish_reason == "error":
+            self._requests.pop(out.request_id, None)
+            return TextOutput(out.request_id, "", [], finish_reason="error", error=out.error)
+        state = self._state(out)
+        if state.stopped:  # tokens after our stop string; the engine's abort is coming
+            if finished:
+                del self._requests[out.request_id]
+            return None
+        delta = state.detokenizer.update(
+            out.new_token_ids, finished=finished, stop_terminated=out.finish_reason == "stop"
+        )
+        text = TextOutput(
+            out.request_id,
+            delta.text,
+            delta.token_ids,
+            logprobs=out.logprobs[: len(delta.token_ids)] if out.logprobs else None,
+        )
+        if delta.stop_string is not None:
+            text.finish_reason, text.stop_reason = "stop", delta.stop_string
+            if finished:
+                del self._requests[out.request_id]
+            else:
+                state.stopped = True
+                aborts.append(out.request_id)
+        elif finished:
+            text.finish_reason, text.stop_reason = out.finish_reason, out.stop_reason
+            del self._requests[out.request_id]
+        if text.finish_reason is not None:
+            text.prompt_tokens = state.num_prompt_tokens
+            text.completion_tokens = state.detokenizer.num_output_tokens
+        return text
+
+
+def run_detokenizer(
+    tokenizer: Tokenizer, detokenizer_input: str, frontend_input: str, engine_input: str
+) -> None:
+    """Serve until a Shutdown message arrives (or the process is terminated)."""
+    ctx = zmq.Context()
+    pull = make_socket(ctx, zmq.PULL, detokenizer_input, bind=True)
+    to_frontend = make_socket(ctx, zmq.PUSH, frontend_input, bind=False)
+    to_engine = make_socket(ctx, zmq.PUSH, engine_input, bind=False)
+    processor = OutputProcessor(tokenizer)
+    try:
+        while True:
+            frame = pull.recv()
+            msg = decode(frame)
+            if isinstance(msg, EngineOutputs):
+                texts, aborts = processor.process(msg.outputs)
+                if aborts:  # first, so the engine stops spending steps on them
+                    to_engine.send(encode(AbortRequest(aborts)))
+                if texts:
+                    to_frontend.send(encode(TextOutputs(texts)))
+            elif isinstance(msg, EngineStats):
+                to_frontend.send(frame)
+            elif isinstance(msg, Shutdown):
+                return
+            else:
+                logger.warning("ignoring unexpected %s", type(msg).__name__)
+    finally:
+        for sock in (pull, to_frontend, to_engine):
+            sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="jaxserve detokenizer sidecar (started by serve)")
+    parser.add_argument("--model", required=True, help="model folder with tokenizer.json")
+    parser.add_argument("--detokenizer-input", required=True)
+    parser.add_argument("--frontend-input", required=True)
+    parser.add_argument("--engine-input", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    ignore_sigint()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [detokenizer] %(message)s"
+    )
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (OSError, ValueError) as e:
+        logger.error("%s", e)
+        sys.exit(2)
+    run_detokenizer(tokenizer, args.detokenizer_input, args.frontend_input, args.engine_input)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The gRPC frontend: the `jaxserve.v1.Jaxserve` service, health and reflection (grpc.aio).
+
+Runs in the launcher's process on a uvloop event loop and never imports JAX. A Generate
+call is validated and tokenized here (frontend/validation.py), sent to the engine, and
+answered from the request's stream of text deltas (frontend/engine_client.py). Status
+codes: INVALID_ARGUMENT for a bad field (the message names it), UNAVAILABLE while the
+engine starts or after it died. A client that cancels aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tokenizers import Tokenizer
+
+from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.frontend.validation import ModelLimits, RequestValidationError, build_engine_request
+from jaxserve.ipc import TextOutput
+
+logger = logging.getLogger("jaxserve.frontend")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
+
+
+def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool):
+    """One GenerateResponse from consecutive outputs of one request (deltas concatenated)."""
+    resp = pb.GenerateResponse(request_id=request_id, text="".join(o.text for o in outputs))
+    for out in outputs:
+        if return_token_ids:
+            resp.token_ids.extend(out.token_ids)
+        for token_id, entry in zip(out.token_ids, out.logprobs or (), strict=False):
+            logprob, top = entry
+            resp.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    logprob=logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+                )
+            )
+    last = outputs[-1]
+    if last.finish_reason is not None:
+        resp.finish_reason = last.finish_reason
+        if isinstance(last.stop_reason, str):
+            resp.stop_string = last.stop_reason
+        elif last.stop_reason is not None:
+            resp.stop_token_id = last.stop_reason
+        resp.prompt_tokens = last.prompt_tokens
+        resp.completion_tokens = last.completion_tokens
+    return resp
+
+
+class JaxserveServicer(pb_grpc.JaxserveServicer):
+    """Generate / Abort / GetServerInfo over an AsyncEngineClient."""
+
+    def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        engine = self._engine
+        if not engine.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
+        request_id = request.request_id or uuid.uuid4().hex
+        if engine.is_reserved(request_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {request_id!r} is already running",
+            )
+        stats = engine.stats
+        limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
+        try:
+            engine_request = build_engine_request(request, request_id, self._tokenizer, limits)
+        except RequestValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            stream = engine.add_request(engine_request)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+
+        finished = False
+        try:
+            while not finished:
+                try:
+                    outputs = await stream.next_batch()
+                except EngineDeadError as e:
+                    finished = True  # nothing left to abort
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+                last = outputs[-1]
+                finished = last.finish_reason is not None
+                if last.finish_reason == "error":
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"engine rejected the request: {last.error}",
+                    )
+                resp = _response(request_id, outputs, request.return_token_ids)
+                if finished or resp.text or resp.token_ids or resp.logprobs:
+                    yield resp
+        finally:
+            if not finished:  # the client cancelled, or the server is stopping
+                engine.abort(request_id)
+                engine.detach(request_id)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self._engine.abort(request.request_id))
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        if not self._engine.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
+        s = self._engine.stats
+        return pb.ServerInfo(
+            model=s.model,
+            max_model_len=s.max_model_len,
+            block_size=s.block_size,
+            kv_blocks_total=s.num_blocks_total,
+            kv_blocks_free=s.num_blocks_free,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            vocab_size=s.vocab_size,
+        )
+
+    def _unavailable_message(self) -> str:
+        reason = self._engine.dead_reason or "the engine is starting"
+        return f"engine unavailable: {reason}"
+
+
+class FrontendServer:
+    """The grpc.aio server with the Jaxserve, health and reflection services.
+
+    Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
+    """
+
+    def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer) -> None:
+        self._engine = engine
+        self._server = grpc.aio.server()
+        self._health = health.aio.HealthServicer()
+        pb_grpc.add_JaxserveServicer_to_server(JaxserveServicer(engine, tokenizer), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind host:port (port 0 picks a free one) and start; returns the bound port.
+        Raises RuntimeError if the address cannot be bound."""
+        await self.set_serving(False)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"port: cannot bind {host}:{port}")
+        await self._server.start()
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def engine_died(self, reason: str) -> None:
+        """Open streams end with UNAVAILABLE; new requests get UNAVAILABLE; health drops."""
+        self._engine.mark_dead(reason)
+        await self.set_serving(False)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting calls; open calls get `grace_s` seconds, then are cancelled."""
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)

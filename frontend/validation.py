@@ -1,0 +1,140 @@
+"""Checking a gRPC GenerateRequest and turning it into an EngineRequest.
+
+Everything a client can get wrong is caught here, before anything reaches the engine, and
+reported as `RequestValidationError` whose message starts with the offending field's name
+(the server returns it as INVALID_ARGUMENT). Defaults for unset fields follow vLLM's
+SamplingParams and are documented in jaxserve.proto.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.tokenizer import encode_prompt
+from jaxserve.ipc import EngineRequest
+from jaxserve.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_LEN = 256
+
+
+class RequestValidationError(ValueError):
+    """A bad request; the message starts with the field name ("max_tokens: ...")."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the engine reported at start-up, against which requests are checked."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def build_engine_request(
+    request: pb.GenerateRequest, request_id: str, tokenizer: Tokenizer, limits: ModelLimits
+) -> EngineRequest:
+    """Validate `request` and return the EngineRequest to send (prompt as int32 ids).
+
+    Raises RequestValidationError naming the field: prompt / prompt.token_ids (missing,
+    empty, ids outside [0, vocab_size), longer than max_model_len allows), max_tokens
+    (<= 0, or prompt + max_tokens > max_model_len), and every sampling field that
+    SamplingParams.validate checks (temperature, top_p, top_k, stop, ...).
+    """
+    check_request_id(request_id)
+    prompt_ids = _prompt_token_ids(request, tokenizer, limits.vocab_size)
+    if len(prompt_ids) >= limits.max_model_len:
+        raise RequestValidationError(
+            f"prompt: {len(prompt_ids)} tokens leave no room for output within "
+            f"max_model_len {limits.max_model_len}"
+        )
+    params = sampling_params_from_proto(request, len(prompt_ids), limits.max_model_len)
+    try:
+        params.validate(vocab_size=limits.vocab_size)
+    except ValueError as e:
+        raise RequestValidationError(str(e)) from e
+    if len(prompt_ids) + params.max_tokens > limits.max_model_len:
+        raise RequestValidationError(
+            f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds max_model_len ({limits.max_model_len})"
+        )
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+        sampling=params.to_dict(),
+        arrival_time=time.time(),
+    )
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises RequestValidationError("request_id: ...") on an id that is too long."""
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise RequestValidationError(
+            f"request_id: at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}"
+        )
+
+
+def sampling_params_from_proto(
+    request: pb.GenerateRequest, prompt_len: int, max_model_len: int
+) -> SamplingParams:
+    """SamplingParams from the request, unset fields taking their documented defaults.
+
+    An unset max_tokens is DEFAULT_MAX_TOKENS cut to the room left after the prompt; the
+    result is not validated (call .validate()).
+    """
+    s = request.sampling
+
+    def opt(msg, name, default):
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    if request.HasField("max_tokens"):
+        max_tokens = request.max_tokens
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
+    n = opt(s, "n", 1)
+    if n != 1:
+        raise RequestValidationError(f"sampling.n: only n=1 is supported for now, got {n}")
+    return SamplingParams(
+        temperature=opt(s, "temperature", 1.0),
+        top_k=opt(s, "top_k", -1),
+        top_p=opt(s, "top_p", 1.0),
+        min_p=opt(s, "min_p", 0.0),
+        seed=opt(s, "seed", None),
+        max_tokens=max_tokens,
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=opt(request, "skip_special_tokens", True),
+        repetition_penalty=opt(s, "repetition_penalty", 1.0),
+        presence_penalty=opt(s, "presence_penalty", 0.0),
+        frequency_penalty=opt(s, "frequency_penalty", 0.0),
+        logit_bias={int(k): float(v) for k, v in s.logit_bias.items()},
+        n=n,
+        logprobs=opt(request, "logprobs", None),
+    )
+
+
+def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int):
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestValidationError("prompt: one of text or token_ids is required")
+    if kind == "text":
+        if not request.text:
+            raise RequestValidationError("prompt: text must not be empty")
+        ids = encode_prompt(tokenizer, request.text)
+        if not ids:
+            raise RequestValidationError("prompt: text encodes to no tokens")
+        return ids
+    ids = list(request.token_ids.ids)
+    if not ids:
+        raise RequestValidationError("prompt.token_ids: must not be empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestValidationError(
+            f"prompt.token_ids: token id {bad} outside the vocabulary [0, {vocab_size})"
+        )
+    return ids

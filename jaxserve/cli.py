@@ -1,0 +1,159 @@
+"""The `jaxserve` command.
+
+    jaxserve serve [--model DIR] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
+    jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
+
+Each subcommand is a `_cmd_*` function registered in `build_parser`. Imports that pull in
+heavy libraries stay inside the command functions, and none of them imports JAX in this
+process (the engine process does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.config import (
+    DEMO_MODEL_DIR,
+    CacheConfig,
+    EngineConfig,
+    MeshConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the serve flags; an unset flag keeps the config default."""
+
+    def given(**kw):
+        return {k: v for k, v in kw.items() if v is not None}
+
+    cache = CacheConfig(
+        **given(block_size=args.block_size, num_blocks=args.num_blocks),
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        **given(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        )
+    )
+    config = EngineConfig(
+        model=args.model,
+        cache=cache,
+        scheduler=scheduler,
+        mesh=MeshConfig.parse(args.mesh),
+        **given(dtype=args.dtype, seed=args.seed),
+    )
+    if args.no_compilation_cache:
+        config.compilation_cache_dir = None
+    elif args.compilation_cache_dir is not None:
+        config.compilation_cache_dir = args.compilation_cache_dir
+    return config
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from jaxserve.launcher import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [frontend] %(message)s"
+    )
+    try:
+        config = _engine_config(args)
+    except ValueError as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
+    server = ServerConfig(host=args.host, port=args.port)
+    try:
+        return serve(config, server, engine_class=args.engine_class, log_level=args.log_level)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    last = None
+    with JaxserveClient(args.server) as client:
+        try:
+            for delta in client.generate(prompt, timeout=args.timeout, **params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+        except grpc.RpcError as e:
+            print(f"\njaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.verbose and last is not None:
+        print(
+            f"\n[finish_reason={last.finish_reason} stop_reason={last.stop_reason!r} "
+            f"prompt_tokens={last.prompt_tokens} completion_tokens={last.completion_tokens}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over gRPC")
+    s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
+    s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
+    s.add_argument("--port", type=int, default=ServerConfig().port, help="0 picks a free port")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--seed", type=int)
+    s.add_argument("--block-size", type=int, help="tokens per KV block")
+    s.add_argument("--num-blocks", type=int, help="KV blocks (default: from memory)")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--max-num-seqs", type=int, help="most requests in one step")
+    s.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    s.add_argument("--max-model-len", type=int, help="most tokens per request")
+    s.add_argument("--mesh", default="dp=1,tp=1", help="device mesh, e.g. dp=2,tp=4")
+    s.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache")
+    s.add_argument("--no-compilation-cache", action="store_true")
+    s.add_argument("--log-level", default="INFO")
+    # module:Class run instead of EngineCore; used by tests to serve a mock engine.
+    s.add_argument("--engine-class", help=argparse.SUPPRESS)
+    s.set_defaults(func=_cmd_serve)
+
+    g = sub.add_parser("generate", help="stream a completion from a server to the terminal")
+    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
+    g.add_argument("--server", default=f"{ServerConfig().host}:{ServerConfig().port}")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--timeout", type=float, help="seconds for the whole call")
+    g.add_argument("-v", "--verbose", action="store_true", help="print finish reason, counts")
+    g.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The engine process: a busy loop around `EngineCore`, between ZeroMQ sockets.
+
+    python -m jaxserve.engine.process --config-json '{...}' --engine-input ipc://... \
+        --detokenizer-input ipc://... --parent-pid N
+
+Loop (DESIGN.md, Processes): drain new requests and aborts without blocking, run one
+step, publish its outputs to the detokenizer sidecar. While there is work, nothing waits
+on a socket; only an idle engine blocks, in `poll`. Stats (the ready handshake at start,
+then changes, at most every `stats_interval_s` while busy and always on going idle)
+travel on the outputs socket so they stay ordered with outputs.
+
+The engine class is pluggable (`--engine-class module:Class`) so that the whole server
+runs on a mock engine in tests; only the default class imports JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from jaxserve.config import EngineConfig
+from jaxserve.ipc import (
+    AbortRequest,
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    Shutdown,
+    decode,
+    encode,
+    make_socket,
+)
+from jaxserve.lifetime import die_with_parent, ignore_sigint
+
+logger = logging.getLogger("jaxserve.engine")
+
+DEFAULT_ENGINE_CLASS = "jaxserve.engine.core:EngineCore"
+# An idle engine wakes this often even without messages (ms); parent death is handled
+# by jaxserve.lifetime, so this only bounds how stale nothing can be.
+_IDLE_POLL_MS = 1000
+
+
+def load_engine_class(path: str) -> type:
+    """Import "package.module:ClassName". Raises ValueError on a malformed path."""
+    module_name, sep, class_name = path.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"engine_class: expected 'module:Class', got {path!r}")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+class EngineLoop:
+    """Runs an engine core against its input and output sockets until Shutdown.
+
+    core: an object with EngineCore's interface (add_request, abort_requests, has_work,
+        step, stats).
+    """
+
+    def __init__(
+        self,
+        core: Any,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        *,
+        stats_interval_s: float = 0.02,
+    ) -> None:
+        self._core = core
+        self._input = input_socket
+        self._output = output_socket
+        self._stats_interval_s = stats_interval_s
+        self._poller = zmq.Poller()
+        self._poller.register(input_socket, zmq.POLLIN)
+        self._last_stats: EngineStats | None = None
+        self._last_stats_time = 0.0
+        self._step = 0
+        self._running = True
+
+    def run(self) -> None:
+        """Send the ready handshake, then loop until a Shutdown message arrives."""
+        self._send_stats(force=True)
+        while self._running:
+            if not self._core.has_work():
+                self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
+                self._poller.poll(_IDLE_POLL_MS)
+            self._drain_input()
+            if self._running and self._core.has_work():
+                self._run_step()
+
+    def _drain_input(self) -> None:
+        while self._running:
+            try:
+                frame = self._input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame)
+            except Exception:
+                logger.exception("dropping an undecodable message")
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, EngineRequest):
+            self._core.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self._core.abort_requests(msg.request_ids)
+        elif isinstance(msg, Shutdown):
+            logger.info("shutting down: %s", msg.reason or "requested")
+            self._running = False
+        else:
+            logger.warning("ignoring unexpected %s", type(msg).__name__)
+
+    def _run_step(self) -> None:
+        outputs = self._core.step()
+        self._step += 1
+        if outputs:
+            self._output.send(encode(EngineOutputs(outputs, self._step)))
+        self._send_stats(rate_limited=True)
+
+    def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
+        """Send the stats if they changed. Rate-limited sends skip gauge-only changes (KV
+        blocks) within `stats_interval_s`; a change of the running/waiting counts goes out
+        at once, so a client sees its request counted by the time its tokens arrive."""
+        stats = self._core.stats()
+        stats.ready = True
+        last = self._last_stats
+        if not force and stats == last:
+            return
+        now = time.monotonic()
+        if (
+            rate_limited
+            and last is not None
+            and (stats.num_running, stats.num_waiting) == (last.num_running, last.num_waiting)
+            and now - self._last_stats_time < self._stats_interval_s
+        ):
+            return
+        self._output.send(encode(stats))
+        self._last_stats, self._last_stats_time = stats, now
+
+
+def run_engine_process(
+    config: EngineConfig, engine_input: str, detokenizer_input: str, engine_class: str
+) -> int:
+    """Build the engine core, then serve until Shutdown. Returns the exit code.
+
+    A failure to start (bad model folder, out of memory) logs the error and returns 2; a
+    failure inside a step logs it and returns 1 (the frontend then reports UNAVAILABLE).
+    """
+    ctx = zmq.Context()
+    input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=True)
+    output_socket = make_socket(ctx, zmq.PUSH, detokenizer_input, bind=False)
+    try:
+        try:
+            core = load_engine_class(engine_class)(config)
+        except Exception:
+            logger.exception("engine failed to start")
+            return 2
+        try:
+            EngineLoop(core, input_socket, output_socket).run()
+        except Exception:
+            logger.exception("engine step failed; the engine process exits")
+            return 1
+        return 0
+    finally:
+        input_socket.close()
+        output_socket.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="jaxserve engine process (started by serve)")
+    parser.add_argument("--config-json", required=True, help="EngineConfig.to_dict() as JSON")
+    parser.add_argument("--engine-input", required=True)
+    parser.add_argument("--detokenizer-input", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    ignore_sigint()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
+    )
+    config = EngineConfig.from_dict(json.loads(args.config_json))
+    sys.exit(
+        run_engine_process(config, args.engine_input, args.detokenizer_input, args.engine_class)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""`jaxserve serve`: start the engine and the detokenizer sidecar, run the frontend, supervise.
+
+This process is the frontend (grpc.aio on uvloop) and the parent of two children, started
+with `python -m` so they begin clean (no inherited threads or event loop):
+
+    frontend (this process) --ipc--> engine --ipc--> detokenizer sidecar --ipc--> frontend
+
+The children die with this process (jaxserve.lifetime). SIGINT/SIGTERM here stops the
+gRPC server (open calls get a short grace), then terminates the children (SIGTERM, then
+SIGKILL after a timeout) and removes the private socket folder; the whole shutdown takes a
+few seconds at most. A child that exits while serving makes every open stream end with
+UNAVAILABLE (the engine is not restarted). No JAX in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import uvloop
+
+from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.frontend.engine_client import AsyncEngineClient
+from jaxserve.frontend.server import FrontendServer
+from jaxserve.frontend.tokenizer import load_tokenizer
+from jaxserve.ipc import IpcAddresses
+
+logger = logging.getLogger("jaxserve")
+
+GRPC_GRACE_S = 2.0  # open calls get this long after SIGTERM before they are cancelled
+CHILD_TERM_TIMEOUT_S = 4.0  # after SIGTERM, a child is SIGKILLed when it takes longer
+CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children live
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    process: subprocess.Popen
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"the {self.name} process (pid {self.process.pid}) died ({how})"
+
+
+def _spawn(name: str, module: str, args: list[str]) -> _Child:
+    # From the main thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
+    cmd = [sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args]
+    return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+
+
+def _stop_children(children: list[_Child]) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.terminate()
+    for child in children:
+        try:
+            child.process.wait(CHILD_TERM_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the %s process did not stop; killing it", child.name)
+            child.process.kill()
+            child.process.wait()
+
+
+def serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    *,
+    engine_class: str | None = None,
+    log_level: str = "INFO",
+) -> int:
+    """Run the server until SIGINT/SIGTERM. Returns the process exit code (0 after a
+    requested shutdown, 1 if start-up failed).
+
+    engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
+    """
+    tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
+    socket_dir = tempfile.mkdtemp(prefix="jaxserve-")
+    addresses = IpcAddresses.in_dir(socket_dir)
+    children: list[_Child] = []
+    try:
+        engine_args = [
+            "--config-json", json.dumps(engine_config.to_dict()),
+            "--engine-input", addresses.engine_input,
+            "--detokenizer-input", addresses.detokenizer_input,
+            "--log-level", log_level,
+        ]  # fmt: skip
+        if engine_class:
+            engine_args += ["--engine-class", engine_class]
+        children.append(_spawn("engine", "jaxserve.engine.process", engine_args))
+        sidecar_args = [
+            "--model", engine_config.model,
+            "--detokenizer-input", addresses.detokenizer_input,
+            "--frontend-input", addresses.frontend_input,
+            "--engine-input", addresses.engine_input,
+            "--log-level", log_level,
+        ]  # fmt: skip
+        children.append(
+            _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
+        )
+        return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children))
+    finally:
+        _stop_children(children)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+async def _run_frontend(addresses, tokenizer, server_config: ServerConfig, children) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = AsyncEngineClient(addresses)
+    await engine.start()
+    server = FrontendServer(engine, tokenizer)
+    ready = asyncio.create_task(engine.wait_ready())
+    watch = asyncio.create_task(_watch_children(children))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        port = await server.start(server_config.host, server_config.port)
+        logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
+        await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and not watch.done():
+            stats = ready.result()
+            await server.set_serving(True)
+            logger.info(
+                "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d KV blocks of %d)",
+                stats.model, server_config.host, port,
+                stats.max_model_len, stats.num_blocks_total, stats.block_size,
+            )  # fmt: skip
+            await asyncio.wait({watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done():
+                await server.engine_died(watch.result())
+                await stopping  # keep answering UNAVAILABLE until told to stop
+        elif watch.done():
+            logger.error("start-up failed: %s", watch.result())
+            return 1
+        logger.info("shutting down")
+        return 0
+    finally:
+        for task in (ready, watch, stopping):
+            task.cancel()
+        await server.stop(GRPC_GRACE_S)
+        await engine.close()
+
+
+async def _watch_children(children: list[_Child]) -> str:
+    """Returns a description of the first child to exit."""
+    while True:
+        for child in children:
+            if child.process.poll() is not None:
+                return child.describe_exit()
+        await asyncio.sleep(CHILD_POLL_INTERVAL_S)

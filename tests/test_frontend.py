@@ -1,0 +1,550 @@
+"""The gRPC frontend, the detokenizer sidecar and the process model, on the mock engine.
+
+Most tests talk to one real `jaxserve serve` (three processes, loopback, a free port) whose
+engine is tests/mock_engine.py; the expected tokens come from the mock's token function and
+the expected text from `tokenizer.decode`. Shutdown and engine death get their own server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from mock_engine import mock_tokens, write_mock_model_dir
+
+from jaxserve.frontend.client import JaxserveClient, build_generate_request
+from jaxserve.frontend.detokenizer_process import OutputProcessor
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.frontend.tokenizer import load_tokenizer
+from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS, sampling_params_from_proto
+from jaxserve.ipc import RequestOutput
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+STEP_DELAY_S = 0.005  # mock engine step time: a 1000-token stream lasts >= 5 s
+START_TIMEOUT_S = 60
+RPC_TIMEOUT_S = 30
+FFFD = "\ufffd"
+
+
+# ---------------------------------------------------------------- server harness
+
+
+class ServerProcess:
+    """`python -m jaxserve.cli serve` on the mock engine, port 0, logs collected."""
+
+    def __init__(self, model_dir: Path) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+        env["JAXSERVE_MOCK_STEP_DELAY_S"] = str(STEP_DELAY_S)
+        cmd = [
+            sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", "0", "--num-blocks", "256", "--block-size", "16",
+            "--engine-class", "mock_engine:MockEngineCore",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.target = ""
+        threading.Thread(target=self._read_logs, daemon=True).start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            self.kill()
+            raise AssertionError("server did not log ready:\n" + self.log())
+        self.children = _child_pids(self.proc.pid)
+
+    def _read_logs(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"jaxserve ready: .* on (127\.0\.0\.1:\d+)", line)
+            if m:
+                self.target = m.group(1)
+                self._ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def child(self, module: str) -> int:
+        """The pid of the child running `python -m module`."""
+        for pid in self.children:
+            if module in Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " "):
+                return pid
+        raise AssertionError(f"no child runs {module}: {self.children}")
+
+    def terminate(self, timeout: float) -> float:
+        """SIGTERM; returns the seconds until the server process exited."""
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        for pid in [*self.children, self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait(10)
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Children of `pid`, from /proc/*/stat (field 4 is the parent pid)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(model_dir):
+    meta = json.loads((model_dir / "config.json").read_text())
+    return meta["vocab_size"], meta["first_text_token_id"]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(model_dir)
+    yield srv
+    srv.terminate(15)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with JaxserveClient(server.target) as c:
+        yield c
+
+
+def _expected_ids(tok, vocab, prompt, n, seed=None):
+    prompt_ids = tok.encode(prompt).ids if isinstance(prompt, str) else prompt
+    return mock_tokens(prompt_ids, seed, n, *vocab)
+
+
+def _wait_idle(client, timeout=5.0):
+    """Poll GetServerInfo until no request runs and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info(timeout=RPC_TIMEOUT_S)
+        if info.num_running == 0 and info.num_waiting == 0:
+            if info.kv_blocks_free == info.kv_blocks_total:
+                return info
+        assert time.monotonic() < deadline, f"server not idle after {timeout} s: {info}"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def test_stream_matches_mock_tokens_and_decode(client, tok, vocab):
+    prompt = "hello 你好 🤖"
+    expected = _expected_ids(tok, vocab, prompt, 40)
+    deltas = list(
+        client.generate(prompt, max_tokens=40, return_token_ids=True, timeout=RPC_TIMEOUT_S)
+    )
+    assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    last = deltas[-1]
+    assert last.finish_reason == "length"
+    assert last.prompt_tokens == len(tok.encode(prompt).ids)
+    assert last.completion_tokens == 40
+    assert [t for d in deltas for t in d.token_ids] == expected
+    full = tok.decode(expected)
+    assert "".join(d.text for d in deltas) == full
+    if FFFD not in full:
+        assert not any(FFFD in d.text for d in deltas)
+    assert len({d.request_id for d in deltas}) == 1
+
+
+def test_token_id_prompt_with_seed_and_no_token_ids(client, tok, vocab):
+    prompt_ids = [10, 20, 30, 40]
+    expected = _expected_ids(tok, vocab, prompt_ids, 12, seed=1234)
+    deltas = list(client.generate(prompt_ids, max_tokens=12, seed=1234, timeout=RPC_TIMEOUT_S))
+    assert "".join(d.text for d in deltas) == tok.decode(expected)
+    assert all(d.token_ids == [] for d in deltas)  # return_token_ids not set
+    assert deltas[-1].prompt_tokens == 4 and deltas[-1].completion_tokens == 12
+
+
+def test_unset_max_tokens_defaults_to_16(client):
+    deltas = list(client.generate([1, 2, 3], return_token_ids=True, timeout=RPC_TIMEOUT_S))
+    assert deltas[-1].completion_tokens == DEFAULT_MAX_TOKENS
+    assert sum(len(d.token_ids) for d in deltas) == DEFAULT_MAX_TOKENS
+
+
+def test_stop_string_cuts_text_and_aborts_engine(client, tok, vocab):
+    prompt_ids = [7, 8, 9]
+    ids = _expected_ids(tok, vocab, prompt_ids, 200)
+    full = tok.decode(ids)
+    # A stop string from a clean stretch of the output, a little way in.
+    start = next(i for i in range(30, len(full) - 3) if FFFD not in full[i : i + 3])
+    stop = full[start : start + 3]
+    cut = full.find(stop)
+    k = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]).rstrip(FFFD))
+
+    deltas = list(
+        client.generate(
+            prompt_ids, max_tokens=2000, stop=[stop], return_token_ids=True, timeout=RPC_TIMEOUT_S
+        )
+    )
+    last = deltas[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert "".join(d.text for d in deltas) == full[:cut]
+    assert [t for d in deltas for t in d.token_ids] == ids[:k]
+    assert last.completion_tokens == k
+    # The sidecar told the engine to abort: it is idle long before 2000 steps (10 s).
+    _wait_idle(client, timeout=3.0)
+
+
+def test_stop_token_id(client, tok, vocab):
+    prompt_ids = [11, 12]
+    ids = _expected_ids(tok, vocab, prompt_ids, 50)
+    stop_token = ids[6]
+    j = ids.index(stop_token)
+    deltas = list(
+        client.generate(
+            prompt_ids,
+            max_tokens=50,
+            stop_token_ids=[stop_token],
+            return_token_ids=True,
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    last = deltas[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop_token)
+    assert "".join(d.text for d in deltas) == tok.decode(ids[:j])  # stop token not in text
+    assert [t for d in deltas for t in d.token_ids] == ids[: j + 1]
+    assert last.completion_tokens == j + 1
+
+
+# ---------------------------------------------------------------- health, reflection, info
+
+
+def test_health_is_serving(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "jaxserve.v1.Jaxserve"):
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "jaxserve.v1.Jaxserve" in db.get_services()
+        assert "grpc.health.v1.Health" in db.get_services()
+        methods = {
+            m.name for m in db.FindFileContainingSymbol("jaxserve.v1.Jaxserve").service[0].method
+        }
+        assert methods == {"Generate", "Abort", "GetServerInfo"}
+
+
+def test_server_info_reports_engine_facts(client, vocab):
+    info = _wait_idle(client)
+    assert info.max_model_len == 4096 and info.block_size == 16
+    assert info.kv_blocks_total == 256 and info.vocab_size == vocab[0]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_REQUESTS = [
+    ("empty text", dict(prompt=""), "prompt"),
+    ("empty token ids", dict(prompt=[]), "prompt.token_ids"),
+    ("prompt too long", dict(prompt=[5] * 4096), "prompt"),
+    ("prompt + max_tokens too long", dict(prompt=[5] * 100, max_tokens=4000), "max_tokens"),
+    ("max_tokens 0", dict(prompt="hi", max_tokens=0), "max_tokens"),
+    ("max_tokens negative", dict(prompt="hi", max_tokens=-3), "max_tokens"),
+    ("negative temperature", dict(prompt="hi", temperature=-0.5), "temperature"),
+    ("top_p 0", dict(prompt="hi", top_p=0.0), "top_p"),
+    ("top_p above 1", dict(prompt="hi", top_p=1.5), "top_p"),
+    ("top_k 0", dict(prompt="hi", top_k=0), "top_k"),
+    ("top_k below -1", dict(prompt="hi", top_k=-2), "top_k"),
+    ("token id at vocab size", dict(prompt=[1, "VOCAB"]), "prompt.token_ids"),
+    ("negative token id", dict(prompt=[1, -1]), "prompt.token_ids"),
+    ("stop token outside vocab", dict(prompt="hi", stop_token_ids=["VOCAB"]), "stop_token_ids"),
+    ("empty stop string", dict(prompt="hi", stop=["ok", ""]), "stop"),
+    ("n above 1", dict(prompt="hi", n=2), "sampling.n"),
+]
+
+
+def _resolve(value, vocab_size):
+    if value == "VOCAB":
+        return vocab_size
+    if isinstance(value, list):
+        return [_resolve(v, vocab_size) for v in value]
+    return value
+
+
+def test_bad_inputs_rejected_beside_a_running_stream(server, client, tok, vocab):
+    stub = pb_grpc.JaxserveStub(grpc.insecure_channel(server.target))
+    running_id = "long-running"
+    long_ids = _expected_ids(tok, vocab, [3, 1, 4], 300)
+    result: dict = {}
+
+    def run_long():
+        try:
+            deltas = list(
+                client.generate(
+                    [3, 1, 4], request_id=running_id, max_tokens=300, timeout=RPC_TIMEOUT_S
+                )
+            )
+            result["deltas"] = deltas
+        except Exception as e:  # reported by the assertion below
+            result["error"] = e
+
+    thread = threading.Thread(target=run_long)
+    thread.start()
+    try:
+        _wait_running(client)
+        for name, kwargs, field in BAD_REQUESTS:
+            kwargs = {k: _resolve(v, vocab[0]) for k, v in kwargs.items()}
+            n = kwargs.pop("n", None)
+            req = build_generate_request(**kwargs)
+            if n is not None:
+                req.sampling.n = n
+            _assert_invalid(stub, req, field, name)
+        _assert_invalid(stub, pb.GenerateRequest(), "prompt", "no prompt")
+        dup = build_generate_request("hi", request_id=running_id)
+        _assert_invalid(stub, dup, "request_id", "duplicate request id")
+        assert thread.is_alive(), "the long stream should still be running"
+    finally:
+        thread.join(RPC_TIMEOUT_S)
+    assert "error" not in result, result.get("error")
+    deltas = result["deltas"]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 300
+    assert "".join(d.text for d in deltas) == tok.decode(long_ids)
+    _wait_idle(client)
+
+
+def _wait_running(client, timeout=5.0):
+    """Poll GetServerInfo until a request runs (stats trail the tokens by a few ms)."""
+    deadline = time.monotonic() + timeout
+    while (info := client.server_info(timeout=RPC_TIMEOUT_S)).num_running == 0:
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.01)
+    return info
+
+
+def _assert_invalid(stub, req, field, name):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req, timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    assert info.value.details().startswith(f"{field}:"), (name, info.value.details())
+
+
+# ---------------------------------------------------------------- abort and cancel
+
+
+def test_abort_rpc_ends_stream_and_frees_blocks(client):
+    total = _wait_idle(client).kv_blocks_total
+    stream = client.generate([42] * 5, request_id="abort-me", max_tokens=2000, timeout=30)
+    first = next(stream)
+    assert first.finish_reason is None
+    info = _wait_running(client)
+    assert info.num_running == 1 and info.kv_blocks_free < total
+    assert client.abort("abort-me", timeout=RPC_TIMEOUT_S)
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert rest[-1].completion_tokens < 2000
+    _wait_idle(client, timeout=3.0)
+    assert not client.abort("abort-me", timeout=RPC_TIMEOUT_S)  # finished: nothing to abort
+
+
+def test_client_cancel_aborts_request(client):
+    total = _wait_idle(client).kv_blocks_total
+    stream = client.generate([43] * 5, request_id="cancel-me", max_tokens=2000, timeout=30)
+    next(stream)
+    next(stream)
+    assert _wait_running(client).kv_blocks_free < total
+    stream.close()  # cancels the call
+    _wait_idle(client, timeout=3.0)  # 2000 tokens would take >= 10 s
+    # The id is free again once the engine confirmed the abort.
+    again = list(client.generate([1], request_id="cancel-me", max_tokens=2, timeout=30))
+    assert again[-1].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_generate_streams_text(server, tok, vocab):
+    prompt = "import "
+    expected = tok.decode(_expected_ids(tok, vocab, prompt, 12))
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--max-tokens", "12", "--temperature", "0", prompt],
+        capture_output=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == expected
+
+
+def test_cli_generate_reports_bad_input(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--top-p", "2", "hi"],
+        capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: top_p:" in out.stderr
+
+
+# ---------------------------------------------------------------- processes
+
+
+def test_frontend_process_never_imports_jax():
+    code = (
+        "import sys, jaxserve.cli, jaxserve.launcher, jaxserve.frontend.server, "
+        "jaxserve.frontend.client, jaxserve.frontend.detokenizer_process; "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_sigterm_stops_all_processes(model_dir):
+    srv = ServerProcess(model_dir)
+    try:
+        assert len(srv.children) == 2 and all(_alive(p) for p in srv.children)
+        ended = threading.Event()
+
+        def stream():
+            try:
+                with JaxserveClient(srv.target) as c:
+                    for _ in c.generate([9] * 3, max_tokens=3000, timeout=30):
+                        pass
+            except grpc.RpcError:
+                pass
+            ended.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        time.sleep(0.3)
+        assert srv.terminate(timeout=10) < 10
+        assert srv.proc.returncode == 0, srv.log()
+        assert ended.wait(5), "an open stream was left hanging"
+        deadline = time.monotonic() + 2
+        while any(_alive(p) for p in srv.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in srv.children)
+    finally:
+        srv.kill()
+
+
+def test_engine_death_ends_streams_with_unavailable(model_dir):
+    srv = ServerProcess(model_dir)
+    try:
+        codes: list = []
+        started = threading.Barrier(3)
+
+        def stream(i):
+            try:
+                with JaxserveClient(srv.target) as c:
+                    for n, _ in enumerate(c.generate([i] * 4, max_tokens=1000, timeout=30)):
+                        if n == 0:
+                            started.wait(10)
+                codes.append("finished")
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        started.wait(10)
+        os.kill(srv.child("jaxserve.engine.process"), signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(5)
+        assert time.monotonic() - t0 < 3, "streams did not end promptly"
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+
+        with JaxserveClient(srv.target) as c:
+            with pytest.raises(grpc.RpcError) as info:
+                list(c.generate("hi", timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "engine" in info.value.details()
+            assert not c.is_serving()
+        assert srv.terminate(timeout=10) < 10
+        assert not any(_alive(p) for p in srv.children)
+    finally:
+        srv.kill()
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_validation_defaults_follow_the_proto():
+    params = sampling_params_from_proto(pb.GenerateRequest(text="x"), 10, 100)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == -1
+    assert params.max_tokens == DEFAULT_MAX_TOKENS and params.skip_special_tokens
+    assert params.seed is None and params.logprobs is None
+    # Unset max_tokens is cut to the room left; explicit values are kept (and then checked).
+    assert sampling_params_from_proto(pb.GenerateRequest(text="x"), 95, 100).max_tokens == 5
+    req = build_generate_request("x", max_tokens=50, temperature=0.0, skip_special_tokens=False)
+    params = sampling_params_from_proto(req, 95, 100)
+    assert params.max_tokens == 50 and params.temperature == 0.0
+    assert not params.skip_special_tokens
+
+
+def test_output_processor_stop_string_aborts_and_drops_the_rest(tok):
+    proc = OutputProcessor(tok)
+    ids = tok.encode("abc STOP def ghi").ids
+    first = {"prompt_token_ids": [1, 2], "sampling": {"stop": ["STOP"]}}
+    texts, aborts = proc.process([RequestOutput("r", ids, num_prompt_tokens=2, first=first)])
+    assert aborts == ["r"]
+    (out,) = texts
+    assert (out.text, out.finish_reason, out.stop_reason) == ("abc ", "stop", "STOP")
+    assert out.prompt_tokens == 2
+    # Tokens still in flight, then the engine's final abort: dropped, state released.
+    assert proc.process([RequestOutput("r", [5])]) == ([], [])
+    assert proc.process([RequestOutput("r", [], finish_reason="abort")]) == ([], [])
+    assert proc.num_requests == 0
+
+
+def test_output_processor_passes_errors_and_engine_finishes(tok):
+    proc = OutputProcessor(tok)
+    texts, aborts = proc.process(
+        [
+            RequestOutput("bad", [], finish_reason="error", error="prompt: too long"),
+            RequestOutput("ok", tok.encode("hi").ids, finish_reason="length", first={}),
+        ]
+    )
+    assert aborts == []
+    assert (texts[0].finish_reason, texts[0].error) == ("error", "prompt: too long")
+    assert (texts[1].text, texts[1].finish_reason) == ("hi", "length")
+    assert proc.num_requests == 0
