@@ -37,7 +37,8 @@ class GenerateDelta:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Per new token: (token id, its logprob, [(top token id, logprob), ...]).
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(slots=True)
@@ -62,7 +63,10 @@ def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
         stop_reason=getattr(resp, kind) if kind else None,
         prompt_tokens=resp.prompt_tokens,
         completion_tokens=resp.completion_tokens,
-        logprobs=[(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.logprobs]
+        logprobs=[
+            (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in resp.logprobs
+        ]
         or None,
     )
 

@@ -176,17 +176,17 @@ class AsyncEngineClient:
     async def _read_loop(self) -> None:
         while True:
             frame = await self._from_sidecar.recv()
+            # One bad message must not stop the loop: every open stream depends on it.
             try:
                 msg = decode(frame)
+                if isinstance(msg, TextOutputs):
+                    self._dispatch(msg.outputs)
+                elif isinstance(msg, EngineStats):
+                    self._on_stats(msg)
+                else:
+                    logger.warning("ignoring unexpected %s", type(msg).__name__)
             except Exception:
-                logger.exception("dropping an undecodable message from the sidecar")
-                continue
-            if isinstance(msg, TextOutputs):
-                self._dispatch(msg.outputs)
-            elif isinstance(msg, EngineStats):
-                self._on_stats(msg)
-            else:
-                logger.warning("ignoring unexpected %s", type(msg).__name__)
+                logger.exception("dropping a message from the sidecar that failed to apply")
 
     def _dispatch(self, outputs: list[TextOutput]) -> None:
         for out in outputs:

@@ -144,7 +144,8 @@ class FrontendServer:
 
     def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer) -> None:
         self._engine = engine
-        self._server = grpc.aio.server()
+        # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._health = health.aio.HealthServicer()
         pb_grpc.add_JaxserveServicer_to_server(JaxserveServicer(engine, tokenizer), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -8,7 +8,8 @@ a request holds ceil((prompt + max_tokens) / block_size) blocks while admitted.
 
 The engine process loads it with `--engine-class mock_engine:MockEngineCore` (the tests
 folder on PYTHONPATH). `JAXSERVE_MOCK_STEP_DELAY_S` makes each step sleep, so that
-streams last long enough to be aborted mid-way.
+streams last long enough to be aborted mid-way; `JAXSERVE_MOCK_START_DELAY_S` delays
+start-up.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def mock_tokens(prompt_token_ids, seed: int | None, n: int, vocab_size: int, fir
     return [_mock_token(base, i, vocab_size, first_id) for i in range(n)]
 
 
+def mock_logprobs(token: int, k: int, vocab_size: int) -> list:
+    """The mock's log-probs entry for a token (the ipc.RequestOutput.logprobs format):
+    [logprob, [[top_id, logprob], ...k]] with made-up but deterministic values."""
+    logprob = -((token % 7) + 1) / 10
+    top = [[(token + j) % vocab_size, logprob - j] for j in range(k)]
+    return [logprob, top]
+
+
 def _mock_base(prompt_token_ids, seed: int | None) -> int:
     prompt = np.asarray(prompt_token_ids, dtype=np.int64)
     base = int((prompt * 1_000_003 + np.arange(len(prompt)) * 7919).sum() % (2**31))
@@ -121,6 +130,8 @@ class MockEngineCore:
         self.num_blocks = config.cache.num_blocks or 256
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.step_delay_s = float(os.environ.get("JAXSERVE_MOCK_STEP_DELAY_S", "0"))
+        # Stands in for loading weights and compiling: the server is not ready meanwhile.
+        time.sleep(float(os.environ.get("JAXSERVE_MOCK_START_DELAY_S", "0")))
         self._free_blocks = self.num_blocks
         self._waiting: deque[_MockRequest] = deque()
         self._running: dict[str, _MockRequest] = {}
@@ -195,8 +206,12 @@ class MockEngineCore:
             finish = "length"
         if finish is not None:
             self._running.pop(r.request_id)
-            return self._final(r, finish, [token], stop_reason)
-        return self._output(r, [token])
+            out = self._final(r, finish, [token], stop_reason)
+        else:
+            out = self._output(r, [token])
+        if s.get("logprobs") is not None:
+            out.logprobs = [mock_logprobs(token, s["logprobs"], self.vocab_size)]
+        return out
 
     def _output(self, r: _MockRequest, new: list[int]) -> RequestOutput:
         out = RequestOutput(

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from mock_engine import mock_tokens, write_mock_model_dir
+from mock_engine import mock_logprobs, mock_tokens, write_mock_model_dir
 
 from jaxserve.frontend.client import JaxserveClient, build_generate_request
 from jaxserve.frontend.detokenizer_process import OutputProcessor
@@ -47,10 +47,11 @@ FFFD = "\ufffd"
 class ServerProcess:
     """`python -m jaxserve.cli serve` on the mock engine, port 0, logs collected."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *, start_delay_s: float = 0.0) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         env["JAXSERVE_MOCK_STEP_DELAY_S"] = str(STEP_DELAY_S)
+        env["JAXSERVE_MOCK_START_DELAY_S"] = str(start_delay_s)
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", "0", "--num-blocks", "256", "--block-size", "16",
@@ -60,21 +61,29 @@ class ServerProcess:
             cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
         )
         self.lines: list[str] = []
-        self._ready = threading.Event()
+        self.listening = threading.Event()  # gRPC bound, engine maybe still starting
+        self.ready = threading.Event()
         self.target = ""
         threading.Thread(target=self._read_logs, daemon=True).start()
-        if not self._ready.wait(START_TIMEOUT_S):
+        if not self.listening.wait(START_TIMEOUT_S):
+            self.kill()
+            raise AssertionError("server did not start listening:\n" + self.log())
+        self.children = _child_pids(self.proc.pid)
+
+    def wait_ready(self) -> ServerProcess:
+        if not self.ready.wait(START_TIMEOUT_S):
             self.kill()
             raise AssertionError("server did not log ready:\n" + self.log())
-        self.children = _child_pids(self.proc.pid)
+        return self
 
     def _read_logs(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
-            m = re.search(r"jaxserve ready: .* on (127\.0\.0\.1:\d+)", line)
-            if m:
+            if m := re.search(r"gRPC listening on (127\.0\.0\.1:\d+)", line):
                 self.target = m.group(1)
-                self._ready.set()
+                self.listening.set()
+            if re.search(r"jaxserve ready: .* on 127\.0\.0\.1:\d+", line):
+                self.ready.set()
 
     def log(self) -> str:
         return "".join(self.lines)
@@ -142,7 +151,7 @@ def vocab(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv = ServerProcess(model_dir)
+    srv = ServerProcess(model_dir).wait_ready()
     yield srv
     srv.terminate(15)
 
@@ -250,6 +259,22 @@ def test_stop_token_id(client, tok, vocab):
     assert "".join(d.text for d in deltas) == tok.decode(ids[:j])  # stop token not in text
     assert [t for d in deltas for t in d.token_ids] == ids[: j + 1]
     assert last.completion_tokens == j + 1
+
+
+def test_logprobs_follow_their_tokens(client, tok, vocab):
+    prompt_ids = [21, 22, 23]
+    ids = _expected_ids(tok, vocab, prompt_ids, 10)
+    deltas = list(
+        client.generate(
+            prompt_ids, max_tokens=10, logprobs=2, return_token_ids=True, timeout=RPC_TIMEOUT_S
+        )
+    )
+    got = [entry for d in deltas for entry in d.logprobs or ()]
+    expected = []
+    for t in ids:
+        logprob, top = mock_logprobs(t, 2, vocab[0])
+        expected.append((t, logprob, [(i, lp) for i, lp in top]))
+    assert got == expected
 
 
 # ---------------------------------------------------------------- health, reflection, info
@@ -427,6 +452,18 @@ def test_cli_generate_reports_bad_input(server):
 # ---------------------------------------------------------------- processes
 
 
+def test_busy_port_is_an_error(server, model_dir):
+    port = server.target.rsplit(":", 1)[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+         "--port", port, "--engine-class", "mock_engine:MockEngineCore"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "Failed to bind" in out.stderr
+
+
 def test_frontend_process_never_imports_jax():
     code = (
         "import sys, jaxserve.cli, jaxserve.launcher, jaxserve.frontend.server, "
@@ -439,7 +476,7 @@ def test_frontend_process_never_imports_jax():
 
 
 def test_sigterm_stops_all_processes(model_dir):
-    srv = ServerProcess(model_dir)
+    srv = ServerProcess(model_dir).wait_ready()
     try:
         assert len(srv.children) == 2 and all(_alive(p) for p in srv.children)
         ended = threading.Event()
@@ -467,7 +504,7 @@ def test_sigterm_stops_all_processes(model_dir):
 
 
 def test_engine_death_ends_streams_with_unavailable(model_dir):
-    srv = ServerProcess(model_dir)
+    srv = ServerProcess(model_dir).wait_ready()
     try:
         codes: list = []
         started = threading.Barrier(3)
@@ -500,6 +537,37 @@ def test_engine_death_ends_streams_with_unavailable(model_dir):
             assert "engine" in info.value.details()
             assert not c.is_serving()
         assert srv.terminate(timeout=10) < 10
+        assert not any(_alive(p) for p in srv.children)
+    finally:
+        srv.kill()
+
+
+def test_not_serving_until_engine_ready(model_dir):
+    srv = ServerProcess(model_dir, start_delay_s=3.0)
+    try:
+        with JaxserveClient(srv.target) as c:
+            assert not srv.ready.is_set()
+            assert not c.is_serving()
+            with pytest.raises(grpc.RpcError) as info:
+                list(c.generate("hi", timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "starting" in info.value.details()
+            srv.wait_ready()
+            assert c.is_serving()
+            assert list(c.generate("hi", max_tokens=2, timeout=10))[-1].finish_reason == "length"
+        srv.terminate(timeout=10)
+    finally:
+        srv.kill()
+
+
+def test_children_die_with_the_frontend(model_dir):
+    srv = ServerProcess(model_dir).wait_ready()
+    try:
+        srv.proc.send_signal(signal.SIGKILL)  # no chance to clean up: the children must notice
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in srv.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not any(_alive(p) for p in srv.children)
     finally:
         srv.kill()

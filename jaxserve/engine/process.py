@@ -31,6 +31,7 @@ from jaxserve.ipc import (
     EngineOutputs,
     EngineRequest,
     EngineStats,
+    RequestOutput,
     Shutdown,
     decode,
     encode,
@@ -106,7 +107,7 @@ class EngineLoop:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, EngineRequest):
-            self._core.add_request(msg)
+            self._add_request(msg)
         elif isinstance(msg, AbortRequest):
             self._core.abort_requests(msg.request_ids)
         elif isinstance(msg, Shutdown):
@@ -114,6 +115,18 @@ class EngineLoop:
             self._running = False
         else:
             logger.warning("ignoring unexpected %s", type(msg).__name__)
+
+    def _add_request(self, request: EngineRequest) -> None:
+        # EngineCore reports bad requests as error outputs; should it raise anyway, only
+        # this request fails, never the engine and the other requests.
+        try:
+            self._core.add_request(request)
+        except Exception as e:
+            logger.exception("add_request failed for %s", request.request_id)
+            error = RequestOutput(
+                request.request_id, [], finish_reason="error", error=f"engine: {e}"
+            )
+            self._output.send(encode(EngineOutputs([error], self._step)))
 
     def _run_step(self) -> None:
         outputs = self._core.step()
