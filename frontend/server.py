@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
-from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import ModelLimits, RequestValidationError, build_engine_request
@@ -66,26 +66,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        engine = self._engine
-        if not engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
-        request_id = request.request_id or uuid.uuid4().hex
-        if engine.is_reserved(request_id):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request_id: {request_id!r} is already running",
-            )
-        stats = engine.stats
-        limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
-        try:
-            engine_request = build_engine_request(request, request_id, self._tokenizer, limits)
-        except RequestValidationError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            stream = engine.add_request(engine_request)
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-
+        request_id, stream = await self._start(request, context)
         finished = False
         try:
             while not finished:
@@ -106,8 +87,30 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                     yield resp
         finally:
             if not finished:  # the client cancelled, or the server is stopping
-                engine.abort(request_id)
-                engine.detach(request_id)
+                self._engine.abort(request_id)
+                self._engine.detach(request_id)
+
+    async def _start(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[str, RequestStream]:
+        """Validate, tokenize and send the request; abort the call with a status if not."""
+        engine = self._engine
+        if not engine.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
+        request_id = request.request_id or uuid.uuid4().hex
+        if engine.is_reserved(request_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already running"
+            )
+        stats = engine.stats
+        limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
+        try:
+            engine_request = build_engine_request(request, request_id, self._tokenizer, limits)
+            return request_id, engine.add_request(engine_request)
+        except RequestValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
