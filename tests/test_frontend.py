@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,9 @@ class ServerProcess:
             self.kill()
             raise AssertionError("server did not start listening:\n" + self.log())
         self.children = _child_pids(self.proc.pid)
+        # The private socket folder, removed by kill() when the server had no chance to.
+        cmdline = self._cmdline(self.child("jaxserve.engine.process"))
+        self.socket_dir = re.search(r"ipc://(\S+)/engine", cmdline).group(1)
 
     def wait_ready(self) -> ServerProcess:
         if not self.ready.wait(START_TIMEOUT_S):
@@ -91,9 +95,13 @@ class ServerProcess:
     def child(self, module: str) -> int:
         """The pid of the child running `python -m module`."""
         for pid in self.children:
-            if module in Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " "):
+            if module in self._cmdline(pid):
                 return pid
         raise AssertionError(f"no child runs {module}: {self.children}")
+
+    @staticmethod
+    def _cmdline(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
 
     def terminate(self, timeout: float) -> float:
         """SIGTERM; returns the seconds until the server process exited."""
@@ -109,6 +117,7 @@ class ServerProcess:
             except (ProcessLookupError, PermissionError):
                 pass
         self.proc.wait(10)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def _child_pids(pid: int) -> list[int]:
