@@ -1,0 +1,166 @@
+"""The one switch between the Pallas kernels and their pure-jnp references.
+
+The backend is chosen once per process, by platform: the Mosaic GPU kernels on an
+NVIDIA GPU, the references elsewhere (the CPU). The environment variable
+`JAXSERVE_KERNELS` overrides the choice:
+
+    reference   pure-jnp references (any platform)
+    pallas      Mosaic GPU kernels (needs an NVIDIA GPU)
+    interpret   Mosaic GPU kernels run by the Pallas GPU interpreter on the CPU (tests;
+                slow: small shapes only)
+
+Model code calls only the functions here (`paged_attention`, `moe_ffn`,
+`grouped_matmul`), never a kernel module, so the choice lives in this one place. The
+choice is read when a function is traced, so set the variable (or use
+`backend_override`) before the first jit of a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import jax
+
+from jaxserve.kernels import grouped_matmul_ref
+from jaxserve.kernels.paged_attention_ref import paged_attention_ref
+from jaxserve.models.base import AttentionMetadata
+
+ENV_VAR = "JAXSERVE_KERNELS"
+REFERENCE = "reference"
+PALLAS_MGPU = "pallas_mgpu"
+INTERPRET = "interpret"
+_ENV_VALUES = {"reference": REFERENCE, "pallas": PALLAS_MGPU, "interpret": INTERPRET}
+
+_override: str | None = None
+
+
+def _is_nvidia_gpu() -> bool:
+    """Whether JAX's default device is an NVIDIA GPU (not ROCm, not the CPU)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    version = getattr(device.client, "platform_version", "").lower()
+    return "cuda" in version or device.device_kind.lower().startswith("nvidia")
+
+
+@functools.cache
+def _backend_from_environment() -> str:
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value:
+        if value not in _ENV_VALUES:
+            raise ValueError(
+                f"{ENV_VAR}={value!r}: expected one of {', '.join(sorted(_ENV_VALUES))}"
+            )
+        backend = _ENV_VALUES[value]
+        if backend == PALLAS_MGPU and not _is_nvidia_gpu():
+            raise ValueError(
+                f"{ENV_VAR}=pallas needs an NVIDIA GPU, but JAX's default device is "
+                f"{jax.devices()[0].platform}; use 'interpret' to run the kernels on the CPU"
+            )
+        return backend
+    return PALLAS_MGPU if _is_nvidia_gpu() else REFERENCE
+
+
+def get_backend() -> str:
+    """The kernel backend of this process: 'pallas_mgpu', 'reference' or 'interpret'.
+
+    Raises ValueError if JAXSERVE_KERNELS holds an unknown value, or asks for 'pallas'
+    where there is no NVIDIA GPU.
+    """
+    return _override or _backend_from_environment()
+
+
+@contextlib.contextmanager
+def backend_override(backend: str) -> Iterator[None]:
+    """Use `backend` for calls traced inside the block (tests and benchmarks)."""
+    global _override
+    if backend not in (REFERENCE, PALLAS_MGPU, INTERPRET):
+        raise ValueError(f"backend: expected reference, pallas_mgpu or interpret, got {backend!r}")
+    previous, _override = _override, backend
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+@contextlib.contextmanager
+def _kernel_mode(backend: str) -> Iterator[None]:
+    """Run Mosaic GPU kernels traced here under the GPU interpreter if asked to."""
+    if backend != INTERPRET:
+        yield
+        return
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 -- only when used
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        yield
+
+
+def grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None
+) -> jax.Array:
+    """x [M, K] @ w[g] [G, K, N] over rows sorted by group -> [M, N] (`lax.ragged_dot`
+    semantics: rows past sum(group_sizes) are 0; float32 accumulation).
+
+    See `grouped_matmul.grouped_matmul` for shapes, dtypes and errors.
+    """
+    backend = get_backend()
+    if backend == REFERENCE:
+        return grouped_matmul_ref.grouped_matmul_ref(
+            x, w, group_sizes, preferred_element_type=preferred_element_type
+        )
+    from jaxserve.kernels import grouped_matmul as kernels  # noqa: PLC0415
+
+    with _kernel_mode(backend):
+        return kernels.grouped_matmul(
+            x, w, group_sizes, preferred_element_type=preferred_element_type
+        )
+
+
+def moe_ffn(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """SwiGLU expert MLP over rows sorted by expert: [M, H] -> [M, H].
+
+    w_gate, w_up: [E, H, I]; w_down: [E, I, H]; group_sizes: [E] int32. Rows past
+    sum(group_sizes) give 0. See `grouped_matmul_ref.moe_ffn_ref` for the contract.
+    """
+    backend = get_backend()
+    if backend == REFERENCE:
+        return grouped_matmul_ref.moe_ffn_ref(x_sorted, group_sizes, w_gate, w_up, w_down)
+    from jaxserve.kernels import grouped_matmul as kernels  # noqa: PLC0415
+
+    with _kernel_mode(backend):
+        return kernels.moe_ffn(x_sorted, group_sizes, w_gate, w_up, w_down)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Causal GQA attention of a flat token batch over the paged KV cache.
+
+    Same signature and contract as `paged_attention_ref.paged_attention_ref`: q
+    [T, H, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D] in q.dtype; padded
+    tokens give zeros.
+    """
+    backend = get_backend()
+    if backend == REFERENCE:
+        return paged_attention_ref(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
+    from jaxserve.kernels import paged_attention as kernels  # noqa: PLC0415
+
+    with _kernel_mode(backend):
+        return kernels.paged_attention(
+            q, k_cache, v_cache, positions, metadata, scale, sliding_window
+        )

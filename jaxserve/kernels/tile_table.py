@@ -1,0 +1,185 @@
+"""Tile configurations of the Pallas kernels, chosen per problem shape.
+
+This module only holds data and the rule that picks an entry; it must not import Pallas.
+
+How the entries were chosen, and how to re-measure them
+-------------------------------------------------------
+No entry here has been timed yet: the session that wrote the kernels had no GPU. The
+entries follow from the H100/H200 resource limits (227 KiB of shared memory and 64 Ki
+32-bit registers per SM, 132 SMs) and the two regimes of the MoE expert FFN:
+
+- few rows per expert (decode, T <= ~256 tokens at top-8 over 128 experts): the kernel
+  streams every expert's weights once and is bound by HBM bandwidth, so the row tile is
+  the smallest wgmma allows (64) and the pipeline is deep (more bytes in flight per SM);
+- many rows per expert (prefill): compute bound, so the row tile is 128 and each of the
+  two compute warpgroups owns a 128 x 128 float32 accumulator (128 registers/thread).
+
+`python scripts/bench_kernels.py --sweep` times every candidate in `GMM_CANDIDATES`
+at T = 16 .. 4096 on Qwen3-30B-A3B expert shapes on one GPU and prints the winner per
+row bucket as Python literals to paste into `_GMM_TABLE` (and whether the fused
+gate+up kernel beat two plain ones, which sets `fuse_gate_up`). Replace this paragraph
+with the date, GPU and jax version of that measurement when you do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Hopper (sm_90) limits the kernels are sized against.
+SMEM_BYTES_PER_SM = 227 * 1024
+WGMMA_MIN_M = 64  # rows of one warpgroup MMA
+NUM_COMPUTE_WARPGROUPS = 2  # the kernels split each tile's columns between two warpgroups
+
+
+@dataclass(frozen=True, slots=True)
+class GmmConfig:
+    """Tiling of the grouped matmul kernel.
+
+    tile_m: rows of x per tile (power of two, >= 64). A tile never spans two experts.
+    tile_n: output columns per compute warpgroup; one tile covers 2 * tile_n columns.
+    tile_k: contraction depth of one pipeline stage (64 bf16 = one 128-byte swizzle row).
+    max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
+    fuse_gate_up: in `moe_ffn`, compute gate and up projections in one kernel with the
+        SiLU-and-multiply epilogue instead of two kernels plus an XLA elementwise op.
+    """
+
+    tile_m: int
+    tile_n: int
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    fuse_gate_up: bool = False
+
+    def __post_init__(self):
+        if self.tile_m < WGMMA_MIN_M or self.tile_m & (self.tile_m - 1):
+            raise ValueError(f"tile_m must be a power of two >= 64, got {self.tile_m}")
+        if self.tile_n % 64 or self.tile_n <= 0:
+            raise ValueError(f"tile_n must be a positive multiple of 64, got {self.tile_n}")
+        if self.tile_k % 64 or self.tile_k <= 0:
+            raise ValueError(f"tile_k must be a positive multiple of 64, got {self.tile_k}")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+
+    @property
+    def block_n(self) -> int:
+        """Output columns of one tile (both compute warpgroups)."""
+        return NUM_COMPUTE_WARPGROUPS * self.tile_n
+
+    def smem_bytes(self, num_weight_operands: int, itemsize: int, out_itemsize: int) -> int:
+        """Shared memory the kernel allocates: pipeline buffers plus the store staging tile."""
+        x_tile = self.tile_m * self.tile_k
+        w_tile = self.tile_k * self.block_n
+        pipeline = self.max_concurrent_steps * (x_tile + num_weight_operands * w_tile) * itemsize
+        staging = self.tile_m * self.block_n * out_itemsize
+        return pipeline + staging
+
+
+# (max rows per expert on average, config). The first bucket that holds the shape wins.
+# Unmeasured: see the module docstring.
+_GMM_TABLE: tuple[tuple[float, GmmConfig], ...] = (
+    (64.0, GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=6)),
+    (float("inf"), GmmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4)),
+)
+
+# The fused gate+up kernel keeps two accumulators per warpgroup, so it gets narrower tiles.
+_GMM_FUSED_TABLE: tuple[tuple[float, GmmConfig], ...] = (
+    (64.0, GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, fuse_gate_up=True)),
+    (float("inf"), GmmConfig(tile_m=128, tile_n=64, max_concurrent_steps=4, fuse_gate_up=True)),
+)
+
+# Whether `moe_ffn` uses the fused gate+up kernel. Off until the benchmark shows it wins.
+FUSE_GATE_UP = False
+
+# Candidates that `scripts/bench_kernels.py --sweep` times.
+GMM_CANDIDATES: tuple[GmmConfig, ...] = tuple(
+    GmmConfig(tile_m=m, tile_n=n, max_concurrent_steps=s)
+    for m in (64, 128)
+    for n in (64, 128)
+    for s in (3, 4, 6)
+)
+
+
+def _fits(width: int, config: GmmConfig) -> bool:
+    return width % config.block_n == 0
+
+
+def gmm_config(
+    m: int, k: int, n: int, num_groups: int, *, fused: bool = False, itemsize: int = 2
+) -> GmmConfig:
+    """Tile config for a grouped matmul x [m, k] @ w [num_groups, k, n].
+
+    Picks the table entry for the average rows per expert, then narrows tile_n until the
+    column tiles divide n and drops pipeline stages until the kernel fits in shared memory.
+
+    Raises ValueError if no config divides n or k (both must be multiples of 64... the
+    kernel's minimum tile) or none fits in shared memory.
+    """
+    if k % 64:
+        raise ValueError(f"grouped matmul: k={k} must be a multiple of 64")
+    rows_per_group = m / max(num_groups, 1)
+    table = _GMM_FUSED_TABLE if fused else _GMM_TABLE
+    config = next(c for limit, c in table if rows_per_group <= limit)
+    while not _fits(n, config) and config.tile_n > 64:
+        config = _replace(config, tile_n=config.tile_n // 2)
+    if not _fits(n, config):
+        raise ValueError(f"grouped matmul: n={n} must be a multiple of {config.block_n}")
+    operands = 2 if fused else 1
+    while config.smem_bytes(operands, itemsize, itemsize) > SMEM_BYTES_PER_SM:
+        if config.max_concurrent_steps == 2:
+            raise ValueError(f"grouped matmul: no pipeline depth of {config} fits in SMEM")
+        config = _replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def _replace(config, **changes):
+    fields = {f: getattr(config, f) for f in type(config).__slots__}
+    fields.update(changes)
+    return type(config)(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Tiling of the paged attention kernel.
+
+    block_kv: keys per pipeline stage, a multiple of 64 (P = softmax(QK^T) is a wgmma
+        operand in SMEM and must fill 128-byte swizzle rows) and a multiple or a divisor
+        of the KV block size.
+    num_stages: stages in flight in the key/value ring.
+    """
+
+    block_kv: int = 64
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.block_kv % 64 or self.block_kv <= 0:
+            raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+
+    def smem_bytes(self, tile_rows: int, head_dim: int, itemsize: int) -> int:
+        """Shared memory: 2 query tiles, the K and V rings, P, the output staging tile."""
+        q = 2 * tile_rows * head_dim
+        kv = 2 * self.num_stages * self.block_kv * head_dim
+        p = tile_rows * self.block_kv
+        staging = tile_rows * head_dim
+        return (q + kv + p + staging) * itemsize
+
+
+# Decode streams K and V once: 64-key stages (4 KV blocks of 16) and the deepest ring
+# that fits keep ~128 KiB of loads in flight per SM (HBM latency x per-SM bandwidth is
+# ~60 KiB on H200). Unmeasured, like the grouped matmul table.
+_ATTENTION_DEFAULT = AttentionConfig(block_kv=64, num_stages=4)
+
+
+def attention_config(head_dim: int, block_size: int, *, tile_rows: int = 64, itemsize: int = 2):
+    """Tile config of paged attention for this head_dim and KV block size.
+
+    Raises ValueError if no ring of >= 2 stages fits in shared memory.
+    """
+    config = _ATTENTION_DEFAULT
+    if block_size > config.block_kv and block_size % config.block_kv:
+        config = _replace(config, block_kv=block_size)
+    while config.smem_bytes(tile_rows, head_dim, itemsize) > SMEM_BYTES_PER_SM:
+        if config.num_stages == 2:
+            raise ValueError(f"paged attention: head_dim={head_dim} does not fit in SMEM")
+        config = _replace(config, num_stages=config.num_stages - 1)
+    return config
