@@ -342,12 +342,13 @@ class Scheduler:
 
 
 def _row_logprobs(seq: Sequence, samples: StepSamples, row: int) -> list | None:
-    """Per new token: {"logprob", "top_token_ids", "top_logprobs"} (top-N as requested)."""
+    """The ipc.RequestOutput.logprobs entry of one new token:
+    [[logprob, [[top_token_id, top_logprob], ...]]] with the top-N the request asked for."""
     k = seq.params.logprobs
     if k is None or samples.logprobs is None:
         return None
-    entry = {"logprob": float(samples.logprobs[row]), "top_token_ids": [], "top_logprobs": []}
+    top: list = []
     if k > 0 and samples.top_token_ids is not None:
-        entry["top_token_ids"] = samples.top_token_ids[row, :k].tolist()
-        entry["top_logprobs"] = samples.top_logprobs[row, :k].tolist()
-    return [entry]
+        ids, lps = samples.top_token_ids[row, :k].tolist(), samples.top_logprobs[row, :k].tolist()
+        top = [[i, lp] for i, lp in zip(ids, lps, strict=True)]
+    return [[float(samples.logprobs[row]), top]]

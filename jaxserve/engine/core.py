@@ -1,0 +1,249 @@
+"""`EngineCore`: one engine replica's loop body: requests in, one step, token outputs out.
+
+Wires the scheduler (who runs, KV blocks) to the model runner (the compiled device
+step) and validates requests at the door, so that a bad request becomes an error output
+instead of an exception. Used in-process by the offline `LLM` and by the engine process,
+whose busy loop calls `add_request` / `abort_requests` / `step`. Nothing here touches a
+socket or text: outputs are token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.model_runner import (
+    CompileCounter,
+    ModelRunner,
+    enable_compilation_cache,
+    num_kv_blocks,
+)
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sequence import Sequence
+from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
+from jaxserve.models.loader import load_model
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class EngineCore:
+    """Loads the model, allocates the KV cache, compiles every step bucket, then serves.
+
+    Args:
+        config: the engine configuration.
+
+    Raises:
+        ValueError: a config field is out of range (named in the message), e.g.
+            max_model_len above the model's max_position_embeddings.
+
+    Counters for the metrics layer (plain attributes, monotonic unless noted):
+        num_steps, host_time_s / device_time_s (totals, seconds), last_host_s /
+        last_device_s (the last step), plus the scheduler's num_preemptions,
+        num_prefix_queries / num_prefix_hits (tokens) and prefill/decode token counts.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {config.dtype!r}")
+        if config.mesh.size != 1:
+            raise ValueError(f"mesh: only dp=1,tp=1 is supported so far, got {config.mesh}")
+        enable_compilation_cache(config.compilation_cache_dir)
+        CompileCounter.install()
+        start = time.perf_counter()
+
+        dtype = _DTYPES[config.dtype]
+        model, self.model_config = load_model(config.model, dtype)
+        mc, sc, cc = self.model_config, config.scheduler, config.cache
+        self.max_model_len = _max_model_len(sc.max_model_len, mc.max_position_embeddings)
+        num_blocks = cc.num_blocks or num_kv_blocks(
+            mc, cc.block_size, dtype, cc.memory_fraction, sc.max_num_seqs, self.max_model_len
+        )
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=mc.eos_token_ids,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            model,
+            mc,
+            num_blocks=num_blocks,
+            block_size=cc.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            kv_dtype=dtype,
+        )
+        self.compile_time_s = self.runner.compile_all()
+        self._compiles_at_ready = CompileCounter.count
+        self.startup_time_s = time.perf_counter() - start
+        self._rng = np.random.default_rng(config.seed)
+        self._rejected: list[RequestOutput] = []
+        self.num_steps = 0
+        self.host_time_s = 0.0
+        self.device_time_s = 0.0
+        self.last_host_s = 0.0
+        self.last_device_s = 0.0
+        logger.info(
+            "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.startup_time_s,
+            config.model,
+            num_blocks,
+            cc.block_size,
+            self.max_model_len,
+        )
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA compilations in this process since start-up finished (0 when healthy)."""
+        return CompileCounter.count - self._compiles_at_ready
+
+    # ----- requests ----------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request. Never raises for a bad request: it ends with an error output
+        on the next `step()` instead."""
+        try:
+            params, prompt = self._validate(req)
+        except Exception as e:  # noqa: BLE001 - a bad request must never stop the engine
+            self._rejected.append(_error_output(req, str(e)))
+            return
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        seq = Sequence(
+            request_id=req.request_id,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            seed=seed,
+            arrival_time=req.arrival_time or time.time(),
+        )
+        self.scheduler.add(seq)
+
+    def _validate(self, req: EngineRequest) -> tuple[SamplingParams, list[int]]:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already running")
+        try:
+            params = SamplingParams.from_dict(req.sampling)
+        except TypeError as e:
+            raise ValueError(f"sampling: {e}") from None
+        vocab = self.model_config.vocab_size
+        params.validate(vocab)
+        if params.n != 1:
+            raise ValueError(
+                f"n: the engine runs one sample per request (fan out n > 1 before it), "
+                f"got {params.n}"
+            )
+        prompt = np.asarray(req.prompt_token_ids).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt_token_ids: expected integers, got {prompt.dtype}")
+        bad = prompt[(prompt < 0) | (prompt >= vocab)]
+        if bad.size:
+            raise ValueError(f"prompt_token_ids: token id {int(bad[0])} outside [0, {vocab})")
+        return params, prompt.astype(np.int64).tolist()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort waiting or running requests; unknown ids are ignored. Each aborted request
+        gets one final output (finish_reason "abort") on the next `step()`."""
+        self.scheduler.abort(request_ids)
+
+    def has_work(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    # ----- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and at most one device call.
+
+        Returns:
+            Outputs of every request that got a token or finished in this step.
+        """
+        start = time.perf_counter()
+        outputs, self._rejected = self._rejected, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs + self.scheduler.drain_finished()
+        samples = self.runner.execute(sched)
+        outputs += self.scheduler.update(sched, samples)
+        total = time.perf_counter() - start
+        self.num_steps += 1
+        self.last_device_s = self.runner.last_device_s
+        self.last_host_s = total - self.last_device_s
+        self.device_time_s += self.last_device_s
+        self.host_time_s += self.last_host_s
+        return outputs
+
+    # ----- facts -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Engine facts and gauges. Free blocks include cached blocks no request holds."""
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            model=Path(self.config.model).name,
+            max_model_len=self.max_model_len,
+            block_size=bm.block_size,
+            num_blocks_total=bm.num_usable_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            vocab_size=self.model_config.vocab_size,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            ready=True,
+            extra=self.counters(),
+        )
+
+    def counters(self) -> dict[str, float]:
+        """Monotonic counters and last-step timings, for the metrics layer."""
+        s = self.scheduler
+        return {
+            "num_steps": self.num_steps,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.num_prefix_queries,
+            "prefix_cache_hits": s.num_prefix_hits,
+            "prefill_tokens": s.num_prefill_tokens_computed,
+            "decode_tokens": s.num_decode_tokens_computed,
+            "host_time_s": self.host_time_s,
+            "device_time_s": self.device_time_s,
+            "last_host_s": self.last_host_s,
+            "last_device_s": self.last_device_s,
+            "num_compilations": self.num_compilations,
+        }
+
+
+def _max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    if requested is None:
+        return max_position_embeddings
+    if not 2 <= requested <= max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: must be in [2, {max_position_embeddings}] "
+            f"(the model's max_position_embeddings), got {requested}"
+        )
+    return requested
+
+
+def _error_output(req: EngineRequest, error: str) -> RequestOutput:
+    try:
+        prompt = np.asarray(req.prompt_token_ids, np.int64).reshape(-1)
+    except (TypeError, ValueError):
+        prompt = np.zeros(0, np.int64)
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=[],
+        finish_reason="error",
+        num_prompt_tokens=int(prompt.size),
+        error=error,
+        first={"prompt_token_ids": prompt, "sampling": req.sampling},
+    )

@@ -1,0 +1,288 @@
+"""`LLM`: the offline, in-process API, shaped like vLLM's `LLM.generate`.
+
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(model="path/to/hf_folder", max_num_seqs=32)
+    outs = llm.generate(["def add(", "import "], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].outputs[j]...
+
+It runs an `EngineCore` in this process and detokenizes with the same
+`IncrementalDetokenizer` as the server's sidecar, so stop strings and text agree with
+what a gRPC client receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.frontend.detokenizer import IncrementalDetokenizer
+from jaxserve.ipc import EngineRequest
+from jaxserve.ipc import RequestOutput as EngineOutput
+from jaxserve.sampling_params import SamplingParams
+
+# vLLM spellings accepted as aliases of our config fields.
+_ALIASES = {
+    "gpu_memory_utilization": "memory_fraction",
+    "tensor_parallel_size": "tp",
+    "data_parallel_size": "dp",
+}
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput).
+
+    stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+    logprobs: when requested, per token [logprob, [[top_token_id, top_logprob], ...]].
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[list] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """All samples of one prompt (vLLM's RequestOutput); `.text`, `.token_ids` and
+    `.finish_reason` are those of the first sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(slots=True)
+class _Sample:
+    """Per-engine-request bookkeeping while generate() runs."""
+
+    prompt_index: int
+    sample_index: int
+    detok: IncrementalDetokenizer
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class LLM:
+    """An engine and a tokenizer in this process.
+
+    Args:
+        model: HF model folder; None serves the bundled demo model.
+        tokenizer: folder holding tokenizer.json, or the file itself (default: `model`).
+        **engine_kwargs: EngineConfig fields (dtype, seed, compilation_cache_dir), its
+            cache fields (block_size, num_blocks, memory_fraction, enable_prefix_caching),
+            scheduler fields (max_num_seqs, max_num_batched_tokens, max_model_len,
+            enable_chunked_prefill) and mesh fields (dp, tp). vLLM's
+            gpu_memory_utilization / tensor_parallel_size / data_parallel_size also work.
+
+    Raises:
+        TypeError: an unknown keyword argument (named).
+        FileNotFoundError: no tokenizer.json.
+    """
+
+    def __init__(
+        self, model: str | Path | None = None, tokenizer: str | Path | None = None, **engine_kwargs
+    ):
+        model_dir = Path(model) if model is not None else DEMO_MODEL_DIR
+        self.engine_config = build_engine_config(str(model_dir), **engine_kwargs)
+        self.tokenizer = _load_tokenizer(Path(tokenizer) if tokenizer else model_dir)
+        self.engine = EngineCore(self.engine_config)
+        self._next_id = 0
+
+    @classmethod
+    def from_engine(cls, engine: EngineCore, tokenizer: str | Path | None = None) -> LLM:
+        """An LLM over an already built EngineCore (shares its compiled steps and cache)."""
+        llm = cls.__new__(cls)
+        llm.engine_config = engine.config
+        llm.tokenizer = _load_tokenizer(Path(tokenizer or engine.config.model))
+        llm.engine = engine
+        llm._next_id = 0
+        return llm
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: str | SequenceOf[str] | SequenceOf[SequenceOf[int]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; returns one RequestOutput per prompt, in input order.
+
+        Args:
+            prompts: a string, a list of strings, or a list of token-id lists.
+            sampling_params: one for all prompts, one per prompt, or None (defaults).
+                `n > 1` runs n samples of the prompt (with seeds seed, seed+1, ... when a
+                seed is given); they share the prompt's KV blocks through the prefix cache.
+
+        Raises:
+            ValueError: bad parameters or prompts (the message names the field), or a
+                request the engine rejected (e.g. a prompt longer than max_model_len).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        vocab = self.engine.model_config.vocab_size
+        encoded: list[tuple[str | None, list[int]]] = []
+        for i, p in enumerate(prompts):
+            text = p if isinstance(p, str) else None
+            ids = self.tokenizer.encode(p).ids if text is not None else [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompts[{i}]: the prompt is empty")
+            encoded.append((text, ids))
+        for params in params_list:
+            params.validate(vocab)
+
+        samples: dict[str, _Sample] = {}
+        for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
+            for j in range(params.n):
+                child = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + j
+                )
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+                )
+                samples[request_id] = _Sample(i, j, detok)
+                self.engine.add_request(
+                    EngineRequest(
+                        request_id, np.asarray(ids, np.int32), child.to_dict(), time.time()
+                    )
+                )
+        self._run(samples)
+        return _collect(encoded, params_list, samples)
+
+    def _run(self, samples: dict[str, _Sample]) -> None:
+        pending = set(samples)
+        while pending:
+            for out in self.engine.step():
+                sample = samples.get(out.request_id)
+                if sample is None or out.request_id not in pending:
+                    continue  # the final "abort" of a request a stop string already ended
+                if out.finish_reason == "error":
+                    self.engine.abort_requests(sorted(pending))
+                    while self.engine.has_work():
+                        self.engine.step()
+                    raise ValueError(out.error)
+                if self._apply(sample, out):
+                    pending.discard(out.request_id)
+
+    def _apply(self, sample: _Sample, out: EngineOutput) -> bool:
+        """Detokenize one engine output; returns True when the sample is finished."""
+        finished = out.finish_reason is not None
+        delta = sample.detok.update(
+            out.new_token_ids,
+            finished=finished,
+            stop_terminated=out.finish_reason == "stop",
+        )
+        sample.text.append(delta.text)
+        sample.token_ids += delta.token_ids
+        if out.logprobs:
+            sample.logprobs += out.logprobs
+        if delta.stop_string is not None:
+            # The engine does not know about stop strings: end the request there.
+            self.engine.abort_requests([out.request_id])
+            sample.finish_reason, sample.stop_reason = "stop", delta.stop_string
+            return True
+        if finished:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return finished
+
+
+def build_engine_config(model: str, **kwargs) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (see `LLM`). Raises TypeError on unknown ones."""
+    sections = {"cache": CacheConfig(), "scheduler": SchedulerConfig(), "mesh": MeshConfig()}
+    top: dict = {"model": model}
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
+    for key, value in kwargs.items():
+        name = _ALIASES.get(key, key)
+        if name in names:
+            top[name] = value
+            continue
+        for section in sections.values():
+            if name in {f.name for f in dataclasses.fields(section)}:
+                setattr(section, name, value)
+                break
+        else:
+            raise TypeError(f"LLM: unknown engine argument {key!r}")
+    return EngineConfig(**top, **sections)
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"tokenizer: {file} not found")
+    return Tokenizer.from_file(str(file))
+
+
+def _broadcast_params(
+    sampling_params: SamplingParams | SequenceOf[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return params
+
+
+def _collect(
+    encoded: list[tuple[str | None, list[int]]],
+    params_list: list[SamplingParams],
+    samples: dict[str, _Sample],
+) -> list[RequestOutput]:
+    by_prompt: dict[int, list[CompletionOutput]] = {i: [] for i in range(len(encoded))}
+    for sample in samples.values():
+        logprobs = sample.logprobs[: len(sample.token_ids)] if sample.logprobs else None
+        by_prompt[sample.prompt_index].append(
+            CompletionOutput(
+                index=sample.sample_index,
+                text="".join(sample.text),
+                token_ids=sample.token_ids,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+                cumulative_logprob=sum(e[0] for e in logprobs) if logprobs else None,
+                logprobs=logprobs,
+            )
+        )
+    return [
+        RequestOutput(
+            request_id=str(i),
+            prompt=text,
+            prompt_token_ids=ids,
+            outputs=sorted(by_prompt[i], key=lambda c: c.index),
+        )
+        for i, (text, ids) in enumerate(encoded)
+    ]

@@ -1,0 +1,100 @@
+"""Session fixtures shared by the engine tests: a tiny random Qwen3-MoE HF checkpoint
+(with a byte-level BPE tokenizer) and one compiled `EngineCore` on it.
+
+Compiling the step buckets is the expensive part, so one engine serves every engine
+test; tests that need another KV pool size, token budget or prefix-cache setting swap
+in a fresh scheduler over the same compiled runner (`swap_scheduler`), which changes no
+compiled shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+TINY_BLOCK_SIZE = 8
+TINY_MAX_MODEL_LEN = 256
+TINY_MAX_NUM_SEQS = 8
+TINY_MAX_BATCHED_TOKENS = 64
+TINY_NUM_BLOCKS = 192
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A random Qwen3-MoE HF folder (config.json, model.safetensors, tokenizer.json).
+
+    No EOS id: generation runs to max_tokens unless a test sets stop ids itself.
+    """
+    from mock_engine import train_test_tokenizer
+    from model_utils import tiny_qwen3_moe_config, write_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    tok = train_test_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    config = tiny_qwen3_moe_config(
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=TINY_MAX_MODEL_LEN
+    )
+    write_hf_checkpoint(config, path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config(tiny_moe_dir):
+    from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    # Buckets: T in (16, 32, 64) x R = 8 x history (0, 256) = 6 executables.
+    return EngineConfig(
+        model=str(tiny_moe_dir),
+        cache=CacheConfig(block_size=TINY_BLOCK_SIZE, num_blocks=TINY_NUM_BLOCKS),
+        scheduler=SchedulerConfig(
+            max_num_seqs=TINY_MAX_NUM_SEQS, max_num_batched_tokens=TINY_MAX_BATCHED_TOKENS
+        ),
+        # The default persistent cache: reruns on one machine skip most compilation.
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engine_config):
+    """One compiled EngineCore for the whole session (tests must leave it idle)."""
+    from jaxserve.engine.core import EngineCore
+
+    return EngineCore(tiny_engine_config)
+
+
+@contextlib.contextmanager
+def swap_scheduler(
+    engine,
+    num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    enable_chunked_prefill: bool = True,
+):
+    """Run the engine with a fresh scheduler and block pool, restoring the old ones after.
+
+    A smaller `num_blocks` than the KV cache holds simply leaves the rest unused; budgets
+    up to the compiled maxima need no new executable.
+    """
+    from jaxserve.engine.block_manager import BlockManager
+    from jaxserve.engine.scheduler import Scheduler
+
+    old = engine.scheduler, engine.block_manager
+    bm = BlockManager(num_blocks or old[1].num_blocks, old[1].block_size, enable_prefix_caching)
+    engine.block_manager = bm
+    engine.scheduler = Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs or old[0].max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or old[0].max_num_batched_tokens,
+        max_model_len=old[0].max_model_len,
+        eos_token_ids=old[0].eos_token_ids,
+        enable_chunked_prefill=enable_chunked_prefill,
+    )
+    try:
+        yield engine.scheduler
+    finally:
+        engine.scheduler, engine.block_manager = old

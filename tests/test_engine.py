@@ -1,0 +1,434 @@
+"""EngineCore and the offline LLM on a tiny random Qwen3-MoE, against independent references:
+HF transformers' greedy `generate`, the same request run alone, and an unconstrained run.
+
+One compiled engine serves every test (tests/conftest.py); tests leave it idle.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from conftest import TINY_MAX_MODEL_LEN, swap_scheduler
+
+from jaxserve.ipc import EngineRequest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_moe_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    # No EOS: run to max_new_tokens. No pad id either: HF would mask prompt tokens equal
+    # to it (the attention mask is passed explicitly instead).
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy(max_tokens: int, **kw) -> dict:
+    return dict(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+class Result:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.outputs = []
+        self.finish_reason = None
+        self.stop_reason = None
+        self.error = None
+
+
+def run_engine(engine, requests, on_step=None, max_steps=5000) -> dict[str, Result]:
+    """Submit (request_id, prompt, sampling) tuples together and step until idle.
+
+    Asserts that each request ends with exactly one final output and nothing after it.
+    """
+    for rid, prompt, sampling in requests:
+        engine.add_request(EngineRequest(rid, np.asarray(prompt, np.int32), sampling))
+    results: dict[str, Result] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        outs = engine.step()
+        if on_step:
+            on_step(outs)
+        for o in outs:
+            r = results.setdefault(o.request_id, Result())
+            assert r.finish_reason is None, f"{o.request_id}: output after its final one"
+            r.tokens += o.new_token_ids
+            r.outputs.append(o)
+            r.finish_reason, r.stop_reason, r.error = o.finish_reason, o.stop_reason, o.error
+    else:
+        raise AssertionError("engine did not drain")
+    for rid, _, _ in requests:
+        assert results[rid].finish_reason is not None, rid
+    return results
+
+
+def random_prompts(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_idle(engine):
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_free == stats.num_blocks_total
+
+
+# ----- issue 2: correctness of batching -----------------------------------------------------
+
+
+def test_greedy_batch_equals_alone_and_hf(tiny_engine, hf_model):
+    rng = random.Random(0)
+    vocab = tiny_engine.model_config.vocab_size
+    lengths = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 40, 57, 64, 65, 100]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    batched = run_engine(tiny_engine, [(f"b{i}", p, greedy(16)) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        alone = run_engine(tiny_engine, [(f"a{i}", p, greedy(16))])[f"a{i}"]
+        assert batched[f"b{i}"].tokens == alone.tokens, f"prompt {i}: batch != alone"
+        assert alone.tokens == hf_greedy(hf_model, p, 16), f"prompt {i}: engine != HF"
+        assert alone.finish_reason == "length" and len(alone.tokens) == 16
+    assert tiny_engine.num_compilations == 0
+    assert_idle(tiny_engine)
+
+
+def test_seed_gives_same_tokens_alone_and_in_batch(tiny_engine):
+    rng = random.Random(1)
+    vocab = tiny_engine.model_config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(20)]
+    seeded = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20)
+    alone = run_engine(tiny_engine, [("alone", prompt, seeded)])["alone"].tokens
+    others = [
+        (f"o{i}", p, s)
+        for i, (p, s) in enumerate(
+            zip(
+                random_prompts(rng, 7, 1, 60, vocab),
+                [
+                    dict(temperature=1.0, max_tokens=25),
+                    dict(temperature=0.5, seed=7, max_tokens=10),
+                    greedy(30),
+                    dict(temperature=1.2, top_k=5, repetition_penalty=1.3, max_tokens=12),
+                    dict(temperature=0.7, min_p=0.1, presence_penalty=0.5, max_tokens=18),
+                    dict(temperature=1.0, logit_bias={3: 5.0}, logprobs=3, max_tokens=9),
+                    dict(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=20),
+                ],
+                strict=True,
+            )
+        )
+    ]
+    batch = run_engine(tiny_engine, [("seeded", prompt, seeded), *others])
+    assert batch["seeded"].tokens == alone
+    # The same parameters with another seed give another text (the seed is used).
+    assert batch["o6"].tokens != alone
+    assert_idle(tiny_engine)
+
+
+def test_no_compilation_after_warmup_random_workload(tiny_engine):
+    rng = random.Random(2)
+    vocab = tiny_engine.model_config.vocab_size
+    before = tiny_engine.num_compilations
+
+    def random_sampling() -> dict:
+        s: dict = dict(max_tokens=rng.randint(1, 40))
+        s["temperature"] = rng.choice([0.0, 0.0, 0.5, 1.0, 1.5])
+        if rng.random() < 0.3:
+            s["top_k"] = rng.randint(1, 100)
+        if rng.random() < 0.3:
+            s["top_p"] = rng.uniform(0.1, 1.0)
+        if rng.random() < 0.2:
+            s["min_p"] = rng.uniform(0.0, 0.3)
+        if rng.random() < 0.2:
+            s["repetition_penalty"] = rng.uniform(0.8, 1.5)
+        if rng.random() < 0.2:
+            s["frequency_penalty"] = rng.uniform(-1, 1)
+        if rng.random() < 0.2:
+            s["logit_bias"] = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
+        if rng.random() < 0.3:
+            s["logprobs"] = rng.randint(0, 5)
+        if rng.random() < 0.5:
+            s["seed"] = rng.randrange(2**40)
+        return s
+
+    pending = [
+        (f"w{i}", p, random_sampling())
+        for i, p in enumerate(random_prompts(rng, 40, 1, TINY_MAX_MODEL_LEN - 10, vocab))
+    ]
+    finals: dict[str, int] = {}
+    submitted: list[str] = []
+    while pending or tiny_engine.has_work():
+        for _ in range(rng.randint(0, 3)):  # requests arrive between steps
+            if pending:
+                rid, p, s = pending.pop()
+                tiny_engine.add_request(EngineRequest(rid, np.asarray(p, np.int32), s))
+                submitted.append(rid)
+        if submitted and rng.random() < 0.05:
+            tiny_engine.abort_requests([rng.choice(submitted)])
+        for o in tiny_engine.step():
+            if o.finish_reason is not None:
+                finals[o.request_id] = finals.get(o.request_id, 0) + 1
+                assert o.finish_reason in ("length", "abort"), (o.finish_reason, o.error)
+    assert tiny_engine.num_compilations == before == 0
+    assert sorted(finals) == sorted(submitted) and set(finals.values()) == {1}
+    assert_idle(tiny_engine)
+
+
+# ----- limits and finishing -----------------------------------------------------------------
+
+
+def test_max_tokens_eos_stop_token_ids_ignore_eos(tiny_engine):
+    rng = random.Random(3)
+    vocab = tiny_engine.model_config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(12)]
+    ref = run_engine(tiny_engine, [("ref", prompt, greedy(24))])["ref"].tokens
+    stop_id, eos_id = ref[3], ref[5]
+    scheduler = tiny_engine.scheduler
+    saved_eos = scheduler.eos_token_ids
+    scheduler.eos_token_ids = frozenset({eos_id})  # as if the model declared this EOS
+    try:
+        r = run_engine(
+            tiny_engine,
+            [
+                ("max", prompt, greedy(5, ignore_eos=True)),
+                ("stop_id", prompt, greedy(24, stop_token_ids=[stop_id], ignore_eos=True)),
+                ("eos", prompt, greedy(24)),
+                ("ignore_eos", prompt, greedy(24, ignore_eos=True)),
+            ],
+        )
+    finally:
+        scheduler.eos_token_ids = saved_eos
+    assert (r["max"].tokens, r["max"].finish_reason) == (ref[:5], "length")
+    k = ref.index(stop_id)
+    assert (r["stop_id"].tokens, r["stop_id"].finish_reason) == (ref[: k + 1], "stop")
+    assert r["stop_id"].stop_reason == stop_id
+    k = ref.index(eos_id)
+    assert (r["eos"].tokens, r["eos"].finish_reason, r["eos"].stop_reason) == (
+        ref[: k + 1],
+        "stop",
+        None,
+    )
+    assert (r["ignore_eos"].tokens, r["ignore_eos"].finish_reason) == (ref, "length")
+    final = r["max"].outputs[-1]
+    assert (final.num_prompt_tokens, final.num_output_tokens) == (12, 5)
+    first = r["max"].outputs[0].first
+    assert list(first["prompt_token_ids"]) == prompt and first["sampling"]["max_tokens"] == 5
+
+
+def test_max_model_len_ends_with_length(tiny_engine):
+    prompt = list(range(TINY_MAX_MODEL_LEN - 3))
+    r = run_engine(tiny_engine, [("a", prompt, greedy(100))])["a"]
+    assert (len(r.tokens), r.finish_reason) == (3, "length")
+
+
+def test_abort_waiting_and_running_frees_blocks(tiny_engine):
+    rng = random.Random(4)
+    vocab = tiny_engine.model_config.vocab_size
+    prompts = random_prompts(rng, 12, 5, 40, vocab)  # max_num_seqs 8: 4 wait
+    for i, p in enumerate(prompts):
+        tiny_engine.add_request(EngineRequest(f"r{i}", np.asarray(p, np.int32), greedy(60)))
+    outs = []
+    for _ in range(3):
+        outs += tiny_engine.step()
+    running = [s.request_id for s in tiny_engine.scheduler.running]
+    waiting = [s.request_id for s in tiny_engine.scheduler.waiting]
+    assert len(running) == 8 and len(waiting) == 4
+    stats = tiny_engine.stats()
+    assert stats.num_blocks_free < stats.num_blocks_total
+    victims = running[:2] + waiting[:2]
+    tiny_engine.abort_requests([*victims, "no-such-request"])
+    tiny_engine.abort_requests(victims[:1])
+    tiny_engine.abort_requests(running[2:] + waiting[2:])
+    while tiny_engine.has_work():
+        outs += tiny_engine.step()
+    finals = [o for o in outs if o.finish_reason is not None]
+    assert sorted(o.request_id for o in finals) == sorted(f"r{i}" for i in range(12))
+    assert {o.finish_reason for o in finals} == {"abort"}
+    assert_idle(tiny_engine)
+
+
+def test_bad_requests_end_with_error_and_others_continue(tiny_engine):
+    vocab = tiny_engine.model_config.vocab_size
+    good = list(range(1, 20))
+    ref = run_engine(tiny_engine, [("ref", good, greedy(10))])["ref"].tokens
+    bad = {
+        "empty": ([], greedy(4), "prompt_token_ids"),
+        "vocab": ([1, vocab], greedy(4), "prompt_token_ids"),
+        "too_long": (list(range(TINY_MAX_MODEL_LEN)), greedy(4), "prompt"),
+        "temperature": ([1, 2], dict(temperature=-1.0), "temperature"),
+        "top_p": ([1, 2], dict(top_p=0.0), "top_p"),
+        "top_k": ([1, 2], dict(top_k=0), "top_k"),
+        "max_tokens": ([1, 2], dict(max_tokens=0), "max_tokens"),
+        "stop_ids": ([1, 2], dict(stop_token_ids=[vocab + 5]), "stop_token_ids"),
+        "n": ([1, 2], dict(n=2), "n"),
+        "unknown_field": ([1, 2], dict(bogus=1), "sampling"),
+    }
+    r = run_engine(
+        tiny_engine,
+        [("good", good, greedy(10))] + [(k, p, s) for k, (p, s, _) in bad.items()],
+    )
+    assert r["good"].tokens == ref and r["good"].finish_reason == "length"
+    for rid, (_, _, field) in bad.items():
+        assert r[rid].finish_reason == "error", rid
+        assert r[rid].error.startswith(field), (rid, r[rid].error)
+        assert r[rid].outputs[0].first is not None
+    assert_idle(tiny_engine)
+
+
+def test_request_that_can_never_fit_gets_error(tiny_engine):
+    with swap_scheduler(tiny_engine, num_blocks=5):  # 4 usable blocks = 32 tokens
+        r = run_engine(tiny_engine, [("big", list(range(20)), greedy(30))])["big"]
+    assert r.finish_reason == "error" and "KV blocks" in r.error
+
+
+# ----- issue 3: prefix caching, chunked prefill, preemption --------------------------------
+
+
+def test_prefix_cache_computes_only_suffix_and_matches_uncached(tiny_engine):
+    rng = random.Random(5)
+    vocab = tiny_engine.model_config.vocab_size
+    bs = tiny_engine.block_manager.block_size
+    prefix = [rng.randrange(vocab) for _ in range(3 * bs)]
+    first, second = prefix + [1, 2, 3, 4, 5], prefix + [9, 8, 7, 6, 5, 4, 3]
+    with swap_scheduler(tiny_engine, enable_prefix_caching=True) as sched:
+        run_engine(tiny_engine, [("first", first, greedy(8))])
+        before = sched.num_prefill_tokens_computed
+        cached = run_engine(tiny_engine, [("second", second, greedy(8))])["second"]
+        assert sched.num_prefill_tokens_computed - before == len(second) - 3 * bs
+        assert sched.num_prefix_hits == 3 * bs
+    with swap_scheduler(tiny_engine, enable_prefix_caching=False) as sched:
+        uncached = run_engine(tiny_engine, [("second", second, greedy(8))])["second"]
+        assert sched.num_prefill_tokens_computed == len(second)
+    assert cached.tokens == uncached.tokens
+    assert_idle(tiny_engine)
+
+
+def test_chunked_prefill_keeps_decodes_going(tiny_engine, hf_model):
+    rng = random.Random(6)
+    vocab = tiny_engine.model_config.vocab_size
+    short = random_prompts(rng, 3, 4, 10, vocab)
+    long_prompt = [rng.randrange(vocab) for _ in range(150)]  # >= 8 chunks of 16
+    with swap_scheduler(tiny_engine, max_num_batched_tokens=16) as sched:
+        for i, p in enumerate(short):
+            tiny_engine.add_request(EngineRequest(f"d{i}", np.asarray(p, np.int32), greedy(40)))
+        warm = []
+        while len(warm) < 3 * 2:  # every short request has its first two tokens
+            warm += tiny_engine.step()
+        tiny_engine.add_request(EngineRequest("long", np.asarray(long_prompt, np.int32), greedy(4)))
+        long_seq = sched.requests["long"]
+        prefill_steps = 0
+
+        def on_step(outs):
+            nonlocal prefill_steps
+            if long_seq.num_output_tokens == 0:  # the long prompt is still being prefilled
+                prefill_steps += 1
+                got = {o.request_id: len(o.new_token_ids) for o in outs}
+                assert all(got.get(f"d{i}") == 1 for i in range(3)), got
+
+        r = run_engine(tiny_engine, [], on_step=on_step)
+    assert prefill_steps >= 8
+    assert r["long"].tokens == hf_greedy(hf_model, long_prompt, 4)
+    for i, p in enumerate(short):
+        tokens = [t for o in warm if o.request_id == f"d{i}" for t in o.new_token_ids]
+        assert tokens + r[f"d{i}"].tokens == hf_greedy(hf_model, p, 40)
+    assert_idle(tiny_engine)
+
+
+def test_preemption_with_tiny_pool_matches_unconstrained(tiny_engine):
+    rng = random.Random(7)
+    vocab = tiny_engine.model_config.vocab_size
+    prompts = random_prompts(rng, 32, 5, 40, vocab)
+    requests = [(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
+    free = run_engine(tiny_engine, requests)
+    with swap_scheduler(tiny_engine, num_blocks=17) as sched:  # 16 blocks = 128 tokens
+        tight = run_engine(tiny_engine, requests)
+        assert sched.num_preemptions > 0
+        assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks
+    for rid, _, _ in requests:
+        assert tight[rid].tokens == free[rid].tokens, rid
+        assert tight[rid].finish_reason == "length"
+
+
+# ----- the offline LLM API ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine, tiny_moe_dir):
+    from jaxserve.llm import LLM
+
+    return LLM.from_engine(tiny_engine, tokenizer=tiny_moe_dir)
+
+
+def test_llm_generate_matches_engine_and_decodes(llm, tiny_engine):
+    from jaxserve import SamplingParams
+
+    prompts = ["import os\n", "def add(a, b):", "hello"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok.encode(prompt).ids
+        ref = run_engine(tiny_engine, [("ref", ids, greedy(12))])["ref"]
+        assert out.prompt == prompt and out.prompt_token_ids == ids
+        assert out.token_ids == ref.tokens and out.finish_reason == "length"
+        assert out.text == tok.decode(ref.tokens)
+
+
+def test_llm_stop_string_and_n_samples(llm):
+    from jaxserve import SamplingParams
+
+    tok = llm.get_tokenizer()
+    base = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    text = base.text
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+    )
+    cut = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]))
+    out = cut[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert (
+        stop in tok.decode(out.token_ids) and out.token_ids == base.token_ids[: len(out.token_ids)]
+    )
+
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=10, n=3, logprobs=2)
+    multi = llm.generate([[1, 2, 3]], params)[0]
+    assert [o.index for o in multi.outputs] == [0, 1, 2]
+    for j, o in enumerate(multi.outputs):
+        alone = llm.generate(
+            [[1, 2, 3]], SamplingParams(temperature=1.0, seed=42 + j, max_tokens=10)
+        )[0]
+        assert o.token_ids == alone.token_ids
+        assert len(o.logprobs) == 10 and all(len(e[1]) == 2 for e in o.logprobs)
+        assert o.cumulative_logprob == pytest.approx(sum(e[0] for e in o.logprobs))
+    assert len({tuple(o.token_ids) for o in multi.outputs}) > 1
+
+
+def test_llm_rejects_bad_input(llm):
+    from jaxserve import SamplingParams
+
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(["x"], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([list(range(TINY_MAX_MODEL_LEN))], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    assert_idle(llm.engine)
