@@ -10,6 +10,7 @@ engine starts or after it died. A client that cancels aborts its request in the 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -23,6 +24,7 @@ from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import ModelLimits, RequestValidationError, build_engine_request
 from jaxserve.ipc import TextOutput
+from jaxserve.metrics import Metrics
 
 logger = logging.getLogger("jaxserve.frontend")
 
@@ -56,17 +58,55 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
     return resp
 
 
+class _RequestTiming:
+    """Client-facing latencies of one request, as the frontend sees them (vLLM's definitions):
+    TTFT = first output token - arrival; ITL = gap between token deliveries, per token;
+    TPOT = (last token - first token) / (output tokens - 1); e2e = final output - arrival."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+        self._start = time.perf_counter()
+        self._first: float | None = None
+        self._last: float | None = None
+
+    def observe(self, outputs: list[TextOutput]) -> None:
+        now = time.perf_counter()
+        n_tokens = sum(len(o.token_ids) for o in outputs)
+        if n_tokens:
+            if self._first is None:
+                self._first = now
+                self._m.ttft.observe(now - self._start)
+            elif self._last is not None:
+                gap = (now - self._last) / n_tokens
+                for _ in range(n_tokens):
+                    self._m.itl.observe(gap)
+            self._last = now
+        last = outputs[-1]
+        if last.finish_reason is None:
+            return
+        self._m.request_finished(last.finish_reason)
+        self._m.e2e.observe(now - self._start)
+        self._m.prompt_tokens.inc(last.prompt_tokens)
+        self._m.generation_tokens.inc(last.completion_tokens)
+        if self._first is not None and last.completion_tokens > 1:
+            self._m.tpot.observe((self._last - self._first) / (last.completion_tokens - 1))
+
+
 class JaxserveServicer(pb_grpc.JaxserveServicer):
     """Generate / Abort / GetServerInfo over an AsyncEngineClient."""
 
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+    ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
+        self._metrics = metrics or Metrics()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id, stream = await self._start(request, context)
+        timing = _RequestTiming(self._metrics)
         finished = False
         try:
             while not finished:
@@ -77,6 +117,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
                 last = outputs[-1]
                 finished = last.finish_reason is not None
+                timing.observe(outputs)
                 if last.finish_reason == "error":
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -145,12 +186,16 @@ class FrontendServer:
     Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
     """
 
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+    ) -> None:
         self._engine = engine
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._health = health.aio.HealthServicer()
-        pb_grpc.add_JaxserveServicer_to_server(JaxserveServicer(engine, tokenizer), self._server)
+        pb_grpc.add_JaxserveServicer_to_server(
+            JaxserveServicer(engine, tokenizer, metrics), self._server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

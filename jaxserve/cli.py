@@ -66,7 +66,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
-    server = ServerConfig(host=args.host, port=args.port)
+    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     try:
         return serve(config, server, engine_class=args.engine_class, log_level=args.log_level)
     except (OSError, ValueError, RuntimeError) as e:
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
     s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
     s.add_argument("--port", type=int, default=ServerConfig().port, help="0 picks a free port")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--seed", type=int)
     s.add_argument("--block-size", type=int, help="tokens per KV block")

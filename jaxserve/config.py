@@ -100,3 +100,5 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    # Prometheus /metrics over HTTP on host:metrics_port; None disables it.
+    metrics_port: int | None = None

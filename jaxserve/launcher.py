@@ -32,6 +32,7 @@ from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
+from jaxserve.metrics import Metrics
 
 logger = logging.getLogger("jaxserve")
 
@@ -106,13 +107,16 @@ def serve(
         children.append(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
         )
-        return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children))
+        metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
+        return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children, metrics))
     finally:
         _stop_children(children)
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-async def _run_frontend(addresses, tokenizer, server_config: ServerConfig, children) -> int:
+async def _run_frontend(
+    addresses, tokenizer, server_config: ServerConfig, children, metrics: Metrics
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -120,7 +124,10 @@ async def _run_frontend(addresses, tokenizer, server_config: ServerConfig, child
 
     engine = AsyncEngineClient(addresses)
     await engine.start()
-    server = FrontendServer(engine, tokenizer)
+    engine.add_stats_listener(metrics.update_from_engine)
+    if server_config.metrics_port is not None:
+        metrics.serve(server_config.metrics_port, server_config.host)
+    server = FrontendServer(engine, tokenizer, metrics)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())

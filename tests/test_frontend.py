@@ -48,7 +48,9 @@ FFFD = "\ufffd"
 class ServerProcess:
     """`python -m jaxserve.cli serve` on the mock engine, port 0, logs collected."""
 
-    def __init__(self, model_dir: Path, *, start_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, model_dir: Path, *, start_delay_s: float = 0.0, extra_args: tuple[str, ...] = ()
+    ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         env["JAXSERVE_MOCK_STEP_DELAY_S"] = str(STEP_DELAY_S)
@@ -56,7 +58,7 @@ class ServerProcess:
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", "0", "--num-blocks", "256", "--block-size", "16",
-            "--engine-class", "mock_engine:MockEngineCore",
+            "--engine-class", "mock_engine:MockEngineCore", *extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
@@ -625,3 +627,49 @@ def test_output_processor_passes_errors_and_engine_finishes(tok):
     assert (texts[0].finish_reason, texts[0].error) == ("error", "prompt: too long")
     assert (texts[1].text, texts[1].finish_reason) == ("hi", "length")
     assert proc.num_requests == 0
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value} (comments skipped)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def test_metrics_endpoint_counts_what_the_client_saw(model_dir):
+    port = _free_port()
+    server = ServerProcess(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
+    try:
+        client = JaxserveClient(server.target)
+        deltas = list(client.generate("metrics please", max_tokens=12, timeout=RPC_TIMEOUT_S))
+        samples = _scrape(port)
+        model = f'model="{model_dir.name}"'
+        assert deltas[-1].completion_tokens == 12
+        assert samples[f"jaxserve_generation_tokens_total{{{model}}}"] == 12
+        assert samples[f"jaxserve_prompt_tokens_total{{{model}}}"] == deltas[-1].prompt_tokens
+        assert samples[f"jaxserve_time_to_first_token_seconds_count{{{model}}}"] == 1
+        assert samples[f"jaxserve_time_per_output_token_seconds_count{{{model}}}"] == 1
+        # 12 tokens: the first is TTFT, the other 11 each get an inter-token latency.
+        assert samples[f"jaxserve_inter_token_latency_seconds_count{{{model}}}"] == 11
+        key = f'jaxserve_request_success_total{{finish_reason="length",{model}}}'
+        assert samples[key] == 1
+        assert samples[f"jaxserve_kv_blocks_free{{{model}}}"] > 0
+    finally:
+        server.terminate(10)
