@@ -1,0 +1,211 @@
+"""Serving throughput: `jaxserve serve` over gRPC against the offline `LLM.generate`.
+
+Starts the server as a subprocess (three processes: frontend, engine, detokenizer) on a
+free loopback port, sends the same prompts at concurrency 1, 16 and 64, then runs the
+same prompts through the in-process `LLM.generate`. The ratio server/offline is the cost
+of the frontend, the IPC and the sidecar. Also times start-up to the first token with an
+empty JAX compilation cache (cold) and with it filled (warm).
+
+    python scripts/bench_serve.py [--model DIR] [--max-tokens 64] [--out bench_results/serve.json]
+
+Prints one table; writes JSON beside it. Requests are greedy with ignore_eos so every
+request produces exactly --max-tokens tokens on both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "import ", "def ", "class ", "from collections import ", "for i in range(",
+    "if __name__ == ", "return ", "with open(", "    def __init__(self, ", "try:\n    ",
+    "raise ValueError(", "# Copyright", '"""', "self.", "while True:\n    ", "lambda x: ",
+]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`jaxserve serve` in a subprocess; records when its first token could be served."""
+
+    def __init__(self, model: str | None, cache_dir: str, extra: list[str]) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port)]
+        cmd += ["--compilation-cache-dir", cache_dir, *extra]
+        if model:
+            cmd += ["--model", model]
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
+        self.ready = threading.Event()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if re.search(r"jaxserve ready", line):
+                self.ready.set()
+
+    def time_to_first_token(self, timeout: float = 900) -> float:
+        """Seconds from process start to the first streamed token of one request."""
+        from jaxserve.frontend.client import JaxserveClient
+
+        if not self.ready.wait(timeout):
+            self.stop()
+            raise RuntimeError("server did not become ready:\n" + "".join(self.log[-30:]))
+        with JaxserveClient(f"127.0.0.1:{self.port}") as c:
+            for d in c.generate("import ", max_tokens=1, temperature=0):
+                if d.token_ids or d.text or d.finish_reason:
+                    return time.perf_counter() - self.t0
+        raise RuntimeError("no token")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _run_load(target: str, prompts: list[str], concurrency: int, max_tokens: int):
+    """Send every prompt, at most `concurrency` in flight.
+
+    Returns (seconds, output tokens, texts, TTFTs)."""
+    import grpc
+
+    from jaxserve.frontend.client import build_generate_request
+    from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+    sem = asyncio.Semaphore(concurrency)
+    texts: list[str] = [""] * len(prompts)
+    tokens = [0] * len(prompts)
+    ttfts: list[float] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.JaxserveStub(channel)
+
+        async def one(i: int) -> None:
+            async with sem:
+                req = build_generate_request(
+                    prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True
+                )
+                t0 = time.perf_counter()
+                first = True
+                async for resp in stub.Generate(req):
+                    if first and resp.text:
+                        ttfts.append(time.perf_counter() - t0)
+                        first = False
+                    texts[i] += resp.text
+                    if resp.finish_reason:
+                        tokens[i] = resp.completion_tokens
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return time.perf_counter() - t0, sum(tokens), texts, ttfts
+
+
+def _prompts(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="HF model folder (default: the bundled demo model)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--requests-per-level", type=int, default=64, help="requests at each level")
+    ap.add_argument("--skip-cold-start", action="store_true")
+    ap.add_argument("--out", default="bench_results/serve.json")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    extra = ["--max-num-seqs", str(max(levels))]
+    machine = f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}"
+    rows, result = [], {"machine": machine}
+
+    # Start-up: cold (empty compilation cache) then warm (the same cache, filled).
+    cache = tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+    if not args.skip_cold_start:
+        srv = Server(args.model, cache, extra)
+        result["startup_cold_s"] = srv.time_to_first_token()
+        srv.stop()
+    srv = Server(args.model, cache, extra)
+    result["startup_warm_s"] = srv.time_to_first_token()
+    target = f"127.0.0.1:{srv.port}"
+    served: dict[int, list[str]] = {}
+    try:
+        for c in levels:
+            n = max(c, args.requests_per_level if c > 1 else min(8, args.requests_per_level))
+            secs, toks, texts, ttfts = asyncio.run(
+                _run_load(target, _prompts(n), c, args.max_tokens)
+            )
+            served[n] = texts
+            ttfts.sort()
+            rows.append({
+                "path": "serve (gRPC)", "concurrency": c, "requests": n, "seconds": secs,
+                "output_tok_s": toks / secs, "req_s": n / secs,
+                "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
+            })  # fmt: skip
+    finally:
+        srv.stop()
+
+    # Offline: the same prompts through LLM.generate, all submitted at once.
+    from jaxserve import LLM, SamplingParams
+
+    llm = (
+        LLM(model=args.model, max_num_seqs=max(levels))
+        if args.model
+        else LLM(max_num_seqs=max(levels))
+    )
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(_prompts(2), sp)  # warm-up
+    for n in sorted(served):
+        t0 = time.perf_counter()
+        outs = llm.generate(_prompts(n), sp)
+        secs = time.perf_counter() - t0
+        toks = sum(len(o.token_ids) for o in outs)
+        same = sum(o.text == s for o, s in zip(outs, served[n], strict=True))
+        rows.append({
+            "path": "offline LLM.generate", "concurrency": n, "requests": n, "seconds": secs,
+            "output_tok_s": toks / secs, "req_s": n / secs, "ttft_p50_s": None,
+            "texts_equal_to_served": f"{same}/{n}",
+        })  # fmt: skip
+
+    result["rows"] = rows
+    print(f"machine: {result['machine']}; max_tokens={args.max_tokens}, greedy, ignore_eos")
+    for key in ("startup_cold_s", "startup_warm_s"):
+        if key in result:
+            print(f"{key}: {result[key]:.1f}")
+    print(f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}  same text")
+    for r in rows:
+        ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
+        print(
+            f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
+            f"{r['req_s']:>8.2f}{ttft:>10}  {r.get('texts_equal_to_served', '')}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
