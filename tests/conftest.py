@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# 8 emulated CPU devices for the mesh tests (tests/test_sharding.py); single-device
+# tests use the first.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
@@ -47,7 +50,7 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 def tiny_engine_config(tiny_moe_dir):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    # Buckets: T in (16, 32, 64) x R = 8 x history (0, 256) = 6 executables.
+    # Buckets: T in (16, 32, 64) x R = 8, plus one with penalty history per T = 6 executables.
     return EngineConfig(
         model=str(tiny_moe_dir),
         cache=CacheConfig(block_size=TINY_BLOCK_SIZE, num_blocks=TINY_NUM_BLOCKS),

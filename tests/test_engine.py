@@ -278,6 +278,7 @@ def test_bad_requests_end_with_error_and_others_continue(tiny_engine):
         "max_tokens": ([1, 2], dict(max_tokens=0), "max_tokens"),
         "stop_ids": ([1, 2], dict(stop_token_ids=[vocab + 5]), "stop_token_ids"),
         "n": ([1, 2], dict(n=2), "n"),
+        "prompt_logprobs": ([1, 2], dict(prompt_logprobs=1), "prompt_logprobs"),
         "unknown_field": ([1, 2], dict(bogus=1), "sampling"),
     }
     r = run_engine(
@@ -432,3 +433,66 @@ def test_llm_rejects_bad_input(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()])
     assert_idle(llm.engine)
+
+
+# ----- the model runner's input packing -----------------------------------------------------
+
+
+def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
+    """`prepare` against the model engineer's independent metadata builder, over random
+    mixed steps; every chosen bucket is one that start-up compiles."""
+    from flax import nnx
+    from model_utils import StepRequest, build_step
+
+    from jaxserve.engine.model_runner import ModelRunner
+    from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxserve.engine.sequence import Sequence
+    from jaxserve.sampling_params import SamplingParams
+
+    src = tiny_engine.runner
+    runner = ModelRunner(
+        nnx.merge(src.graphdef, src.state),
+        tiny_engine.model_config,
+        num_blocks=512,
+        block_size=8,
+        max_model_len=TINY_MAX_MODEL_LEN,
+        max_num_seqs=48,
+        max_num_batched_tokens=200,
+    )
+    assert runner.token_buckets == (16, 32, 64, 128, 200)
+    assert runner.request_buckets == (8, 16, 32, 48)
+    compiled = set(runner.buckets())
+    rng = random.Random(8)
+    for _ in range(200):
+        budget, reqs, free_blocks = rng.randint(1, 200), [], list(range(1, 512))
+        rng.shuffle(free_blocks)
+        while budget > 0 and len(reqs) < 48:
+            start = rng.randint(0, 30)
+            n = min(budget, rng.choice([1, 1, 1, rng.randint(1, 40)]))
+            table = [free_blocks.pop() for _ in range(-(-(start + n) // 8))]
+            prompt = [rng.randrange(100) for _ in range(start + n)]
+            params = SamplingParams(repetition_penalty=1.2 if rng.random() < 0.05 else 1.0)
+            seq = Sequence(f"s{len(reqs)}", prompt, len(prompt), params, seed=0)
+            seq.block_table = table
+            reqs.append(ScheduledRequest(seq, start, n, True))
+            budget -= n
+        x = runner.prepare(SchedulerOutput(requests=reqs))
+        assert x.bucket in compiled
+        t_bucket, r_bucket, _ = x.bucket
+        ref_tokens, ref_pos, ref_md = build_step(
+            [StepRequest(r.seq.token_ids[r.start :], r.start, r.seq.block_table) for r in reqs],
+            block_size=8,
+            max_blocks=runner.max_blocks_per_seq,
+            num_tokens=t_bucket,
+            num_reqs=r_bucket,
+        )
+        num_real = sum(r.num_tokens for r in reqs)
+        np.testing.assert_array_equal(x.tokens, ref_tokens)
+        np.testing.assert_array_equal(x.positions, ref_pos)
+        for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+            np.testing.assert_array_equal(getattr(x.metadata, name), getattr(ref_md, name))
+        np.testing.assert_array_equal(
+            x.metadata.token_req[:num_real], np.asarray(ref_md.token_req)[:num_real]
+        )
+        ends = np.cumsum([r.num_tokens for r in reqs]) - 1
+        np.testing.assert_array_equal(x.logits_indices[: len(reqs)], ends)

@@ -322,3 +322,13 @@ def test_first_output_carries_prompt_and_sampling():
     assert outs[0].first["prompt_token_ids"].tolist() == [5, 6, 7]
     assert outs[0].first["sampling"]["max_tokens"] == 2
     assert all(o.first is None for o in outs[1:])
+
+
+def test_identical_prompts_arriving_together_share_the_prefix():
+    sched, dev = make_scheduler(budget=64)
+    prompt = list(range(5 * BS + 2))
+    seqs = [add(sched, f"r{i}", prompt, max_tokens=4) for i in range(4)]
+    results = run(sched, dev)
+    assert sched.num_prefill_tokens_computed < 2 * len(prompt)
+    assert all(s.num_cached_tokens == 5 * BS for s in seqs[1:])
+    assert all(results[f"r{i}"][0] == oracle(prompt, 4) for i in range(4))

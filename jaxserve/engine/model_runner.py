@@ -7,10 +7,10 @@ each request row, and the sampler, so only [R] token ids (and log-probs) come ba
 
 Shapes a request can choose never reach the compiler: every step is padded to a token
 bucket T and a request bucket R (and, for the sampler's penalty history, one of two
-lengths L: 0 or max_model_len). All (T, R, L) executables are compiled ahead of time
-at start-up (`jax.jit(...).lower(...).compile()`, as vLLM's tpu-inference precompiles
-its padded shapes); calling an executable with any other shape raises instead of
-compiling. The KV cache is donated to each call, so XLA updates it in place.
+lengths L: 0, or max_model_len with the widest R of that T). All (T, R, L)
+executables are compiled ahead of time at start-up (`jax.jit(...).lower(...).compile()`,
+as vLLM's tpu-inference precompiles its padded shapes); calling an executable with any
+other shape raises instead of compiling. The KV cache is donated to each call, so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -175,7 +175,6 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.token_buckets = pow2_buckets(MIN_TOKEN_BUCKET, max_num_batched_tokens)
         self.request_buckets = pow2_buckets(MIN_REQUEST_BUCKET, max_num_seqs)
-        self.history_buckets = (0, max_model_len)
         self.graphdef, self.state = nnx.split(model)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
@@ -190,14 +189,18 @@ class ModelRunner:
     # ----- compilation -------------------------------------------------------------------
 
     def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (T, R, L) a step can use: R <= T since each row has at least one token."""
-        return [
-            (t, r, h)
-            for t in self.token_buckets
-            for r in self.request_buckets
-            if r <= t
-            for h in self.history_buckets
-        ]
+        """Every (T, R, L) a step can use.
+
+        R <= T since each row has at least one token. Steps with a penalized row (L =
+        max_model_len) are rare, so they use only the widest R of each T: that costs
+        len(T) executables instead of doubling the count.
+        """
+        plain = [(t, r, 0) for t in self.token_buckets for r in self.request_buckets if r <= t]
+        history = [(t, self._widest_rows(t), self.max_model_len) for t in self.token_buckets]
+        return plain + history
+
+    def _widest_rows(self, t_bucket: int) -> int:
+        return max(r for r in self.request_buckets if r <= t_bucket)
 
     def compile_all(self, max_workers: int | None = None) -> float:
         """Compile the step for every bucket. Returns the seconds taken.
@@ -248,17 +251,19 @@ class ModelRunner:
             ValueError: the step exceeds the largest bucket (a scheduler bug).
         """
         reqs = sched.requests
-        num_tokens = sched.num_tokens
         r_bucket = pick_bucket(self.request_buckets, len(reqs))
-        t_bucket = pick_bucket(self.token_buckets, max(num_tokens, r_bucket))
+        t_bucket = pick_bucket(self.token_buckets, max(sched.num_tokens, r_bucket))
         rows = [
             sampler_lib.SamplingRow(
                 r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
             )
             for r in reqs
         ]
-        needs_history = sampler_lib.history_len_needed(rows) > 0
-        h_bucket = self.history_buckets[1] if needs_history else 0
+        h_bucket = 0
+        if sampler_lib.history_len_needed(rows) > 0:
+            # Always >= len(reqs): T is a power of two >= len(reqs), or the largest
+            # token bucket, which is >= max_num_seqs.
+            h_bucket, r_bucket = self.max_model_len, self._widest_rows(t_bucket)
         x = self._empty_inputs(t_bucket, r_bucket, h_bucket)
         md = x.metadata
         bs = self.block_size

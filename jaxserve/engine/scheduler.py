@@ -13,7 +13,9 @@ of tokens each sequence still has to compute. One step:
    head of the waiting queue (Kwon et al., "Efficient Memory Management for Large
    Language Model Serving with PagedAttention", SOSP 2023, section 4.5).
 3. If nothing was preempted, waiting sequences are admitted in FCFS order, reusing
-   prefix-cached blocks, with their prompt chunked to fit the remaining budget.
+   prefix-cached blocks, with their prompt chunked to fit the remaining budget. A
+   sequence whose next uncached block is being computed by another row in this step
+   waits a step and then reuses it, so identical prompts arriving together share KV.
 
 After the device step, `update` advances each sequence, appends sampled tokens, checks
 the stop conditions and returns the `RequestOutput`s. Aborts and requests that can never
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxserve.engine.block_hash import BlockHash
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.ipc import RequestOutput
@@ -209,7 +212,10 @@ class Scheduler:
         chunks: dict[Sequence, int] = {}
         budget = self._schedule_running(chunks, out)
         if out.num_preempted == 0:
-            self._admit_waiting(chunks, budget)
+            inflight: set[BlockHash] = set()
+            for seq, n in chunks.items():
+                self._add_inflight(inflight, seq, seq.num_computed_tokens, n)
+            self._admit_waiting(chunks, budget, inflight)
         for seq, n in chunks.items():
             start = seq.num_computed_tokens
             out.requests.append(ScheduledRequest(seq, start, n, start + n == seq.num_tokens))
@@ -237,10 +243,14 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit_waiting(self, chunks: dict[Sequence, int], budget: int) -> None:
+    def _admit_waiting(
+        self, chunks: dict[Sequence, int], budget: int, inflight: set[BlockHash]
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.lookup_prefix(seq)
+            if self._next_block_inflight(seq, len(cached), inflight):
+                break  # another row computes that block now: reuse it from the next step
             num_cached = len(cached) * self.bm.block_size
             n = seq.num_tokens - num_cached
             if n > budget:
@@ -257,6 +267,26 @@ class Scheduler:
             self.running.append(seq)
             chunks[seq] = n
             budget -= n
+            self._add_inflight(inflight, seq, num_cached, n)
+
+    def _add_inflight(self, inflight: set[BlockHash], seq: Sequence, start: int, n: int) -> None:
+        """Add the names of the full blocks that computing tokens [start, start + n) completes."""
+        if not self.bm.enable_prefix_caching:
+            return
+        bs = self.bm.block_size
+        hashes = self.bm.full_block_hashes(seq)
+        inflight.update(hashes[start // bs : (start + n) // bs])
+
+    def _next_block_inflight(self, seq: Sequence, num_hit: int, inflight: set[BlockHash]) -> bool:
+        """Whether seq's first uncached block is being computed by another row this step.
+
+        Identical prompts that arrive together (n > 1 samples, a shared system prompt)
+        would otherwise all compute the shared prefix; instead the later ones wait for the
+        first one's blocks, as a radix-tree scheduler (SGLang) does.
+        """
+        if not inflight or num_hit >= (seq.num_tokens - 1) // self.bm.block_size:
+            return False
+        return self.bm.full_block_hashes(seq)[num_hit] in inflight
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
