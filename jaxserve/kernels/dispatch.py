@@ -37,7 +37,7 @@ _ENV_VALUES = {"reference": REFERENCE, "pallas": PALLAS_MGPU, "interpret": INTER
 _override: str | None = None
 
 
-def _is_nvidia_gpu() -> bool:
+def has_nvidia_gpu() -> bool:
     """Whether JAX's default device is an NVIDIA GPU (not ROCm, not the CPU)."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -55,13 +55,13 @@ def _backend_from_environment() -> str:
                 f"{ENV_VAR}={value!r}: expected one of {', '.join(sorted(_ENV_VALUES))}"
             )
         backend = _ENV_VALUES[value]
-        if backend == PALLAS_MGPU and not _is_nvidia_gpu():
+        if backend == PALLAS_MGPU and not has_nvidia_gpu():
             raise ValueError(
                 f"{ENV_VAR}=pallas needs an NVIDIA GPU, but JAX's default device is "
                 f"{jax.devices()[0].platform}; use 'interpret' to run the kernels on the CPU"
             )
         return backend
-    return PALLAS_MGPU if _is_nvidia_gpu() else REFERENCE
+    return PALLAS_MGPU if has_nvidia_gpu() else REFERENCE
 
 
 def get_backend() -> str:

@@ -36,6 +36,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.kernels import tile_table
 from jaxserve.kernels.tile_table import FUSE_GATE_UP, NUM_COMPUTE_WARPGROUPS, GmmConfig, gmm_config
 
 # Registers kept by the TMA warpgroup; the compute warpgroups get the rest (as in JAX's
@@ -248,13 +249,8 @@ def _gmm_kernel(
                     tile_m,
                 )
 
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _num_sms() -> int:
-    """SMs of the default device; the interpreter (CPU) simulates a few."""
-    device = jax.devices()[0]
-    return getattr(device, "core_count", 4) if device.platform == "gpu" else 4
+        # The staging buffer must outlive the stores that read it.
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _validate(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array) -> None:
@@ -303,7 +299,7 @@ def _run(
     kernel = plgpu.kernel(
         functools.partial(_gmm_kernel, config=config, num_weights=len(ws), epilogue=epilogue),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(num_sms or _num_sms(),),
+        grid=(num_sms or tile_table.num_sms(),),
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WARPGROUPS + 1,
         thread_name="wg",

@@ -43,6 +43,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.kernels import tile_table
 from jaxserve.kernels.tile_table import AttentionConfig, attention_config
 from jaxserve.models.base import AttentionMetadata
 
@@ -235,7 +236,7 @@ def _attention_kernel(
             plgpu.barrier_wait(q_free.at[lax.rem(i, 2)])
 
     def compute_warpgroup(
-        q_smem, k_smem, v_smem, p_smem, staging, q_ready, q_free, k_ready, v_ready, kv_free
+        q_smem, k_smem, v_smem, p_smem, q_ready, q_free, k_ready, v_ready, kv_free
     ):
         shape = (TILE_ROWS, block_kv)
 
@@ -298,10 +299,11 @@ def _attention_kernel(
                 seq_len=fields[_SEQ_LEN],
             )
             step, acc, m_i, l_i = lax.fori_loop(first, last, body, (step, acc, m_i, l_i))
-            plgpu.barrier_arrive(q_free.at[q_slot])
             # Rows of tokens outside the item may hold l = 0; they are never stored.
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # The item's query tile is done with: stage the output in it (saves SMEM),
+            # and hand it back to the TMA warpgroup once the stores have read it.
+            staging = q_smem.at[q_slot]
             staging[...] = acc.astype(dtype)
             plgpu.commit_smem()
             for i in range(tokens_per_tile):
@@ -313,14 +315,15 @@ def _attention_kernel(
                         staging.at[tile_rows(i)], out_gmem.at[query_rows(token, head)]
                     )
 
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(q_free.at[q_slot])
             return step, items + 1
 
-        # Tokens in no request (the batch's padding) get zeros.
+        # Tokens in no request (the batch's padding) get zeros, stored from a query
+        # buffer: every query load has been waited for and every tile stored by now.
         covered = counts_gmem[1]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        staging[...] = plgpu.layout_cast(
-            jnp.zeros((TILE_ROWS, head_dim), dtype), plgpu.Layout.WGMMA
-        )
+        zeros = q_smem.at[0]
+        zeros[...] = plgpu.layout_cast(jnp.zeros((TILE_ROWS, head_dim), dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
 
         @plgpu.nd_loop(((num_tokens - covered) * num_kv_heads,), collective_axes="sm")
@@ -328,11 +331,11 @@ def _attention_kernel(
             (lin,) = loop_info.index
             token = covered + lax.div(lin, num_kv_heads)
             head = lax.rem(lin, num_kv_heads)
-            plgpu.copy_smem_to_gmem(staging.at[tile_rows(0)], out_gmem.at[query_rows(token, head)])
+            plgpu.copy_smem_to_gmem(zeros.at[tile_rows(0)], out_gmem.at[query_rows(token, head)])
 
         plgpu.wait_smem_to_gmem(0)
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, staging, *barriers):
+    def scoped(q_smem, k_smem, v_smem, p_smem, *barriers):
         q_ready, q_free, k_ready, v_ready, kv_free = barriers
         wg = lax.axis_index("wg")
         pl.when(wg == 1)(
@@ -346,7 +349,6 @@ def _attention_kernel(
                 k_smem,
                 v_smem,
                 p_smem,
-                staging,
                 q_ready,
                 q_free,
                 k_ready,
@@ -362,7 +364,6 @@ def _attention_kernel(
         kv_ring,
         kv_ring,
         plgpu.SMEM((TILE_ROWS, block_kv), dtype, transforms=swizzled(block_kv)),
-        plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=swizzled(head_dim)),
         plgpu.Barrier(num_arrivals=tokens_per_tile, num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_arrivals=boxes, num_barriers=num_stages),
@@ -370,11 +371,6 @@ def _attention_kernel(
         plgpu.Barrier(num_barriers=num_stages),
         collective_axes="wg",
     )
-
-
-def _num_sms() -> int:
-    device = jax.devices()[0]
-    return getattr(device, "core_count", 4) if device.platform == "gpu" else 4
 
 
 def _validate(q, k_cache, v_cache, positions, metadata, config: AttentionConfig):
@@ -488,7 +484,7 @@ def paged_attention(
             sliding_window=sliding_window,
         ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        grid=(num_sms or _num_sms(),),
+        grid=(num_sms or tile_table.num_sms(),),
         grid_names=("sm",),
         num_threads=2,
         thread_name="wg",

@@ -1,6 +1,6 @@
 """Tile configurations of the Pallas kernels, chosen per problem shape.
 
-This module only holds data and the rule that picks an entry; it must not import Pallas.
+This module only holds data and the rules that pick an entry; it must not import Pallas.
 
 How the entries were chosen, and how to re-measure them
 -------------------------------------------------------
@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+
 # Hopper (sm_90) limits the kernels are sized against.
+INTERPRET_NUM_SMS = 4  # CTAs the GPU interpreter simulates (each is a CPU thread)
 SMEM_BYTES_PER_SM = 227 * 1024
 WGMMA_MIN_M = 64  # rows of one warpgroup MMA
 NUM_COMPUTE_WARPGROUPS = 2  # the kernels split each tile's columns between two warpgroups
@@ -110,18 +113,20 @@ def gmm_config(
     Picks the table entry for the average rows per expert, then narrows tile_n until the
     column tiles divide n and drops pipeline stages until the kernel fits in shared memory.
 
-    Raises ValueError if no config divides n or k (both must be multiples of 64... the
-    kernel's minimum tile) or none fits in shared memory.
+    Raises ValueError (naming x or w) if k is not a multiple of 64 or n of 128, the
+    kernel's smallest tiles, or if no pipeline depth fits in shared memory.
     """
     if k % 64:
-        raise ValueError(f"grouped matmul: k={k} must be a multiple of 64")
+        raise ValueError(f"x: K={k} must be a multiple of 64 (the kernel's tile_k)")
     rows_per_group = m / max(num_groups, 1)
     table = _GMM_FUSED_TABLE if fused else _GMM_TABLE
     config = next(c for limit, c in table if rows_per_group <= limit)
     while not _fits(n, config) and config.tile_n > 64:
         config = _replace(config, tile_n=config.tile_n // 2)
     if not _fits(n, config):
-        raise ValueError(f"grouped matmul: n={n} must be a multiple of {config.block_n}")
+        raise ValueError(
+            f"w: N={n} must be a multiple of {config.block_n} (two 64-column warpgroup tiles)"
+        )
     operands = 2 if fused else 1
     while config.smem_bytes(operands, itemsize, itemsize) > SMEM_BYTES_PER_SM:
         if config.max_concurrent_steps == 2:
@@ -156,18 +161,18 @@ class AttentionConfig:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
 
     def smem_bytes(self, tile_rows: int, head_dim: int, itemsize: int) -> int:
-        """Shared memory: 2 query tiles, the K and V rings, P, the output staging tile."""
+        """Shared memory: 2 query tiles (reused to stage the output), the K and V rings,
+        and P."""
         q = 2 * tile_rows * head_dim
         kv = 2 * self.num_stages * self.block_kv * head_dim
         p = tile_rows * self.block_kv
-        staging = tile_rows * head_dim
-        return (q + kv + p + staging) * itemsize
+        return (q + kv + p) * itemsize
 
 
-# Decode streams K and V once: 64-key stages (4 KV blocks of 16) and the deepest ring
-# that fits keep ~128 KiB of loads in flight per SM (HBM latency x per-SM bandwidth is
-# ~60 KiB on H200). Unmeasured, like the grouped matmul table.
-_ATTENTION_DEFAULT = AttentionConfig(block_kv=64, num_stages=4)
+# Decode streams K and V once: 64-key stages (4 KV blocks of 16) in a 5-deep ring keep
+# ~160 KiB of loads in flight per SM (HBM latency x per-SM bandwidth is ~60 KiB on
+# H200). Head dim 128: 32 + 160 + 8 KiB of SMEM. Unmeasured, like the grouped matmul table.
+_ATTENTION_DEFAULT = AttentionConfig(block_kv=64, num_stages=5)
 
 
 def attention_config(head_dim: int, block_size: int, *, tile_rows: int = 64, itemsize: int = 2):
@@ -183,3 +188,12 @@ def attention_config(head_dim: int, block_size: int, *, tile_rows: int = 64, ite
             raise ValueError(f"paged attention: head_dim={head_dim} does not fit in SMEM")
         config = _replace(config, num_stages=config.num_stages - 1)
     return config
+
+
+def num_sms() -> int:
+    """Persistent CTAs to launch: the GPU's SM count (132 on H100/H200 SXM); on the
+    CPU (the interpreter) a few, so that the tests exercise several CTAs."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return int(device.core_count)
+    return INTERPRET_NUM_SMS
