@@ -10,7 +10,8 @@ bucket T and a request bucket R (and, for the sampler's penalty history, one of 
 lengths L: 0, or max_model_len with the widest R of that T). All (T, R, L)
 executables are compiled ahead of time at start-up (`jax.jit(...).lower(...).compile()`,
 as vLLM's tpu-inference precompiles its padded shapes); calling an executable with any
-other shape raises instead of compiling. The KV cache is donated to each call, so XLA updates it in place.
+other shape raises instead of compiling. The KV cache is donated to each call, so XLA
+updates it in place.
 """
 
 from __future__ import annotations
