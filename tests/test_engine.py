@@ -135,10 +135,13 @@ def test_seed_gives_same_tokens_alone_and_in_batch(tiny_engine):
             )
         )
     ]
-    batch = run_engine(tiny_engine, [("seeded", prompt, seeded), *others])
+    other_seed = dict(seeded, seed=99)
+    batch = run_engine(
+        tiny_engine, [("seeded", prompt, seeded), *others, ("other_seed", prompt, other_seed)]
+    )
     assert batch["seeded"].tokens == alone
     # The same parameters with another seed give another text (the seed is used).
-    assert batch["o6"].tokens != alone
+    assert batch["other_seed"].tokens != alone
     assert_idle(tiny_engine)
 
 
