@@ -17,13 +17,19 @@ _LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 
-# Keys of EngineStats.extra that map 1:1 onto engine gauges (name -> help text).
+# EngineStats.extra keys (EngineCore.counters()) exported 1:1 as gauges (name -> help).
+# Monotonic engine counters travel as values, so they are gauges here (set, not inc).
 ENGINE_STAT_KEYS = {
-    "kv_blocks_used": "KV cache blocks held by requests",
-    "prefix_cache_hit_rate": "Prefix cache hit rate over all prompt tokens so far (0..1)",
-    "num_preemptions": "Requests preempted (recomputed) since start",
-    "step_host_seconds": "Host time of the last engine step (schedule, prepare, outputs), s",
-    "step_device_seconds": "Device time of the last engine step, s",
+    "num_steps": "Engine steps since start",
+    "num_preemptions": "Requests preempted (freed and recomputed) since start",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache since start",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache since start",
+    "prefill_tokens": "Prefill tokens computed since start",
+    "decode_tokens": "Decode tokens computed since start",
+    "host_time_s": "Engine host time (schedule, prepare inputs, outputs) since start, s",
+    "device_time_s": "Engine device time since start, s",
+    "last_host_s": "Host time of the last engine step, s",
+    "last_device_s": "Device time of the last engine step, s",
     "num_compilations": "XLA compilations after warm-up (should stay 0)",
 }
 
@@ -68,9 +74,13 @@ class Metrics:
             "jaxserve_kv_blocks_free", "Free KV cache blocks", ["model"], registry=r
         ).labels(**labels)
         self.engine = {
-            key: Gauge(f"jaxserve_{key}", doc, ["model"], registry=r).labels(**labels)
+            key: Gauge(f"jaxserve_engine_{key}", doc, ["model"], registry=r).labels(**labels)
             for key, doc in ENGINE_STAT_KEYS.items()
         }
+        self.prefix_cache_hit_rate = Gauge(
+            "jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries over prompt tokens",
+            ["model"], registry=r,
+        ).labels(**labels)  # fmt: skip
 
     def request_finished(self, finish_reason: str) -> None:
         self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
@@ -80,9 +90,12 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_free.set(stats.num_blocks_free)
-        for key, value in (stats.extra or {}).items():
+        extra = stats.extra or {}
+        for key, value in extra.items():
             if key in self.engine and value is not None:
                 self.engine[key].set(float(value))
+        if queries := extra.get("prefix_cache_queries"):
+            self.prefix_cache_hit_rate.set(extra["prefix_cache_hits"] / queries)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on addr:port (a daemon thread)."""
