@@ -3,6 +3,9 @@
 A family (qwen3_moe.py, mixtral.py) subclasses `DecoderOnlyLM`, choosing per-family
 options (q/k norm) and declaring its HF weight-name map; the forward lives here once.
 The forward is the contract of `jaxserve.models.base.CausalLM`.
+
+`parallel` (None on one device) is how the model runs on a device mesh; see
+`jaxserve.models.layers.Parallelism` and `jaxserve.sharding.parallel`.
 """
 
 from __future__ import annotations
@@ -10,9 +13,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from jaxserve.models.base import AttentionMetadata, KVCache
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import MLP, Attention, KVPair, MoeBlock, RMSNorm, param
+from jaxserve.models.layers import (
+    MLP,
+    Attention,
+    KVPair,
+    MoeBlock,
+    Parallelism,
+    RMSNorm,
+    param,
+)
 from jaxserve.models.weight_map import (
     WeightSpec,
     copy,
@@ -28,7 +40,13 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); mlp is MoE or dense."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, qk_norm: bool, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        layer: int,
+        qk_norm: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        parallel: Parallelism | None = None,
     ):
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
@@ -43,6 +61,7 @@ class DecoderLayer(nnx.Module):
             sliding_window=c.sliding_window,
             dtype=dtype,
             rngs=rngs,
+            parallel=parallel,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
         if c.is_moe_layer(layer):
@@ -54,6 +73,7 @@ class DecoderLayer(nnx.Module):
                 c.norm_topk_prob,
                 dtype,
                 rngs,
+                parallel,
             )
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs)
@@ -76,17 +96,30 @@ class DecoderOnlyLM(nnx.Module):
 
     Weights: embed_tokens [vocab, embed]; lm_head [embed, vocab] (absent when
     tie_word_embeddings: the embedding is reused).
+
+    `parallel`: None on one device; on a mesh, a `Parallelism` (build it with
+    `jaxserve.sharding.parallel.MeshParallelism`) that the attention and MoE layers
+    call. The step's flat batch must then follow the DP layout it documents.
     """
 
     # Families set this: per-head RMSNorm on q and k before RoPE (Qwen3).
     QK_NORM: bool = False
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype = jnp.float32,
+        *,
+        rngs: nnx.Rngs,
+        parallel: Parallelism | None = None,
+    ):
         self.config = config
+        self.parallel = parallel
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List(
-            DecoderLayer(c, i, self.QK_NORM, dtype, rngs) for i in range(c.num_hidden_layers)
+            DecoderLayer(c, i, self.QK_NORM, dtype, rngs, parallel)
+            for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
         self.lm_head = (
@@ -116,6 +149,8 @@ class DecoderOnlyLM(nnx.Module):
         if kv_cache is not None and len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
         x = self.embed_tokens[...][tokens]
+        if self.parallel is not None:
+            x = self.parallel.constrain_hidden(x)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, None if kv_cache is None else kv_cache[i], metadata)
@@ -129,6 +164,17 @@ class DecoderOnlyLM(nnx.Module):
         else:
             head = self.lm_head[...]
         return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+
+    def initial_buffers(self) -> dict[tuple, object]:
+        """Values of the model state that is not a weight (`PlacementTable`s of
+        expert-parallel MoE blocks), by state path, as host arrays; a loader fills them
+        after the weights. Works on an abstract model (`nnx.eval_shape`)."""
+        buffers = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoeBlock):
+                for name, value in layer.mlp.initial_placement().items():
+                    buffers[("layers", i, "mlp", name)] = value
+        return buffers
 
     # ----- HF weight-name map -------------------------------------------------------------
 

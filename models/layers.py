@@ -4,7 +4,12 @@ paged KV cache, the dense SwiGLU MLP and the MoE block.
 Every weight is declared once, here, with its shape, dtype and *logical* axes (metadata
 `out_sharding`, read by `nnx.get_partition_spec`); the sharding rules table that maps
 logical axes to mesh axes lives in `jaxserve.sharding`, not here. Logical axis names:
-"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp".
+"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp"; None
+marks a dimension that is never sharded (the router's expert columns, as in MaxText).
+
+On a device mesh, a model is built with `parallel=` (a `Parallelism`, implemented by
+`jaxserve.sharding.parallel.MeshParallelism`): the paged attention and the MoE experts
+then call it; with parallel=None (one device) they run the plain functions here.
 
 Numerics follow HF transformers (Qwen3-MoE / Mixtral): RMSNorm and RoPE in float32,
 router softmax in float32, attention softmax in float32.
@@ -12,14 +17,16 @@ router softmax in float32, attention softmax in float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 
 from jaxserve.kernels.paged_attention_ref import masked_softmax, paged_attention_ref
+from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 
 KVPair = tuple[jax.Array, jax.Array]
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -28,10 +35,31 @@ Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 _DEFAULT_INIT: Initializer = nnx.initializers.normal(stddev=0.02)
 
 
+class Parallelism(Protocol):
+    """What a model calls on a device mesh (see `jaxserve.sharding.parallel`)."""
+
+    def constrain_hidden(self, x: jax.Array) -> jax.Array: ...
+
+    def paged_attention(
+        self, step: Callable, q, k, v, kv: KVPair, positions, metadata
+    ) -> tuple[jax.Array, KVPair]: ...
+
+    def moe_experts(
+        self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement: dict[str, jax.Array]
+    ) -> jax.Array: ...
+
+    def initial_placement(self, num_experts: int) -> dict[str, Any]: ...
+
+
+class PlacementTable(nnx.Variable):
+    """An int32 expert-placement table of an expert-parallel MoE block: model state
+    (traced, so the load balancer can rewrite it without a recompile), not a weight."""
+
+
 def param(
     rngs: nnx.Rngs,
     shape: tuple[int, ...],
-    axes: tuple[str, ...],
+    axes: tuple[str | None, ...],
     dtype: jnp.dtype,
     init: Initializer = _DEFAULT_INIT,
 ) -> nnx.Param:
@@ -117,6 +145,29 @@ def dense_causal_attention(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
+def paged_attention_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: KVPair,
+    positions: jax.Array,
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> tuple[jax.Array, KVPair]:
+    """Write this step's K/V into the paged cache, then attend over it.
+
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; kv: (K, V) caches
+    [num_blocks, block_size, kv_heads, head_dim]. Returns ([T, heads, head_dim], (K, V)).
+    On a mesh this runs per device (`Parallelism.paged_attention`) on its shard.
+    """
+    k_cache = write_kv(kv[0], k, metadata.slot_mapping)
+    v_cache = write_kv(kv[1], v, metadata.slot_mapping)
+    out = paged_attention_ref(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
+    return out, (k_cache, v_cache)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional per-head q/k
     RMSNorm (Qwen3), reading and writing the paged KV cache.
@@ -138,6 +189,7 @@ class Attention(nnx.Module):
         sliding_window: int | None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        parallel: Parallelism | None = None,
     ):
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -146,6 +198,7 @@ class Attention(nnx.Module):
             )
         self.rope_theta = rope_theta
         self.sliding_window = sliding_window
+        self.parallel = parallel
         self.scale = head_dim**-0.5
         self.q_proj = param(
             rngs, (hidden_size, num_heads, head_dim), ("embed", "q_heads", "head_dim"), dtype
@@ -187,12 +240,13 @@ class Attention(nnx.Module):
                 raise ValueError("Attention: metadata given without a KV cache")
             out = dense_causal_attention(q, k, v, self.scale, self.sliding_window)
         else:
-            k_cache = write_kv(kv[0], k, metadata.slot_mapping)
-            v_cache = write_kv(kv[1], v, metadata.slot_mapping)
-            kv = (k_cache, v_cache)
-            out = paged_attention_ref(
-                q, k_cache, v_cache, positions, metadata, self.scale, self.sliding_window
+            step = functools.partial(
+                paged_attention_step, scale=self.scale, sliding_window=self.sliding_window
             )
+            if self.parallel is None:
+                out, kv = step(q, k, v, kv, positions, metadata)
+            else:
+                out, kv = self.parallel.paged_attention(step, q, k, v, kv, positions, metadata)
         return jnp.einsum("thd,hde->te", out, self.o_proj[...]), kv
 
 
@@ -256,8 +310,13 @@ def moe_experts_dense(
 class MoeBlock(nnx.Module):
     """Sparse MoE block: router -> top-k -> SwiGLU experts -> weighted sum.
 
-    Weights: router [embed, experts]; w_gate, w_up [experts, embed, expert_mlp];
-    w_down [experts, expert_mlp, embed].
+    Weights: router [embed, experts] (replicated: every device routes its own tokens);
+    w_gate, w_up [experts, embed, expert_mlp]; w_down [experts, expert_mlp, embed].
+
+    With `parallel` (a device mesh) the experts run expert-parallel, and the expert
+    weights are indexed by physical slot: slot s holds logical expert
+    `physical_to_logical[s]`. The placement tables (`PlacementTable` state) start as
+    the identity, matching a checkpoint's expert order.
     """
 
     def __init__(
@@ -269,6 +328,7 @@ class MoeBlock(nnx.Module):
         norm_topk_prob: bool,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        parallel: Parallelism | None = None,
     ):
         if not 0 < top_k <= num_experts:
             raise ValueError(
@@ -276,15 +336,32 @@ class MoeBlock(nnx.Module):
             )
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.parallel = parallel
         e, h, i = num_experts, hidden_size, moe_intermediate_size
-        self.router = param(rngs, (h, e), ("embed", "experts"), dtype)
+        self.router = param(rngs, (h, e), ("embed", None), dtype)
         self.w_gate = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_up = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_down = param(rngs, (e, i, h), ("experts", "expert_mlp", "embed"), dtype)
+        if parallel is not None:
+            for name, table in self.initial_placement().items():
+                setattr(self, name, PlacementTable(jnp.asarray(table)))
+
+    def initial_placement(self) -> dict[str, Any]:
+        """The placement tables of a freshly loaded checkpoint (expert-parallel blocks
+        only), by name (`PLACEMENT_FIELDS`), as host arrays: {} on one device."""
+        if self.parallel is None:
+            return {}
+        return self.parallel.initial_placement(self.w_gate.shape[0])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, embed] -> [T, embed]."""
         weights, ids = route(x, self.router[...], self.top_k, self.norm_topk_prob)
-        return moe_experts_dense(
-            x, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...]
-        )
+        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.parallel is None:
+            return moe_experts_dense(x, weights, ids, *experts)
+        tables = {name: getattr(self, name)[...] for name in PLACEMENT_FIELDS}
+        return self.parallel.moe_experts(x, weights, ids, *experts, tables)
+
+
+# The placement tables of an expert-parallel MoE block (`PlacementTable` attributes).
+PLACEMENT_FIELDS = ("logical_to_physical", "replica_counts", "physical_to_logical")

@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxserve.models.config import ModelConfig, normalize_token_ids
-from jaxserve.models.decoder import DecoderOnlyLM
-from jaxserve.models.registry import model_class
-from jaxserve.models.weight_map import CheckpointLayout, ParamPath, WeightSpec, path_str
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+from jaxserve.models.config import ModelConfig, normalize_token_ids
+from jaxserve.models.decoder import DecoderOnlyLM
+from jaxserve.models.layers import Parallelism
+from jaxserve.models.registry import model_class
+from jaxserve.models.weight_map import CheckpointLayout, ParamPath, WeightSpec, path_str
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ def load_model(
     dtype: jnp.dtype | str = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
     shardings: ShardingFn | None = None,
+    parallel: Parallelism | None = None,
 ) -> tuple[DecoderOnlyLM, ModelConfig]:
     """Build the model of `model_dir` and fill it from its safetensors.
 
@@ -78,6 +81,8 @@ def load_model(
             are cast to it.
         mesh: the device mesh; with no `shardings`, parameters are replicated over it.
         shardings: the placement hook, (path, logical axes) -> Sharding.
+        parallel: how the model runs on `mesh` (`jaxserve.sharding.parallel`); None on
+            one device. `jaxserve.sharding.load_sharded_model` passes all three.
 
     Returns:
         (model with concrete, placed parameters, its ModelConfig).
@@ -92,12 +97,13 @@ def load_model(
     dtype = jnp.dtype(dtype)
     config = load_config(model_dir)
     cls = model_class(config.architecture)
-    abstract = nnx.eval_shape(lambda: cls(config, dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: cls(config, dtype, rngs=nnx.Rngs(0), parallel=parallel))
     place = shardings or default_sharding_fn(mesh)
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
+    buffers = abstract.initial_buffers()
     specs = abstract.hf_weight_specs()
-    _check_specs_cover(specs, variables)
+    _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})
 
     with _CheckpointReader(model_dir) as checkpoint:
         for spec in specs:
@@ -115,8 +121,19 @@ def load_model(
             sharding = place(path_str(spec.path), tuple(axes))
             var.set_value(jax.device_put(value.astype(np.dtype(var.dtype)), sharding))
         _report_unused(checkpoint, config)
-
+    fill_buffers(variables, buffers, place)
     return nnx.merge(graphdef, nnx.from_flat_state(variables)), config
+
+
+def fill_buffers(
+    variables: dict[ParamPath, nnx.Variable], buffers: dict[ParamPath, object], place: ShardingFn
+) -> None:
+    """Set the non-weight state (`DecoderOnlyLM.initial_buffers`) on its placement."""
+    for path, value in buffers.items():
+        var = variables[path]
+        var.set_value(
+            jax.device_put(np.asarray(value, np.dtype(var.dtype)), place(path_str(path), ()))
+        )
 
 
 def save_hf_weights(model: DecoderOnlyLM, path: str | Path) -> Path:

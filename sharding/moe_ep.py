@@ -1,0 +1,238 @@
+"""Expert-parallel MoE experts inside `shard_map`: dispatch, grouped matmul, combine.
+
+Experts live in physical slots spread over all ep = dp * tp devices (`placement.py`).
+Routing (top-k) happens before this module, identically to the single-device model; this
+module takes each token's top-k (weights, logical expert ids) and returns the weighted
+sum of its experts' outputs. Two paths, the same result:
+
+all_to_all path (any batch; DeepSpeed-MoE / GShard-style dispatch and combine):
+    1. each device takes 1/tp of its dp rank's tokens;
+    2. every (token, choice) gets a physical slot (`choose_slots`), hence a device;
+    3. assignments are sorted by slot and scattered into a send buffer [ep, C, H] with
+       capacity C = tokens_per_device * min(k, slots_per_device): the most rows one
+       device can send to another (a token's k experts are distinct, so at most
+       min(k, slots per device) of them sit on one device). No token is ever dropped,
+       even if every token picks the same experts;
+    4. `all_to_all` the rows (and their local expert ids) to the devices holding them;
+    5. grouped matmul over the local experts (`local_expert_ffn`);
+    6. `all_to_all` the results back, un-sort, weighted sum over the k choices;
+    7. `all_gather` over tp restores the dp rank's tokens.
+
+replicated-token path (small batches): every device gathers all tokens, runs its local
+experts on the tokens that chose them, and a `psum` over tp plus a `psum_scatter` over
+dp sums the partial outputs. It moves the whole batch instead of the routed rows, but
+skips the capacity padding and both all_to_alls, which wins when the batch is small.
+
+The array layout is the DP-attention flat batch: the T tokens are the concatenation of
+the dp ranks' T/dp tokens, so T must be divisible by dp.
+
+Avoided on purpose: `lax.ragged_dot` (dense over all groups on the CPU) and
+`lax.ragged_all_to_all` (unimplemented on the CPU). On an NVIDIA GPU the local expert
+FFN goes through `jaxserve.kernels.dispatch.moe_ffn` (the Pallas grouped matmul).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.sharding.placement import ExpertPlacement, choose_slots
+from jaxserve.sharding.rules import DP, EP, TP
+
+ALL_TO_ALL = "all_to_all"
+REPLICATED = "replicated"
+
+
+def capacity(tokens_per_device: int, top_k: int, slots_per_device: int) -> int:
+    """Rows one device may send to one other device in one MoE step: the worst case, so
+    no token is dropped (every token choosing experts of one device)."""
+    return tokens_per_device * min(top_k, slots_per_device)
+
+
+def all_to_all_bytes_per_device(
+    num_tokens: int, hidden: int, top_k: int, mesh: Mesh, num_slots: int, itemsize: int
+) -> int:
+    """Bytes one device sends through the two all_to_alls of one MoE layer step
+    (dispatch rows + their int32 expert ids, then the results back), padding included.
+    Rows a device "sends" to itself are counted too: this is the buffer size."""
+    ep = mesh.size
+    per_device = -(-(num_tokens // mesh.shape[DP]) // mesh.shape[TP])
+    rows = ep * capacity(per_device, top_k, num_slots // ep)
+    return rows * (2 * hidden * itemsize + 4)
+
+
+def local_expert_ffn(
+    rows: jax.Array,
+    local_ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """SwiGLU (Shazeer 2020) of each row with its own local expert: the grouped matmul
+    of the expert-parallel MoE. The function boundary where the Pallas kernel plugs in.
+
+    Args:
+        rows: [M, H] activations, any order.
+        local_ids: [M] int32 local expert of each row in [0, L]; L marks an empty row.
+        w_gate, w_up: [L, H, I]; w_down: [L, I, H] (this device's slots).
+
+    Returns:
+        [M, H] in rows.dtype; empty rows give 0.
+
+    On the kernel backends (`jaxserve.kernels.dispatch`, NVIDIA GPU) rows are sorted by
+    expert and fed to the grouped matmul kernel; on the reference backend (the CPU)
+    every row goes through every local expert densely and its own expert's output is
+    selected (exact, no `ragged_dot`).
+    """
+    from jaxserve.kernels import dispatch  # noqa: PLC0415 -- kernels import models; keep lazy
+
+    num_local = w_gate.shape[0]
+    if dispatch.get_backend() == dispatch.REFERENCE:
+        out = _dense_local_ffn(rows, w_gate, w_up, w_down)  # [M, L, H]
+        picked = jnp.take_along_axis(out, jnp.minimum(local_ids, num_local - 1)[:, None, None], 1)
+        return jnp.where((local_ids < num_local)[:, None], picked[:, 0], 0).astype(rows.dtype)
+    order = jnp.argsort(local_ids, stable=True)
+    group_sizes = jnp.bincount(local_ids, length=num_local).astype(jnp.int32)
+    out_sorted = dispatch.moe_ffn(rows[order], group_sizes, w_gate, w_up, w_down)
+    return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+
+
+def _dense_local_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array):
+    """Every row through every local expert: [M, H] -> [M, L, H]."""
+    gate = jnp.einsum("mh,lhi->mli", x, w_gate)
+    up = jnp.einsum("mh,lhi->mli", x, w_up)
+    return jnp.einsum("mli,lih->mlh", jax.nn.silu(gate) * up, w_down)
+
+
+def _token_chunk(a: jax.Array, chunk: int, index: jax.Array) -> jax.Array:
+    """Rows [index * chunk, (index + 1) * chunk) of `a`, zero-padded past its end."""
+    pad = chunk * lax.axis_size(TP) - a.shape[0]
+    padded = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    return lax.dynamic_slice_in_dim(padded, index * chunk, chunk)
+
+
+def _all_to_all_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement):
+    """Per-device body of the all_to_all path (see the module docstring).
+
+    x: [T_dp, H] this dp rank's tokens (replicated over tp); topk_*: [T_dp, k];
+    w_*: this device's L slots. Returns [T_dp, H].
+    """
+    t_dp, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    ep, tp = lax.axis_size(EP), lax.axis_size(TP)
+    num_local = w_gate.shape[0]
+    n = -(-t_dp // tp)  # tokens handled by this device
+    cap = capacity(n, top_k, num_local)
+    tp_index, dp_index = lax.axis_index(TP), lax.axis_index(DP)
+
+    xs = _token_chunk(x, n, tp_index)
+    weights = _token_chunk(topk_weights, n, tp_index)
+    ids = _token_chunk(topk_ids, n, tp_index)
+    local_token = tp_index * n + jnp.arange(n, dtype=jnp.int32)
+    real = local_token < t_dp  # tp padding rows are not dispatched
+    slots = choose_slots(ids, dp_index * t_dp + local_token, placement)  # [n, k]
+    # Padding goes to a sentinel slot past the end: sorted last, dropped by the scatter.
+    slots = jnp.where(real[:, None], slots, ep * num_local).reshape(-1)
+
+    order = jnp.argsort(slots, stable=True)
+    slot_sorted = slots[order]
+    dest = slot_sorted // num_local
+    first_of_dest = jnp.searchsorted(dest, jnp.arange(ep, dtype=dest.dtype), side="left")
+    rank = jnp.arange(n * top_k) - first_of_dest[jnp.minimum(dest, ep - 1)]
+    token_sorted = order // top_k
+
+    send = jnp.zeros((ep, cap, hidden), x.dtype).at[dest, rank].set(xs[token_sorted], mode="drop")
+    send_ids = jnp.full((ep, cap), num_local, jnp.int32)
+    send_ids = send_ids.at[dest, rank].set(slot_sorted % num_local, mode="drop")
+    recv = lax.all_to_all(send, EP, 0, 0, tiled=True)
+    recv_ids = lax.all_to_all(send_ids, EP, 0, 0, tiled=True)
+
+    out = local_expert_ffn(
+        recv.reshape(ep * cap, hidden), recv_ids.reshape(-1), w_gate, w_up, w_down
+    )
+    back = lax.all_to_all(out.reshape(ep, cap, hidden), EP, 0, 0, tiled=True)
+
+    y_sorted = back.at[dest, rank].get(mode="fill", fill_value=0)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, top_k, hidden)
+    combined = jnp.einsum("nk,nkh->nh", weights, y)
+    return lax.all_gather(combined, TP, axis=0, tiled=True)[:t_dp]
+
+
+def _replicated_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement):
+    """Per-device body of the replicated-token path (see the module docstring)."""
+    t_dp = x.shape[0]
+    num_local = w_gate.shape[0]
+    xs = lax.all_gather(x, DP, axis=0, tiled=True)  # [T, H]: every token on every device
+    weights = lax.all_gather(topk_weights, DP, axis=0, tiled=True)
+    ids = lax.all_gather(topk_ids, DP, axis=0, tiled=True)
+    num_tokens = xs.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    local = choose_slots(ids, token, placement) - lax.axis_index(EP) * num_local
+    mine = (local >= 0) & (local < num_local)
+    combine = jnp.zeros((num_tokens, num_local + 1), weights.dtype)
+    combine = combine.at[token[:, None], jnp.where(mine, local, num_local)].add(weights)
+    partial = jnp.einsum(
+        "tlh,tl->th", _dense_local_ffn(xs, w_gate, w_up, w_down), combine[:, :num_local]
+    )
+    summed = lax.psum(partial, TP)
+    return lax.psum_scatter(summed, DP, scatter_dimension=0, tiled=True)[:t_dp]
+
+
+def expert_parallel_moe(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    placement: ExpertPlacement,
+    *,
+    mesh: Mesh,
+    path: str = ALL_TO_ALL,
+) -> jax.Array:
+    """The experts of an MoE layer over a (dp, tp) mesh, experts on all dp * tp devices.
+
+    Args:
+        x: [T, H] routed activations, the dp ranks' tokens concatenated (T % dp == 0).
+        topk_weights: [T, k] combine weights (x.dtype); topk_ids: [T, k] int32 logical
+            expert ids, as returned by `jaxserve.models.layers.route`.
+        w_gate, w_up: [S, H, I]; w_down: [S, I, H]: the weights of the S physical slots
+            (slot s holds expert placement.physical_to_logical[s]); sharded over ep.
+        placement: the tables (traced: a new placement needs no recompile).
+        mesh: the (dp, tp) mesh (`mesh.build_mesh`).
+        path: ALL_TO_ALL or REPLICATED (same result; see the module docstring).
+
+    Returns:
+        [T, H] in x.dtype: sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
+
+    Raises:
+        ValueError: T not divisible by dp, S not divisible by dp * tp, or unknown path.
+    """
+    bodies = {ALL_TO_ALL: _all_to_all_body, REPLICATED: _replicated_body}
+    if path not in bodies:
+        raise ValueError(f"expert_parallel_moe: path must be one of {sorted(bodies)}, got {path!r}")
+    dp = mesh.shape[DP]
+    if x.shape[0] % dp:
+        raise ValueError(
+            f"expert_parallel_moe: {x.shape[0]} tokens are not divisible by dp={dp} "
+            "(the flat batch is dp ranks' equal-size batches concatenated)"
+        )
+    if w_gate.shape[0] % mesh.size:
+        raise ValueError(
+            f"expert_parallel_moe: {w_gate.shape[0]} expert slots are not divisible by "
+            f"ep = dp*tp = {mesh.size}"
+        )
+    tokens, experts, tables = P(DP), P(EP), P()
+    sharded = jax.shard_map(
+        bodies[path],
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, experts, experts, experts, tables),
+        out_specs=tokens,
+        # The outputs are equal over tp by construction (all_gather / psum over tp), which
+        # the replication checker cannot see through the all_to_alls.
+        check_vma=False,
+    )
+    return sharded(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement)
