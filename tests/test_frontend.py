@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from mock_engine import mock_logprobs, mock_tokens, write_mock_model_dir
+from server_harness import ServerProcess, alive
 
 from jaxserve.frontend.client import JaxserveClient, build_generate_request
 from jaxserve.frontend.detokenizer_process import OutputProcessor
@@ -45,103 +44,15 @@ FFFD = "\ufffd"
 # ---------------------------------------------------------------- server harness
 
 
-class ServerProcess:
-    """`python -m jaxserve.cli serve` on the mock engine, port 0, logs collected."""
-
-    def __init__(
-        self, model_dir: Path, *, start_delay_s: float = 0.0, extra_args: tuple[str, ...] = ()
-    ) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
-        env["JAXSERVE_MOCK_STEP_DELAY_S"] = str(STEP_DELAY_S)
-        env["JAXSERVE_MOCK_START_DELAY_S"] = str(start_delay_s)
-        cmd = [
-            sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", "0", "--num-blocks", "256", "--block-size", "16",
-            "--engine-class", "mock_engine:MockEngineCore", *extra_args,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-        )
-        self.lines: list[str] = []
-        self.listening = threading.Event()  # gRPC bound, engine maybe still starting
-        self.ready = threading.Event()
-        self.target = ""
-        threading.Thread(target=self._read_logs, daemon=True).start()
-        if not self.listening.wait(START_TIMEOUT_S):
-            self.kill()
-            raise AssertionError("server did not start listening:\n" + self.log())
-        self.children = _child_pids(self.proc.pid)
-        # The private socket folder, removed by kill() when the server had no chance to.
-        cmdline = self._cmdline(self.child("jaxserve.engine.process"))
-        self.socket_dir = re.search(r"ipc://(\S+)/engine", cmdline).group(1)
-
-    def wait_ready(self) -> ServerProcess:
-        if not self.ready.wait(START_TIMEOUT_S):
-            self.kill()
-            raise AssertionError("server did not log ready:\n" + self.log())
-        return self
-
-    def _read_logs(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if m := re.search(r"gRPC listening on (127\.0\.0\.1:\d+)", line):
-                self.target = m.group(1)
-                self.listening.set()
-            if re.search(r"jaxserve ready: .* on 127\.0\.0\.1:\d+", line):
-                self.ready.set()
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def child(self, module: str) -> int:
-        """The pid of the child running `python -m module`."""
-        for pid in self.children:
-            if module in self._cmdline(pid):
-                return pid
-        raise AssertionError(f"no child runs {module}: {self.children}")
-
-    @staticmethod
-    def _cmdline(pid: int) -> str:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
-
-    def terminate(self, timeout: float) -> float:
-        """SIGTERM; returns the seconds until the server process exited."""
-        start = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout)
-        return time.monotonic() - start
-
-    def kill(self) -> None:
-        for pid in [*self.children, self.proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.proc.wait(10)
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-def _child_pids(pid: int) -> list[int]:
-    """Children of `pid`, from /proc/*/stat (field 4 is the parent pid)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
-def _alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def MockServer(model_dir: Path, *, start_delay_s: float = 0.0, extra_args=()) -> ServerProcess:
+    """The real three-process server with the mock engine in the engine process."""
+    args = ("--num-blocks", "256", "--block-size", "16")
+    args += ("--engine-class", "mock_engine:MockEngineCore", *extra_args)
+    env = {
+        "JAXSERVE_MOCK_STEP_DELAY_S": str(STEP_DELAY_S),
+        "JAXSERVE_MOCK_START_DELAY_S": str(start_delay_s),
+    }
+    return ServerProcess(model_dir, extra_args=args, env=env, start_timeout_s=START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +73,7 @@ def vocab(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv = ServerProcess(model_dir).wait_ready()
+    srv = MockServer(model_dir).wait_ready()
     yield srv
     srv.terminate(15)
 
@@ -487,9 +398,9 @@ def test_frontend_process_never_imports_jax():
 
 
 def test_sigterm_stops_all_processes(model_dir):
-    srv = ServerProcess(model_dir).wait_ready()
+    srv = MockServer(model_dir).wait_ready()
     try:
-        assert len(srv.children) == 2 and all(_alive(p) for p in srv.children)
+        assert len(srv.children) == 2 and all(alive(p) for p in srv.children)
         ended = threading.Event()
 
         def stream():
@@ -507,15 +418,15 @@ def test_sigterm_stops_all_processes(model_dir):
         assert srv.proc.returncode == 0, srv.log()
         assert ended.wait(5), "an open stream was left hanging"
         deadline = time.monotonic() + 2
-        while any(_alive(p) for p in srv.children) and time.monotonic() < deadline:
+        while any(alive(p) for p in srv.children) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in srv.children)
+        assert not any(alive(p) for p in srv.children)
     finally:
         srv.kill()
 
 
 def test_engine_death_ends_streams_with_unavailable(model_dir):
-    srv = ServerProcess(model_dir).wait_ready()
+    srv = MockServer(model_dir).wait_ready()
     try:
         codes: list = []
         started = threading.Barrier(3)
@@ -548,13 +459,13 @@ def test_engine_death_ends_streams_with_unavailable(model_dir):
             assert "engine" in info.value.details()
             assert not c.is_serving()
         assert srv.terminate(timeout=10) < 10
-        assert not any(_alive(p) for p in srv.children)
+        assert not any(alive(p) for p in srv.children)
     finally:
         srv.kill()
 
 
 def test_not_serving_until_engine_ready(model_dir):
-    srv = ServerProcess(model_dir, start_delay_s=3.0)
+    srv = MockServer(model_dir, start_delay_s=3.0)
     try:
         with JaxserveClient(srv.target) as c:
             assert not srv.ready.is_set()
@@ -572,14 +483,14 @@ def test_not_serving_until_engine_ready(model_dir):
 
 
 def test_children_die_with_the_frontend(model_dir):
-    srv = ServerProcess(model_dir).wait_ready()
+    srv = MockServer(model_dir).wait_ready()
     try:
         srv.proc.send_signal(signal.SIGKILL)  # no chance to clean up: the children must notice
         srv.proc.wait(10)
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in srv.children) and time.monotonic() < deadline:
+        while any(alive(p) for p in srv.children) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in srv.children)
+        assert not any(alive(p) for p in srv.children)
     finally:
         srv.kill()
 
@@ -655,7 +566,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def test_metrics_endpoint_counts_what_the_client_saw(model_dir):
     port = _free_port()
-    server = ServerProcess(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
+    server = MockServer(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
     try:
         client = JaxserveClient(server.target)
         deltas = list(client.generate("metrics please", max_tokens=12, timeout=RPC_TIMEOUT_S))

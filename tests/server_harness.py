@@ -1,0 +1,121 @@
+"""A `jaxserve serve` subprocess for tests: start, wait, find its children, stop or kill.
+
+Shared by the mock-engine frontend tests and the end-to-end tests on the demo model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+
+
+class ServerProcess:
+    """`python -m jaxserve.cli serve` on port 0 (loopback), its stderr collected."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        self.start_timeout_s = start_timeout_s
+        env = {**os.environ, **(env or {})}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+        cmd = [
+            sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", "0", *extra_args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
+        self.lines: list[str] = []
+        self.listening = threading.Event()  # gRPC bound, engine maybe still starting
+        self.ready = threading.Event()
+        self.target = ""
+        threading.Thread(target=self._read_logs, daemon=True).start()
+        if not self.listening.wait(self.start_timeout_s):
+            self.kill()
+            raise AssertionError("server did not start listening:\n" + self.log())
+        self.children = child_pids(self.proc.pid)
+        # The private socket folder, removed by kill() when the server had no chance to.
+        cmdline = self._cmdline(self.child("jaxserve.engine.process"))
+        self.socket_dir = re.search(r"ipc://(\S+)/engine", cmdline).group(1)
+
+    def wait_ready(self) -> ServerProcess:
+        if not self.ready.wait(self.start_timeout_s):
+            self.kill()
+            raise AssertionError("server did not log ready:\n" + self.log())
+        return self
+
+    def _read_logs(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if m := re.search(r"gRPC listening on (127\.0\.0\.1:\d+)", line):
+                self.target = m.group(1)
+                self.listening.set()
+            if re.search(r"jaxserve ready: .* on 127\.0\.0\.1:\d+", line):
+                self.ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def child(self, module: str) -> int:
+        """The pid of the child running `python -m module`."""
+        for pid in self.children:
+            if module in self._cmdline(pid):
+                return pid
+        raise AssertionError(f"no child runs {module}: {self.children}")
+
+    @staticmethod
+    def _cmdline(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
+
+    def terminate(self, timeout: float) -> float:
+        """SIGTERM; returns the seconds until the server process exited."""
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        for pid in [*self.children, self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait(10)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Children of `pid`, from /proc/*/stat (field 4 is the parent pid)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
