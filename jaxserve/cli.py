@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 
+from jaxserve import convert
 from jaxserve.config import (
     DEMO_MODEL_DIR,
     CacheConfig,
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, help="seconds for the whole call")
     g.add_argument("-v", "--verbose", action="store_true", help="print finish reason, counts")
     g.set_defaults(func=_cmd_generate)
+
+    convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
     return parser
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxserve.models.checkpoint import is_orbax_checkpoint, restore_params
 from jaxserve.models.config import ModelConfig, normalize_token_ids
 from jaxserve.models.decoder import DecoderOnlyLM
 from jaxserve.models.layers import Parallelism
@@ -72,11 +73,13 @@ def load_model(
     shardings: ShardingFn | None = None,
     parallel: Parallelism | None = None,
 ) -> tuple[DecoderOnlyLM, ModelConfig]:
-    """Build the model of `model_dir` and fill it from its safetensors.
+    """Build the model of `model_dir` and fill it from its safetensors (or from the
+    Orbax checkpoint of a folder written by `jaxserve convert`).
 
     Args:
         model_dir: HF folder with config.json and model.safetensors, or sharded
-            *.safetensors with model.safetensors.index.json.
+            *.safetensors with model.safetensors.index.json; or a `jaxserve convert`
+            output folder (`jaxserve.models.checkpoint`).
         dtype: parameter dtype, a JAX dtype or its name ("bfloat16"); checkpoint tensors
             are cast to it.
         mesh: the device mesh; with no `shardings`, parameters are replicated over it.
@@ -102,9 +105,24 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     buffers = abstract.initial_buffers()
-    specs = abstract.hf_weight_specs()
-    _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})
+    if is_orbax_checkpoint(model_dir):
+        restore_params(model_dir, variables, [p for p in variables if p not in buffers], place)
+    else:
+        specs = abstract.hf_weight_specs()
+        _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})
+        _read_safetensors(model_dir, config, specs, variables, place)
+    fill_buffers(variables, buffers, place)
+    return nnx.merge(graphdef, nnx.from_flat_state(variables)), config
 
+
+def _read_safetensors(
+    model_dir: Path,
+    config: ModelConfig,
+    specs: list[WeightSpec],
+    variables: dict[ParamPath, nnx.Variable],
+    place: ShardingFn,
+) -> None:
+    """Fill each parameter from its checkpoint tensors, one tensor at a time."""
     with _CheckpointReader(model_dir) as checkpoint:
         for spec in specs:
             var = variables[spec.path]
@@ -121,8 +139,6 @@ def load_model(
             sharding = place(path_str(spec.path), tuple(axes))
             var.set_value(jax.device_put(value.astype(np.dtype(var.dtype)), sharding))
         _report_unused(checkpoint, config)
-    fill_buffers(variables, buffers, place)
-    return nnx.merge(graphdef, nnx.from_flat_state(variables)), config
 
 
 def fill_buffers(

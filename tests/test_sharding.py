@@ -335,3 +335,30 @@ def test_mesh_that_cannot_hold_the_model(tiny_moe_dir, mesh_model_dir):
     odd = dataclasses.replace(config, num_attention_heads=3, num_key_value_heads=3, num_experts=3)
     with pytest.raises(MeshError, match=r"intermediate_size=64 is not divisible by tp=3"):
         check_model_fits(odd, build_mesh(1, 3))
+
+
+# ----- Orbax checkpoints (`jaxserve convert`) ---------------------------------------------
+
+
+def test_convert_to_orbax_and_restore_onto_another_mesh(mesh_model_dir, tmp_path):
+    from jaxserve.cli import build_parser
+
+    out = tmp_path / "converted"
+    argv = ["convert", "--model", str(mesh_model_dir), "--out", str(out), "--mesh", "dp=2,tp=4"]
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert (out / "config.json").is_file() and not list(out.glob("*.safetensors"))
+
+    reference, _ = load_model(mesh_model_dir)
+    want = dict(nnx.to_flat_state(nnx.state(reference, nnx.Param)))
+    restored, _ = load_sharded_model(out, build_mesh(4, 2))
+    single, _ = load_model(out)
+    for model in (restored, single):
+        got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+        assert got.keys() == want.keys()
+        for path, var in got.items():
+            np.testing.assert_array_equal(var.get_value(), want[path].get_value(), str(path))
+    for path, var in dict(nnx.to_flat_state(nnx.state(restored, nnx.Param))).items():
+        axes = var.get_metadata()["out_sharding"]
+        assert var.get_value().sharding.spec == logical_to_spec(axes), path
+    assert args.func(args) == 1  # a second conversion into the same folder is refused
