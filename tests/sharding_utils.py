@@ -22,6 +22,8 @@ from model_utils import StepRequest, build_step
 from jaxserve.models.base import AttentionMetadata, allocate_kv_cache
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
+METADATA_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "token_req")
+
 
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated (or single-device) array as NumPy, also across processes."""
@@ -72,36 +74,41 @@ class GreedyDriver:
 
         self._state = state
         self._forward = jax.jit(forward, donate_argnums=(3,))
+        # Called with each step's host arrays before it runs (multi-process leader).
+        self.publish = None
 
     def _block_table(self, row: int) -> list[int]:
         return [1 + row * self.max_blocks + b for b in range(self.max_blocks)]
 
-    def _inputs(self, per_rank: list[list[StepRequest]], tokens_per_rank: int):
+    def _host_inputs(self, per_rank: list[list[StepRequest]], tokens_per_rank: int):
+        """[tokens, positions, *metadata fields] as NumPy, in the DP layout."""
         steps = [
             build_step(reqs, self.block_size, self.max_blocks, tokens_per_rank, self.rows_per_rank)
             for reqs in per_rank
         ]
-        tokens = np.concatenate([np.asarray(s[0]) for s in steps])
-        positions = np.concatenate([np.asarray(s[1]) for s in steps])
-        fields = {
-            f: np.concatenate([np.asarray(getattr(s[2], f)) for s in steps])
-            for f in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "token_req")
-        }
+        arrays = [np.concatenate([np.asarray(s[i]) for s in steps]) for i in (0, 1)]
+        for f in METADATA_FIELDS:
+            arrays.append(np.concatenate([np.asarray(getattr(s[2], f)) for s in steps]))
+        return arrays
+
+    def run(self, host_arrays: list[np.ndarray]) -> np.ndarray:
+        """One forward of `_host_inputs`' arrays; logits [T, vocab] on the host. Every
+        process of a multi-process run calls it with the same arrays."""
         if self.mesh is None:
-            put = jnp.asarray
+            tokens, positions, *fields = [jnp.asarray(a) for a in host_arrays]
         else:
-
-            def put(a):
-                return jax.device_put(a, batch_sharding(self.mesh, a.ndim))
-
-        return (
-            put(tokens),
-            put(positions),
-            AttentionMetadata(**{k: put(v) for k, v in fields.items()}),
+            tokens, positions, *fields = [
+                jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in host_arrays
+            ]
+        metadata = AttentionMetadata(**dict(zip(METADATA_FIELDS, fields, strict=True)))
+        logits, self.kv_cache = self._forward(
+            self._state, tokens, positions, self.kv_cache, metadata
         )
+        return to_host(logits)
 
     def step(self, chunks: dict[int, tuple[list[int], int]], tokens_per_rank: int):
-        """Run one step: request r feeds chunks[r] = (tokens, start position).
+        """Run one step: request r feeds chunks[r] = (tokens, start position). The host
+        inputs go to `self.publish` first, if set (the multi-process leader).
 
         Returns {r: logits [len(tokens), vocab] float32 NumPy}.
         """
@@ -114,9 +121,10 @@ class GreedyDriver:
                 raise ValueError("requests of a rank must be scheduled in row order")
             per_rank[rank].append(StepRequest(list(toks), start, self._block_table(row)))
             where[r] = (rank * tokens_per_rank + offset, len(toks))
-        inputs = self._inputs(per_rank, tokens_per_rank)
-        logits, self.kv_cache = self._forward(self._state, *inputs[:2], self.kv_cache, inputs[2])
-        logits = to_host(logits)
+        arrays = self._host_inputs(per_rank, tokens_per_rank)
+        if self.publish is not None:
+            self.publish(arrays)
+        logits = self.run(arrays)
         return {r: logits[a : a + n] for r, (a, n) in where.items()}
 
     def generate(self, prompts: list[list[int]], num_new: int):

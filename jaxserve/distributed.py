@@ -1,0 +1,164 @@
+"""Multi-process start-up: `jax.distributed.initialize` from flags or environment variables.
+
+Where the three numbers (coordinator address, number of processes, this process's id)
+come from, first match wins:
+
+1. flags: `--coordinator-address HOST:PORT --num-processes N --process-id I`;
+2. JAX's own variables: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
+   (scripts/launch_multihost_local.sh sets them);
+3. SLURM (`srun`): `SLURM_NTASKS`, `SLURM_PROCID`, and `JAX_COORDINATOR_ADDRESS` or the
+   first host of `SLURM_STEP_NODELIST` (as JAX's SlurmCluster does; scripts/launch_slurm.sh);
+4. a Kubernetes indexed Job: `JOB_COMPLETION_INDEX` as the process id, with
+   `JAX_NUM_PROCESSES` and `JAX_COORDINATOR_ADDRESS` set in the pod template
+   (scripts/k8s_indexed_job.yaml).
+
+None of them: a single process, and `initialize` does nothing. Process 0 hosts the
+coordinator (JAX's rule) and, in jaxserve, schedules every step
+(`jaxserve.step_channel`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# The step channel listens beside the coordinator: its port is the coordinator's + this.
+STEP_CHANNEL_PORT_OFFSET = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedConfig:
+    """One process's place in a multi-process run.
+
+    coordinator_address: "host:port" of process 0's coordinator service.
+    num_processes: processes in the run (>= 2).
+    process_id: this process, in [0, num_processes).
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+    @property
+    def coordinator_host(self) -> str:
+        return self.coordinator_address.rpartition(":")[0].strip("[]")
+
+    @property
+    def coordinator_port(self) -> int:
+        return int(self.coordinator_address.rpartition(":")[2])
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
+def resolve(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DistributedConfig | None:
+    """The run's `DistributedConfig` from flags, then the environment (module docstring);
+    None for a single process.
+
+    Raises:
+        ValueError: a partial or inconsistent setting (names the flag or variable).
+    """
+    env = os.environ if env is None else env
+    address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    count = num_processes if num_processes is not None else _int_env(env, "JAX_NUM_PROCESSES")
+    index = process_id if process_id is not None else _int_env(env, "JAX_PROCESS_ID")
+    if count is None and "SLURM_NTASKS" in env:
+        count = _int_env(env, "SLURM_NTASKS")
+        index = _int_env(env, "SLURM_PROCID") if index is None else index
+        if address is None and "SLURM_STEP_NODELIST" in env:
+            address = f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{_SLURM_DEFAULT_PORT}"
+    if index is None and "JOB_COMPLETION_INDEX" in env:
+        index = _int_env(env, "JOB_COMPLETION_INDEX")
+    if count is None or count == 1:
+        if address is not None and count is None:
+            raise ValueError(
+                "distributed: a coordinator address is set but not the number of processes "
+                "(--num-processes or JAX_NUM_PROCESSES)"
+            )
+        return None
+    if address is None:
+        raise ValueError(
+            f"distributed: {count} processes but no coordinator address "
+            "(--coordinator-address or JAX_COORDINATOR_ADDRESS, host:port of process 0)"
+        )
+    if index is None:
+        raise ValueError(
+            "distributed: no process id (--process-id, JAX_PROCESS_ID, SLURM_PROCID or "
+            "JOB_COMPLETION_INDEX)"
+        )
+    if not 0 <= index < count:
+        raise ValueError(f"distributed: process id {index} is not in [0, {count})")
+    if not re.fullmatch(r".+:\d+", address):
+        raise ValueError(f"distributed: coordinator address {address!r} is not host:port")
+    return DistributedConfig(address, count, index)
+
+
+# JAX's SlurmCluster default coordinator port.
+_SLURM_DEFAULT_PORT = 61234
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "node[003-005,9],gpu1" -> "node003"."""
+    head = re.match(r"([^,\[]+)(\[([^\]]*)\])?", nodelist.strip())
+    if head is None:
+        raise ValueError(f"SLURM_STEP_NODELIST: cannot parse {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(3)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
+    """`jax.distributed.initialize` for `config` (nothing for None). Call it before any
+    other JAX call; every process of the run must call it."""
+    if config is None:
+        return
+    import jax  # noqa: PLC0415 -- the CLI imports this module without JAX
+
+    logger.info(
+        "jax.distributed.initialize: process %d of %d, coordinator %s",
+        config.process_id,
+        config.num_processes,
+        config.coordinator_address,
+    )
+    jax.distributed.initialize(
+        config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        initialization_timeout=timeout_s,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --coordinator-address, --num-processes and --process-id to a CLI parser."""
+    group = parser.add_argument_group("multi-process (jax.distributed)")
+    group.add_argument("--coordinator-address", help="host:port of process 0's coordinator")
+    group.add_argument("--num-processes", type=int, help="processes in the run")
+    group.add_argument("--process-id", type=int, help="this process, 0 = the scheduler")
+
+
+def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = None):
+    """`resolve` from the flags of `add_arguments` and the environment."""
+    return resolve(args.coordinator_address, args.num_processes, args.process_id, env)
