@@ -96,14 +96,16 @@ def test_grouped_matmul_kernel_matches_oracle(interpret, name):
     rng = np.random.default_rng(0)
     x, w = bf16(rng, (m, 128)), bf16(rng, (len(sizes), 128, 128))
     group_sizes = jnp.asarray(sizes, jnp.int32)
+    # K = 2 steps of a 2-deep ring: tiles chain; 2 CTAs each run several tiles.
     config = GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=2)
-    out = grouped_matmul.grouped_matmul(x, w, group_sizes, config=config)
+    out = grouped_matmul.grouped_matmul(x, w, group_sizes, config=config, num_sms=2)
     assert out.dtype == jnp.bfloat16
     assert_close(out, gmm_oracle(x, w, group_sizes))
 
 
 def test_grouped_matmul_kernel_float32_output_and_deep_k(interpret):
-    """K spans several pipeline stages; float32 output keeps the accumulator's precision."""
+    """K spans several pipeline stages (4 steps, 3-deep ring: tiles are not chained);
+    float32 output keeps the accumulator's precision."""
     rng = np.random.default_rng(1)
     x, w = bf16(rng, (96, 256)), bf16(rng, (3, 256, 128))
     group_sizes = jnp.asarray([30, 2, 64], jnp.int32)

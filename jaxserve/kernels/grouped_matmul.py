@@ -148,10 +148,15 @@ def _gmm_kernel(
         ],
     ]
 
-    def make_pipeline(body, compute_context):
+    k_steps = k // tile_k
+    # A pipeline of pipelines needs whole rounds of the ring per tile (JAX's rule).
+    chain = config.chain_tiles and k_steps % config.max_concurrent_steps == 0
+
+    def make_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k // tile_k,),
+            grid=(k_steps,),
+            pipeline_state=state,
             memory_registers=_MEMORY_REGISTERS,
             in_specs=in_specs,
             wg_axis="wg",
@@ -217,11 +222,32 @@ def _gmm_kernel(
                 plgpu.wgmma_wait(0)
                 return acc_refs
 
-            make_pipeline(mma_body, compute_context)(
+            operands = (
                 x_gmem.at[pl.ds(load_row, tile_m), :],
                 *[w.at[group, :, pl.ds(ni * block_n, block_n)] for w in w_gmems],
-                allocations=allocations,
             )
+
+            def one_pipeline(state=None):
+                make_pipeline(mma_body, compute_context, state)(*operands, allocations=allocations)
+
+            if not chain:
+                one_pipeline()
+                return
+            # Chain the tiles of this CTA into one pipeline of pipelines: the TMA
+            # warpgroup streams the next tile's stages while the compute warpgroups
+            # finish (and store) the current one. A lone tile is START and STOP at
+            # once, which the chained form cannot say.
+            last = loop_info.num_local_steps - 1
+            state = jnp.where(
+                loop_info.local_index == 0,
+                int(plgpu.PipelinePipeline.START),
+                jnp.where(
+                    loop_info.local_index == last,
+                    int(plgpu.PipelinePipeline.STOP),
+                    int(plgpu.PipelinePipeline.STEADY),
+                ),
+            )
+            lax.cond(last == 0, one_pipeline, lambda: one_pipeline(state))
 
         # Rows past sum(group_sizes) are zero (lax.ragged_dot semantics).
         @pl.when(wg < NUM_COMPUTE_WARPGROUPS)

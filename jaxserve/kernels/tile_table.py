@@ -44,6 +44,9 @@ class GmmConfig:
     max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
     fuse_gate_up: in `moe_ffn`, compute gate and up projections in one kernel with the
         SiLU-and-multiply epilogue instead of two kernels plus an XLA elementwise op.
+    chain_tiles: run the tiles of a CTA as one pipeline of pipelines, so loads of the
+        next tile overlap the end of the current one (needs K / tile_k to be a multiple
+        of max_concurrent_steps; ignored otherwise).
     """
 
     tile_m: int
@@ -51,6 +54,7 @@ class GmmConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 4
     fuse_gate_up: bool = False
+    chain_tiles: bool = True
 
     def __post_init__(self):
         if self.tile_m < WGMMA_MIN_M or self.tile_m & (self.tile_m - 1):
@@ -79,7 +83,7 @@ class GmmConfig:
 # (max rows per expert on average, config). The first bucket that holds the shape wins.
 # Unmeasured: see the module docstring.
 _GMM_TABLE: tuple[tuple[float, GmmConfig], ...] = (
-    (64.0, GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=6)),
+    (64.0, GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=8)),
     (float("inf"), GmmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4)),
 )
 
@@ -92,12 +96,18 @@ _GMM_FUSED_TABLE: tuple[tuple[float, GmmConfig], ...] = (
 # Whether `moe_ffn` uses the fused gate+up kernel. Off until the benchmark shows it wins.
 FUSE_GATE_UP = False
 
-# Candidates that `scripts/bench_kernels.py --sweep` times.
-GMM_CANDIDATES: tuple[GmmConfig, ...] = tuple(
-    GmmConfig(tile_m=m, tile_n=n, max_concurrent_steps=s)
-    for m in (64, 128)
-    for n in (64, 128)
-    for s in (3, 4, 6)
+# Candidates that `scripts/bench_kernels.py --sweep` times (those that do not fit in
+# SMEM or divide the shape are skipped there).
+GMM_CANDIDATES: tuple[GmmConfig, ...] = (
+    *(
+        GmmConfig(tile_m=m, tile_n=n, max_concurrent_steps=s)
+        for m in (64, 128)
+        for n in (64, 128)
+        for s in (2, 4, 6, 8)
+    ),
+    GmmConfig(tile_m=64, tile_n=256, max_concurrent_steps=2),
+    GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=8, chain_tiles=False),
+    GmmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, chain_tiles=False),
 )
 
 
@@ -111,7 +121,8 @@ def gmm_config(
     """Tile config for a grouped matmul x [m, k] @ w [num_groups, k, n].
 
     Picks the table entry for the average rows per expert, then narrows tile_n until the
-    column tiles divide n and drops pipeline stages until the kernel fits in shared memory.
+    column tiles divide n, drops pipeline stages until the kernel fits in shared memory,
+    and, for chained tiles, to a depth that divides the K steps.
 
     Raises ValueError (naming x or w) if k is not a multiple of 64 or n of 128, the
     kernel's smallest tiles, or if no pipeline depth fits in shared memory.
@@ -132,6 +143,15 @@ def gmm_config(
         if config.max_concurrent_steps == 2:
             raise ValueError(f"grouped matmul: no pipeline depth of {config} fits in SMEM")
         config = _replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    # Chained tiles need the ring depth to divide the K steps: take the deepest that does,
+    # unless that leaves a ring too shallow to hide HBM latency (then do not chain).
+    if config.chain_tiles:
+        k_steps = k // config.tile_k
+        depth = config.max_concurrent_steps
+        divisor = next(d for d in range(depth, 0, -1) if k_steps % d == 0)
+        if divisor >= min(depth, 4):
+            return _replace(config, max_concurrent_steps=divisor)
+        return _replace(config, chain_tiles=False)
     return config
 
 
