@@ -50,7 +50,7 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 def tiny_engine_config(tiny_moe_dir):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    # Buckets: T in (16, 32, 64) x R = 8, plus one with penalty history per T = 6 executables.
+    # Buckets: T in (16, 32, 64), R = 8, plain and with penalty history: 6 executables.
     return EngineConfig(
         model=str(tiny_moe_dir),
         cache=CacheConfig(block_size=TINY_BLOCK_SIZE, num_blocks=TINY_NUM_BLOCKS),

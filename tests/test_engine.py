@@ -463,7 +463,7 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
         max_num_batched_tokens=200,
     )
     assert runner.token_buckets == (16, 32, 64, 128, 200)
-    assert runner.request_buckets == (8, 16, 32, 48)
+    assert [runner.rows_for(t) for t in runner.token_buckets] == [16, 32, 48, 48, 48]
     compiled = set(runner.buckets())
     rng = random.Random(8)
     for _ in range(200):

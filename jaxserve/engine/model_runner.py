@@ -6,12 +6,15 @@ jitted call that runs the model over the flat batch, the LM head on the last tok
 each request row, and the sampler, so only [R] token ids (and log-probs) come back.
 
 Shapes a request can choose never reach the compiler: every step is padded to a token
-bucket T and a request bucket R (and, for the sampler's penalty history, one of two
-lengths L: 0, or max_model_len with the widest R of that T). All (T, R, L)
-executables are compiled ahead of time at start-up (`jax.jit(...).lower(...).compile()`,
-as vLLM's tpu-inference precompiles its padded shapes); calling an executable with any
-other shape raises instead of compiling. The KV cache is donated to each call, so XLA
-updates it in place.
+bucket T (powers of two up to max_num_batched_tokens). The request-row count is tied to
+it, R = min(T, max_num_seqs): a step of n tokens has at most n rows, and a padded row
+costs only one row of the sampler, so one row bucket per T is enough. Each T has two
+variants: the plain step, and one that carries the sampler's penalty history (L =
+max_model_len) for the rare steps with a penalized row. All 2 x len(T) executables are
+compiled ahead of time at start-up (`jax.jit(...).lower(...).compile()`, as vLLM's
+tpu-inference precompiles its padded shapes); calling an executable with any other shape
+raises instead of compiling. The KV cache is donated to each call, so XLA updates it in
+place.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from jaxserve.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
-MIN_REQUEST_BUCKET = 8
 # On the CPU (no device memory statistics) the KV cache gets at most this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20
 
@@ -174,8 +176,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(MIN_TOKEN_BUCKET, max_num_batched_tokens)
-        self.request_buckets = pow2_buckets(MIN_REQUEST_BUCKET, max_num_seqs)
         self.graphdef, self.state = nnx.split(model)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
@@ -190,18 +192,14 @@ class ModelRunner:
     # ----- compilation -------------------------------------------------------------------
 
     def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (T, R, L) a step can use.
+        """Every (T, R, L) a step can use: per token bucket T, R = `rows_for(T)` and the
+        penalty history L = 0 (plain) or max_model_len (a step with a penalized row)."""
+        histories = (0, self.max_model_len)
+        return [(t, self.rows_for(t), h) for h in histories for t in self.token_buckets]
 
-        R <= T since each row has at least one token. Steps with a penalized row (L =
-        max_model_len) are rare, so they use only the widest R of each T: that costs
-        len(T) executables instead of doubling the count.
-        """
-        plain = [(t, r, 0) for t in self.token_buckets for r in self.request_buckets if r <= t]
-        history = [(t, self._widest_rows(t), self.max_model_len) for t in self.token_buckets]
-        return plain + history
-
-    def _widest_rows(self, t_bucket: int) -> int:
-        return max(r for r in self.request_buckets if r <= t_bucket)
+    def rows_for(self, t_bucket: int) -> int:
+        """The row bucket of token bucket T: enough for any step of at most T tokens."""
+        return min(t_bucket, self.max_num_seqs)
 
     def compile_all(self, max_workers: int | None = None) -> float:
         """Compile the step for every bucket. Returns the seconds taken.
@@ -252,19 +250,17 @@ class ModelRunner:
             ValueError: the step exceeds the largest bucket (a scheduler bug).
         """
         reqs = sched.requests
-        r_bucket = pick_bucket(self.request_buckets, len(reqs))
-        t_bucket = pick_bucket(self.token_buckets, max(sched.num_tokens, r_bucket))
+        t_bucket = pick_bucket(self.token_buckets, sched.num_tokens)
+        r_bucket = self.rows_for(t_bucket)
+        if len(reqs) > r_bucket:
+            raise ValueError(f"{len(reqs)} rows exceed the {r_bucket} rows of bucket T={t_bucket}")
         rows = [
             sampler_lib.SamplingRow(
                 r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
             )
             for r in reqs
         ]
-        h_bucket = 0
-        if sampler_lib.history_len_needed(rows) > 0:
-            # Always >= len(reqs): T is a power of two >= len(reqs), or the largest
-            # token bucket, which is >= max_num_seqs.
-            h_bucket, r_bucket = self.max_model_len, self._widest_rows(t_bucket)
+        h_bucket = self.max_model_len if sampler_lib.history_len_needed(rows) > 0 else 0
         x = self._empty_inputs(t_bucket, r_bucket, h_bucket)
         md = x.metadata
         bs = self.block_size
