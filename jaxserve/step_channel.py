@@ -118,7 +118,7 @@ class StepPublisher:
             "arrays": [(a.dtype.str, a.shape) for a in arrays],
             "sent": time.time(),
         }
-        self._pub.send_multipart([msgpack.packb(header), *arrays], copy=False)
+        self._pub.send_multipart([msgpack.packb(header), *arrays], copy=True)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
 

@@ -8,7 +8,8 @@ Layout of such a folder:
                                         stacked experts), saved from their shards
 
 Restoring reads each parameter straight onto its target sharding (every process reads
-only the shards its devices hold), so no host ever holds the whole model.
+only the shards its devices hold), in batches of bounded size, so no host ever holds the
+whole model.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from jaxserve.models.weight_map import ParamPath, path_str
 MARKER_FILE = "jaxserve_checkpoint.json"
 WEIGHTS_DIR = "weights"
 FORMAT = "jaxserve-orbax-v1"
+# Host memory a restore may stage at once (one parameter may exceed it alone).
+RESTORE_BATCH_BYTES = 256 * 2**20
 
 
 def is_orbax_checkpoint(model_dir: str | Path) -> bool:
@@ -74,9 +77,14 @@ def restore_params(
     variables: dict[ParamPath, nnx.Variable],
     param_paths: list[ParamPath],
     place: Callable[[str, tuple[str, ...]], jax.sharding.Sharding],
+    max_batch_bytes: int | None = None,
 ) -> None:
     """Fill the abstract `variables` at `param_paths` from `model_dir/weights`, each
     restored directly onto `place(path, logical axes)` and cast to the variable's dtype.
+
+    Parameters are restored in batches of at most `max_batch_bytes` (default
+    RESTORE_BATCH_BYTES; one parameter alone if larger): Orbax stages a batch in host
+    memory before placing it, so the batch size bounds the host memory a restore needs.
 
     Raises:
         ValueError: the marker names another format, or a parameter is missing from the
@@ -90,7 +98,7 @@ def restore_params(
         raise ValueError(
             f"{model_dir / MARKER_FILE}: format {marker.get('format')!r}, expected {FORMAT!r}"
         )
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = ocp.PyTreeCheckpointer()
     saved = checkpointer.metadata(model_dir / WEIGHTS_DIR).item_metadata.tree
     targets = {}
     for path in param_paths:
@@ -108,9 +116,32 @@ def restore_params(
         axes = tuple(var.get_metadata().get("out_sharding") or ())
         sharding = place(path_str(path), axes)
         targets[path] = jax.ShapeDtypeStruct(var.shape, np.dtype(var.dtype), sharding=sharding)
-    restored = checkpointer.restore(model_dir / WEIGHTS_DIR, _nested(targets))
-    for path in param_paths:
-        node = restored
-        for key in path:
-            node = node[str(key)]
-        variables[path].set_value(node)
+    for batch in _batches(targets, max_batch_bytes or RESTORE_BATCH_BYTES):
+        tree = _nested(batch)
+        args = ocp.args.PyTreeRestore(
+            item=tree,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+            partial_restore=True,
+        )
+        restored = checkpointer.restore(model_dir / WEIGHTS_DIR, args=args)
+        for path in batch:
+            node = restored
+            for key in path:
+                node = node[str(key)]
+            variables[path].set_value(node)
+
+
+def _batches(
+    targets: dict[ParamPath, jax.ShapeDtypeStruct], max_bytes: int
+) -> list[dict[ParamPath, jax.ShapeDtypeStruct]]:
+    """Consecutive groups of parameters of at most max_bytes each (a larger one alone)."""
+    batches: list[dict] = [{}]
+    size = 0
+    for path, target in targets.items():
+        nbytes = int(np.prod(target.shape)) * np.dtype(target.dtype).itemsize
+        if batches[-1] and size + nbytes > max_bytes:
+            batches.append({})
+            size = 0
+        batches[-1][path] = target
+        size += nbytes
+    return [b for b in batches if b]

@@ -107,6 +107,7 @@ def measure_replicated_max_tokens(
     dp, e.g. the engine's token buckets times dp) and return `replicated_threshold`.
 
     Logs one line per count and the decision. Costs two small compilations per count.
+    With several processes, all must call it; process 0's result is returned everywhere.
     """
     timings = {}
     for num_tokens in sorted(token_counts):
@@ -119,6 +120,12 @@ def measure_replicated_max_tokens(
             1e6 * timings[num_tokens][1],
         )
     threshold = replicated_threshold(timings)
+    if jax.process_count() > 1:
+        # Every process must compile the same path, or the collectives would not match:
+        # process 0's measurement decides.
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        threshold = int(multihost_utils.broadcast_one_to_all(np.int32(threshold)))
     logger.info(
         "MoE on dp=%d,tp=%d: replicated-token path for steps of <= %d tokens, all_to_all above",
         mesh.shape["dp"],

@@ -55,13 +55,28 @@ def capacity(tokens_per_device: int, top_k: int, slots_per_device: int) -> int:
 def all_to_all_bytes_per_device(
     num_tokens: int, hidden: int, top_k: int, mesh: Mesh, num_slots: int, itemsize: int
 ) -> int:
-    """Bytes one device sends through the two all_to_alls of one MoE layer step
-    (dispatch rows + their int32 expert ids, then the results back), padding included.
-    Rows a device "sends" to itself are counted too: this is the buffer size."""
+    """Bytes one device sends to the other devices in one MoE layer step of the
+    all_to_all path: dispatched rows with their int32 expert ids, then the results back,
+    capacity padding included (the buffers are static; the chunk a device keeps for
+    itself is not sent)."""
     ep = mesh.size
     per_device = -(-(num_tokens // mesh.shape[DP]) // mesh.shape[TP])
-    rows = ep * capacity(per_device, top_k, num_slots // ep)
-    return rows * (2 * hidden * itemsize + 4)
+    cap = capacity(per_device, top_k, num_slots // ep)
+    return (ep - 1) * cap * (2 * hidden * itemsize + 4)
+
+
+def replicated_bytes_per_device(
+    num_tokens: int, hidden: int, top_k: int, mesh: Mesh, itemsize: int
+) -> int:
+    """Bytes one device sends in one MoE layer step of the replicated-token path, with
+    ring collectives: all_gather over dp of the tokens (activations, combine weights,
+    int32 ids), all-reduce over tp and reduce-scatter over dp of the outputs."""
+    dp, tp = mesh.shape[DP], mesh.shape[TP]
+    per_rank = num_tokens // dp
+    gather = (dp - 1) * per_rank * (hidden * itemsize + top_k * (itemsize + 4))
+    all_reduce = 2 * (tp - 1) * num_tokens * hidden * itemsize // tp
+    scatter = (dp - 1) * per_rank * hidden * itemsize
+    return gather + all_reduce + scatter
 
 
 def local_expert_ffn(

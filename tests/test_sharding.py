@@ -7,7 +7,10 @@ test_models_hf.py) and the dense single-device MoE (`moe_experts_dense`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +130,9 @@ def _dense(weights, x, topk_w, topk_ids):
     )
 
 
+@functools.cache
 def _ep_fn(mesh, path):
+    """One jitted EP MoE per (mesh, path), shared by the tests (same shapes, one compile)."""
     return jax.jit(lambda *a: moe_ep.expert_parallel_moe(*a, mesh=mesh, path=path))
 
 
@@ -226,6 +231,41 @@ def test_placement_from_slots_errors():
         placement_from_slots(np.array([0, 1, 1, 2]), 3, max_replicas=1)
     with pytest.raises(ValueError, match=r"entries must be in \[0, 2\)"):
         placement_from_slots(np.array([0, 2]), 2)
+
+
+_HLO_ARRAY = re.compile(r"\b(f32|s32)\[([\d,]*)\]")
+
+
+def _all_to_all_buffer_bytes(hlo: str) -> int:
+    """Sum of the per-device buffers of every all-to-all in compiled HLO text."""
+    total = 0
+    for line in hlo.splitlines():
+        lhs, _, rhs = line.partition(" = ")
+        if not lhs.strip().startswith("%all-to-all") or " all-to-all(" not in rhs:
+            continue
+        result_type = rhs.split(" all-to-all(")[0]
+        for _dtype, dims in _HLO_ARRAY.findall(result_type):
+            total += 4 * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 2), (8, 1), (1, 8)])
+def test_all_to_all_bytes_match_the_compiled_program(moe_weights, dp, tp):
+    mesh = build_mesh(dp, tp)
+    num_tokens = 8 * dp
+    x, topk_w, topk_ids = _routing(moe_weights, num_tokens, skewed=False)
+    experts = [moe_weights[n] for n in ("w_gate", "w_up", "w_down")]
+    placement = jax.tree.map(jnp.asarray, identity_placement(NUM_EXPERTS))
+    hlo = (
+        _ep_fn(mesh, moe_ep.ALL_TO_ALL)
+        .lower(x, topk_w, topk_ids, *experts, placement)
+        .compile()
+        .as_text()
+    )
+    ep = dp * tp
+    sent = _all_to_all_buffer_bytes(hlo) * (ep - 1) // ep  # a device keeps its own chunk
+    want = moe_ep.all_to_all_bytes_per_device(num_tokens, HIDDEN, TOP_K, mesh, NUM_EXPERTS, 4)
+    assert sent == want > 0
 
 
 def test_capacity_covers_worst_case():
@@ -340,9 +380,12 @@ def test_mesh_that_cannot_hold_the_model(tiny_moe_dir, mesh_model_dir):
 # ----- Orbax checkpoints (`jaxserve convert`) ---------------------------------------------
 
 
-def test_convert_to_orbax_and_restore_onto_another_mesh(mesh_model_dir, tmp_path):
+def test_convert_to_orbax_and_restore_onto_another_mesh(mesh_model_dir, tmp_path, monkeypatch):
     from jaxserve.cli import build_parser
+    from jaxserve.models import checkpoint
 
+    # Restore in many small batches (bounded host memory), not one.
+    monkeypatch.setattr(checkpoint, "RESTORE_BATCH_BYTES", 64 * 1024)
     out = tmp_path / "converted"
     argv = ["convert", "--model", str(mesh_model_dir), "--out", str(out), "--mesh", "dp=2,tp=4"]
     args = build_parser().parse_args(argv)

@@ -1,0 +1,282 @@
+"""Expert-parallel MoE benchmarks on emulated CPU devices; prints tables.
+
+    .venv/bin/python scripts/bench_ep.py                 # both parts
+    .venv/bin/python scripts/bench_ep.py --part moe      # MoE layer vs number of devices
+    .venv/bin/python scripts/bench_ep.py --part coordination
+
+Part "moe": one MoE layer (both paths of `jaxserve.sharding.moe_ep`) on a mesh of
+dp = D emulated CPU devices, D = 1..8, at a decode-sized and a prefill-sized step:
+median time per call and the bytes each device sends per step (all_to_all path: the
+static dispatch + combine buffers, capacity padding included; replicated path: ring
+all_gather + reduce-scatter volumes). E logical experts live on S = ceil(E / D) * D
+physical slots, the extra slots holding replicas (as EPLB would). On the CPU the
+"devices" share the host's cores and memory, so the times show the cost of the extra
+work and copies, not of a network.
+
+Part "coordination": the per-step agreement between processes. A step loop like the
+engine's (build the step's host inputs, publish them on the step channel, run one MoE
+layer that depends on them, fetch a small replicated output) runs with 1 process x 8
+devices and with 2 processes x 4 devices (jax.distributed on loopback); reported per
+step: the leader's publish time, the follower's transit time (leader send -> follower
+has the arrays) and the whole step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 512, 256, 16, 2
+# A step's host inputs as the engine packs them: token/request buckets, block-table width.
+STEP_TOKENS, STEP_ROWS, BLOCKS_PER_ROW = 64, 64, 256
+
+
+def _setup_cpu(num_devices: int) -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={num_devices}")
+
+
+# ----- part 1: MoE layer vs number of devices ---------------------------------------------
+
+
+def bench_moe(token_counts: list[int], repeats: int) -> list[dict]:
+    _setup_cpu(8)
+    import jax
+    import numpy as np
+
+    from jaxserve.sharding import moe_ep
+    from jaxserve.sharding.mesh import build_mesh
+    from jaxserve.sharding.placement import placement_from_slots
+    from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
+
+    rng = np.random.default_rng(0)
+    scale = 1 / math.sqrt(HIDDEN)
+    logical = {
+        "w_gate": rng.standard_normal((NUM_EXPERTS, HIDDEN, INTERMEDIATE)) * scale,
+        "w_up": rng.standard_normal((NUM_EXPERTS, HIDDEN, INTERMEDIATE)) * scale,
+        "w_down": rng.standard_normal((NUM_EXPERTS, INTERMEDIATE, HIDDEN)) * scale,
+    }
+    rows = []
+    for devices in range(1, 9):
+        mesh = build_mesh(devices, 1, jax.devices()[:devices])
+        slots = math.ceil(NUM_EXPERTS / devices) * devices
+        placement = placement_from_slots(np.arange(slots) % NUM_EXPERTS, NUM_EXPERTS, 2)
+        experts = named_sharding(mesh, ("experts", None, None))
+        p2l = np.asarray(placement.physical_to_logical)
+        weights = [
+            jax.device_put(logical[n][p2l].astype(np.float32), experts)
+            for n in ("w_gate", "w_up", "w_down")
+        ]
+        tables = jax.device_put(placement, replicated(mesh))
+        for wanted in token_counts:
+            num_tokens = math.ceil(wanted / devices) * devices
+            x = rng.standard_normal((num_tokens, HIDDEN)).astype(np.float32)
+            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in x])
+            w = np.full((num_tokens, TOP_K), 1 / TOP_K, np.float32)
+            args = [
+                jax.device_put(a, batch_sharding(mesh, 2)) for a in (x, w, ids.astype(np.int32))
+            ]
+            row = {"devices": devices, "slots": slots, "tokens": num_tokens}
+            for path in (moe_ep.ALL_TO_ALL, moe_ep.REPLICATED):
+                fn = jax.jit(
+                    lambda *a, p=path, m=mesh: moe_ep.expert_parallel_moe(*a, mesh=m, path=p)
+                )
+                fn(*args, *weights, tables).block_until_ready()
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    fn(*args, *weights, tables).block_until_ready()
+                    times.append(time.perf_counter() - start)
+                row[f"{path}_ms"] = 1e3 * statistics.median(times)
+            row["all_to_all_kib"] = (
+                moe_ep.all_to_all_bytes_per_device(num_tokens, HIDDEN, TOP_K, mesh, slots, 4) / 1024
+            )
+            row["replicated_kib"] = (
+                moe_ep.replicated_bytes_per_device(num_tokens, HIDDEN, TOP_K, mesh, 4) / 1024
+            )
+            rows.append(row)
+            print(
+                f"D={devices} T={num_tokens:4d} S={slots:2d}  "
+                f"all_to_all {row['all_to_all_ms']:8.2f} ms {row['all_to_all_kib']:9.1f} KiB/dev   "
+                f"replicated {row['replicated_ms']:8.2f} ms {row['replicated_kib']:9.1f} KiB/dev",
+                flush=True,
+            )
+    return rows
+
+
+# ----- part 2: per-step coordination, 1 process vs 2 --------------------------------------
+
+
+def _step_host_inputs(step: int):
+    """Arrays shaped like one engine step's packed inputs (~70 KB)."""
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    return [
+        rng.integers(0, 32000, STEP_TOKENS, dtype=np.int32),  # token ids
+        np.arange(STEP_TOKENS, dtype=np.int32),  # positions
+        np.arange(STEP_TOKENS, dtype=np.int32),  # slot mapping
+        rng.integers(0, 4096, (STEP_ROWS, BLOCKS_PER_ROW), dtype=np.int32),  # block tables
+        np.full(STEP_ROWS, 100, np.int32),  # seq lens
+        np.arange(STEP_ROWS + 1, dtype=np.int32),  # query start loc
+        np.arange(STEP_TOKENS, dtype=np.int32) % STEP_ROWS,  # token -> row
+        rng.random((STEP_ROWS, 4)).astype(np.float32),  # sampling parameters
+    ]
+
+
+def coordination_worker(steps: int, out: str) -> None:
+    """One process of the coordination benchmark (env: JAX_* as set by the launcher)."""
+    from jaxserve import distributed
+
+    config = distributed.resolve()
+    distributed.initialize(config)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.sharding import moe_ep
+    from jaxserve.sharding.mesh import build_mesh
+    from jaxserve.sharding.placement import identity_placement
+    from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
+    from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
+
+    mesh = build_mesh(2, 4)
+    rng = np.random.default_rng(0)
+    experts = named_sharding(mesh, ("experts", None, None))
+    weights = [
+        jax.device_put((rng.standard_normal(s) / math.sqrt(HIDDEN)).astype(np.float32), experts)
+        for s in [(NUM_EXPERTS, HIDDEN, INTERMEDIATE)] * 2 + [(NUM_EXPERTS, INTERMEDIATE, HIDDEN)]
+    ]
+    x = jax.device_put(
+        rng.standard_normal((STEP_TOKENS, HIDDEN)).astype(np.float32), batch_sharding(mesh, 2)
+    )
+    tables = jax.device_put(identity_placement(NUM_EXPERTS), replicated(mesh))
+
+    @jax.jit
+    def step(tokens, x, w_gate, w_up, w_down, tables):
+        ids = (tokens[:, None] + jnp.arange(TOP_K)) % NUM_EXPERTS
+        w = jnp.full(ids.shape, 1.0 / TOP_K, x.dtype)
+        y = moe_ep.expert_parallel_moe(x, w, ids, w_gate, w_up, w_down, tables, mesh=mesh)
+        return jax.lax.with_sharding_constraint(jnp.sum(y, axis=1), replicated(mesh))
+
+    def run(arrays):
+        tokens = jax.device_put(arrays[0], batch_sharding(mesh, 1))
+        out = step(tokens, x, *weights, tables)
+        return np.asarray(out.addressable_data(0))
+
+    leader = config is None or config.is_leader
+    port = (
+        None if config is None else config.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
+    )
+    result: dict = {}
+    if leader:
+        channel = None
+        if config is not None:
+            channel = StepPublisher(config.coordinator_host, port, config.num_processes - 1)
+        step_times = []
+        for i in range(steps + 5):  # 5 warm-up steps
+            start = time.perf_counter()
+            arrays = _step_host_inputs(i)
+            if channel is not None:
+                channel.publish(arrays, meta={"bucket": [STEP_TOKENS, STEP_ROWS]})
+            run(arrays)
+            if i >= 5:
+                step_times.append(time.perf_counter() - start)
+        result["step_us"] = 1e6 * statistics.median(step_times)
+        if channel is not None:
+            samples = channel.stats.samples_s[5:]
+            result["publish_us"] = 1e6 * statistics.median(samples)
+            channel.close()
+    else:
+        channel = StepSubscriber(config.coordinator_host, port, config.process_id)
+        while (message := channel.receive(timeout_s=300)).kind != STOP:
+            run(message.arrays)
+        result["transit_us"] = 1e6 * statistics.median(channel.stats.samples_s[5:])
+        channel.close()
+    Path(out).with_suffix(f".{0 if config is None else config.process_id}.json").write_text(
+        json.dumps(result)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_coordination(steps: int) -> dict[int, dict]:
+    results = {}
+    root = Path(__file__).resolve().parents[1]
+    for num_processes in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "result")
+            port = _free_port()
+            env = dict(os.environ)
+            env.update(
+                JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes}",
+                PYTHONPATH=str(root),
+            )
+            if num_processes > 1:
+                env.update(
+                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                    JAX_NUM_PROCESSES=str(num_processes),
+                )
+            cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--out", out]
+            procs = [
+                subprocess.Popen(cmd, env={**env, "JAX_PROCESS_ID": str(i)})
+                for i in range(num_processes)
+            ]
+            for p in procs:
+                if p.wait(timeout=600) != 0:
+                    raise RuntimeError(f"coordination worker failed with {p.returncode}")
+            merged = {}
+            for i in range(num_processes):
+                merged.update(json.loads(Path(f"{out}.{i}.json").read_text()))
+            results[num_processes] = merged
+            print(f"{num_processes} process(es): {merged}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["moe", "coordination", "all"], default="all")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        coordination_worker(args.steps, args.out)
+        return
+    if args.part in ("moe", "all"):
+        rows = bench_moe(args.tokens, args.repeats)
+        print("\n| D | tokens | slots | all_to_all ms | KiB/dev | replicated ms | KiB/dev |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            cells = [r["devices"], r["tokens"], r["slots"], f"{r['all_to_all_ms']:.2f}"]
+            cells += [f"{r['all_to_all_kib']:.1f}", f"{r['replicated_ms']:.2f}"]
+            cells += [f"{r['replicated_kib']:.1f}"]
+            print("| " + " | ".join(map(str, cells)) + " |")
+    if args.part in ("coordination", "all"):
+        res = bench_coordination(args.steps)
+        print("\n| processes x devices | step us | leader publish us | follower transit us |")
+        print("|---|---|---|---|")
+        for n, r in res.items():
+            cells = [f"{n} x {8 // n}", f"{r['step_us']:.0f}"]
+            cells += [f"{r.get('publish_us', 0):.1f}", f"{r.get('transit_us', 0):.1f}"]
+            print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

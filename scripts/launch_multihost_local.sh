@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Start N cooperating jax.distributed processes on this machine (process 0 is the
+# coordinator and the scheduler), each with its own share of the devices, and wait for
+# all of them. Ctrl-C / SIGTERM stops every process.
+#
+#   scripts/launch_multihost_local.sh [-n N] [-d DEVICES_PER_PROCESS] [-p PORT] -- CMD [ARGS...]
+#
+# Each process runs CMD with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+# set (read by jaxserve.distributed.resolve). On the CPU, each process gets
+# DEVICES_PER_PROCESS emulated devices; with GPUs, process i sees GPUs
+# [i*D, (i+1)*D) through CUDA_VISIBLE_DEVICES. Output goes to LOG_DIR/process_<i>.log
+# (default ./multihost_logs), process 0's is also shown.
+#
+# Example (2 processes x 4 CPU devices, the multi-process MoE benchmark):
+#   scripts/launch_multihost_local.sh -n 2 -d 4 -- \
+#       python scripts/bench_ep.py --worker --steps 200 --out /tmp/coordination
+set -euo pipefail
+
+num=2
+per=4
+port=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -n) num="$2"; shift 2 ;;
+    -d) per="$2"; shift 2 ;;
+    -p) port="$2"; shift 2 ;;
+    --) shift; break ;;
+    *) echo "usage: $0 [-n N] [-d DEVICES_PER_PROCESS] [-p PORT] -- CMD [ARGS...]" >&2; exit 2 ;;
+  esac
+done
+[[ $# -gt 0 ]] || { echo "$0: no command given after --" >&2; exit 2; }
+
+if [[ -z "$port" ]]; then
+  # A free port; the step channel also uses the next two.
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+log_dir="${LOG_DIR:-multihost_logs}"
+mkdir -p "$log_dir"
+gpus=$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+trap cleanup INT TERM
+
+for ((i = 0; i < num; i++)); do
+  env_vars=(
+    "JAX_COORDINATOR_ADDRESS=127.0.0.1:${port}"
+    "JAX_NUM_PROCESSES=${num}"
+    "JAX_PROCESS_ID=${i}"
+  )
+  if [[ "$gpus" -gt 0 ]]; then
+    env_vars+=("CUDA_VISIBLE_DEVICES=$(seq -s, $((i * per)) $((i * per + per - 1)))")
+  else
+    env_vars+=("JAX_PLATFORMS=cpu" "XLA_FLAGS=--xla_force_host_platform_device_count=${per}")
+  fi
+  env "${env_vars[@]}" "$@" >"${log_dir}/process_${i}.log" 2>&1 &
+  pids+=("$!")
+done
+
+status=0
+tail -n +1 -f "${log_dir}/process_0.log" --pid="${pids[0]}" &
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=$?
+done
+exit "$status"
