@@ -297,6 +297,25 @@ def test_paged_attention_kernel_matches_oracle(interpret, name):
     assert_close(reference, oracle)
 
 
+@pytest.mark.parametrize("num_heads", [16, 4])
+def test_split_kv_decode_launch_matches_oracle(interpret, num_heads):
+    """max_query_len=1 with few requests: keys split over CTAs, partials merged."""
+    rng = np.random.default_rng(10)
+    requests = [(1, 100), (1, 130)]
+    positions, metadata = make_batch(
+        rng, requests, num_tokens=3, block_size=8, num_blocks=40, max_blocks=17
+    )
+    q = bf16(rng, (3, num_heads, 64))
+    k_cache, v_cache = bf16(rng, (40, 8, 2, 64)), bf16(rng, (40, 8, 2, 64))
+    # 3 request rows x 2 KV heads on 24 CTAs: 4 splits wanted, 3 key stages allowed.
+    assert paged_attention.num_kv_splits(3, 2, 3, 24) == 3
+    out = paged_attention.paged_attention(
+        q, k_cache, v_cache, positions, metadata, 0.125,
+        max_query_len=1, config=AttentionConfig(block_kv=64, num_stages=2), num_sms=24,
+    )  # fmt: skip
+    assert_close(out, attention_oracle(q, k_cache, v_cache, positions, metadata, 0.125))
+
+
 def test_paged_attention_rejects_bad_inputs():
     rng = np.random.default_rng(5)
     positions, metadata = make_batch(
@@ -344,9 +363,12 @@ def test_grouped_matmul_lowers_for_hopper_at_qwen3_shapes(tokens):
     assert "mosaic_gpu" in lower_for_cuda(fused, x, w_in, w_in, sizes).as_text()
 
 
-@pytest.mark.parametrize("num_heads, block_size", [(32, 16), (16, 64)])
-def test_paged_attention_lowers_for_hopper(num_heads, block_size):
-    tokens, reqs, kv_heads, head_dim, blocks = 256, 256, 4, 128, 4096
+@pytest.mark.parametrize(
+    "num_heads, block_size, reqs, max_query_len",
+    [(32, 16, 256, None), (16, 64, 256, None), (32, 16, 8, 1), (32, 128, 8, None)],
+)
+def test_paged_attention_lowers_for_hopper(num_heads, block_size, reqs, max_query_len):
+    tokens, kv_heads, head_dim, blocks = 256, 4, 128, 4096
     sds = jax.ShapeDtypeStruct
     i32 = jnp.int32
     metadata = AttentionMetadata(
@@ -357,7 +379,9 @@ def test_paged_attention_lowers_for_hopper(num_heads, block_size):
         sds((tokens,), i32),
     )
     cache = sds((blocks, block_size, kv_heads, head_dim), jnp.bfloat16)
-    fn = functools.partial(paged_attention.paged_attention, scale=0.088, num_sms=132)
+    fn = functools.partial(
+        paged_attention.paged_attention, scale=0.088, max_query_len=max_query_len, num_sms=132
+    )
     lowered = lower_for_cuda(
         fn,
         sds((tokens, num_heads, head_dim), jnp.bfloat16),
@@ -416,17 +440,25 @@ def test_backend_env_rejects_unknown_and_missing_gpu(env_backend):
 
 
 def test_dispatch_routes_to_interpreted_kernels_and_reference():
-    """The same call gives the same answer through both backends."""
+    """The same calls give the same answers through both backends."""
     rng = np.random.default_rng(6)
-    x = bf16(rng, (64, 128))
-    weights = [bf16(rng, (4, 128, 128), 0.1) for _ in range(3)]
+    x, w = bf16(rng, (64, 128)), bf16(rng, (4, 128, 128), 0.1)
     group_sizes = jnp.asarray([20, 0, 43, 1], jnp.int32)
+    positions, metadata = make_batch(
+        rng, [(1, 9), (2, 70)], num_tokens=4, block_size=8, num_blocks=12, max_blocks=9
+    )
+    q = bf16(rng, (4, 16, 64))
+    k_cache, v_cache = bf16(rng, (12, 8, 2, 64)), bf16(rng, (12, 8, 2, 64))
     outs = {}
     for backend in (dispatch.REFERENCE, dispatch.INTERPRET):
         with dispatch.backend_override(backend):
             assert dispatch.get_backend() == backend
-            outs[backend] = dispatch.moe_ffn(x, group_sizes, *weights)
-    assert_close(outs[dispatch.INTERPRET], f64(outs[dispatch.REFERENCE]))
+            outs[backend] = (
+                dispatch.grouped_matmul(x, w, group_sizes),
+                dispatch.paged_attention(q, k_cache, v_cache, positions, metadata, 0.125),
+            )
+    for kernel, reference in zip(outs[dispatch.INTERPRET], outs[dispatch.REFERENCE], strict=True):
+        assert_close(kernel, f64(reference))
 
 
 # --- full size, on a GPU --------------------------------------------------------------

@@ -148,12 +148,16 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of a flat token batch over the paged KV cache.
 
-    Same signature and contract as `paged_attention_ref.paged_attention_ref`: q
-    [T, H, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D] in q.dtype; padded
-    tokens give zeros.
+    Same contract as `paged_attention_ref.paged_attention_ref`: q [T, H, D], caches
+    [num_blocks, block_size, KVH, D] -> [T, H, D] in q.dtype; padded tokens give zeros.
+    max_query_len: optional static promise about the step (1 = decode-only), which lets
+    the GPU kernel split long contexts over SMs when there are few requests; the
+    reference ignores it.
     """
     backend = get_backend()
     if backend == REFERENCE:
@@ -162,5 +166,6 @@ def paged_attention(
 
     with _kernel_mode(backend):
         return kernels.paged_attention(
-            q, k_cache, v_cache, positions, metadata, scale, sliding_window
-        )
+            q, k_cache, v_cache, positions, metadata, scale, sliding_window,
+            max_query_len=max_query_len,
+        )  # fmt: skip
