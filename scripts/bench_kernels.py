@@ -14,9 +14,10 @@ What it measures, in one run:
   `lax.ragged_dot`, JAX's `ragged_dot_mgpu` example and tokamax's `ragged_dot`
   (mosaic); then jaxserve's fused gate+up+SiLU kernel, the down projection, and the
   whole expert FFN;
-- paged decode attention at batch 64 and 256 with contexts of 1k and 8k tokens (32 query
-  heads, 4 KV heads, head dim 128, block size 16), jaxserve's kernel and the XLA
-  reference.
+- paged decode attention at batch 64 and 256 (and 8, where keys are split over SMs)
+  with contexts of 1k and 8k tokens (32 query heads, 4 KV heads, head dim 128, block
+  size 16): jaxserve's kernel as the model calls it, the same with the decode-only
+  promise (max_query_len=1), and the XLA reference.
 Each row has its floor, max(bytes / copy bandwidth, FLOPs / matmul rate), and the ratio.
 Times are device time from CUPTI (sum of the kernels of one call, median of iterations);
 the JSON also has wall-clock time per call and the per-kernel split. Every measurement is
@@ -53,7 +54,7 @@ class Shapes:
     hidden: int = 2048
     inter: int = 768
     tokens: tuple[int, ...] = (16, 64, 256, 1024, 4096)
-    batches: tuple[int, ...] = (64, 256)
+    batches: tuple[int, ...] = (8, 64, 256)  # 8: the split-KV regime
     contexts: tuple[int, ...] = (1024, 8192)
     heads: int = 32
     kv_heads: int = 4
@@ -69,7 +70,7 @@ DRY_RUN = Shapes(
     hidden=128,
     inter=128,
     tokens=(4, 40),
-    batches=(3,),
+    batches=(1, 3),
     contexts=(64, 136),
     heads=16,
     kv_heads=2,
@@ -384,7 +385,7 @@ def bench_attention(bench: Bench, shapes: Shapes, ceilings: dict):
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxserve.kernels import paged_attention  # noqa: PLC0415
+    from jaxserve.kernels import paged_attention, tile_table  # noqa: PLC0415
     from jaxserve.kernels.paged_attention_ref import paged_attention_ref  # noqa: PLC0415
 
     rng = np.random.default_rng(1)
@@ -403,6 +404,19 @@ def bench_attention(bench: Bench, shapes: Shapes, ceilings: dict):
             args = (q, k_cache, v_cache, positions, metadata)
             kernel = functools.partial(paged_attention.paged_attention, scale=scale)
             bench.run(section, case, "jaxserve", floor, job(kernel, *args))
+            # The engine's decode-only steps can promise one token per request, which
+            # allows splitting the keys over SMs when (requests x KV heads) < SMs.
+            splits = paged_attention.num_kv_splits(
+                batch, kvh, math.ceil(context / 64), tile_table.num_sms()
+            )
+            decode = functools.partial(kernel, max_query_len=1)
+            bench.run(
+                section,
+                case,
+                f"jaxserve max_query_len=1 ({splits} splits)",
+                floor,
+                job(decode, *args),
+            )
             ref = functools.partial(paged_attention_ref, scale=scale)
             bench.run(section, case, "xla reference", floor, job(ref, *args))
             del k_cache, v_cache

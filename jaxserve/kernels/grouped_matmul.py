@@ -310,7 +310,13 @@ def _run(
     num_groups, _, n = ws[0].shape
     if config is None:
         config = gmm_config(
-            m, k, n, num_groups, fused=len(ws) > 1, itemsize=jnp.dtype(x.dtype).itemsize
+            m,
+            k,
+            n,
+            num_groups,
+            fused=len(ws) > 1,
+            itemsize=jnp.dtype(x.dtype).itemsize,
+            out_itemsize=jnp.dtype(out_dtype).itemsize,
         )
     if k % config.tile_k:
         raise ValueError(f"x: K={k} must be a multiple of tile_k={config.tile_k}")

@@ -6,19 +6,25 @@ How the entries were chosen, and how to re-measure them
 -------------------------------------------------------
 No entry here has been timed yet: the session that wrote the kernels had no GPU. The
 entries follow from the H100/H200 resource limits (227 KiB of shared memory and 64 Ki
-32-bit registers per SM, 132 SMs) and the two regimes of the MoE expert FFN:
+32-bit registers per SM, 132 SMs; every config is checked against the SMEM limit here,
+and Mosaic GPU rejects a kernel that exceeds it when lowering) and from the regimes:
 
-- few rows per expert (decode, T <= ~256 tokens at top-8 over 128 experts): the kernel
-  streams every expert's weights once and is bound by HBM bandwidth, so the row tile is
-  the smallest wgmma allows (64) and the pipeline is deep (more bytes in flight per SM);
-- many rows per expert (prefill): compute bound, so the row tile is 128 and each of the
-  two compute warpgroups owns a 128 x 128 float32 accumulator (128 registers/thread).
+- grouped matmul, few rows per expert (decode, T <= ~256 tokens at top-8 over 128
+  experts): the kernel streams every expert's weights once and is bound by HBM
+  bandwidth, so the row tile is the smallest wgmma allows (64), the ring is deep (more
+  bytes in flight per SM) and a CTA's tiles are chained into one pipeline;
+- grouped matmul, many rows per expert (prefill): compute bound, so the row tile is 128
+  and each of the two compute warpgroups owns a 128 x 128 float32 accumulator (128
+  registers/thread);
+- paged decode attention: bound by reading K and V once; 64-key stages in the deepest
+  ring that fits.
 
-`python scripts/bench_kernels.py --sweep` times every candidate in `GMM_CANDIDATES`
-at T = 16 .. 4096 on Qwen3-30B-A3B expert shapes on one GPU and prints the winner per
-row bucket as Python literals to paste into `_GMM_TABLE` (and whether the fused
-gate+up kernel beat two plain ones, which sets `fuse_gate_up`). Replace this paragraph
-with the date, GPU and jax version of that measurement when you do.
+`python scripts/bench_kernels.py --sweep --out sweep.json` times every candidate in
+`GMM_CANDIDATES` on Qwen3-30B-A3B expert shapes at T = 16 .. 4096 (gate, down and fused
+gate+up) and the attention ring depths at the decode benchmark shapes on one GPU, and
+prints the winner per token count: paste those into `_GMM_TABLE` / `_GMM_FUSED_TABLE` /
+`_ATTENTION_DEFAULT`, set `FUSE_GATE_UP` from the default run's moe_ffn rows, and replace
+this paragraph with the date, GPU and jax version of that measurement.
 """
 
 from __future__ import annotations
@@ -116,7 +122,14 @@ def _fits(width: int, config: GmmConfig) -> bool:
 
 
 def gmm_config(
-    m: int, k: int, n: int, num_groups: int, *, fused: bool = False, itemsize: int = 2
+    m: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    *,
+    fused: bool = False,
+    itemsize: int = 2,
+    out_itemsize: int = 2,
 ) -> GmmConfig:
     """Tile config for a grouped matmul x [m, k] @ w [num_groups, k, n].
 
@@ -139,7 +152,7 @@ def gmm_config(
             f"w: N={n} must be a multiple of {config.block_n} (two 64-column warpgroup tiles)"
         )
     operands = 2 if fused else 1
-    while config.smem_bytes(operands, itemsize, itemsize) > SMEM_BYTES_PER_SM:
+    while config.smem_bytes(operands, itemsize, out_itemsize) > SMEM_BYTES_PER_SM:
         if config.max_concurrent_steps == 2:
             raise ValueError(f"grouped matmul: no pipeline depth of {config} fits in SMEM")
         config = _replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
