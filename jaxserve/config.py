@@ -36,12 +36,17 @@ class SchedulerConfig:
     max_num_seqs: most requests in one step (per dp rank).
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_model_len: most tokens (prompt + output) of one request; None = the model's.
+    async_scheduling: schedule and pack step N+1 while the device runs step N.
+    num_decode_steps: decode steps per device call when every running request is
+        decoding (multi-step decode); 1 disables it.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
+    num_decode_steps: int = 1
 
 
 @dataclass(slots=True)

@@ -55,6 +55,9 @@ class RequestOutput:
         so the detokenizer learns the request in order with its tokens.
     logprobs: when the request asked for them, one entry per new token:
         [logprob of the token, [[top_token_id, logprob], ...]] (top-N, most likely first).
+    prompt_logprobs: when the request asked for them, on the output that carries its first
+        sampled token: one entry per prompt token, None for the first (nothing predicts
+        it), then entries as in `logprobs` (vLLM's RequestOutput.prompt_logprobs).
     """
 
     request_id: str
@@ -66,6 +69,7 @@ class RequestOutput:
     error: str | None = None
     first: dict | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)

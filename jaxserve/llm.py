@@ -56,13 +56,18 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     """All samples of one prompt (vLLM's RequestOutput); `.text`, `.token_ids` and
-    `.finish_reason` are those of the first sample."""
+    `.finish_reason` are those of the first sample.
+
+    prompt_logprobs: when SamplingParams.prompt_logprobs is set, one entry per prompt
+        token: None for the first, then [logprob, [[top_token_id, top_logprob], ...]].
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list | None = None
 
     @property
     def text(self) -> str:
@@ -87,6 +92,7 @@ class _Sample:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[list] = field(default_factory=list)
+    prompt_logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -141,7 +147,8 @@ class LLM:
             prompts: a string, a list of strings, or a list of token-id lists.
             sampling_params: one for all prompts, one per prompt, or None (defaults).
                 `n > 1` runs n samples of the prompt (with seeds seed, seed+1, ... when a
-                seed is given); they share the prompt's KV blocks through the prefix cache.
+                seed is given); they share the prompt's full KV blocks (one engine
+                request each, in one cache group: see EngineCore.add_request).
 
         Raises:
             ValueError: bad parameters or prompts (the message names the field), or a
@@ -164,6 +171,7 @@ class LLM:
 
         samples: dict[str, _Sample] = {}
         for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
+            group = f"llm-{self._next_id}" if params.n > 1 else None
             for j in range(params.n):
                 child = dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j
@@ -177,7 +185,8 @@ class LLM:
                 self.engine.add_request(
                     EngineRequest(
                         request_id, np.asarray(ids, np.int32), child.to_dict(), time.time()
-                    )
+                    ),
+                    cache_group=group,
                 )
         self._run(samples)
         return _collect(encoded, params_list, samples)
@@ -209,6 +218,8 @@ class LLM:
         sample.token_ids += delta.token_ids
         if out.logprobs:
             sample.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            sample.prompt_logprobs = out.prompt_logprobs
         if delta.stop_string is not None:
             # The engine does not know about stop strings: end the request there.
             self.engine.abort_requests([out.request_id])
@@ -264,7 +275,10 @@ def _collect(
     samples: dict[str, _Sample],
 ) -> list[RequestOutput]:
     by_prompt: dict[int, list[CompletionOutput]] = {i: [] for i in range(len(encoded))}
+    prompt_logprobs: dict[int, list] = {}
     for sample in samples.values():
+        if sample.prompt_logprobs is not None:
+            prompt_logprobs.setdefault(sample.prompt_index, sample.prompt_logprobs)
         logprobs = sample.logprobs[: len(sample.token_ids)] if sample.logprobs else None
         by_prompt[sample.prompt_index].append(
             CompletionOutput(
@@ -283,6 +297,7 @@ def _collect(
             prompt=text,
             prompt_token_ids=ids,
             outputs=sorted(by_prompt[i], key=lambda c: c.index),
+            prompt_logprobs=prompt_logprobs.get(i),
         )
         for i, (text, ids) in enumerate(encoded)
     ]

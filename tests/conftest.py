@@ -25,6 +25,7 @@ TINY_MAX_MODEL_LEN = 256
 TINY_MAX_NUM_SEQS = 8
 TINY_MAX_BATCHED_TOKENS = 64
 TINY_NUM_BLOCKS = 192
+TINY_DECODE_STEPS = 4
 
 
 @pytest.fixture(scope="session")
@@ -50,12 +51,18 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 def tiny_engine_config(tiny_moe_dir):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    # Buckets: T in (16, 32, 64), R = 8, plain and with penalty history: 6 executables.
+    # Shapes: T in (16, 32, 64) with R = 8, plain and full (penalty history, prompt
+    # logits), plus the 4-step decode call at R = 8: 7 executables. Async scheduling and
+    # multi-step decode are on, so every engine test runs the engine's deepest path;
+    # tests that compare against them turn them off with `swap_scheduler`.
     return EngineConfig(
         model=str(tiny_moe_dir),
         cache=CacheConfig(block_size=TINY_BLOCK_SIZE, num_blocks=TINY_NUM_BLOCKS),
         scheduler=SchedulerConfig(
-            max_num_seqs=TINY_MAX_NUM_SEQS, max_num_batched_tokens=TINY_MAX_BATCHED_TOKENS
+            max_num_seqs=TINY_MAX_NUM_SEQS,
+            max_num_batched_tokens=TINY_MAX_BATCHED_TOKENS,
+            async_scheduling=True,
+            num_decode_steps=TINY_DECODE_STEPS,
         ),
         # The default persistent cache: reruns on one machine skip most compilation.
     )
@@ -69,6 +76,19 @@ def tiny_engine(tiny_engine_config):
     return EngineCore(tiny_engine_config)
 
 
+@pytest.fixture(scope="session")
+def hf_model(tiny_moe_dir):
+    """The tiny checkpoint in HF transformers (torch, float32): the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    # No EOS: run to max_new_tokens. No pad id either: HF would mask prompt tokens equal
+    # to it (the attention mask is passed explicitly instead).
+    model.generation_config.eos_token_id = None
+    return model
+
+
 @contextlib.contextmanager
 def swap_scheduler(
     engine,
@@ -77,11 +97,14 @@ def swap_scheduler(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
     enable_chunked_prefill: bool = True,
+    num_decode_steps: int | None = None,
+    async_scheduling: bool | None = None,
 ):
     """Run the engine with a fresh scheduler and block pool, restoring the old ones after.
 
     A smaller `num_blocks` than the KV cache holds simply leaves the rest unused; budgets
-    up to the compiled maxima need no new executable.
+    up to the compiled maxima need no new executable; `num_decode_steps` is 1 or the
+    compiled one.
     """
     from jaxserve.engine.block_manager import BlockManager
     from jaxserve.engine.scheduler import Scheduler
@@ -96,8 +119,13 @@ def swap_scheduler(
         max_model_len=old[0].max_model_len,
         eos_token_ids=old[0].eos_token_ids,
         enable_chunked_prefill=enable_chunked_prefill,
+        num_decode_steps=num_decode_steps or old[0].num_decode_steps,
     )
+    old_async = engine.async_scheduling
+    if async_scheduling is not None:
+        engine.async_scheduling = async_scheduling
     try:
         yield engine.scheduler
     finally:
         engine.scheduler, engine.block_manager = old
+        engine.async_scheduling = old_async

@@ -11,86 +11,11 @@ import random
 import numpy as np
 import pytest
 from conftest import TINY_MAX_MODEL_LEN, swap_scheduler
+from engine_helpers import assert_idle, greedy, hf_greedy, random_prompts, run_engine
 
 from jaxserve.ipc import EngineRequest
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_moe_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
-    # No EOS: run to max_new_tokens. No pad id either: HF would mask prompt tokens equal
-    # to it (the attention mask is passed explicitly instead).
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    import torch
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def greedy(max_tokens: int, **kw) -> dict:
-    return dict(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-class Result:
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.outputs = []
-        self.finish_reason = None
-        self.stop_reason = None
-        self.error = None
-
-
-def run_engine(engine, requests, on_step=None, max_steps=5000) -> dict[str, Result]:
-    """Submit (request_id, prompt, sampling) tuples together and step until idle.
-
-    Asserts that each request ends with exactly one final output and nothing after it.
-    """
-    for rid, prompt, sampling in requests:
-        engine.add_request(EngineRequest(rid, np.asarray(prompt, np.int32), sampling))
-    results: dict[str, Result] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            break
-        outs = engine.step()
-        if on_step:
-            on_step(outs)
-        for o in outs:
-            r = results.setdefault(o.request_id, Result())
-            assert r.finish_reason is None, f"{o.request_id}: output after its final one"
-            r.tokens += o.new_token_ids
-            r.outputs.append(o)
-            r.finish_reason, r.stop_reason, r.error = o.finish_reason, o.stop_reason, o.error
-    else:
-        raise AssertionError("engine did not drain")
-    for rid, _, _ in requests:
-        assert results[rid].finish_reason is not None, rid
-    return results
-
-
-def random_prompts(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_idle(engine):
-    stats = engine.stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_blocks_free == stats.num_blocks_total
 
 
 # ----- issue 2: correctness of batching -----------------------------------------------------
@@ -281,7 +206,7 @@ def test_bad_requests_end_with_error_and_others_continue(tiny_engine):
         "max_tokens": ([1, 2], dict(max_tokens=0), "max_tokens"),
         "stop_ids": ([1, 2], dict(stop_token_ids=[vocab + 5]), "stop_token_ids"),
         "n": ([1, 2], dict(n=2), "n"),
-        "prompt_logprobs": ([1, 2], dict(prompt_logprobs=1), "prompt_logprobs"),
+        "prompt_logprobs": ([1, 2], dict(prompt_logprobs=21), "prompt_logprobs"),
         "unknown_field": ([1, 2], dict(bogus=1), "sampling"),
     }
     r = run_engine(
@@ -344,7 +269,8 @@ def test_chunked_prefill_keeps_decodes_going(tiny_engine, hf_model):
             if long_seq.num_output_tokens == 0:  # the long prompt is still being prefilled
                 prefill_steps += 1
                 got = {o.request_id: len(o.new_token_ids) for o in outs}
-                assert all(got.get(f"d{i}") == 1 for i in range(3)), got
+                # At least one: the step in flight when "long" came may be a multi-step decode.
+                assert all(got.get(f"d{i}", 0) >= 1 for i in range(3)), got
 
         r = run_engine(tiny_engine, [], on_step=on_step)
     assert prefill_steps >= 8
@@ -480,8 +406,8 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
             reqs.append(ScheduledRequest(seq, start, n, True))
             budget -= n
         x = runner.prepare(SchedulerOutput(requests=reqs))
-        assert x.bucket in compiled
-        t_bucket, r_bucket, _ = x.bucket
+        assert x.shape in compiled
+        t_bucket, r_bucket = x.shape.num_tokens, x.shape.num_rows
         ref_tokens, ref_pos, ref_md = build_step(
             [StepRequest(r.seq.token_ids[r.start :], r.start, r.seq.block_table) for r in reqs],
             block_size=8,
@@ -490,12 +416,13 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
             num_reqs=r_bucket,
         )
         num_real = sum(r.num_tokens for r in reqs)
-        np.testing.assert_array_equal(x.tokens, ref_tokens)
-        np.testing.assert_array_equal(x.positions, ref_pos)
+        inputs = x.inputs
+        np.testing.assert_array_equal(inputs.tokens, ref_tokens)
+        np.testing.assert_array_equal(inputs.positions, ref_pos)
         for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
-            np.testing.assert_array_equal(getattr(x.metadata, name), getattr(ref_md, name))
+            np.testing.assert_array_equal(getattr(inputs.metadata, name), getattr(ref_md, name))
         np.testing.assert_array_equal(
-            x.metadata.token_req[:num_real], np.asarray(ref_md.token_req)[:num_real]
+            inputs.metadata.token_req[:num_real], np.asarray(ref_md.token_req)[:num_real]
         )
         ends = np.cumsum([r.num_tokens for r in reqs]) - 1
-        np.testing.assert_array_equal(x.logits_indices[: len(reqs)], ends)
+        np.testing.assert_array_equal(inputs.logits_indices[: len(reqs)], ends)

@@ -13,8 +13,12 @@ The design follows vLLM v1's KV cache manager (`vllm/v1/core/block_pool.py`):
   end and evicts the popped block's hash, so a block in use is never evicted.
 - A sequence's blocks are freed tail first, so its last (least shared) blocks are the
   first to be evicted.
-- Full blocks are named only after their K/V have been computed (`register_computed`),
-  so a hit never points at a block that is still being written.
+- Full blocks are named once the step that computes their K/V has been dispatched
+  (`register_computed`, called by the scheduler after it schedules that step): the
+  device runs steps in order, so any step that can hit the name runs after the writes.
+- The n samples of one prompt carry a `cache_group`: with prefix caching off, their
+  blocks are still named, with the group as an extra hash key, so the samples share the
+  prompt's blocks with one another and with no other request.
 """
 
 from __future__ import annotations
@@ -77,23 +81,33 @@ class BlockManager:
 
     # ----- prefix cache ------------------------------------------------------------------
 
+    def caches(self, seq: Sequence) -> bool:
+        """Whether seq's full blocks are named and looked up (globally, or in its group)."""
+        return self.enable_prefix_caching or seq.cache_group is not None
+
     def full_block_hashes(self, seq: Sequence) -> list[BlockHash]:
-        """The chained hashes of every full block of seq.token_ids (cached on the sequence)."""
+        """The chained hashes of every full block of seq.token_ids (cached on the sequence).
+
+        Pending tokens (not yet sampled) are not part of token_ids, so their blocks are
+        not named until they arrive.
+        """
         hashes = seq.block_hashes
         bs = self.block_size
+        extra = () if self.enable_prefix_caching or seq.cache_group is None else (seq.cache_group,)
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
         return hashes
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq.token_ids.
 
         At least one token is always left uncached: the step needs a query token to
-        produce the logits that sample the next token. Pure: ref counts do not change
-        until `allocate` takes the blocks.
+        produce the logits that sample the next token. A sequence that still needs prompt
+        log-probs gets no hit: they come from the logits of every prompt position. Pure:
+        ref counts do not change until `allocate` takes the blocks.
         """
-        if not self.enable_prefix_caching:
+        if not self.caches(seq) or seq.num_prompt_logprobs_missing > 0:
             return []
         hit: list[int] = []
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -105,14 +119,16 @@ class BlockManager:
         return hit
 
     def register_computed(self, seq: Sequence) -> None:
-        """Name the sequence's full blocks whose K/V are now computed.
+        """Name the sequence's full blocks whose K/V are computed by dispatched steps and
+        whose tokens are known (see the module docstring).
 
         When another block already carries the same name (two requests computed the
         same prefix at once), this block stays unnamed: the first copy serves hits.
         """
-        if not self.enable_prefix_caching:
+        if not self.caches(seq):
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_known = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full = min(num_known // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self.full_block_hashes(seq)

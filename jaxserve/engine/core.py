@@ -5,6 +5,13 @@ step) and validates requests at the door, so that a bad request becomes an error
 instead of an exception. Used in-process by the offline `LLM` and by the engine process,
 whose busy loop calls `add_request` / `abort_requests` / `step`. Nothing here touches a
 socket or text: outputs are token ids.
+
+With `async_scheduling` (the default) a step overlaps host and device work, as vLLM
+v1's async scheduling does: while the device runs step N, the host schedules and packs
+step N+1 (each of N's sampling rows counts as one pending token); then it waits for N's
+tokens, writes them into N+1's inputs, dispatches N+1, and only then turns N's tokens
+into outputs, so the device idles only for the copy back and the dispatch. A request
+that N stops (EOS, stop token) wastes its row of N+1, whose result is discarded.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.model_runner import (
     CompileCounter,
     ModelRunner,
+    StepHandle,
     enable_compilation_cache,
     num_kv_blocks,
 )
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sampler import uses_penalties
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.models.loader import load_model
@@ -46,7 +55,10 @@ class EngineCore:
             max_model_len above the model's max_position_embeddings.
 
     Counters for the metrics layer (plain attributes, monotonic unless noted):
-        num_steps, host_time_s / device_time_s (totals, seconds), last_host_s /
+        num_steps, host_time_s (seconds the engine thread worked: scheduling, packing
+        inputs, dispatching, turning tokens into outputs) and device_time_s (seconds it
+        waited for the device: without async scheduling, the device time of the steps;
+        with it, the device time that host work did not hide), last_host_s /
         last_device_s (the last step), plus the scheduler's num_preemptions,
         num_prefix_queries / num_prefix_hits (tokens) and prefill/decode token counts.
     """
@@ -76,6 +88,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=mc.eos_token_ids,
             enable_chunked_prefill=sc.enable_chunked_prefill,
+            num_decode_steps=sc.num_decode_steps,
         )
         self.runner = ModelRunner(
             model,
@@ -86,7 +99,11 @@ class EngineCore:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             kv_dtype=dtype,
+            num_decode_steps=sc.num_decode_steps,
         )
+        self.async_scheduling = sc.async_scheduling
+        # The dispatched step whose outputs are not processed yet (async scheduling).
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         self.compile_time_s = self.runner.compile_all()
         self._compiles_at_ready = CompileCounter.count
         self.startup_time_s = time.perf_counter() - start
@@ -113,9 +130,13 @@ class EngineCore:
 
     # ----- requests ----------------------------------------------------------------------
 
-    def add_request(self, req: EngineRequest) -> None:
+    def add_request(self, req: EngineRequest, cache_group: str | None = None) -> None:
         """Queue a request. Never raises for a bad request: it ends with an error output
-        on the next `step()` instead."""
+        on the next `step()` instead.
+
+        cache_group: requests given the same group (the n samples of one prompt) share
+            their prompt's KV blocks even when prefix caching is off.
+        """
         try:
             params, prompt = self._validate(req)
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the engine
@@ -129,6 +150,9 @@ class EngineCore:
             params=params,
             seed=seed,
             arrival_time=req.arrival_time or time.time(),
+            single_step_only=uses_penalties(params) or params.prompt_logprobs is not None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            cache_group=cache_group,
         )
         self.scheduler.add(seq)
 
@@ -146,9 +170,6 @@ class EngineCore:
                 f"n: the engine runs one sample per request (fan out n > 1 before it), "
                 f"got {params.n}"
             )
-        if params.prompt_logprobs is not None:
-            # Needs logits at every prompt position: a separate step variant, not built yet.
-            raise ValueError("prompt_logprobs: not supported by this engine yet")
         prompt = np.asarray(req.prompt_token_ids).reshape(-1)
         if prompt.size == 0:
             raise ValueError("prompt_token_ids: the prompt is empty")
@@ -165,30 +186,55 @@ class EngineCore:
         self.scheduler.abort(request_ids)
 
     def has_work(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._rejected) or self._inflight is not None or self.scheduler.has_unfinished()
 
     # ----- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and at most one device call.
+        """One scheduling decision and at most one device call; with async scheduling,
+        the outputs returned are those of the step dispatched by the previous call.
 
         Returns:
             Outputs of every request that got a token or finished in this step.
         """
         start = time.perf_counter()
         outputs, self._rejected = self._rejected, []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs + self.scheduler.drain_finished()
-        samples = self.runner.execute(sched)
-        outputs += self.scheduler.update(sched, samples)
+        if self.async_scheduling:
+            outputs += self._step_overlapped()
+        else:
+            outputs += self._step_sync()
         total = time.perf_counter() - start
         self.num_steps += 1
-        self.last_device_s = self.runner.last_device_s
+        self.last_device_s = self.runner.last_wait_s
         self.last_host_s = total - self.last_device_s
         self.device_time_s += self.last_device_s
         self.host_time_s += self.last_host_s
         return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        self.runner.last_wait_s = 0.0
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self.scheduler.drain_finished()
+        return self.scheduler.update(sched, self.runner.execute(sched))
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        self.runner.last_wait_s = 0.0
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return self.scheduler.drain_finished()
+            self._inflight = sched, self.runner.dispatch(self.runner.prepare(sched), sched)
+        sched, handle = self._inflight
+        # Step N runs on the device: schedule and pack N + 1 meanwhile.
+        nxt = self.scheduler.schedule()
+        x = None if nxt.is_empty else self.runner.prepare(nxt)
+        samples = self.runner.fetch(handle)
+        self._inflight = None
+        if x is not None:
+            x.fill_pending(samples.token_ids)
+            self._inflight = nxt, self.runner.dispatch(x, nxt)
+        return self.scheduler.update(sched, samples)
 
     # ----- facts -------------------------------------------------------------------------
 

@@ -1,24 +1,31 @@
 """`ModelRunner`: turns a scheduler decision into one compiled device call.
 
-Owns the device side of the engine: the model's parameters, the paged KV cache, the
-bucketed step functions and the host-side packing of their inputs. One step is one
-jitted call that runs the model over the flat batch, the LM head on the last token of
-each request row, and the sampler, so only [R] token ids (and log-probs) come back.
+Owns the device side of the engine: the model's parameters, the paged KV cache and the
+compiled step functions. One step is one jitted call that runs the model over the flat
+batch (packed by `step_inputs.InputBuilder`), the LM head on the last token of each
+request row, and the sampler, so only [R] token ids (and log-probs) come back.
 
 Shapes a request can choose never reach the compiler: every step is padded to a token
 bucket T (powers of two up to max_num_batched_tokens). The request-row count is tied to
 it, R = min(T, max_num_seqs): a step of n tokens has at most n rows, and a padded row
 costs only one row of the sampler, so one row bucket per T is enough. Each T has two
-variants: the plain step, and one that carries the sampler's penalty history (L =
-max_model_len) for the rare steps with a penalized row. All 2 x len(T) executables are
-compiled ahead of time at start-up (`jax.jit(...).lower(...).compile()`, as vLLM's
-tpu-inference precompiles its padded shapes); calling an executable with any other shape
-raises instead of compiling. The KV cache is donated to each call, so XLA updates it in
-place.
+variants: the plain step, and a "full" one for the rare steps that need more: the
+sampler's penalty history (L = max_model_len) and the logits of every token, for prompt
+log-probs. With multi-step decode on, one more call per row bucket runs several decode
+steps in a `lax.scan`. Every executable is compiled ahead of time at start-up
+(`jax.jit(...).lower(...).compile()`, as vLLM's tpu-inference precompiles its padded
+shapes); calling one with any other shape raises instead of compiling. The KV cache is
+donated to each call, so XLA updates it in place.
+
+Calls are asynchronous: `dispatch` returns as soon as the step is queued (JAX's async
+dispatch), and `fetch` waits for its tokens, so the engine can schedule the next step
+meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -33,7 +40,15 @@ from flax import nnx
 
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.scheduler import SchedulerOutput, StepSamples
-from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache, allocate_kv_cache
+from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.step_inputs import (
+    DeviceInputs,
+    InputBuilder,
+    StepInputs,
+    StepShape,
+    pow2_buckets,
+)
+from jaxserve.models.base import PAD_SLOT, KVCache, allocate_kv_cache
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -41,27 +56,6 @@ logger = logging.getLogger(__name__)
 MIN_TOKEN_BUCKET = 16
 # On the CPU (no device memory statistics) the KV cache gets at most this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20
-
-
-def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` (capped at `largest`) up to `largest`, plus `largest`.
-
-    E.g. (16, 100) -> (16, 32, 64, 100); (8, 4) -> (4,).
-    """
-    buckets, b = [], min(smallest, largest)
-    while b < largest:
-        buckets.append(b)
-        b *= 2
-    buckets.append(largest)
-    return tuple(buckets)
-
-
-def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
-    """The smallest bucket >= n. Raises ValueError when n exceeds the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
@@ -132,17 +126,32 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclass(slots=True)
-class StepInputs:
-    """Host (NumPy) inputs of one step, padded to bucket (T, R, L)."""
+@jax.tree_util.register_dataclass
+@dataclass
+class StepOutput:
+    """What one call returns, S = decode steps, R rows, P prompt positions, K = K_MAX.
 
-    tokens: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
-    metadata: AttentionMetadata  # NumPy fields, see models/base.py
-    logits_indices: np.ndarray  # [R] int32: flat index of each row's last token
-    sampling: sampler_lib.SamplingMetadata
-    bucket: tuple[int, int, int]  # (T, R, L)
-    num_rows: int  # real (unpadded) rows
+    token_ids / logprobs: [S, R]; top_token_ids / top_logprobs: [S, R, K];
+    prompt_logprobs: [P]; prompt_top_ids / prompt_top_logprobs: [P, K] (P = 0 unless
+    the step is a full variant).
+    """
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_token_ids: jax.Array
+    top_logprobs: jax.Array
+    prompt_logprobs: jax.Array
+    prompt_top_ids: jax.Array
+    prompt_top_logprobs: jax.Array
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A dispatched step: its (possibly still running) device outputs and its inputs."""
+
+    out: StepOutput
+    inputs: StepInputs
+    dispatched_at: float
 
 
 class ModelRunner:
@@ -154,9 +163,10 @@ class ModelRunner:
         num_blocks: KV blocks to allocate (block 0 is the null block).
         block_size: tokens per KV block.
         max_model_len: most tokens of one request (sets the block-table width).
-        max_num_seqs: most request rows per step (the largest request bucket).
+        max_num_seqs: most request rows per step.
         max_num_batched_tokens: most tokens per step (the largest token bucket).
         kv_dtype: dtype of the KV cache.
+        num_decode_steps: decode steps of the multi-step decode call (1: not compiled).
     """
 
     def __init__(
@@ -170,172 +180,199 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         kv_dtype: jnp.dtype = jnp.float32,
+        num_decode_steps: int = 1,
     ):
         self.config = model_config
         self.vocab_size = model_config.vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.max_num_seqs = max_num_seqs
         self.token_buckets = pow2_buckets(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+        self.builder = InputBuilder(
+            self.token_buckets,
+            max_num_seqs,
+            max_model_len,
+            block_size,
+            model_config.vocab_size,
+            num_decode_steps,
+        )
+        self.max_blocks_per_seq = self.builder.max_blocks_per_seq
         self.graphdef, self.state = nnx.split(model)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype
         )
-        self._jitted = jax.jit(self._step_fn(), donate_argnums=(1,))
-        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
-        # Host vs device time of the last step, seconds (the metrics layer exports them).
+        self._executables: dict[StepShape, jax.stages.Compiled] = {}
+        # Rows of the last dispatched step: where its sampled tokens are found.
+        self._last_rows: dict[Sequence, int] = {}
+        # Host time to pack the last step, and time blocked waiting for its outputs (s).
         self.last_prepare_s = 0.0
-        self.last_device_s = 0.0
+        self.last_wait_s = 0.0
 
     # ----- compilation -------------------------------------------------------------------
 
-    def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (T, R, L) a step can use: per token bucket T, R = `rows_for(T)` and the
-        penalty history L = 0 (plain) or max_model_len (a step with a penalized row)."""
-        histories = (0, self.max_model_len)
-        return [(t, self.rows_for(t), h) for h in histories for t in self.token_buckets]
+    def buckets(self) -> list[StepShape]:
+        """Every step shape start-up compiles (see `InputBuilder.shapes`)."""
+        return self.builder.shapes()
 
     def rows_for(self, t_bucket: int) -> int:
-        """The row bucket of token bucket T: enough for any step of at most T tokens."""
-        return min(t_bucket, self.max_num_seqs)
+        """The row bucket of token bucket T."""
+        return self.builder.rows_for(t_bucket)
 
     def compile_all(self, max_workers: int | None = None) -> float:
-        """Compile the step for every bucket. Returns the seconds taken.
+        """Compile the step for every shape. Returns the seconds taken.
 
         Tracing runs in this thread (it is Python); XLA compilations run in parallel
         threads (they release the GIL), `max_workers` at a time (default: CPU count).
         """
         start = time.perf_counter()
-        buckets = self.buckets()
-        lowered = [self._lower(b) for b in buckets]
-        workers = max_workers or min(len(buckets), os.cpu_count() or 1)
+        shapes = self.buckets()
+        lowered = [self._lower(shape) for shape in shapes]
+        workers = max_workers or min(len(shapes), os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             compiled = list(pool.map(lambda low: low.compile(), lowered))
-        self._executables = dict(zip(buckets, compiled, strict=True))
+        self._executables = dict(zip(shapes, compiled, strict=True))
         elapsed = time.perf_counter() - start
-        logger.info("compiled %d step buckets in %.1f s", len(buckets), elapsed)
+        logger.info("compiled %d step shapes in %.1f s", len(shapes), elapsed)
         return elapsed
 
-    def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
-        inputs = self._empty_inputs(*bucket)
-        return self._jitted.lower(
-            self.state,
-            self.kv_cache,
-            inputs.tokens,
-            inputs.positions,
-            inputs.metadata,
-            inputs.logits_indices,
-            inputs.sampling,
+    def _lower(self, shape: StepShape) -> jax.stages.Lowered:
+        step = functools.partial(
+            _step, graphdef=self.graphdef, block_size=self.block_size, num_steps=shape.num_steps
         )
-
-    def _step_fn(self):
-        graphdef = self.graphdef
-
-        def step(state, kv_cache, tokens, positions, metadata, logits_indices, sampling_md):
-            model = nnx.merge(graphdef, state)
-            hidden, kv_cache = model(tokens, positions, kv_cache, metadata)
-            logits = model.compute_logits(hidden[logits_indices])
-            return sampler_lib.sample(logits, sampling_md, sampler_lib.K_MAX), kv_cache
-
-        return step
+        jitted = jax.jit(step, donate_argnums=(1,))
+        return jitted.lower(self.state, self.kv_cache, self.builder.empty(shape).inputs)
 
     # ----- one step ----------------------------------------------------------------------
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Pack a scheduler decision into padded NumPy inputs.
+        """Pack a scheduler decision into padded NumPy inputs. Input tokens that the
+        last dispatched step is still sampling are left for `StepInputs.fill_pending`.
 
         Raises:
-            ValueError: the step exceeds the largest bucket (a scheduler bug).
-        """
-        reqs = sched.requests
-        t_bucket = pick_bucket(self.token_buckets, sched.num_tokens)
-        r_bucket = self.rows_for(t_bucket)
-        if len(reqs) > r_bucket:
-            raise ValueError(f"{len(reqs)} rows exceed the {r_bucket} rows of bucket T={t_bucket}")
-        rows = [
-            sampler_lib.SamplingRow(
-                r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
-            )
-            for r in reqs
-        ]
-        h_bucket = self.max_model_len if sampler_lib.history_len_needed(rows) > 0 else 0
-        x = self._empty_inputs(t_bucket, r_bucket, h_bucket)
-        md = x.metadata
-        bs = self.block_size
-        t = 0
-        for row, r in enumerate(reqs):
-            n, table = r.num_tokens, r.seq.block_table
-            pos = np.arange(r.start, r.start + n, dtype=np.int32)
-            x.tokens[t : t + n] = r.seq.token_ids[r.start : r.start + n]
-            x.positions[t : t + n] = pos
-            md.slot_mapping[t : t + n] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
-            md.token_req[t : t + n] = row
-            md.block_tables[row, : len(table)] = table
-            md.seq_lens[row] = r.start + n
-            md.query_start_loc[row] = t
-            t += n
-            x.logits_indices[row] = t - 1
-        md.query_start_loc[len(reqs) :] = t
-        x.sampling = sampler_lib.prepare_sampling_metadata(
-            rows, r_bucket, self.vocab_size, h_bucket
-        )
-        x.num_rows = len(reqs)
-        return x
-
-    def _empty_inputs(self, t_bucket: int, r_bucket: int, h_bucket: int) -> StepInputs:
-        # Padded tokens write nowhere (PAD_SLOT) and belong to the last row, whose outputs
-        # are ignored when it is padding and unaffected when it is real (they are masked
-        # by query_start_loc).
-        metadata = AttentionMetadata(
-            slot_mapping=np.full(t_bucket, PAD_SLOT, np.int32),
-            block_tables=np.zeros((r_bucket, self.max_blocks_per_seq), np.int32),
-            seq_lens=np.zeros(r_bucket, np.int32),
-            query_start_loc=np.zeros(r_bucket + 1, np.int32),
-            token_req=np.full(t_bucket, r_bucket - 1, np.int32),
-        )
-        return StepInputs(
-            tokens=np.zeros(t_bucket, np.int32),
-            positions=np.zeros(t_bucket, np.int32),
-            metadata=metadata,
-            logits_indices=np.zeros(r_bucket, np.int32),
-            sampling=sampler_lib.prepare_sampling_metadata([], r_bucket, self.vocab_size, h_bucket),
-            bucket=(t_bucket, r_bucket, h_bucket),
-            num_rows=0,
-        )
-
-    def execute(self, sched: SchedulerOutput) -> StepSamples:
-        """Run one step on the device and bring the sampled tokens back to the host.
-
-        Returns:
-            StepSamples with row r for sched.requests[r].
+            ValueError: the step fits no compiled shape (a scheduler bug).
         """
         start = time.perf_counter()
-        x = self.prepare(sched)
-        executable = self._executables.get(x.bucket)
+        x = self.builder.build(sched, self._last_rows)
+        self.last_prepare_s = time.perf_counter() - start
+        return x
+
+    def dispatch(self, x: StepInputs, sched: SchedulerOutput) -> StepHandle:
+        """Queue the step on the device and return at once (the KV cache is donated).
+
+        Raises:
+            RuntimeError: the shape was not compiled.
+        """
+        executable = self._executables.get(x.shape)
         if executable is None:
-            raise RuntimeError(f"bucket {x.bucket} was not compiled; call compile_all() first")
-        dispatched = time.perf_counter()
-        out, self.kv_cache = executable(
-            self.state,
-            self.kv_cache,
-            x.tokens,
-            x.positions,
-            x.metadata,
-            x.logits_indices,
-            x.sampling,
-        )
-        n = x.num_rows
-        want_logprobs = any(r.seq.params.logprobs is not None for r in sched.requests)
-        if want_logprobs:
+            raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
+        out, self.kv_cache = executable(self.state, self.kv_cache, x.inputs)
+        self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
+        return StepHandle(out, x, time.perf_counter())
+
+    def fetch(self, handle: StepHandle) -> StepSamples:
+        """Wait for a dispatched step and copy what the host needs of its outputs.
+
+        Returns:
+            StepSamples with row r for the step's r-th scheduled request.
+        """
+        start = time.perf_counter()
+        out, x, n = handle.out, handle.inputs, handle.inputs.num_rows
+        if x.logprob_rows:
             token_ids, logprobs, top_ids, top_lps = jax.device_get(
                 (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
             )
-            samples = StepSamples(token_ids[:n], logprobs[:n], top_ids[:n], top_lps[:n])
+            samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
         else:
-            samples = StepSamples(np.asarray(jax.device_get(out.token_ids))[:n])
-        done = time.perf_counter()
-        self.last_prepare_s = dispatched - start
-        self.last_device_s = done - dispatched
+            samples = StepSamples(np.asarray(jax.device_get(out.token_ids))[:, :n])
+        if x.prompt_spans:
+            samples.prompt_logprobs = _prompt_entries(
+                x,
+                *jax.device_get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)),
+            )
+        self.last_wait_s = time.perf_counter() - start
         return samples
+
+    def execute(self, sched: SchedulerOutput) -> StepSamples:
+        """prepare + dispatch + fetch: one synchronous step (every input token known)."""
+        return self.fetch(self.dispatch(self.prepare(sched), sched))
+
+
+def _step(state, kv_cache, x: DeviceInputs, *, graphdef, block_size: int, num_steps: int):
+    """The jitted step: (params, KV cache, inputs) -> (StepOutput, KV cache)."""
+    model = nnx.merge(graphdef, state)
+    if num_steps > 1:
+        return _decode_steps(model, kv_cache, x, block_size, num_steps)
+    hidden, kv_cache = model(x.tokens, x.positions, kv_cache, x.metadata)
+    out = sampler_lib.sample(
+        model.compute_logits(hidden[x.logits_indices]), x.sampling, sampler_lib.K_MAX
+    )
+    if x.prompt_next_ids.shape[0]:  # static: only the full variant (P == T)
+        prompt = sampler_lib.compute_prompt_logprobs(
+            model.compute_logits(hidden), x.prompt_next_ids, sampler_lib.K_MAX
+        )
+    else:
+        prompt = _no_prompt_logprobs()
+    return _step_output(out, prompt, add_step_axis=True), kv_cache
+
+
+def _decode_steps(model, kv_cache, x: DeviceInputs, block_size: int, num_steps: int):
+    """`num_steps` decode steps in one call (T == R: token r is row r's only token).
+
+    Each step feeds the tokens the previous one sampled at the next position; the slot
+    of position p is block_tables[r, p // block_size] * block_size + p % block_size (the
+    scheduler allocated the blocks up front). Padded rows (seq_len 0) write nowhere.
+    Stop conditions are the host's: it discards tokens sampled past a stop.
+    """
+    md0 = x.metadata
+    real = md0.seq_lens > 0
+    rows = jnp.arange(md0.block_tables.shape[0])
+
+    def body(carry, step):
+        kv, tokens, positions, seq_lens = carry
+        slots = md0.block_tables[rows, positions // block_size] * block_size
+        slots = jnp.where(real, slots + positions % block_size, PAD_SLOT)
+        md = dataclasses.replace(md0, slot_mapping=slots, seq_lens=seq_lens)
+        hidden, kv = model(tokens, positions, kv, md)
+        sampling = dataclasses.replace(
+            x.sampling, num_output_tokens=x.sampling.num_output_tokens + step
+        )
+        out = sampler_lib.sample(model.compute_logits(hidden), sampling, sampler_lib.K_MAX)
+        carry = (kv, out.token_ids, positions + 1, jnp.where(real, seq_lens + 1, 0))
+        return carry, out
+
+    carry = (kv_cache, x.tokens, x.positions, md0.seq_lens)
+    (kv_cache, *_), outs = jax.lax.scan(body, carry, jnp.arange(num_steps, dtype=jnp.int32))
+    return _step_output(outs, _no_prompt_logprobs(), add_step_axis=False), kv_cache
+
+
+def _no_prompt_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+    k = sampler_lib.K_MAX
+    return jnp.zeros(0), jnp.zeros((0, k)), jnp.zeros((0, k), jnp.int32)
+
+
+def _step_output(out: sampler_lib.SamplerOutput, prompt, add_step_axis: bool) -> StepOutput:
+    lead = (lambda a: a[None]) if add_step_axis else (lambda a: a)
+    prompt_logprobs, prompt_top_logprobs, prompt_top_ids = prompt
+    return StepOutput(
+        token_ids=lead(out.token_ids),
+        logprobs=lead(out.logprobs),
+        top_token_ids=lead(out.top_token_ids),
+        top_logprobs=lead(out.top_logprobs),
+        prompt_logprobs=prompt_logprobs,
+        prompt_top_ids=prompt_top_ids,
+        prompt_top_logprobs=prompt_top_logprobs,
+    )
+
+
+def _prompt_entries(
+    x: StepInputs, logprobs: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
+) -> dict[int, tuple[int, list]]:
+    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...])."""
+    entries = {}
+    for span in x.prompt_spans:
+        rows = []
+        for t in range(span.flat_start, span.flat_start + span.count):
+            ids, lps = top_ids[t, : span.k].tolist(), top_lps[t, : span.k].tolist()
+            rows.append([float(logprobs[t]), [[i, lp] for i, lp in zip(ids, lps, strict=True)]])
+        entries[span.row] = (span.first_position, rows)
+    return entries

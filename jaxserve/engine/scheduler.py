@@ -17,10 +17,19 @@ of tokens each sequence still has to compute. One step:
    sequence whose next uncached block is being computed by another row in this step
    waits a step and then reuses it, so identical prompts arriving together share KV.
 
-After the device step, `update` advances each sequence, appends sampled tokens, checks
-the stop conditions and returns the `RequestOutput`s. Aborts and requests that can never
-fit end with one final output on the next `update` (or `drain_finished`).
-Pure Python: no JAX, no sockets, no text.
+4. A step is committed when it is scheduled: each row's `num_computed_tokens` advances
+   and the tokens it will sample count as pending (sequence.py), so the engine can
+   schedule step N+1 while the device runs step N. A sequence whose pending tokens
+   already reach max_tokens or max_model_len is not scheduled again.
+5. Multi-step decode: when every running sequence is decoding and nothing waiting could
+   be admitted, a step may run `num_decode_steps` decode steps in one device call (KV
+   blocks are allocated for all of them up front, as vLLM's multi-step scheduling
+   allocates lookahead slots).
+
+After the device step, `update` appends the sampled tokens, checking the stop conditions
+after every token (tokens sampled past a stop are discarded), and returns the
+`RequestOutput`s. Aborts and requests that can never fit end with one final output on
+the next `update` (or `drain_finished`). Pure Python: no JAX, no sockets, no text.
 """
 
 from __future__ import annotations
@@ -54,13 +63,19 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The decision for one step; rows are in scheduling order (decodes first)."""
+    """The decision for one step; rows are in scheduling order (decodes first).
+
+    num_steps: decode steps in this device call (> 1 only for a multi-step decode, where
+        every row has num_tokens 1 and samples num_steps tokens).
+    """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
+        """Tokens per forward pass (in a multi-step decode: per decode step)."""
         return sum(r.num_tokens for r in self.requests)
 
     @property
@@ -72,14 +87,25 @@ class SchedulerOutput:
 class StepSamples:
     """Host copies of what the sampler produced for each row of a step.
 
-    token_ids: [R] int32; logprobs: [R] float32 or None;
-    top_token_ids / top_logprobs: [R, K] or None.
+    token_ids: [S, R] int32, S = decode steps of the call (a [R] array means S = 1);
+    logprobs: [S, R] float32 or None; top_token_ids / top_logprobs: [S, R, K] or None.
+    prompt_logprobs: row -> (first prompt position, entries) for rows that computed
+        prompt log-probs (entries in ipc.RequestOutput.logprobs format).
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray | None = None
     top_token_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    prompt_logprobs: dict[int, tuple[int, list]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if np.ndim(self.token_ids) == 1:
+            self.token_ids = np.asarray(self.token_ids)[None]
+            if self.logprobs is not None:
+                self.logprobs = np.asarray(self.logprobs)[None]
+                self.top_token_ids = np.asarray(self.top_token_ids)[None]
+                self.top_logprobs = np.asarray(self.top_logprobs)[None]
 
 
 class Scheduler:
@@ -93,6 +119,7 @@ class Scheduler:
         eos_token_ids: the model's end-of-sequence ids (honoured unless ignore_eos).
         enable_chunked_prefill: split prompts over steps; when off, a prompt waits until
             it fits the step's budget whole.
+        num_decode_steps: most decode steps per device call (1 disables multi-step).
     """
 
     def __init__(
@@ -103,6 +130,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
+        num_decode_steps: int = 1,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
@@ -117,6 +145,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        if num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
+        self.num_decode_steps = num_decode_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -207,19 +238,69 @@ class Scheduler:
     # ----- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step. Allocates (and may preempt) KV blocks; see module doc."""
-        out = SchedulerOutput()
+        """Decide and commit the next step. Allocates (and may preempt) KV blocks; see the
+        module doc. May be called again before `update` has seen the previous step."""
+        for seq in self.running:
+            self.bm.register_computed(seq)  # blocks of steps already dispatched
+        out = SchedulerOutput(num_steps=self._num_decode_steps())
         chunks: dict[Sequence, int] = {}
         budget = self._schedule_running(chunks, out)
-        if out.num_preempted == 0:
+        if out.num_preempted == 0 and out.num_steps == 1:
             inflight: set[BlockHash] = set()
             for seq, n in chunks.items():
                 self._add_inflight(inflight, seq, seq.num_computed_tokens, n)
             self._admit_waiting(chunks, budget, inflight)
         for seq, n in chunks.items():
             start = seq.num_computed_tokens
-            out.requests.append(ScheduledRequest(seq, start, n, start + n == seq.num_tokens))
+            item = ScheduledRequest(seq, start, n, start + n == seq.num_total_tokens)
+            out.requests.append(item)
+            self._commit(item, out.num_steps)
         return out
+
+    def _commit(self, item: ScheduledRequest, num_steps: int) -> None:
+        """Advance a scheduled row's sequence as if the step had already run."""
+        seq = item.seq
+        if num_steps > 1:
+            seq.num_computed_tokens = item.start + num_steps
+            seq.num_pending_tokens += num_steps
+            self.num_decode_tokens_computed += num_steps
+            return
+        seq.num_computed_tokens = item.start + item.num_tokens
+        if item.samples:
+            seq.num_pending_tokens += 1
+        if item.samples and item.num_tokens == 1 and item.start >= seq.num_prompt_tokens:
+            self.num_decode_tokens_computed += 1
+        else:
+            self.num_prefill_tokens_computed += item.num_tokens
+
+    def _num_decode_steps(self) -> int:
+        """`num_decode_steps` when every schedulable running sequence is decoding, has
+        room for that many more tokens and can use the multi-step call, and nothing
+        waiting could be admitted instead; else 1."""
+        k = self.num_decode_steps
+        if k == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return 1
+        candidates = [s for s in self.running if not self._pending_reach_limit(s)]
+        if not candidates or len(candidates) > self.max_num_batched_tokens:
+            return 1
+        for seq in candidates:
+            if (
+                seq.single_step_only
+                or seq.num_missing_tokens != 1
+                or seq.num_output_tokens + seq.num_pending_tokens + k > seq.params.max_tokens
+                or seq.num_total_tokens + k > self.max_model_len
+            ):
+                return 1
+        return k
+
+    def _pending_reach_limit(self, seq: Sequence) -> bool:
+        """Whether the tokens already scheduled end seq by max_tokens or max_model_len."""
+        return seq.num_pending_tokens > 0 and (
+            seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens
+            or seq.num_total_tokens >= self.max_model_len
+        )
 
     def _schedule_running(self, chunks: dict[Sequence, int], out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
@@ -228,10 +309,12 @@ class Scheduler:
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self._pending_reach_limit(seq):
+                continue  # preempted earlier in this loop, or nothing left to compute
             n = min(seq.num_missing_tokens, budget)
-            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            # A multi-step decode writes the K/V of num_steps tokens (n == 1 there).
+            span = n if out.num_steps == 1 else out.num_steps
+            while not self.bm.allocate(seq, seq.num_computed_tokens + span):
                 victim = max(self.running, key=lambda s: s.arrival_seq)
                 budget += chunks.pop(victim, 0)
                 self._preempt(victim)
@@ -271,7 +354,7 @@ class Scheduler:
 
     def _add_inflight(self, inflight: set[BlockHash], seq: Sequence, start: int, n: int) -> None:
         """Add the names of the full blocks that computing tokens [start, start + n) completes."""
-        if not self.bm.enable_prefix_caching:
+        if not self.bm.caches(seq):
             return
         bs = self.bm.block_size
         hashes = self.bm.full_block_hashes(seq)
@@ -293,13 +376,16 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        # A token still in flight for it is dropped: recomputing gives the same one (its
+        # RNG step is the number of output tokens before it).
+        seq.num_pending_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Head of the queue: it arrived before everything still waiting (FCFS).
         self.waiting.appendleft(seq)
 
     def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
-        """Apply a finished step: advance computed tokens, append samples, stop, emit.
+        """Apply a finished step: append samples, stop, emit.
 
         Args:
             sched: the decision `schedule` returned for this step.
@@ -312,22 +398,26 @@ class Scheduler:
         for row, item in enumerate(sched.requests):
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished or preempted while the step ran
-            seq.num_computed_tokens = item.start + item.num_tokens
-            if item.samples and item.num_tokens == 1 and item.start >= seq.num_prompt_tokens:
-                self.num_decode_tokens_computed += 1
-            else:
-                self.num_prefill_tokens_computed += item.num_tokens
-            self.bm.register_computed(seq)
+                continue  # finished, aborted or preempted after this step was scheduled
+            _add_prompt_logprobs(seq, samples.prompt_logprobs.get(row))
             if not item.samples:
+                self.bm.register_computed(seq)
                 continue
-            token = int(samples.token_ids[row])
-            seq.append_token(token)
-            self._check_stop(seq, token)
+            new_tokens: list[int] = []
+            for step in range(samples.token_ids.shape[0]):
+                token = int(samples.token_ids[step, row])
+                seq.num_pending_tokens -= 1
+                seq.append_token(token)
+                new_tokens.append(token)
+                self._check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    break  # tokens sampled past a stop are discarded
+            self.bm.register_computed(seq)
             if seq.finish_reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, seq.finish_reason)
-            outputs.append(self._output(seq, [token], _row_logprobs(seq, samples, row)))
+            logprobs = _row_logprobs(seq, samples, row, len(new_tokens))
+            outputs.append(self._output(seq, new_tokens, logprobs))
         return outputs
 
     # ----- finishing ---------------------------------------------------------------------
@@ -344,6 +434,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.bm.free(seq)
+        seq.num_pending_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
@@ -351,7 +442,14 @@ class Scheduler:
     def _output(
         self, seq: Sequence, new_token_ids: list[int], logprobs: list | None = None
     ) -> RequestOutput:
-        first = None
+        first = prompt_logprobs = None
+        if (
+            seq.prompt_logprobs is not None
+            and new_token_ids
+            and seq.num_output_tokens == len(new_token_ids)
+        ):
+            # With the first sampled tokens: the prompt's log-probs are complete by then.
+            prompt_logprobs = [None, *seq.prompt_logprobs]
         if not seq.first_output_sent:
             seq.first_output_sent = True
             first = {
@@ -368,17 +466,33 @@ class Scheduler:
             error=seq.error,
             first=first,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
-def _row_logprobs(seq: Sequence, samples: StepSamples, row: int) -> list | None:
-    """The ipc.RequestOutput.logprobs entry of one new token:
-    [[logprob, [[top_token_id, top_logprob], ...]]] with the top-N the request asked for."""
+def _row_logprobs(seq: Sequence, samples: StepSamples, row: int, num_tokens: int) -> list | None:
+    """The ipc.RequestOutput.logprobs entries of a row's first `num_tokens` new tokens:
+    [[logprob, [[top_token_id, top_logprob], ...]], ...] with the top-N the request asked for."""
     k = seq.params.logprobs
     if k is None or samples.logprobs is None:
         return None
-    top: list = []
-    if k > 0 and samples.top_token_ids is not None:
-        ids, lps = samples.top_token_ids[row, :k].tolist(), samples.top_logprobs[row, :k].tolist()
-        top = [[i, lp] for i, lp in zip(ids, lps, strict=True)]
-    return [[float(samples.logprobs[row]), top]]
+    entries = []
+    for step in range(num_tokens):
+        top: list = []
+        if k > 0 and samples.top_token_ids is not None:
+            ids = samples.top_token_ids[step, row, :k].tolist()
+            lps = samples.top_logprobs[step, row, :k].tolist()
+            top = [[i, lp] for i, lp in zip(ids, lps, strict=True)]
+        entries.append([float(samples.logprobs[step, row]), top])
+    return entries
+
+
+def _add_prompt_logprobs(seq: Sequence, computed: tuple[int, list] | None) -> None:
+    """Append a step's prompt log-prob entries (first position, entries) to seq, skipping
+    positions it already has (a recompute after preemption)."""
+    if computed is None or seq.prompt_logprobs is None:
+        return
+    first, entries = computed
+    have = len(seq.prompt_logprobs)
+    if first <= have < first + len(entries):
+        seq.prompt_logprobs.extend(entries[have - first :])

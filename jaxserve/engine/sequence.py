@@ -6,9 +6,13 @@ it between WAITING and RUNNING and finishes it; the block manager fills its bloc
 Plain data: no JAX, no scheduling decisions here.
 
 There is no separate prefill/decode state (as in vLLM v1): each step a running sequence
-computes some of its `num_tokens - num_computed_tokens` missing tokens; once none are
-missing, the step's logits at its last token give the next token. A preempted sequence
-simply forgets its computed tokens and recomputes prompt + outputs later.
+computes some of its missing tokens; once none are missing, the step's logits at its
+last token give the next token. The scheduler advances `num_computed_tokens` when it
+schedules a step, not when the step returns, and counts the tokens a scheduled step will
+sample as `num_pending_tokens` until they arrive: so the next step can be scheduled while
+the device still runs this one (the pending token is then the next step's input,
+supplied by the model runner). A preempted sequence simply forgets its computed tokens
+and recomputes prompt + outputs later.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ class Sequence:
     block_hashes: chained hashes of the full blocks of token_ids, filled lazily.
     num_registered_blocks: leading blocks of block_table already offered to the prefix cache.
     num_cached_tokens: prompt tokens found in the prefix cache at the last admission.
+    num_pending_tokens: tokens that scheduled steps will sample but that have not arrived
+        (they follow token_ids; see the module docstring).
+    single_step_only: the request needs the sampler's token history (penalties) or
+        prompt log-probs, which the multi-step decode call does not carry.
+    prompt_logprobs: when params.prompt_logprobs is set, one entry per prompt token after
+        the first, in ipc.RequestOutput.logprobs format ([logprob, [[id, logprob], ...]]).
+    cache_group: extra key of this request's block names; requests with the same group
+        (the n samples of one prompt) share blocks even with global prefix caching off.
     first_output_sent: whether an output (with its `first` header) already left the engine.
     """
 
@@ -59,6 +71,10 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    num_pending_tokens: int = 0
+    single_step_only: bool = False
+    prompt_logprobs: list | None = None
+    cache_group: str | None = None
     num_preemptions: int = 0
     first_output_sent: bool = False
     finish_reason: str | None = None
@@ -86,9 +102,21 @@ class Sequence:
         return self._prompt_array
 
     @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus the pending ones that scheduled steps will sample."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_missing_tokens(self) -> int:
         """Tokens still to compute before this sequence can sample (1 while decoding)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_total_tokens - self.num_computed_tokens
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt positions whose log-probs are still to compute (0 when not asked for)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,294 @@
+"""Host-side packing of one scheduler decision into the padded arrays of a device step.
+
+Owns the flat-batch layout the model contract defines (models/base.py): the step's
+tokens, positions and attention metadata, each row's logits index and sampling
+metadata, and the positions whose logits give prompt log-probs, all padded to a
+`StepShape`. It also records what the arrays cannot know yet: the input tokens that the
+previous, still running step is sampling (`fill_pending` writes them in once they
+arrive), and which outputs belong to which row. NumPy only: no device work here (the
+model runner compiles and runs the step; the scheduler decides it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.sequence import Sequence
+from jaxserve.models.base import PAD_SLOT, AttentionMetadata
+
+
+class StepShape(NamedTuple):
+    """The static shape of one compiled step (one executable per shape).
+
+    num_tokens: T, tokens per forward pass.
+    num_rows: R, request rows (logits rows sampled per decode step).
+    history_len: L, width of the sampler's token history (0: no penalized row).
+    num_prompt_logits: P, flat positions whose logits give prompt log-probs (0 or T).
+    num_steps: decode steps per call (> 1: the multi-step decode family, T == R).
+    """
+
+    num_tokens: int
+    num_rows: int
+    history_len: int = 0
+    num_prompt_logits: int = 0
+    num_steps: int = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DeviceInputs:
+    """The arrays one step takes (NumPy on the host, jax.Array inside the step).
+
+    tokens, positions: [T] int32; metadata: models/base.py's AttentionMetadata;
+    logits_indices: [R] int32, flat index of each row's last token;
+    sampling: the sampler's per-row metadata for R rows and history L;
+    prompt_next_ids: [P] int32, at flat position t the prompt token that follows it when
+        its prompt log-prob is wanted, else -1.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    metadata: AttentionMetadata
+    logits_indices: np.ndarray
+    sampling: sampler_lib.SamplingMetadata
+    prompt_next_ids: np.ndarray
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """Flat positions [flat_start, flat_start + count) of `row` give the log-probs of
+    prompt tokens first_position + 1 ... (top `k` alternatives each)."""
+
+    row: int
+    flat_start: int
+    first_position: int
+    count: int
+    k: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One packed step: the device arrays plus the host bookkeeping to finish and read it.
+
+    pending_tokens: (flat index, previous-step row, previous-step decode step) of input
+        tokens that the previous step is still sampling.
+    pending_history: (row, history column, previous-step row, decode step) likewise for
+        the sampler's token history of penalized rows.
+    logprob_rows: whether any row asked for sampled-token log-probs.
+    """
+
+    shape: StepShape
+    inputs: DeviceInputs
+    num_rows: int
+    pending_tokens: list[tuple[int, int, int]] = field(default_factory=list)
+    pending_history: list[tuple[int, int, int, int]] = field(default_factory=list)
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    logprob_rows: bool = False
+
+    def fill_pending(self, prev_token_ids: np.ndarray) -> None:
+        """Write the previous step's sampled tokens ([S, R_prev] int32) into the inputs."""
+        for t, prev_row, step in self.pending_tokens:
+            self.inputs.tokens[t] = prev_token_ids[step, prev_row]
+        for row, col, prev_row, step in self.pending_history:
+            self.inputs.sampling.token_history[row, col] = prev_token_ids[step, prev_row]
+
+
+class InputBuilder:
+    """Packs scheduler decisions into `StepInputs` of the shapes a `ModelRunner` compiles.
+
+    Args:
+        token_buckets: the token buckets T, ascending.
+        max_num_seqs: most rows per step; R = min(T, max_num_seqs).
+        max_model_len: history width L of a step with a penalized row; sets the
+            block-table width with block_size.
+        block_size: tokens per KV block.
+        vocab_size: V, for the sampler's metadata.
+        decode_steps: decode steps of the multi-step decode family (1: none).
+    """
+
+    def __init__(
+        self,
+        token_buckets: tuple[int, ...],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        decode_steps: int = 1,
+    ):
+        self.token_buckets = token_buckets
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.vocab_size = vocab_size
+        self.decode_steps = decode_steps
+
+    # ----- shapes ------------------------------------------------------------------------
+
+    def rows_for(self, t_bucket: int) -> int:
+        """The row bucket of token bucket T: enough for any step of at most T tokens."""
+        return min(t_bucket, self.max_num_seqs)
+
+    def shapes(self) -> list[StepShape]:
+        """Every shape a step can take: per token bucket a plain step and one with the
+        penalty history and prompt logits; plus, with multi-step decode, one decode call
+        per row bucket (T = R)."""
+        plain = [StepShape(t, self.rows_for(t)) for t in self.token_buckets]
+        full = [StepShape(t, self.rows_for(t), self.max_model_len, t) for t in self.token_buckets]
+        decode = []
+        if self.decode_steps > 1:
+            row_buckets = sorted({self.rows_for(t) for t in self.token_buckets})
+            decode = [StepShape(r, r, num_steps=self.decode_steps) for r in row_buckets]
+        return plain + full + decode
+
+    def shape_for(self, sched: SchedulerOutput, full: bool) -> StepShape:
+        """The shape of a decision. Raises ValueError for one no shape holds."""
+        n_rows = len(sched.requests)
+        if sched.num_steps > 1:
+            if sched.num_steps != self.decode_steps or full:
+                raise ValueError(f"num_steps: no multi-step shape for {sched.num_steps} steps")
+            r = pick_bucket(sorted({self.rows_for(t) for t in self.token_buckets}), n_rows)
+            return StepShape(r, r, num_steps=sched.num_steps)
+        t = pick_bucket(self.token_buckets, sched.num_tokens)
+        r = self.rows_for(t)
+        if n_rows > r:
+            raise ValueError(f"{n_rows} rows exceed the {r} rows of bucket T={t}")
+        return StepShape(t, r, self.max_model_len, t) if full else StepShape(t, r)
+
+    # ----- packing -----------------------------------------------------------------------
+
+    def build(self, sched: SchedulerOutput, prev_rows: dict[Sequence, int]) -> StepInputs:
+        """Pack a decision (already committed by the scheduler) into padded arrays.
+
+        Args:
+            sched: the decision.
+            prev_rows: row of each sequence in the previous step, for input tokens that
+                step is still sampling (empty when every input token is known).
+
+        Raises:
+            ValueError: the step fits no shape (a scheduler bug), or a sampling parameter
+                the sampler cannot pack (named).
+        """
+        reqs = sched.requests
+        spans = [self._prompt_span(row, r.seq, r.start, r.num_tokens) for row, r in enumerate(reqs)]
+        penalized = any(sampler_lib.uses_penalties(r.seq.params) for r in reqs)
+        wants_prompt = any(span is not None for span in spans)
+        shape = self.shape_for(sched, penalized or wants_prompt)
+        x = self.empty(shape)
+        md = x.inputs.metadata
+        bs = self.block_size
+        t = 0
+        for row, r in enumerate(reqs):
+            seq, n, table = r.seq, r.num_tokens, r.seq.block_table
+            known = min(r.start + n, seq.num_tokens)
+            pos = np.arange(r.start, r.start + n, dtype=np.int32)
+            if known > r.start:
+                x.inputs.tokens[t : t + known - r.start] = seq.token_ids[r.start : known]
+            for p in range(max(known, r.start), r.start + n):
+                x.pending_tokens.append((t + p - r.start, prev_rows[seq], p - seq.num_tokens))
+            x.inputs.positions[t : t + n] = pos
+            md.slot_mapping[t : t + n] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
+            md.token_req[t : t + n] = row
+            md.block_tables[row, : len(table)] = table
+            md.seq_lens[row] = r.start + n
+            md.query_start_loc[row] = t
+            span = spans[row]
+            if span is not None:
+                span.flat_start = t + span.first_position - r.start
+                next_ids = seq.prompt_token_ids[span.first_position + 1 :][: span.count]
+                x.inputs.prompt_next_ids[span.flat_start : span.flat_start + span.count] = next_ids
+                x.prompt_spans.append(span)
+            t += n
+            x.inputs.logits_indices[row] = t - 1
+        md.query_start_loc[len(reqs) :] = t
+        self._fill_sampling(x, sched, prev_rows)
+        x.num_rows = len(reqs)
+        x.logprob_rows = any(r.seq.params.logprobs is not None for r in reqs)
+        return x
+
+    def _prompt_span(self, row: int, seq: Sequence, start: int, n: int) -> PromptSpan | None:
+        """The prompt positions of chunk [start, start + n) whose log-probs seq still needs:
+        position p predicts prompt token p + 1, so p < num_prompt_tokens - 1."""
+        if seq.num_prompt_logprobs_missing <= 0:
+            return None
+        first = max(start, len(seq.prompt_logprobs))
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        return PromptSpan(row, -1, first, end - first, seq.params.prompt_logprobs)
+
+    def _fill_sampling(
+        self, x: StepInputs, sched: SchedulerOutput, prev_rows: dict[Sequence, int]
+    ) -> None:
+        reqs = sched.requests
+        rows = [
+            sampler_lib.SamplingRow(
+                r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
+            )
+            for r in reqs
+        ]
+        sampling = sampler_lib.prepare_sampling_metadata(
+            rows, x.shape.num_rows, self.vocab_size, x.shape.history_len
+        )
+        for row, r in enumerate(reqs):
+            # Outputs still in flight (sampled by the previous step) come before this
+            # step's tokens: they count for the RNG step and belong in the history.
+            seq = r.seq
+            prior = max(0, r.start + r.num_tokens - seq.num_tokens)
+            sampling.num_output_tokens[row] += prior
+            if prior and sampler_lib.uses_penalties(seq.params):
+                for j in range(prior):
+                    x.pending_history.append((row, seq.num_tokens + j, prev_rows[seq], j))
+        x.inputs.sampling = sampling
+
+    def empty(self, shape: StepShape) -> StepInputs:
+        """All-padding inputs of `shape` (also what start-up compiles against)."""
+        t_bucket, r_bucket = shape.num_tokens, shape.num_rows
+        # Padded tokens write nowhere (PAD_SLOT) and belong to the last row, whose outputs
+        # are ignored when it is padding and unaffected when it is real (they are masked
+        # by query_start_loc).
+        metadata = AttentionMetadata(
+            slot_mapping=np.full(t_bucket, PAD_SLOT, np.int32),
+            block_tables=np.zeros((r_bucket, self.max_blocks_per_seq), np.int32),
+            seq_lens=np.zeros(r_bucket, np.int32),
+            query_start_loc=np.zeros(r_bucket + 1, np.int32),
+            token_req=np.full(t_bucket, r_bucket - 1, np.int32),
+        )
+        inputs = DeviceInputs(
+            tokens=np.zeros(t_bucket, np.int32),
+            positions=np.zeros(t_bucket, np.int32),
+            metadata=metadata,
+            logits_indices=np.zeros(r_bucket, np.int32),
+            sampling=sampler_lib.prepare_sampling_metadata(
+                [], r_bucket, self.vocab_size, shape.history_len
+            ),
+            prompt_next_ids=np.full(shape.num_prompt_logits, -1, np.int32),
+        )
+        return StepInputs(shape=shape, inputs=inputs, num_rows=0)
+
+
+def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` (capped at `largest`) up to `largest`, plus `largest`.
+
+    E.g. (16, 100) -> (16, 32, 64, 100); (8, 4) -> (4,).
+    """
+    buckets, b = [], min(smallest, largest)
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+def pick_bucket(buckets, n: int) -> int:
+    """The smallest bucket >= n. Raises ValueError when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
