@@ -20,13 +20,14 @@ from jaxserve.sampling_params import SamplingParams
 BS = 4
 
 
-def make_seq(tokens, rid="r") -> Sequence:
+def make_seq(tokens, rid="r", **fields) -> Sequence:
     return Sequence(
         request_id=rid,
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
         params=SamplingParams(),
         seed=0,
+        **fields,
     )
 
 
@@ -127,6 +128,42 @@ def test_prefix_caching_disabled_never_hits():
     bm.register_computed(a)
     assert bm.num_cached_blocks == 0
     assert bm.lookup_prefix(make_seq(range(13), "b")) == []
+
+
+def test_cache_group_shares_within_the_group_only_when_caching_is_off():
+    """The n samples of a prompt (one cache group) share its full blocks; nobody else
+    does, not even a request with the same tokens."""
+    for enabled in (False, True):
+        bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=enabled)
+        a = make_seq(range(13), "a", cache_group="g")
+        bm.allocate(a, 13)
+        a.num_computed_tokens = 13
+        bm.register_computed(a)
+        sibling = make_seq(range(13), "b", cache_group="g")
+        assert bm.lookup_prefix(sibling) == a.block_table[:3]
+        other_group = make_seq(range(13), "c", cache_group="h")
+        stranger = make_seq(range(13), "d")
+        expected = a.block_table[:3] if enabled else []  # with caching on, names are global
+        assert bm.lookup_prefix(other_group) == expected
+        assert bm.lookup_prefix(stranger) == expected
+
+
+def test_pending_tokens_are_not_named_and_prompt_logprobs_skip_the_cache():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq(range(7), "a")
+    bm.allocate(a, 9)
+    # Scheduled through position 8; the token at position 7 is still being sampled.
+    a.num_computed_tokens, a.num_pending_tokens = 8, 1
+    bm.register_computed(a)
+    assert bm.num_cached_blocks == 1  # block 1 needs its last token's id
+    a.token_ids.append(3)
+    a.num_pending_tokens = 0
+    bm.register_computed(a)
+    assert bm.num_cached_blocks == 2
+    wants = make_seq(range(7), "b", prompt_logprobs=[])
+    assert bm.lookup_prefix(wants) == []  # every prompt position must be computed
+    done = make_seq(range(7), "c", prompt_logprobs=[[0.0, []]] * 6)
+    assert bm.lookup_prefix(done) == a.block_table[:1]
 
 
 def test_only_computed_blocks_are_named():

@@ -8,10 +8,12 @@ One compiled engine serves every test (tests/conftest.py); tests leave it idle.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
+from conftest import TINY_BLOCK_SIZE, swap_scheduler
 from engine_helpers import assert_idle, greedy, random_prompts, run_engine
 from model_utils import hf_logits
 
@@ -86,3 +88,70 @@ def test_llm_returns_prompt_logprobs(tiny_engine, tiny_moe_dir, hf_model):
     out = llm.generate([prompt, [5, 6]], [params, SamplingParams(max_tokens=2)])
     assert_prompt_logprobs(out[0].prompt_logprobs, prompt, 3, hf_model)
     assert out[1].prompt_logprobs is None
+
+
+# ----- n samples share the prompt's blocks --------------------------------------------------
+
+
+class BlockSpy:
+    """An EngineCore stand-in for `LLM` that records, after every step, the block tables
+    of the running sequences (as tuples) and the ref count of every block."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.snapshots: list[tuple[list[tuple[int, ...]], list[int]]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        outs = self._engine.step()
+        sched = self._engine.scheduler
+        tables = [tuple(s.block_table) for s in sched.running]
+        self.snapshots.append((tables, list(sched.bm.ref_counts)))
+        return outs
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_share_the_prompt_blocks(tiny_engine, tiny_moe_dir, prefix_caching):
+    from jaxserve import SamplingParams
+    from jaxserve.llm import LLM
+
+    n, bs, max_tokens = 4, TINY_BLOCK_SIZE, 8
+    prompt_len = 5 * bs + 3  # 5 full blocks, then a partial one
+    full = (prompt_len - 1) // bs  # prompt blocks a sample can share (one token stays to compute)
+    per_sample = -(-(prompt_len + max_tokens - 1) // bs)  # blocks one sample holds at the end
+    rng = random.Random(21)
+    vocab = tiny_engine.model_config.vocab_size
+    prompts = random_prompts(rng, n, prompt_len, prompt_len, vocab)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(prompt_list, sampling):
+        with swap_scheduler(tiny_engine, enable_prefix_caching=prefix_caching):
+            spy = BlockSpy(tiny_engine)
+            llm = LLM.from_engine(spy, tokenizer=tiny_moe_dir)
+            outs = llm.generate(prompt_list, sampling)
+        return outs, spy.snapshots
+
+    shared_outs, shared = run([prompts[0]], dataclasses.replace(params, n=n))
+    separate_outs, separate = run(prompts, params)
+
+    def blocks_in_use(tables):
+        return len({b for t in tables for b in t})
+
+    all_running = [(t, refs) for t, refs in shared if len(t) == n]
+    assert all_running, "the n samples never ran together"
+    for tables, refs in all_running:
+        assert len({t[:full] for t in tables}) == 1  # one copy of the prompt's full blocks
+        assert all(refs[b] == n for b in tables[0][:full])
+        assert blocks_in_use(tables) == sum(map(len, tables)) - (n - 1) * full
+    for tables, _ in separate:
+        assert blocks_in_use(tables) == sum(map(len, tables))  # nothing shared
+    peak_shared = max(blocks_in_use(t) for t, _ in shared)
+    peak_separate = max(blocks_in_use(t) for t, _ in separate)
+    # n samples hold the prompt's full blocks once, and one tail each.
+    assert peak_shared == full + n * (per_sample - full)
+    assert peak_separate > peak_shared
+    assert [len(o.token_ids) for o in shared_outs[0].outputs] == [max_tokens] * n
+    assert all(len(o.token_ids) == max_tokens for o in separate_outs)
+    assert_idle(tiny_engine)
