@@ -116,10 +116,18 @@ def local_expert_ffn(
 
 
 def _dense_local_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array):
-    """Every row through every local expert: [M, H] -> [M, L, H]."""
-    gate = jnp.einsum("mh,lhi->mli", x, w_gate)
-    up = jnp.einsum("mh,lhi->mli", x, w_up)
-    return jnp.einsum("mli,lih->mlh", jax.nn.silu(gate) * up, w_down)
+    """Every row through every local expert: [M, H] -> [M, L, H] in x.dtype.
+
+    Same rounding points as the grouped-matmul kernels: float32 products and activation,
+    the [M, L, I] intermediate stored in x.dtype. (Operands are upcast explicitly: the
+    CPU backend has no bfloat16 x bfloat16 -> float32 dot.)
+    """
+    f32 = jnp.float32
+    x32 = x.astype(f32)
+    gate = jnp.einsum("mh,lhi->mli", x32, w_gate.astype(f32))
+    up = jnp.einsum("mh,lhi->mli", x32, w_up.astype(f32))
+    hidden = (jax.nn.silu(gate) * up).astype(x.dtype).astype(f32)
+    return jnp.einsum("mli,lih->mlh", hidden, w_down.astype(f32)).astype(x.dtype)
 
 
 def _token_chunk(a: jax.Array, chunk: int, index: jax.Array) -> jax.Array:
@@ -172,7 +180,9 @@ def _all_to_all_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement)
 
     y_sorted = back.at[dest, rank].get(mode="fill", fill_value=0)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, top_k, hidden)
-    combined = jnp.einsum("nk,nkh->nh", weights, y)
+    # Weighted sum in float32, rounded once (the k expert outputs are already rounded).
+    combined = jnp.einsum("nk,nkh->nh", weights.astype(jnp.float32), y.astype(jnp.float32))
+    combined = combined.astype(x.dtype)
     return lax.all_gather(combined, TP, axis=0, tiled=True)[:t_dp]
 
 
