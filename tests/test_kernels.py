@@ -461,6 +461,25 @@ def test_dispatch_routes_to_interpreted_kernels_and_reference():
         assert_close(kernel, f64(reference))
 
 
+def test_dispatch_falls_back_to_reference_for_unsupported_inputs(caplog):
+    """A float32 model (or head_dim 32) runs the reference on a kernel backend, with a
+    warning that names the cause."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.float32)
+    group_sizes = jnp.asarray([10, 6], jnp.int32)
+    positions, metadata = make_batch(
+        rng, [(1, 5)], num_tokens=2, block_size=8, num_blocks=4, max_blocks=2
+    )
+    q, cache = bf16(rng, (2, 4, 32)), bf16(rng, (4, 8, 2, 32))
+    with caplog.at_level("WARNING"), dispatch.backend_override(dispatch.INTERPRET):
+        out = dispatch.grouped_matmul(x, w, group_sizes, preferred_element_type=jnp.float32)
+        attn = dispatch.paged_attention(q, cache, cache, positions, metadata, 0.1)
+    assert_close(out, gmm_oracle(x, w, group_sizes), rtol=1e-5)
+    assert_close(attn, attention_oracle(q, cache, cache, positions, metadata, 0.1))
+    assert "dtype float32" in caplog.text and "head_dim=32" in caplog.text
+
+
 # --- full size, on a GPU --------------------------------------------------------------
 
 

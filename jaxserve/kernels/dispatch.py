@@ -12,15 +12,19 @@ NVIDIA GPU, the references elsewhere (the CPU). The environment variable
 Model code calls only the functions here (`paged_attention`, `moe_ffn`,
 `grouped_matmul`), never a kernel module, so the choice lives in this one place. The
 choice is read when a function is traced, so set the variable (or use
-`backend_override`) before the first jit of a model.
+`backend_override`) before the first jit of a model. Shapes or dtypes a kernel cannot
+take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
+warning per cause in the log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 
@@ -35,6 +39,7 @@ INTERPRET = "interpret"
 _ENV_VALUES = {"reference": REFERENCE, "pallas": PALLAS_MGPU, "interpret": INTERPRET}
 
 _override: str | None = None
+_log = logging.getLogger(__name__)
 
 
 def has_nvidia_gpu() -> bool:
@@ -98,6 +103,30 @@ def _kernel_mode(backend: str) -> Iterator[None]:
         yield
 
 
+def _kernels(module: str):
+    """A kernel module, imported on first use (keeps Pallas off the reference path)."""
+    return importlib.import_module(f"jaxserve.kernels.{module}")
+
+
+@functools.cache
+def _fall_back(op: str, reason: str) -> None:
+    """Log once per (op, reason) that a kernel backend runs the reference instead."""
+    _log.warning("%s: the Pallas kernel cannot run %s; using the jnp reference", op, reason)
+
+
+def _kernel_backend(op: str, reason: Callable[[], str | None]) -> str | None:
+    """The kernel backend to run `op` on, or None for the reference (the reference
+    backend, or a shape/dtype the kernel cannot take: `reason()` says why)."""
+    backend = get_backend()
+    if backend == REFERENCE:
+        return None
+    why = reason()
+    if why is not None:
+        _fall_back(op, why)
+        return None
+    return backend
+
+
 def grouped_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None
 ) -> jax.Array:
@@ -106,15 +135,16 @@ def grouped_matmul(
 
     See `grouped_matmul.grouped_matmul` for shapes, dtypes and errors.
     """
-    backend = get_backend()
-    if backend == REFERENCE:
+    backend = _kernel_backend(
+        "grouped_matmul",
+        lambda: _kernels("grouped_matmul").unsupported_reason(x.shape[-1], w.shape[-1], x.dtype),
+    )
+    if backend is None:
         return grouped_matmul_ref.grouped_matmul_ref(
             x, w, group_sizes, preferred_element_type=preferred_element_type
         )
-    from jaxserve.kernels import grouped_matmul as kernels  # noqa: PLC0415
-
     with _kernel_mode(backend):
-        return kernels.grouped_matmul(
+        return _kernels("grouped_matmul").grouped_matmul(
             x, w, group_sizes, preferred_element_type=preferred_element_type
         )
 
@@ -131,13 +161,17 @@ def moe_ffn(
     w_gate, w_up: [E, H, I]; w_down: [E, I, H]; group_sizes: [E] int32. Rows past
     sum(group_sizes) give 0. See `grouped_matmul_ref.moe_ffn_ref` for the contract.
     """
-    backend = get_backend()
-    if backend == REFERENCE:
-        return grouped_matmul_ref.moe_ffn_ref(x_sorted, group_sizes, w_gate, w_up, w_down)
-    from jaxserve.kernels import grouped_matmul as kernels  # noqa: PLC0415
+    hidden, inter = w_gate.shape[-2], w_gate.shape[-1]
 
+    def reason():
+        check = _kernels("grouped_matmul").unsupported_reason
+        return check(hidden, inter, x_sorted.dtype) or check(inter, hidden, x_sorted.dtype)
+
+    backend = _kernel_backend("moe_ffn", reason)
+    if backend is None:
+        return grouped_matmul_ref.moe_ffn_ref(x_sorted, group_sizes, w_gate, w_up, w_down)
     with _kernel_mode(backend):
-        return kernels.moe_ffn(x_sorted, group_sizes, w_gate, w_up, w_down)
+        return _kernels("grouped_matmul").moe_ffn(x_sorted, group_sizes, w_gate, w_up, w_down)
 
 
 def paged_attention(
@@ -159,13 +193,14 @@ def paged_attention(
     the GPU kernel split long contexts over SMs when there are few requests; the
     reference ignores it.
     """
-    backend = get_backend()
-    if backend == REFERENCE:
+    backend = _kernel_backend(
+        "paged_attention",
+        lambda: _kernels("paged_attention").unsupported_reason(q.shape, k_cache.shape, q.dtype),
+    )
+    if backend is None:
         return paged_attention_ref(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
-    from jaxserve.kernels import paged_attention as kernels  # noqa: PLC0415
-
     with _kernel_mode(backend):
-        return kernels.paged_attention(
+        return _kernels("paged_attention").paged_attention(
             q, k_cache, v_cache, positions, metadata, scale, sliding_window,
             max_query_len=max_query_len,
         )  # fmt: skip

@@ -279,10 +279,31 @@ def _gmm_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
+_OPERAND_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def unsupported_reason(k: int, n: int, dtype) -> str | None:
+    """Why the kernel cannot compute x [M, k] @ w [G, k, n] in `dtype`; None if it can.
+
+    The smallest tiles are 64 deep and 128 wide (two 64-column warpgroups), and wgmma
+    takes 16-bit operands here.
+    """
+    if jnp.dtype(dtype) not in _OPERAND_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the kernel takes bfloat16 or float16)"
+    if k % 64:
+        return f"K={k} is not a multiple of 64"
+    if n % 128:
+        return f"N={n} is not a multiple of 128"
+    return None
+
+
 def _validate(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array) -> None:
     if x.ndim != 2:
         raise ValueError(f"x: expected [M, K], got shape {x.shape}")
-    for name, w in zip(("w", "w_up"), ws, strict=False):
+    if jnp.dtype(x.dtype) not in _OPERAND_DTYPES:
+        raise ValueError(f"x: dtype must be bfloat16 or float16, got {x.dtype}")
+    names = ("w",) if len(ws) == 1 else ("w_gate", "w_up")
+    for name, w in zip(names, ws, strict=True):
         if w.ndim != 3 or w.shape[1] != x.shape[1]:
             raise ValueError(f"{name}: expected [G, K={x.shape[1]}, N], got shape {w.shape}")
         if w.dtype != x.dtype:

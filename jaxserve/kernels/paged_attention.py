@@ -31,6 +31,22 @@ from jaxserve.models.base import AttentionMetadata
 MAX_KV_SPLITS = 16
 
 
+def unsupported_reason(q_shape, kv_shape, dtype) -> str | None:
+    """Why the kernel cannot attend q [T, H, D] over caches [N, block_size, KVH, D] in
+    `dtype`; None if it can (wgmma wants 16-bit operands and 64-wide head dims, TMA
+    8-row boxes)."""
+    (_, num_heads, head_dim), (_, block_size, num_kv_heads, _) = q_shape, kv_shape
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (the kernel takes bfloat16 or float16)"
+    if head_dim % 64:
+        return f"head_dim={head_dim} is not a multiple of 64"
+    if block_size % ROW_TILING:
+        return f"block_size={block_size} is not a multiple of 8"
+    if num_heads % num_kv_heads or pl.cdiv(num_heads // num_kv_heads, 8) * 8 > TILE_ROWS:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads"
+    return None
+
+
 def _validate(q, k_cache, v_cache, positions, metadata, config: AttentionConfig):
     if q.ndim != 3:
         raise ValueError(f"q: expected [T, H, D], got shape {q.shape}")
