@@ -104,6 +104,7 @@ class Bench:
 
     def __init__(self, *, use_cupti: bool, budget_s: float, min_time_s: float):
         self.use_cupti = use_cupti
+        self.cupti_error: str | None = None
         self.deadline = time.monotonic() + budget_s
         self.min_time_s = min_time_s
         self.rows: list[Row] = []
@@ -129,9 +130,15 @@ class Bench:
         del outs
         if not self.use_cupti:
             return None, wall_us, None
-        from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+        try:
+            from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
 
-        _, per_iter = profiler.measure(jitted, aggregate=False, iterations=iters)(*args)
+            _, per_iter = profiler.measure(jitted, aggregate=False, iterations=iters)(*args)
+        except Exception as e:  # noqa: BLE001 -- CUPTI missing: keep going on wall clock
+            self.use_cupti = False
+            self.cupti_error = f"{type(e).__name__}: {e}"
+            print(f"CUPTI unavailable ({self.cupti_error}); timing by wall clock", flush=True)
+            return None, wall_us, None
         if not per_iter:
             return None, wall_us, None
         totals = [sum(ms for _, ms in kernels) * 1e3 for kernels in per_iter]
@@ -588,7 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         "device": device.device_kind,
         "platform": device.platform,
         "jax_version": jax.__version__,
-        "timing": "wall clock (GPU interpreter)" if interpret else "CUPTI device time",
+        "timing": (
+            "wall clock (GPU interpreter)"
+            if interpret
+            else "CUPTI device time"
+            if bench.use_cupti
+            else f"wall clock ({bench.cupti_error})"
+        ),
         "shapes": dataclasses.asdict(shapes),
         "ceilings": ceilings,
         "rows": [dict(dataclasses.asdict(r), ratio=r.ratio) for r in bench.rows],
