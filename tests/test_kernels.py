@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from conftest_gpu import skip_without_gpu  # noqa: F401 -- fixture used via pytestmark
 
-from jaxserve.kernels import dispatch, grouped_matmul, paged_attention, tile_table
+from jaxserve.kernels import (
+    dispatch,
+    grouped_matmul,
+    grouped_matmul_plan,
+    paged_attention,
+    tile_table,
+)
 from jaxserve.kernels.grouped_matmul_ref import grouped_matmul_ref, moe_ffn_ref
 from jaxserve.kernels.paged_attention_ref import paged_attention_ref
 from jaxserve.kernels.tile_table import AttentionConfig, GmmConfig
@@ -156,7 +162,7 @@ def test_group_metadata_tiles_every_row_once(seed):
     padded_m = max(-(-m // 8) * 8, tile_m)
     sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(num_groups, 0.3)))
     sizes[rng.random(num_groups) < 0.3] = 0
-    meta, counts = grouped_matmul._group_metadata(
+    meta, counts = grouped_matmul_plan.group_metadata(
         jnp.asarray(sizes, jnp.int32), m, padded_m, tile_m
     )
     meta, counts = np.asarray(meta), np.asarray(counts)

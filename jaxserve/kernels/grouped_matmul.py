@@ -9,20 +9,24 @@ either through `dispatch.py`, never directly.
 Design (after JAX's `ops/gpu/ragged_dot_mgpu.py` and `hopper_matmul_mgpu.py`, and the
 group-metadata idea of megablox, `jax.experimental.pallas.ops.tpu.megablox`):
 
-- A tile is `tile_m` consecutive rows *of one expert* starting at that expert's first
-  row (not at a global multiple of tile_m), times `2 * tile_n` output columns. So an
-  expert with one token costs one weight stream, never two, which is what decides the
-  memory-bound decode regime. The tile list is computed outside the kernel by a few
-  tiny XLA ops (`_group_metadata`), so the kernel does no search over experts.
-- The kernel is persistent: one CTA per SM walks the tile list. Each CTA runs three
-  warpgroups: one issues TMA loads into a `max_concurrent_steps`-deep ring, two issue
-  wgmma on their halves of the columns (`plgpu.emit_pipeline_warp_specialized`).
-- A tile's x rows are loaded from `min(first_row, M - tile_m)` so that no TMA box
-  reads past the array; the rows that belong to the tile sit at an offset inside it.
-- Partial tiles are written with a ladder of power-of-two-row TMA stores from an
-  unswizzled staging buffer (the trick of `ragged_dot_mgpu`), so no row of another
-  expert is overwritten. Rows past sum(group_sizes) are written with zeros by a second
-  loop, so every output element is written exactly once.
+- A tile is up to `tile_m` consecutive rows *of one expert*, times `2 * tile_n` output
+  columns. An expert's tiles start at its first row rounded down to a multiple of 8 (a
+  TMA box into swizzled SMEM must start on the 8-row tiling), not at a global multiple
+  of tile_m, so an expert with one token costs one weight stream, never two: that is
+  what decides the memory-bound decode regime. The tile list is computed outside the
+  kernel by a few tiny XLA ops (`grouped_matmul_plan.py`), so the kernel does no search.
+- The kernel is persistent: one CTA per SM walks the tile list, column tiles of a row
+  tile next to each other (they share x rows and the expert's weights in L2). Each CTA
+  runs three warpgroups: one issues TMA loads into a `max_concurrent_steps`-deep ring,
+  two issue wgmma on their halves of the columns
+  (`plgpu.emit_pipeline_warp_specialized`). A CTA's tiles run as one pipeline of
+  pipelines (`chain_tiles`), so the next tile's loads overlap this tile's epilogue.
+- A tile loads x rows [min(start, M_pad - tile_m), + tile_m), so no TMA box reads past
+  the array; the rows that belong to the tile sit at an offset inside it.
+- Tiles are stored with a ladder of power-of-two-row TMA stores from an unswizzled
+  staging buffer (the trick of `ragged_dot_mgpu`), so no row of another expert is
+  overwritten. Rows past sum(group_sizes) are written with zeros by a second loop, so
+  every output element is written exactly once.
 """
 
 from __future__ import annotations
@@ -37,60 +41,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.kernels import tile_table
+from jaxserve.kernels.grouped_matmul_plan import group_metadata
 from jaxserve.kernels.tile_table import FUSE_GATE_UP, NUM_COMPUTE_WARPGROUPS, GmmConfig, gmm_config
 
 # Registers kept by the TMA warpgroup; the compute warpgroups get the rest (as in JAX's
 # hopper_matmul_mgpu example).
 _MEMORY_REGISTERS = 40
 _META_FIELDS = 4  # group, first row loaded, offset of the tile's rows in the load, rows
-
-
-def _group_metadata(
-    group_sizes: jax.Array, m: int, padded_m: int, tile_m: int
-) -> tuple[jax.Array, jax.Array]:
-    """Tile list of a grouped matmul over m rows sorted by group.
-
-    Tile j of group g covers the group's rows in [a, a + tile_m), a = 8 * floor(start_g
-    / 8) + j * tile_m: TMA into swizzled shared memory needs the first row loaded to be
-    a multiple of the 8-row tiling, so a group's first tile may carry up to 7 rows of
-    the previous group (computed, never stored).
-
-    Args:
-      group_sizes: [G] int32, rows of each group; the groups tile rows [0, sum) in order.
-        Negative sizes count as 0; a running sum past m is clipped to m.
-      m: rows of x (static).
-      padded_m: rows of the x the kernel reads: a multiple of 8, >= max(m, tile_m).
-      tile_m: rows per tile (static).
-
-    Returns:
-      meta: [4, max_tiles] int32 rows (group, load_row, offset, rows): tile i computes
-        x[load_row : load_row + tile_m] @ w[group] and stores its rows
-        [offset, offset + rows) as output rows load_row + offset + [0, rows).
-        load_row is a multiple of 8. Entries at or past num_tiles have rows = 0.
-      counts: [2] int32, (num_tiles, rows covered by groups = min(sum(group_sizes), m)).
-    """
-    num_groups = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    aligned_starts = starts // 8 * 8
-    tiles = jnp.where(ends > starts, (ends - aligned_starts + tile_m - 1) // tile_m, 0)
-    tile_ends = jnp.cumsum(tiles)
-    # Each group adds at most one tile beyond its share of ceil(m / tile_m), plus one
-    # for the <= 7 rows its first tile starts early.
-    max_tiles = pl.cdiv(m, tile_m) + 2 * num_groups
-    i = jnp.arange(max_tiles, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_ends, i, side="right").astype(jnp.int32)
-    group = jnp.minimum(group, num_groups - 1)
-    tile_start = aligned_starts[group] + (i - (tile_ends[group] - tiles[group])) * tile_m
-    first_row = jnp.maximum(tile_start, starts[group])
-    rows = jnp.minimum(tile_start + tile_m, ends[group]) - first_row
-    rows = jnp.where(i < tile_ends[-1], jnp.clip(rows, 0, tile_m), 0)
-    load_row = jnp.minimum(tile_start, padded_m - tile_m)
-    offset = jnp.where(rows > 0, first_row - load_row, 0)
-    meta = jnp.stack([group, load_row, offset, rows])
-    counts = jnp.stack([tile_ends[-1], ends[-1]]).astype(jnp.int32)
-    return meta, counts
 
 
 def _store_rows(staging, wg, out, cols, src_row, dst_row, rows, tile_m):
@@ -348,7 +305,7 @@ def _run(
     # happens for tiny or odd batches; padding rows are never stored.
     padded_m = max(pl.cdiv(m, 8) * 8, config.tile_m)
     x_padded = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m != m else x
-    meta, counts = _group_metadata(group_sizes, m, padded_m, config.tile_m)
+    meta, counts = group_metadata(group_sizes, m, padded_m, config.tile_m)
     kernel = plgpu.kernel(
         functools.partial(_gmm_kernel, config=config, num_weights=len(ws), epilogue=epilogue),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
