@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
-from model_utils import tiny_qwen3_moe_config, write_hf_checkpoint
+from model_utils import tiny_mixtral_config, tiny_qwen3_moe_config, write_hf_checkpoint
 from sharding_utils import GreedyDriver
 
 from jaxserve.models.layers import moe_experts_dense, route
@@ -378,6 +378,24 @@ def test_model_on_mesh_matches_single_device(mesh_model_dir, single_device_run, 
     model, _ = load_sharded_model(mesh_model_dir, mesh, replicated_max_tokens=threshold)
     tokens, logits = GreedyDriver(model, mesh, len(PROMPTS), MAX_LEN).generate(PROMPTS, NUM_NEW)
     want_tokens, want_logits = single_device_run
+    assert tokens == want_tokens
+    for step, rows in want_logits.items():
+        for r, want in rows.items():
+            np.testing.assert_allclose(logits[step][r], want, atol=1e-5, rtol=0)
+
+
+def test_mixtral_sliding_window_on_mesh_matches_single_device(tmp_path):
+    config = tiny_mixtral_config(
+        num_attention_heads=8, num_key_value_heads=8, head_dim=8, sliding_window=4
+    )
+    write_hf_checkpoint(config, tmp_path, seed=1)
+    single, _ = load_model(tmp_path)
+    want_tokens, want_logits = GreedyDriver(single, None, len(PROMPTS), MAX_LEN).generate(
+        PROMPTS, NUM_NEW
+    )
+    mesh = build_mesh(4, 2)
+    model, _ = load_sharded_model(tmp_path, mesh)
+    tokens, logits = GreedyDriver(model, mesh, len(PROMPTS), MAX_LEN).generate(PROMPTS, NUM_NEW)
     assert tokens == want_tokens
     for step, rows in want_logits.items():
         for r, want in rows.items():
