@@ -63,7 +63,7 @@ def test_prompt_logprobs_equal_log_softmax_of_model_logits(tiny_engine, hf_model
             ("penalized", penalized, greedy(5, repetition_penalty=1.3, prompt_logprobs=2)),
         ],
     )
-    assert tiny_engine.num_compilations == before == 0
+    assert tiny_engine.num_compilations == before
     assert r["long"].tokens == ref  # asking for prompt log-probs changes no output
     for rid, prompt, k in (
         ("long", long_prompt, 5),
@@ -154,4 +154,78 @@ def test_n_samples_share_the_prompt_blocks(tiny_engine, tiny_moe_dir, prefix_cac
     assert peak_separate > peak_shared
     assert [len(o.token_ids) for o in shared_outs[0].outputs] == [max_tokens] * n
     assert all(len(o.token_ids) == max_tokens for o in separate_outs)
+    assert_idle(tiny_engine)
+
+
+# ----- async scheduling and multi-step decode -----------------------------------------------
+
+# (async_scheduling, num_decode_steps)
+MODES = [(False, 1), (True, 1), (False, 4), (True, 4)]
+
+
+def record_decisions(scheduler) -> list:
+    """Make `scheduler.schedule` record every decision it returns."""
+    decisions = []
+    schedule = scheduler.schedule
+
+    def recording():
+        decisions.append(schedule())
+        return decisions[-1]
+
+    scheduler.schedule = recording
+    return decisions
+
+
+def test_async_and_multi_step_give_the_same_outputs(tiny_engine):
+    """Greedy and seeded requests, penalties, log-probs, stop tokens, EOS and length
+    limits give the same tokens, finish reasons and log-probs with async scheduling and
+    multi-step decode on and off; stops inside a multi-step chunk end the request there."""
+    rng = random.Random(22)
+    vocab = tiny_engine.model_config.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(2 * TINY_BLOCK_SIZE)]
+    prompts = [shared + p for p in random_prompts(rng, 6, 1, 20, vocab)]
+    prompts += random_prompts(rng, 6, 1, 40, vocab)
+    samplings = [
+        greedy(rng.randint(1, 30)) if i % 3 == 0 else
+        dict(temperature=rng.choice([0.7, 1.0]), seed=100 + i, max_tokens=rng.randint(1, 30))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    samplings[1]["logprobs"] = 3
+    samplings[2]["repetition_penalty"] = 1.2  # single-step only: mixes into multi-step runs
+    samplings[4]["top_k"] = 5
+    requests = [(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))]
+    with swap_scheduler(tiny_engine, async_scheduling=False, num_decode_steps=1):
+        ref = run_engine(tiny_engine, requests)
+    # Stop on a token each request produces (some inside a 4-step chunk), and declare an
+    # EOS that two requests produce.
+    for (rid, _, sampling), i in zip(requests, range(len(requests)), strict=True):
+        tokens = ref[rid].tokens
+        if i % 2 and len(tokens) > 3:
+            sampling["stop_token_ids"] = [tokens[rng.randrange(1, len(tokens))]]
+    eos = ref["r0"].tokens[-1]
+
+    before = tiny_engine.num_compilations
+    runs = {}
+    for overlap, steps in MODES:
+        with swap_scheduler(tiny_engine, async_scheduling=overlap, num_decode_steps=steps) as s:
+            s.eos_token_ids = frozenset({eos})
+            used = record_decisions(s)
+            r = run_engine(tiny_engine, requests)
+        assert max(out.num_steps for out in used) == steps  # multi-step decode did run
+        runs[overlap, steps] = r
+        for rid, _, sampling in requests:
+            tokens, expected = r[rid].tokens, ref[rid].tokens
+            stops = [t for t in expected if t in sampling.get("stop_token_ids", ()) or t == eos]
+            cut = expected.index(stops[0]) + 1 if stops else len(expected)
+            assert tokens == expected[:cut], (rid, overlap, steps)
+            assert r[rid].finish_reason == ("stop" if stops else "length")
+    base = runs[False, 1]
+    for mode, r in runs.items():
+        logprobs = [e for o in r["r1"].outputs for e in o.logprobs or ()]
+        base_logprobs = [e for o in base["r1"].outputs for e in o.logprobs or ()]
+        assert len(logprobs) == len(r["r1"].tokens) == len(base_logprobs), mode
+        for (lp, top), (base_lp, base_top) in zip(logprobs, base_logprobs, strict=True):
+            assert lp == pytest.approx(base_lp, abs=1e-5)
+            assert [i for i, _ in top] == [i for i, _ in base_top]
+    assert tiny_engine.num_compilations == before
     assert_idle(tiny_engine)

@@ -40,25 +40,45 @@ def oracle(prompt: list[int], max_tokens: int, stop_ids=(), eos=(), max_model_le
 
 
 class FakeDevice:
-    """A paged cache of token ids, written and read through block tables."""
+    """A paged cache of token ids, written and read through block tables.
+
+    Like the engine's step, it can run several decode steps in one call and take input
+    tokens that the previous step sampled (async scheduling): `prev` is that step's
+    (rows by sequence, sampled token ids [S, R]).
+    """
 
     def __init__(self, num_blocks: int):
         self.kv = np.full((num_blocks, BS), -1, np.int64)
 
-    def step(self, sched: SchedulerOutput) -> StepSamples:
-        token_ids = np.zeros(len(sched.requests), np.int32)
+    def step(self, sched: SchedulerOutput, prev=None) -> StepSamples:
+        k = sched.num_steps
+        token_ids = np.zeros((k, len(sched.requests)), np.int32)
         for row, item in enumerate(sched.requests):
             seq, table = item.seq, item.seq.block_table
             assert NULL_BLOCK not in table
             end = item.start + item.num_tokens
-            assert len(table) * BS >= end, "block table too short for the chunk"
+            assert len(table) * BS >= end + k - 1, "block table too short for the chunk"
+            assert k == 1 or (item.num_tokens == 1 and item.samples)
+
             for pos in range(item.start, end):
-                self.kv[table[pos // BS], pos % BS] = seq.token_ids[pos]
-            context = [int(self.kv[table[p // BS], p % BS]) for p in range(end)]
-            # Reading back the cache (prefix hits included) must give the real tokens.
-            assert context == seq.token_ids[:end]
-            token_ids[row] = next_token(context)
+                self.kv[table[pos // BS], pos % BS] = self._input_token(seq, pos, prev)
+            for j in range(k):
+                if j:  # the next decode step's input is the token just sampled
+                    pos = end + j - 1
+                    self.kv[table[pos // BS], pos % BS] = token_ids[j - 1, row]
+                context = [int(self.kv[table[p // BS], p % BS]) for p in range(end + j)]
+                # Reading back the cache (prefix hits included) must give the real tokens.
+                known = min(end, seq.num_tokens)
+                assert context[:known] == seq.token_ids[:known]
+                token_ids[j, row] = next_token(context)
         return StepSamples(token_ids=token_ids)
+
+    @staticmethod
+    def _input_token(seq: Sequence, pos: int, prev) -> int:
+        if pos < seq.num_tokens:
+            return seq.token_ids[pos]
+        rows, prev_tokens = prev  # sampled by the previous step, not yet appended
+        return int(prev_tokens[pos - seq.num_tokens, rows[seq]])
 
 
 def make_scheduler(num_blocks=64, max_seqs=8, budget=32, max_model_len=256, **kw):
@@ -94,28 +114,68 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert all((b in bm.free_queue) == (counts[b] == 0) for b in range(1, bm.num_blocks))
 
 
-def run(sched: Scheduler, dev: FakeDevice, max_steps=10_000, on_step=None) -> dict:
+def run(sched: Scheduler, dev: FakeDevice, max_steps=10_000, on_step=None, overlap=False) -> dict:
     """Step until idle; return request_id -> (tokens, finish_reason, stop_reason), checking
-    that every request has exactly one final output and nothing after it."""
+    that every request has exactly one final output and nothing after it.
+
+    overlap: drive the scheduler as EngineCore's async scheduling does: step N + 1 is
+    scheduled and run before `update` has seen step N's tokens.
+    """
     results: dict[str, list] = {}
     finals: dict[str, tuple] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            break
-        before = {s.request_id: s.num_missing_tokens for s in sched.running}
-        out = sched.schedule()
-        check_step(sched, out)
-        if on_step:
-            on_step(sched, out, before)
-        for o in sched.update(out, dev.step(out)):
+    inflight = None
+
+    def collect(outputs):
+        for o in outputs:
             assert o.request_id not in finals, "output after the final one"
             results.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finish_reason is not None:
                 finals[o.request_id] = (o.finish_reason, o.stop_reason, o.error)
+
+    for _ in range(max_steps):
+        if not sched.has_unfinished() and inflight is None:
+            break
+        if inflight is None:
+            before = {s.request_id: s.num_missing_tokens for s in sched.running}
+            out = sched.schedule()
+            check_step(sched, out)
+            if on_step:
+                on_step(sched, out, before)
+            if out.is_empty:
+                collect(sched.drain_finished())
+                continue
+            inflight = out, dev.step(out)
+        out, samples = inflight
+        inflight = None
+        if overlap:
+            nxt = sched.schedule()
+            check_step(sched, nxt)
+            if not nxt.is_empty:
+                rows = {r.seq: row for row, r in enumerate(out.requests)}
+                inflight = nxt, dev.step(nxt, prev=(rows, samples.token_ids))
+        collect(sched.update(out, samples))
     else:
         raise AssertionError("scheduler did not drain")
     assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks
     return {rid: (results.get(rid, []), *finals[rid]) for rid in finals}
+
+
+# (overlap, num_decode_steps): the engine's modes, each against the same oracle.
+MODES = [(False, 1), (True, 1), (False, 4), (True, 4)]
+
+
+def record_num_steps(sched: Scheduler) -> list[int]:
+    """Make `sched.schedule` record the num_steps of every decision it returns."""
+    steps: list[int] = []
+    schedule = sched.schedule
+
+    def recording() -> SchedulerOutput:
+        out = schedule()
+        steps.append(out.num_steps)
+        return out
+
+    sched.schedule = recording
+    return steps
 
 
 def random_prompts(rng: random.Random, n: int, lo=1, hi=40, shared=None):
@@ -128,21 +188,27 @@ def random_prompts(rng: random.Random, n: int, lo=1, hi=40, shared=None):
     return prompts
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_outputs_equal_oracle_random_workload(prefix_caching):
+def test_outputs_equal_oracle_random_workload(prefix_caching, mode):
+    overlap, num_decode_steps = mode
     rng = random.Random(1)
-    sched, dev = make_scheduler(num_blocks=40, enable_prefix_caching=prefix_caching)
+    sched, dev = make_scheduler(
+        num_blocks=40, enable_prefix_caching=prefix_caching, num_decode_steps=num_decode_steps
+    )
     shared = [rng.randrange(VOCAB) for _ in range(13)]
     prompts = random_prompts(rng, 24, shared=shared)
     max_tokens = [rng.randint(1, 20) for _ in prompts]
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         add(sched, f"r{i}", p, max_tokens=m)
-    results = run(sched, dev)
+    steps = record_num_steps(sched)
+    results = run(sched, dev, overlap=overlap)
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         tokens, reason, _, _ = results[f"r{i}"]
         assert tokens == oracle(p, m)
         assert reason == "length"
     assert (sched.num_prefix_hits > 0) == prefix_caching
+    assert max(steps) == num_decode_steps  # multi-step decode did run
 
 
 def test_prefix_cache_second_request_computes_only_suffix():
@@ -217,14 +283,22 @@ def test_chunked_equals_unchunked_outputs():
     assert runs[0] == runs[1]
 
 
-def test_preemption_tiny_pool_all_finish_equal_to_oracle():
+@pytest.mark.parametrize("mode", MODES)
+def test_preemption_tiny_pool_all_finish_equal_to_oracle(mode):
+    overlap, num_decode_steps = mode
     rng = random.Random(4)
     # 32 requests of up to ~12 blocks each over a pool of 16 usable blocks.
-    sched, dev = make_scheduler(num_blocks=17, max_seqs=16, budget=64, enable_prefix_caching=False)
+    sched, dev = make_scheduler(
+        num_blocks=17,
+        max_seqs=16,
+        budget=64,
+        enable_prefix_caching=False,
+        num_decode_steps=num_decode_steps,
+    )
     prompts = random_prompts(rng, 32, lo=4, hi=30)
     for i, p in enumerate(prompts):
         add(sched, f"r{i}", p, max_tokens=16)
-    results = run(sched, dev)
+    results = run(sched, dev, overlap=overlap)
     assert sched.num_preemptions > 0
     for i, p in enumerate(prompts):
         assert results[f"r{i}"][0] == oracle(p, 16)
@@ -257,18 +331,23 @@ def test_request_that_can_never_fit_gets_error():
     assert results["ok"][0] == oracle(list(range(5)), 4)
 
 
-def test_stop_rules():
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_rules(mode):
+    """Stops inside a multi-step chunk end the request there: later tokens are dropped."""
+    overlap, num_decode_steps = mode
     prompt = [1, 2, 3]
     ref = oracle(prompt, 30)
-    eos = ref[4]
+    eos = ref[6]
     k = ref.index(eos)  # first occurrence
-    stop_id = ref[2]
-    sched, dev = make_scheduler(eos_token_ids=[eos])
+    stop_id = ref[3]
+    sched, dev = make_scheduler(eos_token_ids=[eos], num_decode_steps=num_decode_steps)
     add(sched, "eos", prompt, max_tokens=30)
     add(sched, "ignore_eos", prompt, max_tokens=30, ignore_eos=True)
     add(sched, "stop_id", prompt, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     add(sched, "len", prompt, max_tokens=2, ignore_eos=True)
-    r = run(sched, dev)
+    steps = record_num_steps(sched)
+    r = run(sched, dev, overlap=overlap)
+    assert max(steps) == num_decode_steps
     assert r["eos"][:3] == (ref[: k + 1], "stop", None)
     assert r["ignore_eos"][:2] == (ref, "length")
     j = ref.index(stop_id)
@@ -324,11 +403,12 @@ def test_first_output_carries_prompt_and_sampling():
     assert all(o.first is None for o in outs[1:])
 
 
-def test_identical_prompts_arriving_together_share_the_prefix():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_identical_prompts_arriving_together_share_the_prefix(overlap):
     sched, dev = make_scheduler(budget=64)
     prompt = list(range(5 * BS + 2))
     seqs = [add(sched, f"r{i}", prompt, max_tokens=4) for i in range(4)]
-    results = run(sched, dev)
+    results = run(sched, dev, overlap=overlap)
     assert sched.num_prefill_tokens_computed < 2 * len(prompt)
     assert all(s.num_cached_tokens == 5 * BS for s in seqs[1:])
     assert all(results[f"r{i}"][0] == oracle(prompt, 4) for i in range(4))

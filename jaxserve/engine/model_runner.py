@@ -39,7 +39,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine import sampler as sampler_lib
-from jaxserve.engine.scheduler import SchedulerOutput, StepSamples
+from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_inputs import (
     DeviceInputs,
@@ -197,6 +198,9 @@ class ModelRunner:
         )
         self.max_blocks_per_seq = self.builder.max_blocks_per_seq
         self.graphdef, self.state = nnx.split(model)
+        # Steps take the parameters as a flat list: flattening the nested NNX state on
+        # every call costs milliseconds of host time per step.
+        self._params, self._params_def = jax.tree.flatten(self.state)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
             c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype
@@ -237,10 +241,14 @@ class ModelRunner:
 
     def _lower(self, shape: StepShape) -> jax.stages.Lowered:
         step = functools.partial(
-            _step, graphdef=self.graphdef, block_size=self.block_size, num_steps=shape.num_steps
+            _step,
+            graphdef=self.graphdef,
+            params_def=self._params_def,
+            block_size=self.block_size,
+            num_steps=shape.num_steps,
         )
         jitted = jax.jit(step, donate_argnums=(1,))
-        return jitted.lower(self.state, self.kv_cache, self.builder.empty(shape).inputs)
+        return jitted.lower(self._params, self.kv_cache, self.builder.empty(shape).inputs)
 
     # ----- one step ----------------------------------------------------------------------
 
@@ -265,7 +273,7 @@ class ModelRunner:
         executable = self._executables.get(x.shape)
         if executable is None:
             raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
-        out, self.kv_cache = executable(self.state, self.kv_cache, x.inputs)
+        out, self.kv_cache = executable(self._params, self.kv_cache, x.inputs)
         self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
         return StepHandle(out, x, time.perf_counter())
 
@@ -297,9 +305,18 @@ class ModelRunner:
         return self.fetch(self.dispatch(self.prepare(sched), sched))
 
 
-def _step(state, kv_cache, x: DeviceInputs, *, graphdef, block_size: int, num_steps: int):
-    """The jitted step: (params, KV cache, inputs) -> (StepOutput, KV cache)."""
-    model = nnx.merge(graphdef, state)
+def _step(
+    params: list[jax.Array],
+    kv_cache: KVCache,
+    x: DeviceInputs,
+    *,
+    graphdef,
+    params_def,
+    block_size: int,
+    num_steps: int,
+):
+    """The jitted step: (flat params, KV cache, inputs) -> (StepOutput, KV cache)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
     if num_steps > 1:
         return _decode_steps(model, kv_cache, x, block_size, num_steps)
     hidden, kv_cache = model(x.tokens, x.positions, kv_cache, x.metadata)
