@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.kernels.paged_attention_ref import masked_softmax, paged_attention_ref
+from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 
 KVPair = tuple[jax.Array, jax.Array]
@@ -162,9 +162,14 @@ def paged_attention_step(
     [num_blocks, block_size, kv_heads, head_dim]. Returns ([T, heads, head_dim], (K, V)).
     On a mesh this runs per device (`Parallelism.paged_attention`) on its shard.
     """
+    # Imported here: jaxserve.kernels imports models.base (an import cycle at module level).
+    from jaxserve.kernels import dispatch
+
     k_cache = write_kv(kv[0], k, metadata.slot_mapping)
     v_cache = write_kv(kv[1], v, metadata.slot_mapping)
-    out = paged_attention_ref(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
+    # The one switch (jaxserve/kernels/dispatch.py): the Pallas kernel on a GPU, the
+    # pure-jnp reference (paged_attention_ref) on the CPU.
+    out = dispatch.paged_attention(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
     return out, (k_cache, v_cache)
 
 
@@ -307,6 +312,39 @@ def moe_experts_dense(
     return jnp.einsum("tEe,tE->te", out, combine)
 
 
+def moe_experts_grouped(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """SwiGLU experts over token copies sorted by expert, through the grouped-matmul
+    kernel (`dispatch.moe_ffn`): each expert's weights are read once for its rows, and
+    no work is spent on unselected experts. Same contract as `moe_experts_dense`.
+    """
+    from jaxserve.kernels import dispatch
+
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # [T*k] token copies grouped by expert
+    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    out = dispatch.moe_ffn(x[order // top_k], group_sizes, w_gate, w_up, w_down)
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(out.dtype)).astype(x.dtype)
+
+
+def moe_experts_local(*args) -> jax.Array:
+    """The single-device experts: dense on the CPU (exact, and `ragged_dot` is dense there
+    anyway), the grouped-matmul kernel where a kernel backend is active."""
+    from jaxserve.kernels import dispatch
+
+    if dispatch.get_backend() == dispatch.REFERENCE:
+        return moe_experts_dense(*args)
+    return moe_experts_grouped(*args)
+
+
 class MoeBlock(nnx.Module):
     """Sparse MoE block: router -> top-k -> SwiGLU experts -> weighted sum.
 
@@ -358,7 +396,7 @@ class MoeBlock(nnx.Module):
         weights, ids = route(x, self.router[...], self.top_k, self.norm_topk_prob)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.parallel is None:
-            return moe_experts_dense(x, weights, ids, *experts)
+            return moe_experts_local(x, weights, ids, *experts)
         tables = {name: getattr(self, name)[...] for name in PLACEMENT_FIELDS}
         return self.parallel.moe_experts(x, weights, ids, *experts, tables)
 
