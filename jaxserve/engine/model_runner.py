@@ -45,6 +45,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_inputs import (
     DeviceInputs,
     InputBuilder,
+    PackedLayout,
     StepInputs,
     StepShape,
     pow2_buckets,
@@ -244,11 +245,12 @@ class ModelRunner:
             _step,
             graphdef=self.graphdef,
             params_def=self._params_def,
+            layout=self.builder.layout(shape),
             block_size=self.block_size,
             num_steps=shape.num_steps,
         )
         jitted = jax.jit(step, donate_argnums=(1,))
-        return jitted.lower(self._params, self.kv_cache, self.builder.empty(shape).inputs)
+        return jitted.lower(self._params, self.kv_cache, *self.builder.empty(shape).buffers)
 
     # ----- one step ----------------------------------------------------------------------
 
@@ -273,7 +275,7 @@ class ModelRunner:
         executable = self._executables.get(x.shape)
         if executable is None:
             raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
-        out, self.kv_cache = executable(self._params, self.kv_cache, x.inputs)
+        out, self.kv_cache = executable(self._params, self.kv_cache, *x.buffers)
         self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
         return StepHandle(out, x, time.perf_counter())
 
@@ -308,15 +310,18 @@ class ModelRunner:
 def _step(
     params: list[jax.Array],
     kv_cache: KVCache,
-    x: DeviceInputs,
+    ints: jax.Array,
+    floats: jax.Array,
     *,
     graphdef,
     params_def,
+    layout: PackedLayout,
     block_size: int,
     num_steps: int,
 ):
-    """The jitted step: (flat params, KV cache, inputs) -> (StepOutput, KV cache)."""
+    """The jitted step: (flat params, KV cache, packed inputs) -> (StepOutput, KV cache)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
+    x = layout.unpack(ints, floats)
     if num_steps > 1:
         return _decode_steps(model, kv_cache, x, block_size, num_steps)
     hidden, kv_cache = model(x.tokens, x.positions, kv_cache, x.metadata)
