@@ -153,7 +153,6 @@ class StepHandle:
 
     out: StepOutput
     inputs: StepInputs
-    dispatched_at: float
 
 
 class ModelRunner:
@@ -277,7 +276,7 @@ class ModelRunner:
             raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
         out, self.kv_cache = executable(self._params, self.kv_cache, *x.buffers)
         self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
-        return StepHandle(out, x, time.perf_counter())
+        return StepHandle(out, x)
 
     def fetch(self, handle: StepHandle) -> StepSamples:
         """Wait for a dispatched step and copy what the host needs of its outputs.
@@ -285,8 +284,10 @@ class ModelRunner:
         Returns:
             StepSamples with row r for the step's r-th scheduled request.
         """
-        start = time.perf_counter()
         out, x, n = handle.out, handle.inputs, handle.inputs.num_rows
+        start = time.perf_counter()
+        jax.block_until_ready(out.token_ids)  # the one wait for the device
+        self.last_wait_s = time.perf_counter() - start
         if x.logprob_rows:
             token_ids, logprobs, top_ids, top_lps = jax.device_get(
                 (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
@@ -299,7 +300,6 @@ class ModelRunner:
                 x,
                 *jax.device_get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)),
             )
-        self.last_wait_s = time.perf_counter() - start
         return samples
 
     def execute(self, sched: SchedulerOutput) -> StepSamples:

@@ -1,0 +1,277 @@
+"""Offline engine throughput: output tokens/s and per-step host vs device time.
+
+Runs `EngineCore` in this process (no frontend, no text: token ids in and out) on two
+models: the bundled demo model (or a random-weight checkpoint of its shape when it is
+not there), and a larger random-weight Qwen3-MoE. For each model, at batch 1, 8, 32 and
+128 (all requests submitted at once), on prompts that share a common prefix:
+
+- naive: one request at a time, prefix caching off, no async scheduling, one decode step
+  per call (its throughput does not depend on the batch: it runs min(batch, 4) requests);
+- engine, prefix caching off and on, with the engine's default scheduling;
+- at batch 8 and 32 (caching on), every mix of async scheduling and multi-step decode.
+
+Per step it reports the host time (scheduling, input packing, dispatch, output handling)
+and the time the host waited for the device (without async scheduling, the device time
+of the step), from `EngineCore.counters()`. It also reports the XLA compilations after
+warm-up (must be 0) and the start-up time.
+
+    python scripts/bench_offline.py [--model DIR] [--max-tokens 32] [--prompt-len 64]
+        [--batches 1,8,32,128] [--out bench_results/offline.json]
+
+Prints a table; writes JSON. Requests are greedy with ignore_eos, so every request
+produces exactly --max-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from jaxserve.ipc import EngineRequest  # noqa: E402
+
+# The demo model's shape (scripts/train_tiny_moe.py) and a larger one that still runs on a
+# 2-core CPU: 4x the layers' width budget, twice the experts.
+DEMO_SHAPE = dict(
+    vocab_size=4096, hidden_size=128, moe_intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+    num_experts_per_tok=2,
+)  # fmt: skip
+LARGE_SHAPE = dict(
+    vocab_size=8192, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=6,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=16,
+    num_experts_per_tok=2,
+)  # fmt: skip
+MODES = [(False, 1), (True, 1), (False, 4), (True, 4)]  # (async scheduling, decode steps)
+
+
+def write_random_checkpoint(path: Path, shape: dict, max_position_embeddings: int) -> Path:
+    """A Qwen3-MoE HF folder (config.json, model.safetensors) with random weights."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.loader import save_hf_weights
+    from jaxserve.models.registry import model_class
+
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": 2 * shape["moe_intermediate_size"],
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+        "eos_token_id": None,
+        **shape,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    config = ModelConfig.from_hf(hf)
+    save_hf_weights(model_class(config.architecture)(config, jnp.float32, rngs=nnx.Rngs(0)), path)
+    return path
+
+
+def shared_prefix_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` tokens: a common 3/4 prefix, then a random suffix each."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(3 * length // 4)]
+    return [prefix + [rng.randrange(vocab) for _ in range(length - len(prefix))] for _ in range(n)]
+
+
+@dataclass
+class Run:
+    model: str
+    kind: str
+    batch: int
+    async_scheduling: bool
+    decode_steps: int
+    prefix_caching: bool
+    requests: int
+    output_tokens: int
+    seconds: float
+    steps: int
+    host_ms_per_step: float
+    device_ms_per_step: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def configure(engine, async_scheduling: bool, decode_steps: int, prefix_caching: bool) -> None:
+    """Switch the scheduling mode of an idle engine (decode_steps: 1 or the compiled one)
+    and start from an empty prefix cache."""
+    engine.async_scheduling = async_scheduling
+    engine.scheduler.num_decode_steps = decode_steps
+    engine.block_manager.enable_prefix_caching = prefix_caching
+    engine.block_manager.reset_prefix_cache()
+
+
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, one_at_a_time: bool):
+    """Generate for every prompt; returns (output tokens, seconds, steps, host s, device s)."""
+    sampling = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    c0 = engine.counters()
+    start = time.perf_counter()
+    tokens = 0
+    groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+    for group in groups:
+        for p in group:
+            rid = f"b{run_batch.next_id}"
+            run_batch.next_id += 1
+            engine.add_request(EngineRequest(rid, np.asarray(p, np.int32), dict(sampling)))
+        while engine.has_work():
+            for out in engine.step():
+                if out.error:
+                    raise RuntimeError(out.error)
+                tokens += len(out.new_token_ids)
+    seconds = time.perf_counter() - start
+    c1 = engine.counters()
+    return (
+        tokens,
+        seconds,
+        c1["num_steps"] - c0["num_steps"],
+        c1["host_time_s"] - c0["host_time_s"],
+        c1["device_time_s"] - c0["device_time_s"],
+    )
+
+
+run_batch.next_id = 0
+
+
+def bench_model(name: str, model_dir: str, args) -> tuple[list[Run], dict]:
+    from jaxserve.engine.core import EngineCore
+
+    config = EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            max_model_len=args.max_model_len,
+            num_decode_steps=4,
+        ),
+        compilation_cache_dir=args.compilation_cache_dir,
+    )
+    start = time.perf_counter()
+    engine = EngineCore(config)
+    info = {
+        "startup_s": time.perf_counter() - start,
+        "compile_s": engine.compile_time_s,
+        "num_executables": len(engine.runner.buckets()),
+    }
+    default_mode = (config.scheduler.async_scheduling, SchedulerConfig().num_decode_steps)
+    vocab = engine.model_config.vocab_size
+    # Warm-up: every executable once (start-up compiled them; this warms caches).
+    configure(engine, True, 4, True)
+    run_batch(engine, shared_prefix_prompts(8, args.prompt_len, vocab, 0), 8, False)
+    runs: list[Run] = []
+
+    def record(kind, batch, mode, caching, prompts, one_at_a_time=False):
+        configure(engine, mode[0], mode[1], caching)
+        tokens, seconds, steps, host, device = run_batch(
+            engine, prompts, args.max_tokens, one_at_a_time
+        )
+        run = Run(
+            name, kind, batch, mode[0], mode[1], caching, len(prompts), tokens, seconds,
+            steps, 1e3 * host / max(steps, 1), 1e3 * device / max(steps, 1),
+        )  # fmt: skip
+        runs.append(run)
+        print_row(run, flush=True)
+
+    for batch in args.batches:
+        prompts = shared_prefix_prompts(batch, args.prompt_len, vocab, seed=batch)
+        record("naive", batch, (False, 1), False, prompts[: min(batch, 4)], one_at_a_time=True)
+        record("engine", batch, default_mode, False, prompts)
+        record("engine", batch, default_mode, True, prompts)
+        if batch in (8, 32):
+            for mode in MODES:
+                if mode != default_mode:
+                    record("mode", batch, mode, True, prompts)
+    info["compilations_after_warmup"] = engine.num_compilations
+    return runs, info
+
+
+HEADER = (
+    f"{'model':<8} {'kind':<7} {'batch':>5} {'async':>5} {'k':>2} {'cache':>5} "
+    f"{'tok/s':>8} {'steps':>6} {'host ms/step':>12} {'device ms/step':>14}"
+)
+
+
+def print_row(r: Run, flush: bool = False) -> None:
+    print(
+        f"{r.model:<8} {r.kind:<7} {r.batch:>5} {'on' if r.async_scheduling else 'off':>5} "
+        f"{r.decode_steps:>2} {'on' if r.prefix_caching else 'off':>5} {r.tokens_per_s:>8.1f} "
+        f"{r.steps:>6} {r.host_ms_per_step:>12.2f} {r.device_ms_per_step:>14.2f}",
+        flush=flush,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="demo-sized model folder (default: demo)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--models", default="demo,large", help="which of demo,large to run")
+    parser.add_argument("--compilation-cache-dir", default=EngineConfig().compilation_cache_dir)
+    parser.add_argument("--out", default="bench_results/offline.json")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+
+    tmp = Path(tempfile.mkdtemp(prefix="jaxserve_bench_"))
+    models = {}
+    demo = Path(args.model) if args.model else DEMO_MODEL_DIR
+    if (demo / "config.json").is_file():
+        models["demo"] = str(demo)
+    else:
+        print(f"# {demo} has no model: using a random checkpoint of the demo's shape", flush=True)
+        models["demo"] = str(write_random_checkpoint(tmp / "demo", DEMO_SHAPE, 1024))
+    models["large"] = str(write_random_checkpoint(tmp / "large", LARGE_SHAPE, 2048))
+
+    print(
+        f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
+    )
+    print(f"# load average at start: {os.getloadavg()}")
+    print(HEADER, flush=True)
+    all_runs, infos = [], {}
+    for name in args.models.split(","):
+        runs, info = bench_model(name, models[name], args)
+        all_runs += runs
+        infos[name] = info
+    print()
+    for name, info in infos.items():
+        print(
+            f"# {name}: {info['num_executables']} executables, start-up {info['startup_s']:.1f} s "
+            f"(compile {info['compile_s']:.1f} s), compilations after warm-up: "
+            f"{info['compilations_after_warmup']}"
+        )
+    result = {
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": sys.version},
+        "args": {k: v for k, v in vars(args).items()},
+        "models": {name: {"dir": models[name], **infos.get(name, {})} for name in models},
+        "runs": [dict(vars(r), tokens_per_s=r.tokens_per_s) for r in all_runs],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
