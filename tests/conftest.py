@@ -52,7 +52,7 @@ def tiny_engine_config(tiny_moe_dir):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     # Shapes: T in (16, 32, 64) with R = 8, plain and full (penalty history, prompt
-    # logits), plus the 4-step decode call at R = 8: 7 executables. Async scheduling and
+    # logits), plus the 4-step decode call at R = 4 and 8: 8 executables. Async scheduling and
     # multi-step decode are on, so every engine test runs the engine's deepest path;
     # tests that compare against them turn them off with `swap_scheduler`.
     return EngineConfig(
