@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata, allocate_kv_cache
 
 

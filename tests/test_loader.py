@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxserve.models.config import ModelConfig
-from jaxserve.models.loader import load_model, save_hf_weights
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import load_model, save_hf_weights
 from tests.model_utils import hf_logits, tiny_qwen3_moe_config, write_hf_checkpoint
 
 PROMPT = [5, 77, 130, 2, 250, 31]

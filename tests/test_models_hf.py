@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from jaxserve.models.loader import load_model
 
+from jaxserve.models.loader import load_model
 from tests.model_utils import (
     ModelStepper,
     StepRequest,
