@@ -106,7 +106,8 @@ class LLM:
         **engine_kwargs: EngineConfig fields (dtype, seed, compilation_cache_dir), its
             cache fields (block_size, num_blocks, memory_fraction, enable_prefix_caching),
             scheduler fields (max_num_seqs, max_num_batched_tokens, max_model_len,
-            enable_chunked_prefill) and mesh fields (dp, tp). vLLM's
+            enable_chunked_prefill) and mesh fields (dp, tp), or mesh="dp=D,tp=T" (or a
+            MeshConfig). vLLM's
             gpu_memory_utilization / tensor_parallel_size / data_parallel_size also work.
 
     Raises:
@@ -237,6 +238,12 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
     for key, value in kwargs.items():
         name = _ALIASES.get(key, key)
+        if name == "mesh":  # "dp=2,tp=4" or a MeshConfig
+            mesh = MeshConfig.parse(value) if isinstance(value, str) else value
+            if not isinstance(mesh, MeshConfig):
+                raise TypeError(f"mesh: expected 'dp=D,tp=T' or a MeshConfig, got {value!r}")
+            sections["mesh"] = mesh
+            continue
         if name in names:
             top[name] = value
             continue

@@ -25,7 +25,9 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.dp_scheduler import DPScheduler
 from jaxserve.engine.model_runner import (
+    MIN_TOKEN_BUCKET,
     CompileCounter,
     ModelRunner,
     StepHandle,
@@ -35,8 +37,9 @@ from jaxserve.engine.model_runner import (
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_config, load_model
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,33 +70,47 @@ class EngineCore:
         self.config = config
         if config.dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {config.dtype!r}")
-        if config.mesh.size != 1:
-            raise ValueError(f"mesh: only dp=1,tp=1 is supported so far, got {config.mesh}")
         enable_compilation_cache(config.compilation_cache_dir)
         CompileCounter.install()
         start = time.perf_counter()
 
         dtype = _DTYPES[config.dtype]
-        model, self.model_config = load_model(config.model, dtype)
-        mc, sc, cc = self.model_config, config.scheduler, config.cache
+        sc, cc = config.scheduler, config.cache
+        self.mesh = None
+        if config.mesh.size == 1:
+            model, self.model_config = load_model(config.model, dtype)
+        else:
+            model, self.model_config, self.mesh = _load_on_mesh(config, dtype)
+        mc = self.model_config
+        self.dp = config.mesh.dp
         self.max_model_len = _max_model_len(sc.max_model_len, mc.max_position_embeddings)
+        # Blocks per dp rank (each rank's pool has its own null block 0).
         num_blocks = cc.num_blocks or num_kv_blocks(
             mc, cc.block_size, dtype, cc.memory_fraction, sc.max_num_seqs, self.max_model_len
         )
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=mc.eos_token_ids,
-            enable_chunked_prefill=sc.enable_chunked_prefill,
-            num_decode_steps=sc.num_decode_steps,
-        )
+        self.block_managers = [
+            BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+            for _ in range(self.dp)
+        ]
+        ranks = [
+            Scheduler(
+                bm,
+                max_num_seqs=sc.max_num_seqs,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_ids=mc.eos_token_ids,
+                enable_chunked_prefill=sc.enable_chunked_prefill,
+                num_decode_steps=sc.num_decode_steps,
+            )
+            for bm in self.block_managers
+        ]
+        self.block_manager = self.block_managers[0]
+        self.scheduler: Scheduler | DPScheduler = ranks[0] if self.dp == 1 else DPScheduler(ranks)
         self.runner = ModelRunner(
             model,
             mc,
-            num_blocks=num_blocks,
+            mesh=self.mesh,
+            num_blocks=self.dp * num_blocks,
             block_size=cc.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs,
@@ -232,7 +249,7 @@ class EngineCore:
         samples = self.runner.fetch(handle)
         self._inflight = None
         if x is not None:
-            x.fill_pending(samples.token_ids)
+            self.runner.fill_pending(x, samples)
             self._inflight = nxt, self.runner.dispatch(x, nxt)
         return self.scheduler.update(sched, samples)
 
@@ -240,13 +257,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """Engine facts and gauges. Free blocks include cached blocks no request holds."""
-        s, bm = self.scheduler, self.block_manager
+        s, bms = self.scheduler, self.block_managers
         return EngineStats(
             model=Path(self.config.model).name,
             max_model_len=self.max_model_len,
-            block_size=bm.block_size,
-            num_blocks_total=bm.num_usable_blocks,
-            num_blocks_free=bm.num_free_blocks,
+            block_size=self.block_manager.block_size,
+            num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
+            num_blocks_free=sum(bm.num_free_blocks for bm in bms),
             vocab_size=self.model_config.vocab_size,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -270,6 +287,39 @@ class EngineCore:
             "last_device_s": self.last_device_s,
             "num_compilations": self.num_compilations,
         }
+
+
+def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
+    """(model, model config, mesh): the model sharded on config.mesh, with the MoE
+    replicated-token threshold measured at the engine's step sizes (dp x each token
+    bucket).
+
+    Raises:
+        MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
+    """
+    from jaxserve.sharding.ep_calibration import measure_replicated_max_tokens  # noqa: PLC0415
+    from jaxserve.sharding.load import load_sharded_model  # noqa: PLC0415
+    from jaxserve.sharding.mesh import build_mesh_from_config, check_model_fits  # noqa: PLC0415
+
+    mesh = build_mesh_from_config(config.mesh)
+    mc = load_config(config.model)
+    check_model_fits(mc, mesh)  # before timing anything: a clear error at start-up
+    threshold = 0
+    if mc.num_experts > 0:
+        sc = config.scheduler
+        buckets = pow2_buckets(MIN_TOKEN_BUCKET, sc.max_num_batched_tokens)
+        buckets += pow2_buckets(MIN_DECODE_ROWS, sc.max_num_seqs)
+        threshold = measure_replicated_max_tokens(
+            mesh,
+            sorted({config.mesh.dp * t for t in buckets}),
+            mc.hidden_size,
+            mc.moe_intermediate_size,
+            mc.num_experts,
+            mc.num_experts_per_tok,
+            dtype,
+        )
+    model, mc = load_sharded_model(config.model, mesh, dtype, replicated_max_tokens=threshold)
+    return model, mc, mesh
 
 
 def _max_model_len(requested: int | None, max_position_embeddings: int) -> int:

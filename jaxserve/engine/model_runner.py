@@ -39,11 +39,13 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.outputs import StepSamples
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_inputs import (
     DeviceInputs,
+    DPStepInputs,
     InputBuilder,
     PackedLayout,
     StepInputs,
@@ -52,6 +54,7 @@ from jaxserve.engine.step_inputs import (
 )
 from jaxserve.models.base import PAD_SLOT, KVCache, allocate_kv_cache
 from jaxserve.models.config import ModelConfig
+from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ class StepHandle:
     """A dispatched step: its (possibly still running) device outputs and its inputs."""
 
     out: StepOutput
-    inputs: StepInputs
+    inputs: StepInputs | DPStepInputs
 
 
 class ModelRunner:
@@ -168,6 +171,9 @@ class ModelRunner:
         max_num_batched_tokens: most tokens per step (the largest token bucket).
         kv_dtype: dtype of the KV cache.
         num_decode_steps: decode steps of the multi-step decode call (1: not compiled).
+        mesh: the (dp, tp) mesh the model is sharded on (None: one device). The KV cache
+            then holds dp ranks' pools of num_blocks // dp blocks each, and every step is
+            the dp ranks' inputs concatenated (DP attention; see `prepare`).
     """
 
     def __init__(
@@ -182,8 +188,13 @@ class ModelRunner:
         max_num_batched_tokens: int,
         kv_dtype: jnp.dtype = jnp.float32,
         num_decode_steps: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         self.config = model_config
+        self.mesh = mesh
+        self.dp = 1 if mesh is None else mesh.shape["dp"]
+        if num_blocks % self.dp:
+            raise ValueError(f"num_blocks: {num_blocks} is not divisible by dp={self.dp}")
         self.vocab_size = model_config.vocab_size
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -203,11 +214,21 @@ class ModelRunner:
         self._params, self._params_def = jax.tree.flatten(self.state)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype
+            c.num_hidden_layers,
+            num_blocks,
+            block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            kv_dtype,
+            sharding=None if mesh is None else kv_cache_sharding(mesh),
         )
+        # Where step inputs go (leading axis over dp) and outputs come back (replicated).
+        self._input_sharding = None if mesh is None else batch_sharding(mesh, 1)
+        self._output_sharding = None if mesh is None else replicated(mesh)
         self._executables: dict[StepShape, jax.stages.Compiled] = {}
         # Rows of the last dispatched step: where its sampled tokens are found.
         self._last_rows: dict[Sequence, int] = {}
+        self._last_rank_rows: list[dict[Sequence, int]] = [{} for _ in range(self.dp)]
         # Host time to pack the last step, and time blocked waiting for its outputs (s).
         self.last_prepare_s = 0.0
         self.last_wait_s = 0.0
@@ -247,23 +268,52 @@ class ModelRunner:
             layout=self.builder.layout(shape),
             block_size=self.block_size,
             num_steps=shape.num_steps,
+            dp=self.dp,
+            output_sharding=self._output_sharding,
         )
         jitted = jax.jit(step, donate_argnums=(1,))
-        return jitted.lower(self._params, self.kv_cache, *self.builder.empty(shape).buffers)
+        buffers = self.builder.empty(shape).buffers
+        if self.mesh is not None:
+            buffers = [
+                jax.ShapeDtypeStruct((self.dp * b.size,), b.dtype, sharding=self._input_sharding)
+                for b in buffers
+            ]
+        return jitted.lower(self._params, self.kv_cache, *buffers)
 
     # ----- one step ----------------------------------------------------------------------
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput | DPSchedulerOutput) -> StepInputs | DPStepInputs:
         """Pack a scheduler decision into padded NumPy inputs. Input tokens that the
-        last dispatched step is still sampling are left for `StepInputs.fill_pending`.
+        last dispatched step is still sampling are left for `fill_pending`.
+
+        With dp > 1 (a `DPSchedulerOutput`): each rank is packed as on one device, all
+        to the busiest rank's shape, into a `DPStepInputs`.
 
         Raises:
             ValueError: the step fits no compiled shape (a scheduler bug).
         """
         start = time.perf_counter()
-        x = self.builder.build(sched, self._last_rows)
+        if isinstance(sched, DPSchedulerOutput):
+            shape = self.builder.common_shape(sched.ranks)
+            x = DPStepInputs.of(
+                [
+                    self.builder.build(s, rows, shape)
+                    for s, rows in zip(sched.ranks, self._last_rank_rows, strict=True)
+                ]
+            )
+        else:
+            x = self.builder.build(sched, self._last_rows)
         self.last_prepare_s = time.perf_counter() - start
         return x
+
+    def fill_pending(
+        self, x: StepInputs | DPStepInputs, samples: StepSamples | list[StepSamples]
+    ) -> None:
+        """Write the tokens of the previous step (`fetch`'s result) into x's inputs."""
+        if isinstance(x, DPStepInputs):
+            x.fill_pending([s.token_ids for s in samples])
+        else:
+            x.fill_pending(samples.token_ids)
 
     def dispatch(self, x: StepInputs, sched: SchedulerOutput) -> StepHandle:
         """Queue the step on the device and return at once (the KV cache is donated).
@@ -274,37 +324,96 @@ class ModelRunner:
         executable = self._executables.get(x.shape)
         if executable is None:
             raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
-        out, self.kv_cache = executable(self._params, self.kv_cache, *x.buffers)
-        self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
+        buffers = x.buffers
+        if self.mesh is not None:
+            buffers = jax.device_put(buffers, self._input_sharding)
+        out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
+        if isinstance(sched, DPSchedulerOutput):
+            self._last_rank_rows = [
+                {r.seq: row for row, r in enumerate(s.requests)} for s in sched.ranks
+            ]
+        else:
+            self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
         return StepHandle(out, x)
 
-    def fetch(self, handle: StepHandle) -> StepSamples:
+    def fetch(self, handle: StepHandle) -> StepSamples | list[StepSamples]:
         """Wait for a dispatched step and copy what the host needs of its outputs.
 
         Returns:
-            StepSamples with row r for the step's r-th scheduled request.
+            StepSamples with row r for the step's r-th scheduled request; with dp > 1,
+            one per rank (its rows are rank k's r-th requests).
         """
-        out, x, n = handle.out, handle.inputs, handle.inputs.num_rows
+        out, x = handle.out, handle.inputs
         start = time.perf_counter()
         jax.block_until_ready(out.token_ids)  # the one wait for the device
         self.last_wait_s = time.perf_counter() - start
-        if x.logprob_rows:
-            token_ids, logprobs, top_ids, top_lps = jax.device_get(
-                (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
-            )
-            samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
-        else:
-            samples = StepSamples(np.asarray(jax.device_get(out.token_ids))[:, :n])
-        if x.prompt_spans:
-            samples.prompt_logprobs = _prompt_entries(
-                x,
-                *jax.device_get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)),
-            )
-        return samples
+        if isinstance(x, DPStepInputs):
+            return self._fetch_ranks(out, x)
+        return _samples(out, x, jax.device_get if self.mesh is None else _to_host)
 
-    def execute(self, sched: SchedulerOutput) -> StepSamples:
+    def _fetch_ranks(self, out: StepOutput, x: DPStepInputs) -> list[StepSamples]:
+        """Per-rank samples of a DP step (rank k: rows [k R, (k + 1) R), tokens
+        [k T, (k + 1) T) of the prompt log-probs)."""
+        full = _samples_arrays(out, any(r.logprob_rows for r in x.ranks), _to_host)
+        t, r = x.shape.num_tokens, x.shape.num_rows
+        result = []
+        for k, rank in enumerate(x.ranks):
+            rows = slice(k * r, (k + 1) * r)
+            part = StepOutput(
+                *(a[:, rows] if a is not None else None for a in full[:4]),
+                *(a[k * t : (k + 1) * t] if a is not None else None for a in full[4:]),
+            )
+            result.append(_samples(part, rank, lambda tree: tree))
+        return result
+
+    def execute(self, sched):
         """prepare + dispatch + fetch: one synchronous step (every input token known)."""
         return self.fetch(self.dispatch(self.prepare(sched), sched))
+
+
+def _to_host(tree):
+    """Replicated device arrays as NumPy, also when other processes hold some devices."""
+
+    def one(a):
+        if a is None:
+            return None
+        if a.is_fully_addressable:
+            return np.asarray(jax.device_get(a))
+        return np.asarray(a.addressable_data(0))
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: a is None)
+
+
+def _samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
+    """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
+    prompt top logprobs) on the host; None for what the step does not need."""
+    wanted = (out.token_ids,)
+    wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
+    prompt = out.prompt_logprobs.shape[0] > 0
+    wanted += (
+        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
+        if prompt
+        else (None,) * 3
+    )
+    return get(wanted)
+
+
+def _samples(out: StepOutput, x: StepInputs, get) -> StepSamples:
+    """StepSamples of a one-rank step's outputs (device arrays with get=jax.device_get,
+    host arrays with get=identity)."""
+    n = x.num_rows
+    if x.logprob_rows:
+        token_ids, logprobs, top_ids, top_lps = get(
+            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+        )
+        samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
+    else:
+        samples = StepSamples(np.asarray(get(out.token_ids))[:, :n])
+    if x.prompt_spans:
+        samples.prompt_logprobs = _prompt_entries(
+            x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
+        )
+    return samples
 
 
 def _step(
@@ -318,10 +427,24 @@ def _step(
     layout: PackedLayout,
     block_size: int,
     num_steps: int,
+    dp: int = 1,
+    output_sharding: jax.sharding.Sharding | None = None,
 ):
-    """The jitted step: (flat params, KV cache, packed inputs) -> (StepOutput, KV cache)."""
+    """The jitted step: (flat params, KV cache, packed inputs) -> (StepOutput, KV cache).
+
+    dp > 1: the buffers are dp ranks' packed inputs concatenated (DP attention).
+    output_sharding: where the StepOutput goes (on a mesh: replicated, so every process
+    can read every row).
+    """
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
-    x = layout.unpack(ints, floats)
+    x = layout.unpack(ints, floats, dp)
+    out, kv_cache = _forward(model, kv_cache, x, block_size, num_steps)
+    if output_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, output_sharding)
+    return out, kv_cache
+
+
+def _forward(model, kv_cache: KVCache, x: DeviceInputs, block_size: int, num_steps: int):
     if num_steps > 1:
         return _decode_steps(model, kv_cache, x, block_size, num_steps)
     hidden, kv_cache = model(x.tokens, x.positions, kv_cache, x.metadata)

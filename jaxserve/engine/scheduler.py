@@ -218,12 +218,19 @@ class Scheduler:
 
     # ----- one step ----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_steps: int | None = None) -> SchedulerOutput:
         """Decide and commit the next step. Allocates (and may preempt) KV blocks; see the
-        module doc. May be called again before `update` has seen the previous step."""
+        module doc. May be called again before `update` has seen the previous step.
+
+        num_steps: decode steps of the call, imposed by a caller that keeps several
+            schedulers in step (DP attention); must be 1 or `wanted_decode_steps()`
+            (any value when nothing is waiting or running). Default: the latter.
+        """
         for seq in self.running:
             self.bm.register_computed(seq)  # blocks of steps already dispatched
-        out = SchedulerOutput(num_steps=self._num_decode_steps())
+        if num_steps is None:
+            num_steps = self._num_decode_steps()
+        out = SchedulerOutput(num_steps=num_steps)
         chunks: dict[Sequence, int] = {}
         budget = self._schedule_running(chunks, out)
         if out.num_preempted == 0 and out.num_steps == 1:
@@ -253,6 +260,10 @@ class Scheduler:
             self.num_decode_tokens_computed += 1
         else:
             self.num_prefill_tokens_computed += item.num_tokens
+
+    def wanted_decode_steps(self) -> int:
+        """The decode steps `schedule()` would choose now (see `_num_decode_steps`)."""
+        return self._num_decode_steps()
 
     def _num_decode_steps(self) -> int:
         """`num_decode_steps` when every schedulable running sequence is decoding, has

@@ -15,6 +15,7 @@ ones, which is most of the host's dispatch cost; the step unpacks them by static
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -112,12 +113,24 @@ class PackedLayout:
             views.append(view)
         return jax.tree.unflatten(self.treedef, views), ints, floats
 
-    def unpack(self, ints: jax.Array, floats: jax.Array) -> DeviceInputs:
-        """The arrays back from the two buffers (traceable: static slices and bitcasts)."""
+    def unpack(self, ints: jax.Array, floats: jax.Array, dp: int = 1) -> DeviceInputs:
+        """The arrays back from the two buffers (traceable: static slices and bitcasts).
+
+        With dp > 1 the buffers are dp ranks' buffers of this layout concatenated
+        ([dp * int_size], [dp * float_size]); each array comes back as the ranks' arrays
+        concatenated along its first axis (the DP flat-batch layout).
+        """
+        bufs = {"i": ints, "f": floats}
+        if dp > 1:
+            bufs = {k: b.reshape(dp, -1) for k, b in bufs.items()}
         leaves = []
         for kind, shape, dtype, offset in self.entries:
             size = int(np.prod(shape, dtype=np.int64))
-            flat = (ints if kind == "i" else floats)[offset : offset + size]
+            if dp > 1:
+                flat = bufs[kind][:, offset : offset + size]
+                shape = (dp * shape[0], *shape[1:])
+            else:
+                flat = bufs[kind][offset : offset + size]
             if flat.dtype != dtype:
                 flat = jax.lax.bitcast_convert_type(flat, dtype)
             leaves.append(flat.reshape(shape))
@@ -236,13 +249,47 @@ class InputBuilder:
 
     # ----- packing -----------------------------------------------------------------------
 
-    def build(self, sched: SchedulerOutput, prev_rows: dict[Sequence, int]) -> StepInputs:
+    def needs_full(self, sched: SchedulerOutput) -> bool:
+        """Whether a decision needs the full variant (penalty history, prompt logits)."""
+        return any(
+            sampler_lib.uses_penalties(r.seq.params)
+            or self._prompt_span(row, r.seq, r.start, r.num_tokens) is not None
+            for row, r in enumerate(sched.requests)
+        )
+
+    def common_shape(self, scheds: Sequence_[SchedulerOutput]) -> StepShape:
+        """The one shape of a step made of several dp ranks' decisions: the bucket of
+        the busiest rank's tokens (rows for multi-step decode), full if any rank needs it.
+
+        Raises:
+            ValueError: the ranks disagree on num_steps, or a rank fits no shape.
+        """
+        num_steps = {s.num_steps for s in scheds}
+        if len(num_steps) != 1:
+            raise ValueError(f"num_steps: dp ranks disagree ({sorted(num_steps)})")
+        multi = scheds[0].num_steps > 1
+        busiest = max(scheds, key=lambda s: len(s.requests) if multi else s.num_tokens)
+        full = any(self.needs_full(s) for s in scheds)
+        shape = self.shape_for(busiest, full)
+        for s in scheds:
+            if len(s.requests) > shape.num_rows:
+                raise ValueError(f"{len(s.requests)} rows exceed the {shape.num_rows} of {shape}")
+        return shape
+
+    def build(
+        self,
+        sched: SchedulerOutput,
+        prev_rows: dict[Sequence, int],
+        shape: StepShape | None = None,
+    ) -> StepInputs:
         """Pack a decision (already committed by the scheduler) into padded arrays.
 
         Args:
             sched: the decision.
             prev_rows: row of each sequence in the previous step, for input tokens that
                 step is still sampling (empty when every input token is known).
+            shape: the shape to pad to (a dp rank's share of a common step); default
+                the smallest that holds the decision.
 
         Raises:
             ValueError: the step fits no shape (a scheduler bug), or a sampling parameter
@@ -250,9 +297,10 @@ class InputBuilder:
         """
         reqs = sched.requests
         spans = [self._prompt_span(row, r.seq, r.start, r.num_tokens) for row, r in enumerate(reqs)]
-        penalized = any(sampler_lib.uses_penalties(r.seq.params) for r in reqs)
-        wants_prompt = any(span is not None for span in spans)
-        shape = self.shape_for(sched, penalized or wants_prompt)
+        if shape is None:
+            penalized = any(sampler_lib.uses_penalties(r.seq.params) for r in reqs)
+            wants_prompt = any(span is not None for span in spans)
+            shape = self.shape_for(sched, penalized or wants_prompt)
         x = self.empty(shape)
         md = x.inputs.metadata
         bs = self.block_size
@@ -377,3 +425,34 @@ def pick_bucket(buckets, n: int) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(slots=True)
+class DPStepInputs:
+    """One step of dp ranks (DP attention): each rank's `StepInputs`, all of one shape,
+    packed with rank-local rows, slots and block ids; the device takes their buffers
+    concatenated (rank k's arrays at rows [k * R, (k + 1) * R) of every array).
+
+    Each rank's logits_indices are already offset by k * T (they index the global flat
+    batch); its prompt spans stay rank-local.
+    """
+
+    shape: StepShape
+    ranks: list[StepInputs]
+
+    @classmethod
+    def of(cls, ranks: list[StepInputs]) -> DPStepInputs:
+        shape = ranks[0].shape
+        for k, x in enumerate(ranks):
+            x.inputs.logits_indices += k * shape.num_tokens
+        return cls(shape, ranks)
+
+    @property
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(int32 [dp * int_size], float32 [dp * float_size]): what the step takes."""
+        return tuple(np.concatenate([x.buffers[i] for x in self.ranks]) for i in (0, 1))
+
+    def fill_pending(self, prev: list[np.ndarray]) -> None:
+        """Write each rank's previous-step tokens (prev[k]: [S, R_prev_k] int32) in."""
+        for x, token_ids in zip(self.ranks, prev, strict=True):
+            x.fill_pending(token_ids)

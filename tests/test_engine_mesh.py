@@ -1,0 +1,115 @@
+"""The engine on a (dp, tp) mesh of 8 emulated CPU devices (DP attention, wide EP).
+
+A batch of mixed-length prompts runs through EngineCore on meshes 8x1, 4x2, 2x4 and 1x8;
+its greedy tokens must equal the single-device engine's (the independent reference: no
+mesh code runs there), with requests spread over every dp rank and no compilation after
+start-up. Also: the Python API's `mesh=` argument, and the start-up error of a mesh that
+cannot hold the model.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+from engine_helpers import greedy, random_prompts, run_engine
+from model_utils import tiny_qwen3_moe_config, write_hf_checkpoint
+
+from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.dp_scheduler import DPScheduler
+from jaxserve.sharding.mesh import MeshError
+
+MAX_LEN = 32
+BLOCK_SIZE = 4
+MAX_NUM_SEQS = 4
+NUM_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def mesh_model_dir(tmp_path_factory, tiny_moe_dir):
+    """Heads and experts divisible by 8 devices (as tests/test_sharding.py's mesh model);
+    the session tokenizer, for the LLM test."""
+    path = tmp_path_factory.mktemp("mesh_qwen3_moe")
+    config = tiny_qwen3_moe_config(
+        vocab_size=256,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        num_experts=16,
+        intermediate_size=64,
+        mlp_only_layers=[1],
+        max_position_embeddings=MAX_LEN,
+    )
+    write_hf_checkpoint(config, path, seed=0)
+    shutil.copy(tiny_moe_dir / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+def _config(model_dir, dp: int, tp: int) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4),
+        scheduler=SchedulerConfig(
+            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
+        ),
+        mesh=MeshConfig(dp, tp),
+    )
+
+
+def _requests():
+    prompts = random_prompts(random.Random(0), 10, 2, 20, 256)
+    return [(f"r{i}", p, greedy(NUM_NEW)) for i, p in enumerate(prompts)]
+
+
+def _tokens(engine) -> dict[str, list[int]]:
+    results = run_engine(engine, _requests())
+    return {rid: r.tokens for rid, r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(mesh_model_dir):
+    """Greedy tokens of the single-device engine."""
+    return _tokens(EngineCore(_config(mesh_model_dir, 1, 1)))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_mesh_greedy_equals_single_device(mesh_model_dir, reference, dp, tp):
+    engine = EngineCore(_config(mesh_model_dir, dp, tp))
+    tokens = _tokens(engine)
+    assert tokens == reference
+    assert all(len(t) == NUM_NEW for t in tokens.values())
+    assert engine.num_compilations == 0
+    if dp > 1:
+        assert isinstance(engine.scheduler, DPScheduler)
+        assert all(n > 0 for n in engine.scheduler.num_assigned), engine.scheduler.num_assigned
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_llm_accepts_mesh_string_and_config(mesh_model_dir, reference):
+    from jaxserve.llm import LLM, build_engine_config
+
+    assert build_engine_config("m", mesh=MeshConfig(4, 2)).mesh == MeshConfig(4, 2)
+    with pytest.raises(ValueError, match="mesh"):
+        build_engine_config("m", mesh="dp=two")
+    llm = LLM(
+        model=str(mesh_model_dir),
+        mesh="dp=2,tp=2",
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=32,
+        block_size=BLOCK_SIZE,
+        num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4,
+    )
+    assert llm.engine.config.mesh == MeshConfig(2, 2)
+    assert _tokens(llm.engine) == reference
+
+
+def test_mesh_that_cannot_hold_the_model(mesh_model_dir):
+    # 16 experts over 3 x 1 devices, and 16 query heads over tp = 3.
+    with pytest.raises(MeshError, match="num_experts"):
+        EngineCore(_config(mesh_model_dir, 3, 1))
+    with pytest.raises(MeshError, match="num_attention_heads|num_experts"):
+        EngineCore(_config(mesh_model_dir, 1, 3))
