@@ -7,25 +7,28 @@ What it does, deterministically (same machine + same command -> same bytes):
    Every `--val-every`-th file is held out for validation, so the validation loss is
    measured on unseen modules rather than unseen windows of seen ones.
 2. Tokenizer: byte-level BPE trained with `tokenizers`. A code-aware split runs before the
-   byte-level mapping: identifiers, digit groups, punctuation runs and whitespace runs are
-   separate pre-tokens. Unlike GPT-2's split, a space never glues onto the next word, so a
-   prompt that ends in a space ("import ") tokenizes exactly as it did in training and the
-   model continues it with a bare name ("os"), not with a rarely seen lone-space token.
+   byte-level mapping: identifiers, digit groups and punctuation runs, each with at most
+   one trailing space, and whitespace runs are separate pre-tokens. Unlike GPT-2's split,
+   which glues a space onto the *next* word, the space stays with the word before it, so
+   a prompt that ends in a space ("import ") tokenizes exactly as in training ("import ")
+   and the next token is a bare name ("os"): a pattern even a tiny model learns.
 3. Data: every file is tokenized once, files are joined with `<|endoftext|>`, and the
-   stream is cut into fixed windows of `seq_len + 1` tokens (inputs, then targets shifted
-   by one), as in GPT-2 style pre-training.
+   stream is cut into windows of `seq_len` tokens that start at line starts, each led by
+   `<|endoftext|>` as BOS (the tokenizer prepends it to prompts too), so that the start
+   of a window looks like the start of a prompt. Inputs are a window minus its last
+   token, targets the window shifted by one.
 4. Model: `jaxserve.models.qwen3_moe.Qwen3MoeForCausalLM` in its cache-less mode,
    vmapped over the batch, initialised like HF (`normal(0, initializer_range)` for
    matrices, ones for RMSNorm weights) from `--seed`.
 5. Optimiser: optax AdamW with linear warm-up then cosine decay, global-norm clipping.
-   Loss: next-token cross-entropy plus the Switch-Transformer load-balancing loss
-   (Fedus et al. 2021, eq. 4; HF `load_balancing_loss_func`) times
-   `router_aux_loss_coef` when the model returns router logits.
+   Loss: next-token cross-entropy only. No router load-balancing loss (Switch
+   Transformer, Fedus et al. 2021): the model's cache-less forward returns hidden states
+   and does not expose router logits, and the demo does not need balanced experts.
 6. Output: a Hugging Face folder (config.json, model.safetensors, tokenizer.json,
    tokenizer_config.json, generation_config.json) that both `jaxserve` and
    `transformers.AutoModelForCausalLM` load.
 
-Usage (about 15 minutes on 2 CPU cores with the defaults):
+Usage (with the defaults, 10-16 minutes on 2 CPU cores shared with other jobs):
     JAX_PLATFORMS=cpu .venv/bin/python scripts/train_tiny_moe.py [--out DIR] [--steps N]
 """
 
@@ -45,18 +48,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import save_hf_weights
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from jaxserve.config import DEMO_MODEL_DIR
 
 EOS_TOKEN = "<|endoftext|>"
 
-# Code-aware pre-split (see module docstring): identifiers, 1-3 digit groups, punctuation
-# runs, whitespace runs. Newline + indentation stays one pre-token so BPE learns indents.
-_PRE_SPLIT = r"[_\p{L}][_\p{L}\p{N}]*|\p{N}{1,3}|[^\s\p{L}\p{N}_]+|\s+"
+# Code-aware pre-split (see module docstring): identifiers, 1-3 digit groups and
+# punctuation runs, each keeping one trailing space; then whitespace runs, so that
+# newline + indentation is one pre-token and BPE learns whole indents.
+_PRE_SPLIT = r"[_\p{L}][_\p{L}\p{N}]* ?|\p{N}{1,3} ?|[^\s\p{L}\p{N}_]+ ?|\s+"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,21 +78,22 @@ class TrainConfig:
     seed: int = 0
     # Data.
     vocab_size: int = 4096
-    seq_len: int = 256
+    seq_len: int = 128
     val_every: int = 32  # every val_every-th stdlib file (sorted) is held out
     val_windows: int = 64  # validation windows evaluated (fixed, the first ones)
     # Optimisation.
-    # Sized from a measurement: ~2 s/step at 16 x 256 tokens on 2 CPU cores (the MoE
-    # block computes every expert densely on the CPU), so 400 steps is about one epoch.
-    steps: int = 400
+    # Sized from measurements: the MoE block computes every expert densely on the CPU,
+    # and a step of 16 x 128 tokens took 0.8-1.3 s on 2 CPU cores shared with other jobs;
+    # 700 steps see ~1.4M tokens, about 1.1 epochs.
+    steps: int = 700
     batch_size: int = 16
     peak_lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 40
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    router_aux_loss_coef: float = 0.01
-    eval_interval: int = 50
+    router_aux_loss_coef: float = 0.01  # only written to config.json (see docstring)
+    eval_interval: int = 100
     log_interval: int = 10
     # Model (Qwen3-MoE architecture).
     hidden_size: int = 128
@@ -90,11 +103,12 @@ class TrainConfig:
     head_dim: int = 32
     num_experts: int = 8
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 256
+    moe_intermediate_size: int = 128
     max_position_embeddings: int = 1024
     rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
 
 
 # --------------------------------------------------------------------------- corpus
@@ -133,14 +147,16 @@ def split_train_val(texts: list[str], val_every: int) -> tuple[list[str], list[s
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE over `texts`, with `<|endoftext|>` as id 0.
+    """Byte-level BPE over `texts`, with `<|endoftext|>` as id 0 (EOS, BOS and padding).
 
     The `tokenizers` BPE trainer is deterministic for a fixed input order (ties between
     equally frequent pairs break by the pair itself), so no seed is needed.
 
     Returns:
-        A `tokenizers.Tokenizer` with a code-aware split + ByteLevel pre-tokenizer and a
-        ByteLevel decoder; `decode(encode(s).ids) == s` for any string `s`.
+        A `tokenizers.Tokenizer` with a code-aware split + ByteLevel pre-tokenizer, a
+        ByteLevel decoder, and a post-processor that prepends `<|endoftext|>` as BOS (as
+        Llama's tokenizer prepends `<s>`): `encode(s).ids == [0] + encode(s,
+        add_special_tokens=False).ids` and `decode(encode(s).ids) == s` for any `s`.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -157,27 +173,49 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
+    # Every training window starts with BOS (see pack_windows), so every prompt must too.
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{EOS_TOKEN} $A",
+        pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B:1",
+        special_tokens=[(EOS_TOKEN, eos_id)],
+    )
     return tokenizer
 
 
 def pack_windows(tokenizer: Tokenizer, texts: list[str], eos_id: int, seq_len: int) -> np.ndarray:
-    """Tokenize `texts`, join them with `eos_id` after each, cut into windows.
+    """Tokenize `texts`, join them with `eos_id` after each, cut into BOS-led windows.
+
+    Window k is `eos_id` (as BOS) followed by `seq_len` tokens of the stream from the first
+    *line start* at or after token k * seq_len (a line start follows a newline or
+    `eos_id`). Both choices make the start of a window look like the start of a prompt
+    ("import ", "def "), which the tokenizer also prefixes with BOS: with windows cut at
+    arbitrary tokens and no BOS, position 0 only ever saw mid-line tokens with nothing to
+    attend to, and greedy completions of a bare "import " were visibly worse than of
+    "\nimport ". Windows therefore overlap by a few tokens or leave short gaps.
 
     Returns:
-        int32 array [num_windows, seq_len + 1]: window i is tokens
-        [i * seq_len, (i + 1) * seq_len + 1) of the stream (inputs = [:, :-1],
-        targets = [:, 1:]); the tail that does not fill a window is dropped.
+        int32 array [num_windows, seq_len + 1] (inputs = [:, :-1], targets = [:, 1:]).
+    Raises:
+        ValueError: the corpus is shorter than one window.
     """
     stream = []
-    for encoding in tokenizer.encode_batch(texts):
+    for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
         stream.extend(encoding.ids)
         stream.append(eos_id)
     tokens = np.asarray(stream, dtype=np.int32)
-    num_windows = (len(tokens) - 1) // seq_len
-    if num_windows < 1:
+    if len(tokens) <= seq_len:
         raise ValueError(f"seq_len: corpus of {len(tokens)} tokens is shorter than {seq_len}")
-    index = np.arange(num_windows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return tokens[index]
+    ends_line = np.array(
+        [i == eos_id or "\n" in tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
+    )
+    line_starts = np.flatnonzero(ends_line[tokens[:-1]]) + 1
+    line_starts = line_starts[line_starts + seq_len <= len(tokens)]
+    targets = np.arange(0, len(tokens) - seq_len, seq_len)
+    picked = np.searchsorted(line_starts, targets)
+    starts = np.unique(line_starts[picked[picked < len(line_starts)]])
+    body = tokens[starts[:, None] + np.arange(seq_len)[None, :]]
+    return np.concatenate([np.full((len(body), 1), eos_id, np.int32), body], axis=1)
 
 
 def batch_schedule(num_windows: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
@@ -229,7 +267,7 @@ def hf_config(cfg: TrainConfig, eos_id: int) -> dict:
         "norm_topk_prob": True,
         "output_router_logits": False,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_cache": True,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
@@ -246,7 +284,7 @@ def tokenizer_config(cfg: TrainConfig) -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
         "unk_token": None,
-        "add_bos_token": False,
+        "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg.max_position_embeddings,
@@ -275,7 +313,10 @@ def parse_args() -> tuple[TrainConfig, Path]:
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR, help="output folder")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(field.default), default=field.default)
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default)
     args = vars(parser.parse_args())
     out = args.pop("out")
     return TrainConfig(**args), out
