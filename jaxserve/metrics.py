@@ -31,6 +31,8 @@ ENGINE_STAT_KEYS = {
     "last_host_s": "Host time of the last engine step, s",
     "last_device_s": "Device time of the last engine step, s",
     "num_compilations": "XLA compilations after warm-up (should stay 0)",
+    "coordination_time_s": "Multi-process step coordination (publishing steps) since start, s",
+    "last_coordination_s": "Multi-process step coordination time of the last step, s",
 }
 
 

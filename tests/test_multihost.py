@@ -24,6 +24,7 @@ from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 WORKER = TESTS / "multihost_worker.py"
+ENGINE_WORKER = TESTS / "multihost_engine_worker.py"
 
 
 def _free_port() -> int:
@@ -59,7 +60,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run_processes(model_dir: Path, dp: int, tp: int, num_processes: int, out: Path) -> dict:
+def _run_processes(
+    model_dir: Path, dp: int, tp: int, num_processes: int, out: Path, worker: Path = WORKER
+) -> dict:
     port = _free_port()
     env = dict(os.environ)
     env.update(
@@ -71,7 +74,7 @@ def _run_processes(model_dir: Path, dp: int, tp: int, num_processes: int, out: P
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(model_dir), str(dp), str(tp), str(out)],
+            [sys.executable, str(worker), str(model_dir), str(dp), str(tp), str(out)],
             env={**env, "JAX_PROCESS_ID": str(i)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -109,6 +112,27 @@ def test_two_processes_match_one_process(model_dir, tmp_path):
     one_device, _ = GreedyDriver(single, None, len(PROMPTS), MAX_LEN).generate(PROMPTS, NUM_NEW)
     assert result["tokens"] == one_process == one_device
     assert result["channel_us"] > 0
+
+
+def test_two_process_engine_matches_one_process(model_dir, tmp_path):
+    """The engine itself (scheduler, DP attention, async steps, multi-step decode) led by
+    process 0 and followed by process 1 gives the tokens of the same mesh in one process
+    and of one device."""
+    from engine_helpers import run_engine
+    from multihost_engine_worker import engine_config, requests
+
+    from jaxserve.engine.core import EngineCore
+
+    out = tmp_path / "engine.json"
+    result = _run_processes(model_dir, 2, 4, 2, out, worker=ENGINE_WORKER)
+
+    def tokens(dp, tp):
+        engine = EngineCore(engine_config(str(model_dir), dp, tp))
+        return {rid: r.tokens for rid, r in run_engine(engine, requests()).items()}
+
+    assert result["tokens"] == tokens(2, 4) == tokens(1, 1)
+    assert result["counters"]["num_compilations"] == 0
+    assert result["counters"]["coordination_time_s"] > 0
 
 
 # ----- the step channel and the distributed settings (no JAX processes) -------------------

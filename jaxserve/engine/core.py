@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,10 +39,13 @@ from jaxserve.engine.model_runner import (
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
+from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, StepShape, pow2_buckets
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.models.loader import load_config, load_model
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.step_channel import StepPublisher, StepSubscriber
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,11 @@ class EngineCore:
         self.device_time_s = 0.0
         self.last_host_s = 0.0
         self.last_device_s = 0.0
+        # Multi-process: seconds spent publishing steps to the followers (leader only).
+        self.coordination_time_s = 0.0
+        self.last_coordination_s = 0.0
+        self._publisher: StepPublisher | None = None
+        self._follow_pending = None
         logger.info(
             "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
             self.startup_time_s,
@@ -271,10 +281,58 @@ class EngineCore:
             extra=self.counters(),
         )
 
+    # ----- several processes --------------------------------------------------------------
+
+    def lead(self, publisher: StepPublisher) -> None:
+        """Make this engine (process 0 of a multi-process run) publish every step's
+        packed inputs on `publisher` before dispatching it, so that `follow`ing engines
+        run the same step. Its time per step is the `coordination_time_s` counter."""
+
+        def publish(buffers: tuple[np.ndarray, ...], shape) -> None:
+            publisher.publish(buffers, meta={"shape": list(shape)})
+            self.coordination_time_s += publisher.stats.last_s
+            self.last_coordination_s = publisher.stats.last_s
+
+        self._publisher = publisher
+        self.runner.publish = publish
+
+    def close(self) -> None:
+        """Stop the followers, if leading (idempotent)."""
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+            self.runner.publish = None
+
+    def follow(self, subscriber: StepSubscriber, timeout_s: float | None = None) -> int:
+        """Run the leader's steps until it sends STOP (processes 1..N-1 of a run, built
+        from the same EngineConfig, hence the same executables and KV cache layout).
+        Their outputs are not read: the leader's replicated copy is the result.
+
+        Returns:
+            The number of steps run.
+
+        Raises:
+            TimeoutError: no message from the leader within timeout_s.
+        """
+        from jaxserve.step_channel import STOP  # noqa: PLC0415
+
+        steps = 0
+        while (msg := subscriber.receive(timeout_s)).kind != STOP:
+            out = self.runner.run_buffers(StepShape(*msg.meta["shape"]), msg.arrays)
+            steps += 1
+            # Bound the device queue (and the host buffers it holds) to one step.
+            if self._follow_pending is not None:
+                jax.block_until_ready(self._follow_pending)
+            self._follow_pending = out.token_ids
+        self._follow_pending = None
+        return steps
+
     def counters(self) -> dict[str, float]:
         """Monotonic counters and last-step timings, for the metrics layer."""
         s = self.scheduler
         return {
+            "coordination_time_s": self.coordination_time_s,
+            "last_coordination_s": self.last_coordination_s,
             "num_steps": self.num_steps,
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": s.num_prefix_queries,

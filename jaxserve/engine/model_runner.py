@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -232,6 +233,9 @@ class ModelRunner:
         # Host time to pack the last step, and time blocked waiting for its outputs (s).
         self.last_prepare_s = 0.0
         self.last_wait_s = 0.0
+        # Multi-process leader: called with (buffers, shape) before each dispatch, so the
+        # followers run the same step (`jaxserve.step_channel.StepPublisher`).
+        self.publish: Callable[[tuple[np.ndarray, ...], StepShape], None] | None = None
 
     # ----- compilation -------------------------------------------------------------------
 
@@ -321,13 +325,10 @@ class ModelRunner:
         Raises:
             RuntimeError: the shape was not compiled.
         """
-        executable = self._executables.get(x.shape)
-        if executable is None:
-            raise RuntimeError(f"step shape {x.shape} was not compiled; call compile_all()")
         buffers = x.buffers
-        if self.mesh is not None:
-            buffers = jax.device_put(buffers, self._input_sharding)
-        out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
+        if self.publish is not None:
+            self.publish(buffers, x.shape)
+        out = self.run_buffers(x.shape, buffers)
         if isinstance(sched, DPSchedulerOutput):
             self._last_rank_rows = [
                 {r.seq: row for row, r in enumerate(s.requests)} for s in sched.ranks
@@ -335,6 +336,34 @@ class ModelRunner:
         else:
             self._last_rows = {r.seq: row for row, r in enumerate(sched.requests)}
         return StepHandle(out, x)
+
+    def run_buffers(self, shape: StepShape, buffers: tuple[np.ndarray, ...]) -> StepOutput:
+        """Queue the executable of `shape` on packed host buffers (what `dispatch` runs;
+        a multi-process follower calls it with the leader's buffers). The KV cache is
+        donated and replaced.
+
+        Raises:
+            RuntimeError: the shape was not compiled.
+        """
+        executable = self._executables.get(shape)
+        if executable is None:
+            raise RuntimeError(f"step shape {shape} was not compiled; call compile_all()")
+        if self.mesh is not None:
+            buffers = self._place(buffers)
+        out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
+        return out
+
+    def _place(self, buffers: tuple[np.ndarray, ...]) -> list[jax.Array]:
+        """Host buffers onto the mesh, leading axis over dp. With several processes each
+        puts only its own devices' shards (`jax.device_put` of a global host array
+        would compile a transfer per shape on the first step)."""
+        sharding = self._input_sharding
+        if jax.process_count() == 1:
+            return jax.device_put(tuple(buffers), sharding)
+        return [
+            jax.make_array_from_callback(b.shape, sharding, lambda index, b=b: b[index])
+            for b in buffers
+        ]
 
     def fetch(self, handle: StepHandle) -> StepSamples | list[StepSamples]:
         """Wait for a dispatched step and copy what the host needs of its outputs.

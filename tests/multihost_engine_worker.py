@@ -1,0 +1,73 @@
+"""One process of a multi-process engine run (started by tests/test_multihost.py).
+
+    python multihost_engine_worker.py MODEL_DIR DP TP OUT_JSON
+
+The run's place comes from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID). Every process builds the same EngineCore on the dp x tp mesh that spans
+all of them. Process 0 leads: it schedules REQUESTS and publishes each step on the step
+channel before dispatching it, then writes {"tokens": {id: [...]}, "counters": {...}} to
+OUT_JSON. The others follow its steps until it stops them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxserve import distributed  # noqa: E402
+
+MAX_LEN = 32
+
+
+def engine_config(model_dir: str, dp: int, tp: int):
+    """The EngineConfig every process (and the in-process reference) uses."""
+    from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig  # noqa: PLC0415
+
+    return EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(block_size=4, num_blocks=1 + 4 * MAX_LEN // 4),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, num_decode_steps=4),
+        mesh=MeshConfig(dp, tp),
+        compilation_cache_dir=None,
+    )
+
+
+def requests() -> list[tuple[str, list[int], dict]]:
+    """Mixed-length greedy requests (vocab 256)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(7)]
+    return [(f"r{i}", p, dict(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompts)]
+
+
+def main(model_dir: str, dp: int, tp: int, out_json: str) -> None:
+    config = distributed.resolve()
+    distributed.initialize(config)
+
+    from engine_helpers import run_engine  # noqa: PLC0415 -- after jax.distributed
+
+    from jaxserve.engine.core import EngineCore  # noqa: PLC0415
+    from jaxserve.step_channel import StepPublisher, StepSubscriber  # noqa: PLC0415
+
+    engine = EngineCore(engine_config(model_dir, dp, tp))
+    port = config.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
+    if config.is_leader:
+        engine.lead(StepPublisher(config.coordinator_host, port, config.num_processes - 1))
+        try:
+            results = run_engine(engine, requests())
+        finally:
+            engine.close()
+        tokens = {rid: r.tokens for rid, r in results.items()}
+        with open(out_json, "w") as f:
+            json.dump({"tokens": tokens, "counters": engine.counters()}, f)
+    else:
+        channel = StepSubscriber(config.coordinator_host, port, config.process_id)
+        engine.follow(channel, timeout_s=300)
+        channel.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
