@@ -89,6 +89,10 @@ class ServerProcess:
         self.proc.wait(timeout)
         return time.monotonic() - start
 
+    def kill_child(self, module: str) -> None:
+        """SIGKILL the child running `python -m module` (e.g. the engine)."""
+        os.kill(self.child(module), signal.SIGKILL)
+
     def kill(self) -> None:
         for pid in [*self.children, self.proc.pid]:
             try:

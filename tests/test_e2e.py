@@ -1,0 +1,244 @@
+"""End to end on the bundled demo model: `jaxserve serve` (frontend, engine, detokenizer
+processes) against the offline `LLM.generate` on the same engine settings.
+
+One server serves the whole module; the last two tests kill its engine, then SIGTERM it,
+so they run last (pytest keeps file order).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from server_harness import ServerProcess, alive
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.frontend.client import JaxserveClient
+
+pytestmark = pytest.mark.slow
+
+# Small engine settings: few compiled buckets, so start-up stays short on 2 cores.
+ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 128,
+    "max_model_len": 512,
+    "num_blocks": 256,
+}
+RPC_TIMEOUT_S = 120
+
+PROMPTS = [
+    "import ", "def ", "class ", "from collections import ", "for i in range(",
+    "if __name__ == ", "return ", "with open(", "    def __init__(self, ", "try:\n    ",
+    "raise ValueError(", "# Copyright", "self.", "while True:\n    ", "lambda x: ", "print(",
+]  # fmt: skip
+
+
+# A stream that runs long enough for other requests to arrive beside it.
+LONG_PROMPT = "class "
+LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+
+
+def _params(i: int) -> SamplingParams:
+    """16 different parameter sets: greedy, seeded temperature/top-k/top-p/min-p, stops."""
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(temperature=0.0, max_tokens=24 + i)
+    if kind == 1:
+        return SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=32)
+    if kind == 2:
+        return SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=100 + i, max_tokens=32)
+    return SamplingParams(temperature=0.0, max_tokens=40, stop=["\n", "):"])
+
+
+def _client_kwargs(p: SamplingParams) -> dict:
+    return dict(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        min_p=p.min_p, seed=p.seed, stop=p.stop,
+    )  # fmt: skip
+
+
+def _engine_flags() -> tuple[str, ...]:
+    return (
+        "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+        "--max-model-len", str(ENGINE["max_model_len"]),
+        "--num-blocks", str(ENGINE["num_blocks"]),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def offline(compile_cache):
+    """The offline results, computed first so the server starts on a warm compile cache."""
+    llm = LLM(model=DEMO_MODEL_DIR, compilation_cache_dir=compile_cache, **ENGINE)
+    params = [_params(i) for i in range(len(PROMPTS))] + [LONG]
+    return llm.generate([*PROMPTS, LONG_PROMPT], params)
+
+
+@pytest.fixture(scope="module")
+def server(offline, compile_cache):
+    flags = (*_engine_flags(), "--compilation-cache-dir", compile_cache)
+    srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
+    yield srv
+    srv.kill() if srv.proc.poll() is None else None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with JaxserveClient(server.target) as c:
+        yield c
+
+
+def _wait_idle(client: JaxserveClient, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info(timeout=RPC_TIMEOUT_S)
+        if (
+            info.num_running == info.num_waiting == 0
+            and info.kv_blocks_free == info.kv_blocks_total
+        ):
+            return info
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
+        time.sleep(0.05)
+
+
+def test_concurrent_streams_equal_offline_generate(client, offline):
+    assert len(offline) == len(PROMPTS) + 1
+    results: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        kwargs = _client_kwargs(_params(i))
+        results[i] = list(client.generate(PROMPTS[i], timeout=RPC_TIMEOUT_S, **kwargs))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RPC_TIMEOUT_S)
+    assert sorted(results) == list(range(len(PROMPTS)))
+    for i, deltas in results.items():
+        want = offline[i]
+        text = "".join(d.text for d in deltas)
+        assert text == want.text, f"prompt {i} {PROMPTS[i]!r} ({_params(i)})"
+        assert deltas[-1].finish_reason == want.finish_reason, f"prompt {i}"
+        assert deltas[-1].completion_tokens == len(want.token_ids), f"prompt {i}"
+    # The demo model must have learned something: "import " continues with a module name.
+    first_word = offline[0].text.split()[0] if offline[0].text.split() else ""
+    assert first_word.split(".")[0].strip(",") in __import__("sys").stdlib_module_names, offline[
+        0
+    ].text
+
+
+def test_abort_and_client_cancel_return_kv_blocks(client):
+    idle = _wait_idle(client)
+    # Abort RPC mid-stream.
+    stream = client.generate(
+        "import ",
+        max_tokens=400,
+        temperature=0,
+        ignore_eos=True,
+        request_id="abort-me",
+        timeout=RPC_TIMEOUT_S,
+    )
+    got = []
+    for delta in stream:
+        got.append(delta)
+        if len(got) == 3:
+            assert client.abort("abort-me", timeout=RPC_TIMEOUT_S)
+        if delta.finish_reason:
+            break
+    assert got[-1].finish_reason == "abort"
+    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    # Client cancel: leave the stream after a few deltas.
+    stream = client.generate(
+        "def ", max_tokens=400, temperature=0, ignore_eos=True, timeout=RPC_TIMEOUT_S
+    )
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()
+    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+
+
+BAD_INPUTS = [
+    ("prompt", dict(prompt="")),
+    ("prompt", dict(prompt="import os\n" * 400)),  # longer than max_model_len (512 tokens)
+    ("max_tokens", dict(prompt="def ", max_tokens=0)),
+    ("temperature", dict(prompt="def ", temperature=-1.0)),
+    ("top_p", dict(prompt="def ", top_p=0.0)),
+    ("top_p", dict(prompt="def ", top_p=1.5)),
+    ("top_k", dict(prompt="def ", top_k=-2)),
+    ("top_k", dict(prompt="def ", top_k=0)),
+    ("prompt.token_ids", dict(prompt=[1, 2, 10**6])),  # outside the vocabulary
+    ("stop", dict(prompt="def ", stop=[""])),
+]
+
+
+@pytest.mark.parametrize(
+    "field,kwargs", BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_INPUTS)]
+)
+def test_bad_input_is_invalid_argument_beside_a_running_stream(client, offline, field, kwargs):
+    running = threading.Event()
+    result = {}
+
+    def run():
+        deltas = []
+        for d in client.generate(
+            LONG_PROMPT, timeout=RPC_TIMEOUT_S, **_client_kwargs(LONG), ignore_eos=True
+        ):
+            deltas.append(d)
+            running.set()
+        result["deltas"] = deltas
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert running.wait(RPC_TIMEOUT_S)
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(prompt, timeout=RPC_TIMEOUT_S, **kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+    t.join(RPC_TIMEOUT_S)
+    assert result["deltas"][-1].finish_reason is not None
+    assert "".join(d.text for d in result["deltas"]) == offline[-1].text
+
+
+def test_engine_death_ends_open_streams_with_unavailable(server, client):
+    started = threading.Event()
+    outcome = {}
+
+    def run():
+        try:
+            for _ in client.generate(
+                "import ", max_tokens=400, ignore_eos=True, temperature=0, timeout=RPC_TIMEOUT_S
+            ):
+                started.set()
+            outcome["code"] = "finished"
+        except grpc.RpcError as e:
+            outcome["code"] = e.code()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(RPC_TIMEOUT_S)
+    server.kill_child("jaxserve.engine.process")
+    t.join(15)
+    assert not t.is_alive(), "stream hung after the engine died"
+    assert outcome["code"] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_stops_every_process_within_10_s(server):
+    pids = [server.proc.pid, *server.children]
+    elapsed = server.terminate(10)
+    assert elapsed < 10
+    deadline = time.monotonic() + 2
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
