@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from jaxserve import convert
+from jaxserve import convert, distributed
 from jaxserve.config import (
     DEMO_MODEL_DIR,
     CacheConfig,
@@ -67,9 +67,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
+    try:
+        dist = distributed.from_arguments(args)
+    except ValueError as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
+    if dist is not None and not dist.is_leader:
+        # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
+        from jaxserve.engine.process import run_follower
+
+        return run_follower(config, dist)
+    dist_args = []
+    if dist is not None:
+        dist_args = [
+            "--coordinator-address", dist.coordinator_address,
+            "--num-processes", str(dist.num_processes),
+            "--process-id", str(dist.process_id),
+        ]  # fmt: skip
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     try:
-        return serve(config, server, engine_class=args.engine_class, log_level=args.log_level)
+        return serve(
+            config,
+            server,
+            engine_class=args.engine_class,
+            log_level=args.log_level,
+            distributed_args=dist_args,
+        )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 1
@@ -133,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO")
     # module:Class run instead of EngineCore; used by tests to serve a mock engine.
     s.add_argument("--engine-class", help=argparse.SUPPRESS)
+    distributed.add_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a server to the terminal")

@@ -77,11 +77,14 @@ def serve(
     *,
     engine_class: str | None = None,
     log_level: str = "INFO",
+    distributed_args: list[str] | None = None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the process exit code (0 after a
     requested shutdown, 1 if start-up failed).
 
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
+    distributed_args: --coordinator-address/--num-processes/--process-id for the engine
+        process when it leads a multi-process run (process 0; see jaxserve.distributed).
     """
     tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
     socket_dir = tempfile.mkdtemp(prefix="jaxserve-")
@@ -96,6 +99,7 @@ def serve(
         ]  # fmt: skip
         if engine_class:
             engine_args += ["--engine-class", engine_class]
+        engine_args += distributed_args or []
         children.append(_spawn("engine", "jaxserve.engine.process", engine_args))
         sidecar_args = [
             "--model", engine_config.model,

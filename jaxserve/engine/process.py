@@ -19,12 +19,14 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
 import time
 from typing import Any
 
 import zmq
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.ipc import (
     AbortRequest,
@@ -157,9 +159,16 @@ class EngineLoop:
 
 
 def run_engine_process(
-    config: EngineConfig, engine_input: str, detokenizer_input: str, engine_class: str
+    config: EngineConfig,
+    engine_input: str,
+    detokenizer_input: str,
+    engine_class: str,
+    dist: distributed.DistributedConfig | None = None,
 ) -> int:
     """Build the engine core, then serve until Shutdown. Returns the exit code.
+
+    dist: the multi-process run this engine leads (process 0), or None. The leader
+        publishes every step to the followers (`run_follower`) and stops them on exit.
 
     A failure to start (bad model folder, out of memory) logs the error and returns 2; a
     failure inside a step logs it and returns 1 (the frontend then reports UNAVAILABLE).
@@ -167,9 +176,15 @@ def run_engine_process(
     ctx = zmq.Context()
     input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=True)
     output_socket = make_socket(ctx, zmq.PUSH, detokenizer_input, bind=False)
+    core = None
     try:
         try:
             core = load_engine_class(engine_class)(config)
+            if dist is not None and dist.num_processes > 1:
+                from jaxserve.step_channel import StepPublisher  # noqa: PLC0415
+
+                port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
+                core.lead(StepPublisher(dist.coordinator_host, port, dist.num_processes - 1))
         except Exception:
             logger.exception("engine failed to start")
             return 2
@@ -180,9 +195,32 @@ def run_engine_process(
             return 1
         return 0
     finally:
+        if core is not None and hasattr(core, "close"):
+            core.close()
         input_socket.close()
         output_socket.close()
         ctx.term()
+
+
+def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> int:
+    """Processes 1..N-1 of a multi-process run: join it, build the same engine as
+    process 0 (same mesh, same executables in the same order), then run each step it
+    publishes until it stops. Returns the exit code (2: failed to start)."""
+    distributed.initialize(dist)  # before any other JAX call
+    from jaxserve.engine.core import EngineCore  # noqa: PLC0415
+    from jaxserve.step_channel import StepSubscriber  # noqa: PLC0415
+
+    try:
+        core = EngineCore(config)
+        port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
+        channel = StepSubscriber(dist.coordinator_host, port, dist.process_id)
+    except Exception:
+        logger.exception("follower %d failed to start", dist.process_id)
+        return 2
+    steps = core.follow(channel)
+    channel.close()
+    logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
     parser.add_argument("--log-level", default="INFO")
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
@@ -200,8 +239,16 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
     )
     config = EngineConfig.from_dict(json.loads(args.config_json))
+    dist = distributed.from_arguments(args)
+    distributed.initialize(dist)  # before any other JAX call
+    if dist is not None:
+        # jax.distributed's preemption notifier takes SIGTERM over: take it back, so the
+        # launcher's SIGTERM ends the loop and `run_engine_process` stops the followers.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sys.exit(
-        run_engine_process(config, args.engine_input, args.detokenizer_input, args.engine_class)
+        run_engine_process(
+            config, args.engine_input, args.detokenizer_input, args.engine_class, dist
+        )
     )
 
 
