@@ -9,14 +9,15 @@ venv="${JAXSERVE_VENV:-.venv}"
 
 find_python() {
   # jax 0.11 needs Python >= 3.12; machines whose default python3 is older have it under pyenv.
-  for cand in python3.13 python3.12 python3; do
+  # 3.12 first: the version the project's GPU machines run.
+  for cand in python3.12 python3.13 python3; do
     if command -v "$cand" >/dev/null 2>&1 &&
        "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
       echo "$cand"; return 0
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -rV); do
+    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -V); do
       p="$(pyenv root)/versions/$v/bin/python3"
       [ -x "$p" ] && { echo "$p"; return 0; }
     done
