@@ -113,3 +113,37 @@ def test_mesh_that_cannot_hold_the_model(mesh_model_dir):
         EngineCore(_config(mesh_model_dir, 3, 1))
     with pytest.raises(MeshError, match="num_attention_heads|num_experts"):
         EngineCore(_config(mesh_model_dir, 1, 3))
+
+
+def test_dp_scheduler_assigns_prefix_hits_else_least_loaded():
+    """Host only: rank choice by cached prefix first, then by load, then by index."""
+    import numpy as np
+
+    from jaxserve.engine.block_manager import BlockManager
+    from jaxserve.engine.outputs import StepSamples
+    from jaxserve.engine.scheduler import Scheduler
+    from jaxserve.engine.sequence import Sequence
+    from jaxserve.sampling_params import SamplingParams
+
+    ranks = [Scheduler(BlockManager(32, 4, True), 4, 32, 64) for _ in range(2)]
+    dp = DPScheduler(ranks)
+
+    def add(rid: str, prompt: list[int]) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        dp.add(Sequence(rid, list(prompt), len(prompt), params, seed=0))
+        return next(k for k, s in enumerate(ranks) if rid in s.requests)
+
+    shared = list(range(100, 112))  # three full blocks
+    assert add("a", shared + [1]) == 0  # tie: lowest index
+    assert add("b", [7, 8, 9]) == 1  # least loaded
+    assert add("c", [5, 6]) == 0  # tie again
+    sched = dp.schedule()
+    assert [len(s.requests) for s in sched.ranks] == [2, 1]
+    samples = [StepSamples(np.zeros((1, len(s.requests)), np.int32)) for s in sched.ranks]
+    dp.update(sched, samples)  # a's prompt blocks are now cached on rank 0
+    # Rank 0 is busier (a, c against b), but holds the shared prefix.
+    assert add("d", shared + [2]) == 0
+    assert add("e", [3, 3, 3]) == 1
+    assert dp.num_assigned == [3, 2]
+    with pytest.raises(ValueError, match="already running"):
+        add("a", [1, 2])

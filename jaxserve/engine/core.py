@@ -58,9 +58,15 @@ class EngineCore:
     Args:
         config: the engine configuration.
 
+    On a mesh (config.mesh larger than dp=1,tp=1) the model is sharded over it
+    (`sharding.load`), each dp rank gets its own scheduler and KV pool
+    (`dp_scheduler.DPScheduler`; cache.num_blocks counts one rank's pool) and each step
+    runs every rank's batch at once (DP attention). Several processes: `lead` / `follow`.
+
     Raises:
         ValueError: a config field is out of range (named in the message), e.g.
             max_model_len above the model's max_position_embeddings.
+        MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
 
     Counters for the metrics layer (plain attributes, monotonic unless noted):
         num_steps, host_time_s (seconds the engine thread worked: scheduling, packing
@@ -91,7 +97,13 @@ class EngineCore:
         self.max_model_len = _max_model_len(sc.max_model_len, mc.max_position_embeddings)
         # Blocks per dp rank (each rank's pool has its own null block 0).
         num_blocks = cc.num_blocks or num_kv_blocks(
-            mc, cc.block_size, dtype, cc.memory_fraction, sc.max_num_seqs, self.max_model_len
+            mc,
+            cc.block_size,
+            dtype,
+            cc.memory_fraction,
+            sc.max_num_seqs,
+            self.max_model_len,
+            kv_head_shards=config.mesh.tp,
         )
         self.block_managers = [
             BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

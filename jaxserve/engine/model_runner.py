@@ -78,14 +78,16 @@ def num_kv_blocks(
     max_num_seqs: int,
     max_model_len: int,
     device: jax.Device | None = None,
+    kv_head_shards: int = 1,
 ) -> int:
     """How many KV blocks (null block included) to allocate when the user did not say.
 
     On a device with memory statistics: `memory_fraction` of the memory still free after
     the weights. Elsewhere (the CPU): enough for `max_num_seqs` requests of
-    `max_model_len` tokens, capped at CPU_KV_CACHE_BYTES.
+    `max_model_len` tokens, capped at CPU_KV_CACHE_BYTES. On a mesh this is the count of
+    one dp rank, whose devices each hold 1 / kv_head_shards (tp) of every block.
     """
-    per_block = kv_block_bytes(config, block_size, dtype)
+    per_block = kv_block_bytes(config, block_size, dtype) // kv_head_shards
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
