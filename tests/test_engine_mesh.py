@@ -69,9 +69,28 @@ def _tokens(engine) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(mesh_model_dir):
+def reference_engine(mesh_model_dir):
+    return EngineCore(_config(mesh_model_dir, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def reference(reference_engine):
     """Greedy tokens of the single-device engine."""
-    return _tokens(EngineCore(_config(mesh_model_dir, 1, 1)))
+    return _tokens(reference_engine)
+
+
+def _logprob_requests():
+    """Requests that take the full step variant (prompt log-probs, a penalty) and read
+    sampled-token log-probs: every per-rank slice of the step's outputs."""
+    prompts = random_prompts(random.Random(2), 5, 3, 12, 256)
+    kw = dict(logprobs=2, prompt_logprobs=1, repetition_penalty=1.3)
+    return [(f"p{i}", p, greedy(3, **kw)) for i, p in enumerate(prompts)]
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [v for item in x for v in _flat(item)]
+    return [x] if x is not None else []
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(8, 1), (4, 2), (2, 4), (1, 8)])
@@ -105,6 +124,21 @@ def test_llm_accepts_mesh_string_and_config(mesh_model_dir, reference):
     )
     assert llm.engine.config.mesh == MeshConfig(2, 2)
     assert _tokens(llm.engine) == reference
+
+
+def test_mesh_logprobs_equal_single_device(mesh_model_dir, reference_engine):
+    engine = EngineCore(_config(mesh_model_dir, 2, 2))
+    got = run_engine(engine, _logprob_requests())
+    want = run_engine(reference_engine, _logprob_requests())
+    assert all(n > 0 for n in engine.scheduler.num_assigned)
+    for rid, w in want.items():
+        g = got[rid]
+        assert g.tokens == w.tokens
+        for go, wo in zip(g.outputs, w.outputs, strict=True):
+            for field in ("logprobs", "prompt_logprobs"):
+                a, b = _flat(getattr(go, field)), _flat(getattr(wo, field))
+                assert len(a) == len(b) > 0 or getattr(wo, field) is None, (rid, field)
+                assert a == pytest.approx(b, abs=1e-4), (rid, field)
 
 
 def test_mesh_that_cannot_hold_the_model(mesh_model_dir):
