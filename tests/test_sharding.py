@@ -322,6 +322,9 @@ def test_replicated_threshold_is_the_crossover():
 
 
 def test_moe_path_chosen_by_threshold_and_logged(caplog):
+    import jaxserve.sharding.parallel as parallel_module
+
+    parallel_module._logged_paths.clear()  # each choice is logged once per process
     parallel = MeshParallelism(build_mesh(2, 4), replicated_max_tokens=32)
     with caplog.at_level(logging.INFO, logger="jaxserve.sharding.parallel"):
         assert parallel.moe_path(32) == moe_ep.REPLICATED
