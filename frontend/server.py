@@ -9,6 +9,7 @@ engine starts or after it died. A client that cancels aborts its request in the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -146,9 +147,13 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         stats = engine.stats
         limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
         try:
-            engine_request = build_engine_request(request, request_id, self._tokenizer, limits)
+            # Tokenizing is CPU work: off the event loop, so other streams keep flowing.
+            engine_request = await asyncio.to_thread(
+                build_engine_request, request, request_id, self._tokenizer, limits
+            )
             return request_id, engine.add_request(engine_request)
-        except RequestValidationError as e:
+        except (RequestValidationError, ValueError) as e:
+            # ValueError: a duplicate request_id that arrived while this one was tokenized.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")

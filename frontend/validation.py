@@ -46,7 +46,7 @@ def build_engine_request(
     SamplingParams.validate checks (temperature, top_p, top_k, stop, ...).
     """
     check_request_id(request_id)
-    prompt_ids = _prompt_token_ids(request, tokenizer, limits.vocab_size)
+    prompt_ids = _prompt_token_ids(request, tokenizer, limits)
     if len(prompt_ids) >= limits.max_model_len:
         raise RequestValidationError(
             f"prompt: {len(prompt_ids)} tokens leave no room for output within "
@@ -118,13 +118,34 @@ def sampling_params_from_proto(
     )
 
 
-def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int):
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters of text one token can cover: the longest vocabulary entry
+    (byte-level BPE entries hold one character per byte, and a character is >= 1 byte)."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        _MAX_TOKEN_CHARS[key] = max(map(len, tokenizer.get_vocab()), default=1)
+    return _MAX_TOKEN_CHARS[key]
+
+
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+
+
+def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits):
+    vocab_size = limits.vocab_size
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestValidationError("prompt: one of text or token_ids is required")
     if kind == "text":
         if not request.text:
             raise RequestValidationError("prompt: text must not be empty")
+        # A text this long cannot fit in max_model_len tokens whatever it encodes to:
+        # reject it before spending seconds of frontend CPU on tokenizing it.
+        max_chars = limits.max_model_len * _max_token_chars(tokenizer)
+        if len(request.text) > max_chars:
+            raise RequestValidationError(
+                f"prompt: {len(request.text)} characters cannot fit in max_model_len "
+                f"{limits.max_model_len} tokens"
+            )
         ids = encode_prompt(tokenizer, request.text)
         if not ids:
             raise RequestValidationError("prompt: text encodes to no tokens")

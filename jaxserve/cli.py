@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jaxserve import convert, distributed
@@ -23,6 +24,26 @@ from jaxserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+
+
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high], else a usage error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+PORT = _int_at_least(0, 65535)
+POSITIVE = _int_at_least(1)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -121,9 +142,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 last = delta
+            if sys.stdout.isatty():
+                sys.stdout.write("\n")
         except grpc.RpcError as e:
             print(f"\njaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
+            print(file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # e.g. `| head`: the reader is gone, so is the output
+            # Point stdout at /dev/null so the interpreter's final flush cannot fail too
+            # (the recipe in Python's signal module documentation).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
     if args.verbose and last is not None:
         print(
             f"\n[finish_reason={last.finish_reason} stop_reason={last.stop_reason!r} "
@@ -140,16 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over gRPC")
     s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
     s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
-    s.add_argument("--port", type=int, default=ServerConfig().port, help="0 picks a free port")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    s.add_argument("--port", type=PORT, default=ServerConfig().port, help="0 picks a free port")
+    s.add_argument("--metrics-port", type=PORT, help="serve Prometheus /metrics on this port")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--seed", type=int)
-    s.add_argument("--block-size", type=int, help="tokens per KV block")
-    s.add_argument("--num-blocks", type=int, help="KV blocks (default: from memory)")
+    s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
+    s.add_argument("--num-blocks", type=_int_at_least(2), help="KV blocks (default: from memory)")
     s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--max-num-seqs", type=int, help="most requests in one step")
-    s.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    s.add_argument("--max-model-len", type=int, help="most tokens per request")
+    s.add_argument("--max-num-seqs", type=POSITIVE, help="most requests in one step")
+    s.add_argument("--max-num-batched-tokens", type=POSITIVE, help="token budget of one step")
+    s.add_argument("--max-model-len", type=_int_at_least(2), help="most tokens per request")
     s.add_argument("--mesh", default="dp=1,tp=1", help="device mesh, e.g. dp=2,tp=4")
     s.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache")
     s.add_argument("--no-compilation-cache", action="store_true")
@@ -168,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--min-p", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument(
+        "--stop", action="append", default=[],
+        help="stop string (repeatable; a shell passes \\n literally: use $'\\n')",
+    )  # fmt: skip
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, help="seconds for the whole call")
     g.add_argument("-v", "--verbose", action="store_true", help="print finish reason, counts")

@@ -7,6 +7,7 @@ Field names and meanings follow vLLM's `SamplingParams`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,12 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError whose message starts with the offending field's name."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
+        if not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias: biases must be finite numbers")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):

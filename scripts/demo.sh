@@ -8,17 +8,26 @@ venv="${JAXSERVE_VENV:-.venv}"
 port="${JAXSERVE_PORT:-50051}"
 prompt="${1:-import }"
 
+# Refuse a busy port up front, so the completion below can only come from our server.
+if ! "$venv/bin/python" -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$port" 2>/dev/null; then
+  echo "error: port $port is in use; choose another with JAXSERVE_PORT=..." >&2
+  exit 1
+fi
+
 "$venv/bin/jaxserve" serve --port "$port" &
 server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 
 # Wait for the gRPC health service to report SERVING (start-up compiles the step functions).
-"$venv/bin/python" - "$port" <<'PY'
-import sys, time, grpc
+# Gives up as soon as our server process exits (e.g. the port is taken).
+"$venv/bin/python" - "$port" "$server" <<'PY'
+import os, sys, time, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}"))
 deadline = time.time() + 600
 while time.time() < deadline:
+    if not os.path.exists(f"/proc/{sys.argv[2]}") or " Z " in open(f"/proc/{sys.argv[2]}/stat").read():
+        sys.exit("jaxserve serve exited before it was ready (see its log above)")
     try:
         if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
             sys.exit(0)

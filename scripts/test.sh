@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
 venv="${JAXSERVE_VENV:-.venv}"
 # Tests that need several devices get them from emulated CPU devices (see tests/conftest.py).
-exec "$venv/bin/python" -m pytest -q "$@"
+# `gpu`-marked tests need an NVIDIA GPU; run them there with `pytest -m gpu`.
+exec "$venv/bin/python" -m pytest -q -m "not gpu" "$@"

@@ -170,8 +170,10 @@ def test_abort_and_client_cancel_return_kv_blocks(client):
 BAD_INPUTS = [
     ("prompt", dict(prompt="")),
     ("prompt", dict(prompt="import os\n" * 400)),  # longer than max_model_len (512 tokens)
+    ("prompt", dict(prompt="ab " * 1_000_000)),  # rejected before tokenizing (3 MB)
     ("max_tokens", dict(prompt="def ", max_tokens=0)),
     ("temperature", dict(prompt="def ", temperature=-1.0)),
+    ("temperature", dict(prompt="def ", temperature=float("inf"))),
     ("top_p", dict(prompt="def ", top_p=0.0)),
     ("top_p", dict(prompt="def ", top_p=1.5)),
     ("top_k", dict(prompt="def ", top_k=-2)),
