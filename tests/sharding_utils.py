@@ -17,12 +17,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from model_utils import StepRequest, build_step
+from model_utils import StepRequest, build_step, tiny_qwen3_moe_config
 
 from jaxserve.models.base import AttentionMetadata, allocate_kv_cache
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
 METADATA_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "token_req")
+
+
+def mesh_qwen3_moe_config(max_position_embeddings: int, **overrides):
+    """A tiny Qwen3-MoE every 8-device mesh holds: heads and KV heads divisible by 8, 16
+    experts (2 per device on 8), a dense layer between MoE layers (a tp-sharded MLP)."""
+    return tiny_qwen3_moe_config(
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        num_experts=16,
+        intermediate_size=64,
+        mlp_only_layers=[1],
+        max_position_embeddings=max_position_embeddings,
+        **overrides,
+    )
 
 
 def to_host(x: jax.Array) -> np.ndarray:

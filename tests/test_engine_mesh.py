@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
-from model_utils import tiny_qwen3_moe_config, write_hf_checkpoint
+from model_utils import write_hf_checkpoint
+from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
@@ -32,17 +33,7 @@ def mesh_model_dir(tmp_path_factory, tiny_moe_dir):
     """Heads and experts divisible by 8 devices (as tests/test_sharding.py's mesh model);
     the session tokenizer, for the LLM test."""
     path = tmp_path_factory.mktemp("mesh_qwen3_moe")
-    config = tiny_qwen3_moe_config(
-        vocab_size=256,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=8,
-        num_experts=16,
-        intermediate_size=64,
-        mlp_only_layers=[1],
-        max_position_embeddings=MAX_LEN,
-    )
-    write_hf_checkpoint(config, path, seed=0)
+    write_hf_checkpoint(mesh_qwen3_moe_config(MAX_LEN, vocab_size=256), path, seed=0)
     shutil.copy(tiny_moe_dir / "tokenizer.json", path / "tokenizer.json")
     return path
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
-from model_utils import tiny_mixtral_config, tiny_qwen3_moe_config, write_hf_checkpoint
-from sharding_utils import GreedyDriver
+from model_utils import tiny_mixtral_config, write_hf_checkpoint
+from sharding_utils import GreedyDriver, mesh_qwen3_moe_config
 
 from jaxserve.models.layers import moe_experts_dense, route
 from jaxserve.models.loader import load_config, load_model
@@ -351,19 +351,9 @@ MAX_LEN = 32
 
 @pytest.fixture(scope="module")
 def mesh_model_dir(tmp_path_factory):
-    """Heads divisible by 8 (every mesh holds it), 16 experts (2 per device on 8), a dense
-    layer between MoE layers (tp-sharded MLP)."""
+    """A model every mesh holds (see `mesh_qwen3_moe_config`)."""
     path = tmp_path_factory.mktemp("mesh_qwen3_moe")
-    config = tiny_qwen3_moe_config(
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=8,
-        num_experts=16,
-        intermediate_size=64,
-        mlp_only_layers=[1],
-        max_position_embeddings=MAX_LEN,
-    )
-    write_hf_checkpoint(config, path, seed=0)
+    write_hf_checkpoint(mesh_qwen3_moe_config(MAX_LEN), path, seed=0)
     return path
 
 
