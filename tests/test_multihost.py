@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_utils import tiny_qwen3_moe_config, write_hf_checkpoint
+from model_utils import write_hf_checkpoint
+from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve import distributed
 from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
@@ -45,18 +46,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # The same config as test_sharding's mesh model (heads divisible by 8, 16 experts).
+    # The same model as test_sharding's (heads divisible by 8, 16 experts).
     path = tmp_path_factory.mktemp("multihost_qwen3_moe")
-    config = tiny_qwen3_moe_config(
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=8,
-        num_experts=16,
-        intermediate_size=64,
-        mlp_only_layers=[1],
-        max_position_embeddings=32,
-    )
-    write_hf_checkpoint(config, path, seed=0)
+    write_hf_checkpoint(mesh_qwen3_moe_config(32), path, seed=0)
     return path
 
 
