@@ -34,4 +34,11 @@ fi
 
 extras=""
 [ $# -gt 0 ] && extras="[$(IFS=,; echo "$*")]"
-"$venv/bin/python" -m pip install -q -e ".$extras"
+# Reinstall only when pyproject.toml or the extras changed (the install is editable, so
+# code changes need none); keeps repeated runs of demo.sh and test.sh fast and quiet.
+stamp="$venv/.jaxserve-install"
+want="$(sha256sum pyproject.toml | cut -c1-64) $extras"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$venv/bin/python" -m pip install -q -e ".$extras"
+  echo "$want" > "$stamp"
+fi
