@@ -39,6 +39,8 @@ class GenerateDelta:
     completion_tokens: int = 0
     # Per new token: (token id, its logprob, [(top token id, logprob), ...]).
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # Per prompt token from the second on, in the same form (only with prompt_logprobs).
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +70,11 @@ def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
             for lp in resp.logprobs
         ]
         or None,
+        prompt_logprobs=[
+            (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in resp.prompt_logprobs
+        ]
+        or None,
     )
 
 
@@ -91,6 +98,7 @@ def build_generate_request(
     skip_special_tokens: bool | None = None,
     return_token_ids: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for these arguments; None leaves a field unset (server default,
     see jaxserve.proto). A str prompt is text; a sequence of ints is token ids."""
@@ -123,6 +131,7 @@ def build_generate_request(
         ("max_tokens", max_tokens),
         ("skip_special_tokens", skip_special_tokens),
         ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             setattr(req, name, value)

@@ -40,11 +40,20 @@ from jaxserve.lifetime import die_with_parent, ignore_sigint
 logger = logging.getLogger("jaxserve.detokenizer")
 
 
+def _name_prompt_logprobs(entries: list | None, prompt_ids: list[int] | None) -> list | None:
+    """Engine prompt log-probs ([None, [logprob, top], ...], one per prompt token) ->
+    [[token_id, logprob, top], ...] for prompt tokens 1.. (the first has none)."""
+    if not entries or not prompt_ids:
+        return None
+    return [[tok, e[0], e[1]] for tok, e in zip(prompt_ids, entries, strict=False) if e is not None]
+
+
 @dataclass(slots=True)
 class _RequestState:
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int = 0
     stopped: bool = False  # a stop string ended it; waiting for the engine's final output
+    prompt_token_ids: list[int] | None = None  # from `first`: names prompt log-prob entries
 
 
 class OutputProcessor:
@@ -81,6 +90,7 @@ class OutputProcessor:
                 stop=sampling.get("stop", ()),
             )
             state = _RequestState(detok)
+            state.prompt_token_ids = list((out.first or {}).get("prompt_token_ids", []))
             self._requests[out.request_id] = state
         if out.num_prompt_tokens:
             state.num_prompt_tokens = out.num_prompt_tokens
@@ -104,6 +114,7 @@ class OutputProcessor:
             delta.text,
             delta.token_ids,
             logprobs=out.logprobs[: len(delta.token_ids)] if out.logprobs else None,
+            prompt_logprobs=_name_prompt_logprobs(out.prompt_logprobs, state.prompt_token_ids),
         )
         if delta.stop_string is not None:
             text.finish_reason, text.stop_reason = "stop", delta.stop_string

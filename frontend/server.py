@@ -32,21 +32,24 @@ logger = logging.getLogger("jaxserve.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 
 
+def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
 def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool):
     """One GenerateResponse from consecutive outputs of one request (deltas concatenated)."""
     resp = pb.GenerateResponse(request_id=request_id, text="".join(o.text for o in outputs))
     for out in outputs:
         if return_token_ids:
             resp.token_ids.extend(out.token_ids)
-        for token_id, entry in zip(out.token_ids, out.logprobs or (), strict=False):
-            logprob, top = entry
-            resp.logprobs.append(
-                pb.TokenLogprob(
-                    token_id=token_id,
-                    logprob=logprob,
-                    top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
-                )
-            )
+        for token_id, (logprob, top) in zip(out.token_ids, out.logprobs or (), strict=False):
+            resp.logprobs.append(_token_logprob(token_id, logprob, top))
+        for token_id, logprob, top in out.prompt_logprobs or ():
+            resp.prompt_logprobs.append(_token_logprob(token_id, logprob, top))
     last = outputs[-1]
     if last.finish_reason is not None:
         resp.finish_reason = last.finish_reason
@@ -125,7 +128,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                         f"engine rejected the request: {last.error}",
                     )
                 resp = _response(request_id, outputs, request.return_token_ids)
-                if finished or resp.text or resp.token_ids or resp.logprobs:
+                if finished or resp.text or resp.token_ids or resp.logprobs or resp.prompt_logprobs:
                     yield resp
         finally:
             if not finished:  # the client cancelled, or the server is stopping

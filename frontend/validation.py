@@ -115,6 +115,7 @@ def sampling_params_from_proto(
         logit_bias={int(k): float(v) for k, v in s.logit_bias.items()},
         n=n,
         logprobs=opt(request, "logprobs", None),
+        prompt_logprobs=opt(request, "prompt_logprobs", None),
     )
 
 

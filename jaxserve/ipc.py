@@ -96,6 +96,8 @@ class TextOutput:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: list | None = None
+    # [[prompt token id, logprob, [[top id, logprob], ...]], ...] for prompt tokens 1..
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)

@@ -75,9 +75,13 @@ def compile_cache(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline(compile_cache):
+def llm(compile_cache):
+    return LLM(model=DEMO_MODEL_DIR, compilation_cache_dir=compile_cache, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def offline(llm):
     """The offline results, computed first so the server starts on a warm compile cache."""
-    llm = LLM(model=DEMO_MODEL_DIR, compilation_cache_dir=compile_cache, **ENGINE)
     params = [_params(i) for i in range(len(PROMPTS))] + [LONG]
     return llm.generate([*PROMPTS, LONG_PROMPT], params)
 
@@ -134,6 +138,27 @@ def test_concurrent_streams_equal_offline_generate(client, offline):
     assert first_word.split(".")[0].strip(",") in __import__("sys").stdlib_module_names, offline[
         0
     ].text
+
+
+def test_prompt_logprobs_equal_offline(client, llm):
+    prompt = "def __init__(self, name):"
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    want = want[0]
+    deltas = list(
+        client.generate(
+            prompt, max_tokens=2, temperature=0, prompt_logprobs=3, timeout=RPC_TIMEOUT_S
+        )
+    )
+    got = [entry for d in deltas for entry in d.prompt_logprobs or ()]
+    assert want.prompt_logprobs[0] is None  # nothing predicts the first prompt token
+    assert len(got) == len(want.prompt_token_ids) - 1
+    for (token_id, logprob, top), ref, ref_id in zip(
+        got, want.prompt_logprobs[1:], want.prompt_token_ids[1:], strict=True
+    ):
+        assert token_id == ref_id
+        assert logprob == pytest.approx(ref[0], abs=1e-5)
+        assert [t for t, _ in top] == [t for t, _ in ref[1]]
+        assert [lp for _, lp in top] == pytest.approx([lp for _, lp in ref[1]], abs=1e-5)
 
 
 def test_abort_and_client_cancel_return_kv_blocks(client):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&jaxserve/frontend/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\n \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xf4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xb5\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x32\xe2\x01\n\x08Jaxserve\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.jaxserve.v1.GetServerInfoRequest\x1a\x17.jaxserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&jaxserve/frontend/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\n \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xa6\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x04\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xb5\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x32\xe2\x01\n\x08Jaxserve\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.jaxserve.v1.GetServerInfoRequest\x1a\x17.jaxserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=380
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=428
   _globals['_GENERATEREQUEST']._serialized_start=558
-  _globals['_GENERATEREQUEST']._serialized_end=930
-  _globals['_TOPLOGPROB']._serialized_start=932
-  _globals['_TOPLOGPROB']._serialized_end=979
-  _globals['_TOKENLOGPROB']._serialized_start=981
-  _globals['_TOKENLOGPROB']._serialized_end=1068
-  _globals['_GENERATERESPONSE']._serialized_start=1071
-  _globals['_GENERATERESPONSE']._serialized_end=1324
-  _globals['_ABORTREQUEST']._serialized_start=1326
-  _globals['_ABORTREQUEST']._serialized_end=1360
-  _globals['_ABORTRESPONSE']._serialized_start=1362
-  _globals['_ABORTRESPONSE']._serialized_end=1392
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1394
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1416
-  _globals['_SERVERINFO']._serialized_start=1419
-  _globals['_SERVERINFO']._serialized_end=1600
-  _globals['_JAXSERVE']._serialized_start=1603
-  _globals['_JAXSERVE']._serialized_end=1829
+  _globals['_GENERATEREQUEST']._serialized_end=980
+  _globals['_TOPLOGPROB']._serialized_start=982
+  _globals['_TOPLOGPROB']._serialized_end=1029
+  _globals['_TOKENLOGPROB']._serialized_start=1031
+  _globals['_TOKENLOGPROB']._serialized_end=1118
+  _globals['_GENERATERESPONSE']._serialized_start=1121
+  _globals['_GENERATERESPONSE']._serialized_end=1426
+  _globals['_ABORTREQUEST']._serialized_start=1428
+  _globals['_ABORTREQUEST']._serialized_end=1462
+  _globals['_ABORTRESPONSE']._serialized_start=1464
+  _globals['_ABORTRESPONSE']._serialized_end=1494
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1496
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1518
+  _globals['_SERVERINFO']._serialized_start=1521
+  _globals['_SERVERINFO']._serialized_end=1702
+  _globals['_JAXSERVE']._serialized_start=1705
+  _globals['_JAXSERVE']._serialized_end=1931
 # @@protoc_insertion_point(module_scope)
