@@ -55,6 +55,12 @@ class ServerInfo:
     vocab_size: int
 
 
+def _logprobs(entries) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+    """Repeated TokenLogprob -> [(token id, logprob, [(top id, logprob), ...])], None if empty."""
+    out = [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
+    return out or None
+
+
 def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
     kind = resp.WhichOneof("matched_stop")
     return GenerateDelta(
@@ -65,16 +71,8 @@ def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
         stop_reason=getattr(resp, kind) if kind else None,
         prompt_tokens=resp.prompt_tokens,
         completion_tokens=resp.completion_tokens,
-        logprobs=[
-            (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-            for lp in resp.logprobs
-        ]
-        or None,
-        prompt_logprobs=[
-            (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-            for lp in resp.prompt_logprobs
-        ]
-        or None,
+        logprobs=_logprobs(resp.logprobs),
+        prompt_logprobs=_logprobs(resp.prompt_logprobs),
     )
 
 
