@@ -8,8 +8,15 @@ with `python -m` so they begin clean (no inherited threads or event loop):
 The children die with this process (jaxserve.lifetime). SIGINT/SIGTERM here stops the
 gRPC server (open calls get a short grace), then terminates the children (SIGTERM, then
 SIGKILL after a timeout) and removes the private socket folder; the whole shutdown takes a
-few seconds at most. A child that exits while serving makes every open stream end with
-UNAVAILABLE (the engine is not restarted). No JAX in this process.
+few seconds at most, and the exit code is 0.
+
+A child that dies (the engine or the detokenizer) makes the server exit, as vLLM's API
+server does when its engine dies, so that the supervisor (Kubernetes, systemd) restarts
+it: the cause (which child, exit code or signal) is logged, health turns NOT_SERVING,
+every open stream ends with UNAVAILABLE (new calls get it too), and after a short grace
+(`ENGINE_DEATH_GRACE_S`, so those statuses reach the clients and health checkers) the
+gRPC server stops, the other child is terminated and `jaxserve serve` exits with code 1.
+A child that dies during start-up also gives exit code 1. No JAX in this process.
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ logger = logging.getLogger("jaxserve")
 GRPC_GRACE_S = 2.0  # open calls get this long after SIGTERM before they are cancelled
 CHILD_TERM_TIMEOUT_S = 4.0  # after SIGTERM, a child is SIGKILLed when it takes longer
 CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children live
+# After a child dies: how long open calls' UNAVAILABLE and health's NOT_SERVING are
+# served before the server stops (SIGINT/SIGTERM cuts it short).
+ENGINE_DEATH_GRACE_S = 2.0
+EXIT_CHILD_DIED = 1  # `jaxserve serve`'s exit code when a child died (start-up or serving)
 
 
 @dataclass(slots=True)
@@ -79,8 +90,9 @@ def serve(
     log_level: str = "INFO",
     distributed_args: list[str] | None = None,
 ) -> int:
-    """Run the server until SIGINT/SIGTERM. Returns the process exit code (0 after a
-    requested shutdown, 1 if start-up failed).
+    """Run the server until SIGINT/SIGTERM or until a child dies. Returns the process exit
+    code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
+    detokenizer died, during start-up or while serving (see the module docstring).
 
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
@@ -149,11 +161,11 @@ async def _run_frontend(
             )  # fmt: skip
             await asyncio.wait({watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if watch.done():
-                await server.engine_died(watch.result())
-                await stopping  # keep answering UNAVAILABLE until told to stop
+                await _child_died(server, watch.result(), stopping)
+                return EXIT_CHILD_DIED
         elif watch.done():
             logger.error("start-up failed: %s", watch.result())
-            return 1
+            return EXIT_CHILD_DIED
         logger.info("shutting down")
         return 0
     finally:
@@ -161,6 +173,16 @@ async def _run_frontend(
             task.cancel()
         await server.stop(GRPC_GRACE_S)
         await engine.close()
+
+
+async def _child_died(server: FrontendServer, reason: str, stopping: asyncio.Task) -> None:
+    """Report a dead child to clients, then wait out the grace (or a SIGINT/SIGTERM)."""
+    logger.error(
+        "%s; the server exits with code %d in %.0f s so that its supervisor restarts it",
+        reason, EXIT_CHILD_DIED, ENGINE_DEATH_GRACE_S,
+    )  # fmt: skip
+    await server.engine_died(reason)  # NOT_SERVING; open and new calls get UNAVAILABLE
+    await asyncio.wait({stopping}, timeout=ENGINE_DEATH_GRACE_S)
 
 
 async def _watch_children(children: list[_Child]) -> str:

@@ -1,0 +1,88 @@
+"""`jaxserve serve` exits when a child dies, so that its supervisor restarts it (as vLLM's
+API server exits when its engine dies).
+
+The real three-process server with the mock engine (tests/mock_engine.py) in the engine
+process: killing a child tests the launcher's supervision, which does not depend on the
+engine's contents. The same check on the demo model's engine is in tests/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from mock_engine import write_mock_model_dir
+from server_harness import ServerProcess, alive
+
+from jaxserve.frontend.client import JaxserveClient
+
+EXIT_DEADLINE_S = 10.0  # the launcher's grace plus stopping the other child take ~3 s
+RPC_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+def _mock_server(model_dir: Path) -> ServerProcess:
+    # 5 ms per mock step: a 2000-token stream lasts >= 10 s, longer than the test.
+    args = ("--num-blocks", "256", "--block-size", "16")
+    args += ("--engine-class", "mock_engine:MockEngineCore")
+    env = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.005"}
+    return ServerProcess(model_dir, extra_args=args, env=env).wait_ready()
+
+
+def _open_stream(target: str) -> tuple[threading.Thread, threading.Event, dict]:
+    """A long stream in a thread; `outcome["code"]` is its final status once it ends."""
+    started, outcome = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            with JaxserveClient(target) as client:
+                for _ in client.generate([7] * 4, max_tokens=2000, timeout=RPC_TIMEOUT_S):
+                    started.set()
+            outcome["code"] = "finished"
+        except grpc.RpcError as e:
+            outcome["code"] = e.code()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, started, outcome
+
+
+@pytest.mark.parametrize(
+    "name,module",
+    [
+        ("engine", "jaxserve.engine.process"),
+        ("detokenizer", "jaxserve.frontend.detokenizer_process"),
+    ],
+)
+def test_child_death_ends_streams_and_exits_with_code_1(model_dir, name, module):
+    srv = _mock_server(model_dir)
+    try:
+        pids = list(srv.children)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        thread, started, outcome = _open_stream(srv.target)
+        assert started.wait(RPC_TIMEOUT_S)
+        victim = srv.child(module)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        thread.join(EXIT_DEADLINE_S)
+        assert not thread.is_alive(), "the open stream hung after the child died"
+        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE
+        srv.proc.wait(EXIT_DEADLINE_S)  # raises TimeoutExpired if the server stays up
+        assert time.monotonic() - killed_at < EXIT_DEADLINE_S
+        assert srv.proc.returncode == 1, srv.log()
+        assert not [p for p in pids if alive(p)], "a child outlived the server"
+        assert not os.path.exists(srv.socket_dir)
+        # The log names the dead child and how it died.
+        assert f"the {name} process (pid {victim}) died (signal SIGKILL)" in srv.log()
+    finally:
+        srv.kill()
