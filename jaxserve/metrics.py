@@ -3,7 +3,15 @@
 The frontend process owns the registry and the HTTP endpoint. It observes what it sees
 itself (TTFT, inter-token latency, TPOT, end-to-end latency, tokens, finish reasons) and
 copies the engine's gauges and counters from the `EngineStats` messages that the engine
-sends through the detokenizer (`EngineStats.extra`, see `ENGINE_STAT_KEYS`).
+sends through the detokenizer (`EngineStats.extra`, see `ENGINE_COUNTERS` and
+`ENGINE_GAUGES`).
+
+The engine sends its counters as cumulative values since its start; they are exported as
+Prometheus counters (`..._total`, as vLLM's `vllm:num_preemptions_total` and
+`vllm:prefix_cache_queries_total`), so that `rate()` and `increase()` work: each stats
+message increments a counter by the change since the previous message. A value below the
+previous one means the engine restarted and counts from 0 again: the whole new value is
+the increment (Prometheus' own counter-reset rule, applied at the source).
 No JAX here.
 """
 
@@ -17,22 +25,41 @@ _LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 
-# EngineStats.extra keys (EngineCore.counters()) exported 1:1 as gauges (name -> help).
-# Monotonic engine counters travel as values, so they are gauges here (set, not inc).
-ENGINE_STAT_KEYS = {
-    "num_steps": "Engine steps since start",
-    "num_preemptions": "Requests preempted (freed and recomputed) since start",
-    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache since start",
-    "prefix_cache_hits": "Prompt tokens found in the prefix cache since start",
-    "prefill_tokens": "Prefill tokens computed since start",
-    "decode_tokens": "Decode tokens computed since start",
-    "host_time_s": "Engine host time (schedule, prepare inputs, outputs) since start, s",
-    "device_time_s": "Engine device time since start, s",
-    "last_host_s": "Host time of the last engine step, s",
-    "last_device_s": "Device time of the last engine step, s",
-    "num_compilations": "XLA compilations after warm-up (should stay 0)",
-    "coordination_time_s": "Multi-process step coordination (publishing steps) since start, s",
-    "last_coordination_s": "Multi-process step coordination time of the last step, s",
+# Cumulative EngineStats.extra keys (EngineCore.counters()): key -> (counter name, help).
+# prometheus_client appends `_total` to a counter's name in the exposition.
+ENGINE_COUNTERS = {
+    "num_steps": ("jaxserve_engine_steps", "Engine steps"),
+    "num_preemptions": (
+        "jaxserve_num_preemptions", "Requests preempted (KV blocks freed, recomputed later)"
+    ),
+    "prefix_cache_queries": (
+        "jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+    ),
+    "prefix_cache_hits": ("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "prefill_tokens": ("jaxserve_engine_prefill_tokens", "Prefill tokens computed"),
+    "decode_tokens": ("jaxserve_engine_decode_tokens", "Decode tokens computed"),
+    "host_time_s": (
+        "jaxserve_engine_host_time_seconds",
+        "Engine host time (schedule, prepare inputs, outputs), s",
+    ),
+    "device_time_s": ("jaxserve_engine_device_time_seconds", "Engine device time, s"),
+    "coordination_time_s": (
+        "jaxserve_engine_coordination_time_seconds",
+        "Multi-process step coordination (publishing steps), s",
+    ),
+    "num_compilations": (
+        "jaxserve_engine_compilations", "XLA compilations after warm-up (should stay 0)"
+    ),
+}  # fmt: skip
+
+# EngineStats.extra keys that are values of the last step, exported as gauges (name, help).
+ENGINE_GAUGES = {
+    "last_host_s": ("jaxserve_engine_last_host_s", "Host time of the last engine step, s"),
+    "last_device_s": ("jaxserve_engine_last_device_s", "Device time of the last engine step, s"),
+    "last_coordination_s": (
+        "jaxserve_engine_last_coordination_s",
+        "Multi-process step coordination time of the last step, s",
+    ),
 }
 
 
@@ -75,10 +102,16 @@ class Metrics:
         self.kv_blocks_free = Gauge(
             "jaxserve_kv_blocks_free", "Free KV cache blocks", ["model"], registry=r
         ).labels(**labels)
-        self.engine = {
-            key: Gauge(f"jaxserve_engine_{key}", doc, ["model"], registry=r).labels(**labels)
-            for key, doc in ENGINE_STAT_KEYS.items()
+        self.engine_counters = {
+            key: Counter(name, doc, ["model"], registry=r).labels(**labels)
+            for key, (name, doc) in ENGINE_COUNTERS.items()
         }
+        self.engine_gauges = {
+            key: Gauge(name, doc, ["model"], registry=r).labels(**labels)
+            for key, (name, doc) in ENGINE_GAUGES.items()
+        }
+        # The last cumulative value seen of each engine counter (the base of the next delta).
+        self._last_engine_counts: dict[str, float] = {}
         self.prefix_cache_hit_rate = Gauge(
             "jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries over prompt tokens",
             ["model"], registry=r,
@@ -88,16 +121,30 @@ class Metrics:
         self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
 
     def update_from_engine(self, stats) -> None:
-        """Copy an `ipc.EngineStats` into the gauges (unknown extra keys are ignored)."""
+        """Apply one `ipc.EngineStats`: set the gauges, advance the counters by the change
+        of their cumulative values since the previous message (see the module docstring
+        for a value that went down). Unknown or None extra keys are ignored."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_free.set(stats.num_blocks_free)
         extra = stats.extra or {}
         for key, value in extra.items():
-            if key in self.engine and value is not None:
-                self.engine[key].set(float(value))
+            if value is None:
+                continue
+            if key in self.engine_counters:
+                self._advance_engine_counter(key, float(value))
+            elif key in self.engine_gauges:
+                self.engine_gauges[key].set(float(value))
         if queries := extra.get("prefix_cache_queries"):
-            self.prefix_cache_hit_rate.set(extra["prefix_cache_hits"] / queries)
+            self.prefix_cache_hit_rate.set(extra.get("prefix_cache_hits", 0) / queries)
+
+    def _advance_engine_counter(self, key: str, total: float) -> None:
+        last = self._last_engine_counts.get(key, 0.0)
+        # Below the last value: the engine restarted, and `total` counts from its start.
+        delta = total - last if total >= last else total
+        self._last_engine_counts[key] = total
+        if delta > 0:
+            self.engine_counters[key].inc(delta)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on addr:port (a daemon thread)."""
