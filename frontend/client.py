@@ -6,16 +6,22 @@
         for delta in client.generate("import ", max_tokens=32, temperature=0):
             print(delta.text, end="", flush=True)
 
+With n > 1 the deltas of the n samples interleave; `delta.index` says whose, and
+`client.complete(...)` gathers them into one `Completion` per sample:
+
+        for c in client.complete("def ", n=4, temperature=0.8, seed=7, max_tokens=32):
+            print(c.index, repr(c.text), c.finish_reason)
+
 Errors are `grpc.RpcError` (`.code()`, `.details()`): INVALID_ARGUMENT names the bad
 field; UNAVAILABLE means the engine is starting or gone. Leaving the `generate` loop early
-cancels the call, which aborts the request in the engine.
+cancels the call, which aborts the request (every sample) in the engine.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,13 +32,14 @@ from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 
 @dataclass(slots=True)
 class GenerateDelta:
-    """One streamed response. finish_reason is None until the last one ("stop", "length",
-    "abort"); stop_reason is the matched stop string or stop token id; the token counts
-    are set on the last one."""
+    """One streamed response of one sample. finish_reason is None until the sample's last
+    one ("stop", "length", "abort"); stop_reason is the matched stop string or stop token
+    id; the token counts are set on the last one. index: the sample, in [0, n)."""
 
     request_id: str
     text: str
     token_ids: list[int]
+    index: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
@@ -41,6 +48,43 @@ class GenerateDelta:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # Per prompt token from the second on, in the same form (only with prompt_logprobs).
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample's whole output, gathered from its deltas (vLLM's CompletionOutput).
+
+    token_ids are empty unless the request set return_token_ids; logprobs and
+    prompt_logprobs are as in GenerateDelta (prompt_logprobs only on sample 0).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+def collect_completions(deltas: Iterable[GenerateDelta]) -> list[Completion]:
+    """The deltas of one request (any number of samples, interleaved) gathered into one
+    Completion per sample, ordered by index."""
+    by_index: dict[int, Completion] = {}
+    for d in deltas:
+        c = by_index.setdefault(d.index, Completion(d.index))
+        c.text += d.text
+        c.token_ids += d.token_ids
+        if d.logprobs:
+            c.logprobs = (c.logprobs or []) + d.logprobs
+        if d.prompt_logprobs:
+            c.prompt_logprobs = (c.prompt_logprobs or []) + d.prompt_logprobs
+        if d.finish_reason is not None:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
+    return [by_index[i] for i in sorted(by_index)]
 
 
 @dataclass(slots=True)
@@ -67,6 +111,7 @@ def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
         request_id=resp.request_id,
         text=resp.text,
         token_ids=list(resp.token_ids),
+        index=resp.index,
         finish_reason=resp.finish_reason or None,
         stop_reason=getattr(resp, kind) if kind else None,
         prompt_tokens=resp.prompt_tokens,
@@ -90,6 +135,7 @@ def build_generate_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    n: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
@@ -110,6 +156,7 @@ def build_generate_request(
         ("repetition_penalty", repetition_penalty),
         ("presence_penalty", presence_penalty),
         ("frequency_penalty", frequency_penalty),
+        ("n", n),
     ):
         if value is not None:
             setattr(sampling, name, value)
@@ -147,7 +194,9 @@ class JaxserveClient:
     def generate(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **params
     ) -> Iterator[GenerateDelta]:
-        """Stream the completion of `prompt` as deltas; the last has finish_reason.
+        """Stream the completion of `prompt` as deltas; the last has finish_reason. With
+        n > 1 the samples' deltas interleave (see `GenerateDelta.index`); each sample's
+        last delta has finish_reason, and the stream ends after all n.
 
         params: the keyword arguments of `build_generate_request` (max_tokens,
             temperature, top_k, top_p, seed, stop, ...). timeout: seconds for the call.
@@ -160,8 +209,16 @@ class JaxserveClient:
         finally:
             call.cancel()  # a no-op after the stream ended; aborts it if the caller left
 
+    def complete(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **params
+    ) -> list[Completion]:
+        """Run `generate` to the end; returns one Completion per sample (n of them, by
+        index). Same arguments and errors as `generate`."""
+        return collect_completions(self.generate(prompt, timeout=timeout, **params))
+
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
-        """Abort a running request; returns False if no such request was running."""
+        """Abort a running request (every sample of it); returns False if no such request
+        was running."""
         return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
 
     def server_info(self, *, timeout: float | None = None) -> ServerInfo:

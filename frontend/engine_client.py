@@ -3,13 +3,17 @@ from the sidecar, fanned out to one queue per open request (asyncio, no JAX).
 
 A request id stays reserved from `add_request` until the engine's final output for it
 arrives (even when the client went away first), so a new request can never reuse an id
-the engine still holds. When the engine (or the sidecar) dies, `mark_dead` ends every open
-stream with `EngineDeadError` and refuses new requests.
+the engine still holds. The n samples of one client request (`add_request_group`) are n
+engine requests that feed one stream; the group's id stays reserved, and `abort` of it
+aborts every sample, until the last sample's final output. When the engine (or the
+sidecar) dies, `mark_dead` ends every open stream with `EngineDeadError` and refuses new
+requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -36,7 +40,9 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStream:
-    """The text outputs of one request, in order, as the sidecar sends them."""
+    """The text outputs of one request, in order, as the sidecar sends them. The stream of
+    a request group carries the outputs of all its samples (each names its request_id),
+    in arrival order: every sample's outputs are in order, and none waits behind another."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -76,6 +82,9 @@ class AsyncEngineClient:
         self._reader: asyncio.Task | None = None
         # request id -> stream; None once the client left but the engine still holds it.
         self._requests: dict[str, RequestStream | None] = {}
+        # group id -> its samples' request ids still held by the engine, and back.
+        self._groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, str] = {}
         self._ready = asyncio.Event()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self.stats: EngineStats | None = None
@@ -118,8 +127,8 @@ class AsyncEngineClient:
         self._stats_listeners.append(listener)
 
     def is_reserved(self, request_id: str) -> bool:
-        """True while the engine may still hold a request with this id."""
-        return request_id in self._requests
+        """True while the engine may still hold a request (or a group) with this id."""
+        return request_id in self._requests or request_id in self._groups
 
     def add_request(self, request: EngineRequest) -> RequestStream:
         """Send a validated request; returns the stream of its outputs.
@@ -128,25 +137,66 @@ class AsyncEngineClient:
         still reserved (the caller checks `is_reserved` first to report it).
         """
         self._check_alive()
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self._check_free(request.request_id)
         stream = RequestStream(request.request_id)
         self._requests[request.request_id] = stream
         self._send(request)
         return stream
 
+    def add_request_group(self, group_id: str, requests: list[EngineRequest]) -> RequestStream:
+        """Send the samples of one client request; returns one stream of all their outputs.
+
+        `group_id` and every sample's id are reserved together before anything is sent;
+        `abort(group_id)` then aborts every sample still running.
+
+        Raises EngineDeadError if the engine is not ready or died (samples already sent are
+        then aborted), ValueError naming request_id if the group id or any sample id is
+        still reserved, or if the ids are not distinct.
+        """
+        self._check_alive()
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids) or group_id in ids:
+            raise ValueError(f"request_id: the samples of {group_id!r} need distinct ids")
+        for request_id in (group_id, *ids):
+            self._check_free(request_id)
+        stream = RequestStream(group_id)
+        self._groups[group_id] = set(ids)
+        for request_id in ids:
+            self._requests[request_id] = stream
+            self._group_of[request_id] = group_id
+        for i, request in enumerate(requests):
+            try:
+                self._send(request)
+            except EngineDeadError:
+                for unsent in ids[i:]:
+                    self._release(unsent)
+                with contextlib.suppress(EngineDeadError):  # the engine is stuck anyway
+                    self.abort(group_id)
+                self.detach(group_id)
+                raise
+        return stream
+
     def abort(self, request_id: str) -> bool:
-        """Ask the engine to abort a request; its stream (if still open) then ends with
-        finish_reason "abort". Returns False if no request with this id is running."""
-        if request_id not in self._requests or self.dead_reason is not None:
+        """Ask the engine to abort a request, or every sample of a group; each stream (if
+        still open) then ends with finish_reason "abort". Returns False if no request or
+        group with this id is running. Raises EngineDeadError if the engine is stuck."""
+        if self.dead_reason is not None:
             return False
-        self._send(AbortRequest([request_id]))
+        if request_id in self._groups:
+            ids = sorted(self._groups[request_id])
+        elif request_id in self._requests:
+            ids = [request_id]
+        else:
+            return False
+        self._send(AbortRequest(ids))
         return True
 
     def detach(self, request_id: str) -> None:
-        """The client left: drop the stream, keep the id reserved until the engine's final."""
-        if self._requests.get(request_id) is not None:
-            self._requests[request_id] = None
+        """The client left: drop the stream (of a request, or of every sample of a group),
+        keep the ids reserved until the engine's finals."""
+        for rid in self._groups.get(request_id, (request_id,)):
+            if self._requests.get(rid) is not None:
+                self._requests[rid] = None
 
     def mark_dead(self, reason: str) -> None:
         """End every open stream with EngineDeadError(reason) and refuse new requests."""
@@ -154,10 +204,28 @@ class AsyncEngineClient:
             return
         self.dead_reason = reason
         logger.error("engine unavailable: %s", reason)
-        for stream in self._requests.values():
-            if stream is not None:
-                stream.put(EngineDeadError(reason))
+        # A group's stream is held by each of its samples: end each stream once.
+        streams = {id(s): s for s in self._requests.values() if s is not None}
+        for stream in streams.values():
+            stream.put(EngineDeadError(reason))
         self._requests.clear()
+        self._groups.clear()
+        self._group_of.clear()
+
+    def _check_free(self, request_id: str) -> None:
+        if self.is_reserved(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already running")
+
+    def _release(self, request_id: str) -> RequestStream | None:
+        """Forget a request (the engine no longer holds it); returns its stream, if open."""
+        stream = self._requests.pop(request_id, None)
+        group_id = self._group_of.pop(request_id, None)
+        if group_id is not None:
+            samples = self._groups[group_id]
+            samples.discard(request_id)
+            if not samples:
+                del self._groups[group_id]
+        return stream
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -191,7 +259,7 @@ class AsyncEngineClient:
     def _dispatch(self, outputs: list[TextOutput]) -> None:
         for out in outputs:
             if out.finish_reason is not None:
-                stream = self._requests.pop(out.request_id, None)
+                stream = self._release(out.request_id)
             else:
                 stream = self._requests.get(out.request_id)
             if stream is not None:

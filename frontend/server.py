@@ -2,9 +2,12 @@
 
 Runs in the launcher's process on a uvloop event loop and never imports JAX. A Generate
 call is validated and tokenized here (frontend/validation.py), sent to the engine, and
-answered from the request's stream of text deltas (frontend/engine_client.py). Status
-codes: INVALID_ARGUMENT for a bad field (the message names it), UNAVAILABLE while the
-engine starts or after it died. A client that cancels aborts its request in the engine.
+answered from the request's stream of text deltas (frontend/engine_client.py). A call
+with n > 1 sends n engine requests (one per sample, as `jaxserve.LLM` does) and answers
+from their merged stream, each response naming its sample in `index`. Status codes:
+INVALID_ARGUMENT for a bad field (the message names it), UNAVAILABLE while the engine
+starts or after it died. A client that cancels aborts its request (every sample) in the
+engine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from tokenizers import Tokenizer
 from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.frontend.validation import ModelLimits, RequestValidationError, build_engine_request
+from jaxserve.frontend.validation import (
+    ModelLimits,
+    RequestValidationError,
+    build_engine_request,
+    split_samples,
+)
 from jaxserve.ipc import TextOutput
 from jaxserve.metrics import Metrics
 
@@ -60,6 +68,15 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
         resp.prompt_tokens = last.prompt_tokens
         resp.completion_tokens = last.completion_tokens
     return resp
+
+
+def _by_request(outputs: list[TextOutput]) -> list[tuple[str, list[TextOutput]]]:
+    """Outputs grouped by request id (a group's stream mixes its samples), each group in
+    arrival order, the groups in order of their first output."""
+    by_id: dict[str, list[TextOutput]] = {}
+    for out in outputs:
+        by_id.setdefault(out.request_id, []).append(out)
+    return list(by_id.items())
 
 
 class _RequestTiming:
@@ -109,36 +126,48 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id, stream = await self._start(request, context)
-        timing = _RequestTiming(self._metrics)
-        finished = False
+        request_id, indices, stream = await self._start(request, context)
+        timings = {sample_id: _RequestTiming(self._metrics) for sample_id in indices}
+        pending = set(indices)  # engine ids of the samples whose final has not come yet
         try:
-            while not finished:
+            while pending:
                 try:
                     outputs = await stream.next_batch()
                 except EngineDeadError as e:
-                    finished = True  # nothing left to abort
+                    pending.clear()  # nothing left to abort
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-                last = outputs[-1]
-                finished = last.finish_reason is not None
-                timing.observe(outputs)
-                if last.finish_reason == "error":
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"engine rejected the request: {last.error}",
-                    )
-                resp = _response(request_id, outputs, request.return_token_ids)
-                if finished or resp.text or resp.token_ids or resp.logprobs or resp.prompt_logprobs:
-                    yield resp
+                for sample_id, sample_outputs in _by_request(outputs):
+                    last = sample_outputs[-1]
+                    finished = last.finish_reason is not None
+                    if finished:
+                        pending.discard(sample_id)
+                    timings[sample_id].observe(sample_outputs)
+                    if last.finish_reason == "error":
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"engine rejected the request: {last.error}",
+                        )
+                    resp = _response(request_id, sample_outputs, request.return_token_ids)
+                    resp.index = indices[sample_id]
+                    if (
+                        finished
+                        or resp.text
+                        or resp.token_ids
+                        or resp.logprobs
+                        or resp.prompt_logprobs
+                    ):
+                        yield resp
         finally:
-            if not finished:  # the client cancelled, or the server is stopping
-                self._engine.abort(request_id)
+            if pending:  # the client cancelled, a sample failed, or the server is stopping
+                self._engine.abort(request_id)  # with n > 1: every sample still running
                 self._engine.detach(request_id)
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, RequestStream]:
-        """Validate, tokenize and send the request; abort the call with a status if not."""
+    ) -> tuple[str, dict[str, int], RequestStream]:
+        """Validate, tokenize and send the request (its n samples); abort the call with a
+        status if not. Returns the request id, {engine request id: sample index} and the
+        stream of every sample's outputs."""
         engine = self._engine
         if not engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
@@ -154,9 +183,15 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             engine_request = await asyncio.to_thread(
                 build_engine_request, request, request_id, self._tokenizer, limits
             )
-            return request_id, engine.add_request(engine_request)
+            samples = split_samples(engine_request)
+            if len(samples) == 1:
+                stream = engine.add_request(samples[0])
+            else:
+                stream = engine.add_request_group(request_id, samples)
+            return request_id, {r.request_id: i for i, r in enumerate(samples)}, stream
         except (RequestValidationError, ValueError) as e:
-            # ValueError: a duplicate request_id that arrived while this one was tokenized.
+            # ValueError: a duplicate request_id (or sample id) that arrived while this one
+            # was tokenized.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
@@ -164,6 +199,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        # A request with n > 1 is a group in the engine client: this aborts every sample.
         return pb.AbortResponse(found=self._engine.abort(request.request_id))
 
     async def GetServerInfo(

@@ -1,4 +1,4 @@
-"""Checking a gRPC GenerateRequest and turning it into an EngineRequest.
+"""Checking a gRPC GenerateRequest and turning it into EngineRequests (one per sample).
 
 Everything a client can get wrong is caught here, before anything reaches the engine, and
 reported as `RequestValidationError` whose message starts with the offending field's name
@@ -8,6 +8,7 @@ SamplingParams and are documented in jaxserve.proto.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from jaxserve.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_LEN = 256
+# The most samples one request may ask for (OpenAI's limit for `n`, also vLLM's default
+# bound through its OpenAI server): each sample is a full engine request.
+MAX_N = 128
 
 
 class RequestValidationError(ValueError):
@@ -70,6 +74,39 @@ def build_engine_request(
     )
 
 
+def sample_request_id(request_id: str, index: int) -> str:
+    """The engine request id of sample `index` of a request with n > 1."""
+    return f"{request_id}-{index}"
+
+
+def split_samples(request: EngineRequest) -> list[EngineRequest]:
+    """The n engine requests of a request whose sampling asks for n samples.
+
+    Follows `jaxserve.LLM.generate` (and vLLM's n): sample i gets the id
+    `sample_request_id(request_id, i)`, n = 1, and seed + i when a seed is set, so the
+    samples differ yet each is reproducible. Only sample 0 asks for prompt_logprobs (they
+    are the same for every sample, and computing them costs a full-logits prefill). With
+    n = 1 the request is returned as is (its id unchanged).
+    """
+    n = request.sampling.get("n", 1)
+    if n == 1:
+        return [request]
+    seed = request.sampling.get("seed")
+    out = []
+    for i in range(n):
+        sampling = {**request.sampling, "n": 1}
+        if seed is not None:
+            sampling["seed"] = seed + i
+        if i > 0:
+            sampling["prompt_logprobs"] = None
+        out.append(
+            dataclasses.replace(
+                request, request_id=sample_request_id(request.request_id, i), sampling=sampling
+            )
+        )
+    return out
+
+
 def check_request_id(request_id: str) -> None:
     """Raises RequestValidationError("request_id: ...") on an id that is too long."""
     if len(request_id) > MAX_REQUEST_ID_LEN:
@@ -96,8 +133,8 @@ def sampling_params_from_proto(
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
     n = opt(s, "n", 1)
-    if n != 1:
-        raise RequestValidationError(f"sampling.n: only n=1 is supported for now, got {n}")
+    if not 1 <= n <= MAX_N:
+        raise RequestValidationError(f"sampling.n: must be in [1, {MAX_N}], got {n}")
     return SamplingParams(
         temperature=opt(s, "temperature", 1.0),
         top_k=opt(s, "top_k", -1),

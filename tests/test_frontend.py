@@ -25,12 +25,19 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from mock_engine import mock_logprobs, mock_tokens, write_mock_model_dir
 from server_harness import ServerProcess, alive
 
-from jaxserve.frontend.client import JaxserveClient, build_generate_request
+from jaxserve.frontend.client import JaxserveClient, build_generate_request, collect_completions
 from jaxserve.frontend.detokenizer_process import OutputProcessor
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.tokenizer import load_tokenizer
-from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS, sampling_params_from_proto
+from jaxserve.frontend.validation import (
+    DEFAULT_MAX_TOKENS,
+    MAX_N,
+    ModelLimits,
+    build_engine_request,
+    sampling_params_from_proto,
+    split_samples,
+)
 from jaxserve.ipc import RequestOutput
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -199,6 +206,89 @@ def test_logprobs_follow_their_tokens(client, tok, vocab):
     assert got == expected
 
 
+# ---------------------------------------------------------------- n samples
+
+
+def test_n_samples_share_one_stream_each_index_finishing_once(client, tok, vocab):
+    prompt_ids, n, seed, max_tokens = [31, 32, 33], 3, 77, 20
+    deltas = list(
+        client.generate(
+            prompt_ids,
+            request_id="three-samples",
+            n=n,
+            seed=seed,
+            max_tokens=max_tokens,
+            return_token_ids=True,
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    assert {d.request_id for d in deltas} == {"three-samples"}
+    assert {d.index for d in deltas} == set(range(n))
+    finals = [d.index for d in deltas if d.finish_reason is not None]
+    assert sorted(finals) == list(range(n))  # each sample ends exactly once
+    for i in range(n):
+        mine = [d for d in deltas if d.index == i]
+        assert mine[-1].finish_reason == "length"  # nothing of a sample after its final
+        # Sample i is seeded seed + i, as jaxserve.LLM does.
+        expected = _expected_ids(tok, vocab, prompt_ids, max_tokens, seed=seed + i)
+        assert [t for d in mine for t in d.token_ids] == expected
+        assert "".join(d.text for d in mine) == tok.decode(expected)
+        assert mine[-1].completion_tokens == max_tokens
+    samples = collect_completions(deltas)
+    assert [c.index for c in samples] == list(range(n))
+    assert [c.token_ids for c in samples] == [
+        [t for d in deltas if d.index == i for t in d.token_ids] for i in range(n)
+    ]
+    _wait_idle(client)
+
+
+def _wait_num_running(client, num_running, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while (info := client.server_info(timeout=RPC_TIMEOUT_S)).num_running != num_running:
+        assert time.monotonic() < deadline, f"never {num_running} running: {info}"
+        time.sleep(0.01)
+    return info
+
+
+def test_abort_of_the_request_id_aborts_every_sample(server, client):
+    stub = pb_grpc.JaxserveStub(grpc.insecure_channel(server.target))
+    _wait_idle(client)
+    group = client.generate([44] * 5, request_id="grp", n=3, max_tokens=1000, timeout=30)
+    solo = client.generate([45] * 5, request_id="solo-1", max_tokens=500, timeout=30)
+    first = [next(group), next(solo)]
+    assert all(d.finish_reason is None for d in first)
+    _wait_num_running(client, 4)
+    # The request id and the samples' ids are taken while the samples run; a group
+    # whose sample id would clash with a running request is refused as a whole.
+    for request_id, n in (("grp", 1), ("grp", 2), ("grp-2", 1), ("solo", 2)):
+        req = build_generate_request("hi", request_id=request_id)
+        req.sampling.n = n
+        _assert_invalid(stub, req, "request_id", f"{request_id} n={n}")
+
+    assert client.abort("grp", timeout=RPC_TIMEOUT_S)
+    rest = [first[0], *group]
+    finals = {d.index: d for d in rest if d.finish_reason is not None}
+    assert sorted(finals) == [0, 1, 2]
+    assert all(d.finish_reason == "abort" and d.completion_tokens < 1000 for d in finals.values())
+    assert _wait_num_running(client, 1).num_waiting == 0  # the solo request runs on
+    assert not client.abort("grp", timeout=RPC_TIMEOUT_S)  # finished: nothing to abort
+    assert client.abort("solo-1", timeout=RPC_TIMEOUT_S)
+    assert list(solo)[-1].finish_reason == "abort"
+    _wait_idle(client, timeout=3.0)
+
+
+def test_client_cancel_aborts_every_sample(client):
+    total = _wait_idle(client).kv_blocks_total
+    stream = client.generate([46] * 5, request_id="cancel-group", n=4, max_tokens=800, timeout=30)
+    next(stream)
+    assert _wait_num_running(client, 4).kv_blocks_free < total
+    stream.close()  # cancels the call
+    _wait_idle(client, timeout=3.0)  # 800 tokens would take >= 4 s
+    # Every id is free again once the engine confirmed the aborts.
+    again = client.complete([1], request_id="cancel-group", n=2, max_tokens=2, timeout=30)
+    assert [c.finish_reason for c in again] == ["length", "length"]
+
+
 # ---------------------------------------------------------------- health, reflection, info
 
 
@@ -246,7 +336,9 @@ BAD_REQUESTS = [
     ("negative token id", dict(prompt=[1, -1]), "prompt.token_ids"),
     ("stop token outside vocab", dict(prompt="hi", stop_token_ids=["VOCAB"]), "stop_token_ids"),
     ("empty stop string", dict(prompt="hi", stop=["ok", ""]), "stop"),
-    ("n above 1", dict(prompt="hi", n=2), "sampling.n"),
+    ("n 0", dict(prompt="hi", n=0), "sampling.n"),
+    ("n negative", dict(prompt="hi", n=-1), "sampling.n"),
+    ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "sampling.n"),
 ]
 
 
@@ -509,6 +601,31 @@ def test_validation_defaults_follow_the_proto():
     params = sampling_params_from_proto(req, 95, 100)
     assert params.max_tokens == 50 and params.temperature == 0.0
     assert not params.skip_special_tokens
+
+
+def test_split_samples_follows_the_offline_llm(tok, vocab):
+    limits = ModelLimits(max_model_len=100, vocab_size=vocab[0])
+    req = build_generate_request([5, 6, 7], n=3, seed=10, prompt_logprobs=2, max_tokens=4)
+    parent = build_engine_request(req, "r", tok, limits)
+    samples = split_samples(parent)
+    assert [s.request_id for s in samples] == ["r-0", "r-1", "r-2"]
+    assert [s.sampling["seed"] for s in samples] == [10, 11, 12]
+    assert [s.sampling["n"] for s in samples] == [1, 1, 1]
+    assert [s.sampling["prompt_logprobs"] for s in samples] == [2, None, None]
+    for s in samples:
+        assert s.prompt_token_ids.tolist() == [5, 6, 7]
+        rest = {k: v for k, v in s.sampling.items() if k not in ("seed", "n", "prompt_logprobs")}
+        assert rest == {
+            k: v for k, v in parent.sampling.items() if k not in ("seed", "n", "prompt_logprobs")
+        }
+    # Unseeded samples stay unseeded (the engine draws a different seed for each).
+    unseeded = split_samples(
+        build_engine_request(build_generate_request("x", n=2), "u", tok, limits)
+    )
+    assert [s.sampling["seed"] for s in unseeded] == [None, None]
+    # n = 1: the request itself, its id unchanged.
+    (single,) = split_samples(build_engine_request(build_generate_request("x"), "s", tok, limits))
+    assert single.request_id == "s"
 
 
 def test_output_processor_stop_string_aborts_and_drops_the_rest(tok):

@@ -56,16 +56,19 @@ class JaxserveServicer:
 
     def Generate(self, request, context):
         """Streams the completion of one prompt as text deltas. The last response carries
-        finish_reason. Errors: INVALID_ARGUMENT (a bad field, named in the message),
-        UNAVAILABLE (the engine is starting or has died). Cancelling the call aborts the
-        request in the engine.
+        finish_reason. With sampling.n > 1, one stream carries the n samples interleaved,
+        each response naming its sample in `index`; every sample ends with its own response
+        carrying finish_reason, and the call ends once all n have. Errors: INVALID_ARGUMENT
+        (a bad field, named in the message), UNAVAILABLE (the engine is starting or has
+        died). Cancelling the call aborts the request (all n samples) in the engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request; its stream ends with finish_reason "abort".
+        """Aborts a running request (all of its n samples); each sample that was still running
+        ends with finish_reason "abort".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
