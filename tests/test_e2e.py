@@ -16,7 +16,7 @@ from server_harness import ServerProcess, alive
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import DEMO_MODEL_DIR
-from jaxserve.frontend.client import JaxserveClient
+from jaxserve.frontend.client import JaxserveClient, collect_completions
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +185,54 @@ def test_abort_and_client_cancel_return_kv_blocks(client):
     stream = client.generate(
         "def ", max_tokens=400, temperature=0, ignore_eos=True, timeout=RPC_TIMEOUT_S
     )
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()
+    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+
+
+def test_n_samples_equal_offline_generate(client, llm):
+    prompt = "def "
+    params = SamplingParams(n=3, temperature=0.9, top_k=40, seed=4321, max_tokens=24)
+    (want,) = llm.generate([prompt], params)
+    deltas = list(
+        client.generate(
+            prompt,
+            n=3,
+            temperature=0.9,
+            top_k=40,
+            seed=4321,
+            max_tokens=24,
+            return_token_ids=True,
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    got = collect_completions(deltas)
+    assert [c.index for c in got] == [w.index for w in want.outputs] == [0, 1, 2]
+    for c, w in zip(got, want.outputs, strict=True):
+        assert c.text == w.text, f"sample {c.index}"
+        assert c.token_ids == w.token_ids, f"sample {c.index}"
+        assert c.finish_reason == w.finish_reason, f"sample {c.index}"
+    # Seeds seed, seed + 1, seed + 2: the samples are not copies of one another.
+    assert len({tuple(c.token_ids) for c in got}) > 1
+
+
+def test_abort_and_cancel_of_n_samples_return_kv_blocks(client):
+    idle = _wait_idle(client)
+    common = dict(max_tokens=400, temperature=0, ignore_eos=True, n=4, timeout=RPC_TIMEOUT_S)
+    # Abort RPC with the request's id: every sample ends with "abort".
+    stream = client.generate("import ", request_id="abort-group", **common)
+    finals = {}
+    for n, delta in enumerate(stream):
+        if n == 3:
+            assert client.abort("abort-group", timeout=RPC_TIMEOUT_S)
+        if delta.finish_reason:
+            finals[delta.index] = delta.finish_reason
+    assert finals == dict.fromkeys(range(4), "abort")
+    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    # Client cancel: leave the stream after a few deltas.
+    stream = client.generate("def ", **common)
     for n, _ in enumerate(stream):
         if n == 3:
             break
