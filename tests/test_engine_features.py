@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import TINY_BLOCK_SIZE, swap_scheduler
+from conftest import TINY_BLOCK_SIZE, TINY_MAX_MODEL_LEN, swap_scheduler
 from engine_helpers import assert_idle, greedy, random_prompts, run_engine
 from model_utils import hf_logits
 
@@ -229,3 +229,62 @@ def test_async_and_multi_step_give_the_same_outputs(tiny_engine):
             assert [i for i, _ in top] == [i for i, _ in base_top]
     assert tiny_engine.num_compilations == before
     assert_idle(tiny_engine)
+
+
+# ----- max_model_len against the KV cache ---------------------------------------------------
+
+# A pool of 12 usable blocks of 8 tokens: 96 tokens, below the tiny model's 256 positions.
+SMALL_POOL_BLOCKS = 13
+
+
+def small_pool_config(tiny_engine_config, max_model_len: int | None):
+    """The tiny model on a 13-block pool, with the fewest compiled shapes (one token
+    bucket, synchronous single-step decode)."""
+    from jaxserve.config import CacheConfig, SchedulerConfig
+
+    return dataclasses.replace(
+        tiny_engine_config,
+        cache=CacheConfig(block_size=TINY_BLOCK_SIZE, num_blocks=SMALL_POOL_BLOCKS),
+        scheduler=SchedulerConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            max_model_len=max_model_len,
+            async_scheduling=False,
+            num_decode_steps=1,
+        ),
+    )
+
+
+def test_explicit_max_model_len_above_the_kv_cache_is_an_error(tiny_engine_config):
+    from jaxserve.engine.core import EngineCore
+
+    capacity = (SMALL_POOL_BLOCKS - 1) * TINY_BLOCK_SIZE
+    with pytest.raises(ValueError, match=rf"^max_model_len: .*\b{capacity} tokens"):
+        EngineCore(small_pool_config(tiny_engine_config, max_model_len=capacity + 1))
+
+
+def test_default_max_model_len_is_capped_to_the_kv_cache(tiny_engine_config, caplog):
+    from jaxserve.engine.core import EngineCore
+
+    capacity = (SMALL_POOL_BLOCKS - 1) * TINY_BLOCK_SIZE
+    default = TINY_MAX_MODEL_LEN  # the tiny model's max_position_embeddings
+    assert capacity < default
+    with caplog.at_level("WARNING", logger="jaxserve.engine.core"):
+        engine = EngineCore(small_pool_config(tiny_engine_config, max_model_len=None))
+    assert any("max_model_len" in r.getMessage() for r in caplog.records)
+    assert engine.max_model_len == capacity
+    assert engine.stats().max_model_len == capacity  # what GetServerInfo / validation see
+    assert engine.scheduler.max_model_len == capacity
+    rng = random.Random(30)
+    vocab = engine.model_config.vocab_size
+    too_long, fits = random_prompts(rng, 1, capacity, capacity, vocab)[0], [1] * (capacity - 4)
+    r = run_engine(
+        engine, [("too-long", too_long, greedy(4)), ("fits", fits, greedy(50, ignore_eos=True))]
+    )
+    # A prompt that fills max_model_len ends at once with an error naming the limit.
+    assert r["too-long"].finish_reason == "error" and not r["too-long"].tokens
+    assert f"max_model_len={capacity}" in r["too-long"].error
+    # A request that reaches the capped limit runs to it: the KV cache holds all of it.
+    assert r["fits"].finish_reason == "length"
+    assert len(r["fits"].tokens) == 4
+    assert_idle(engine)

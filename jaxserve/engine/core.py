@@ -65,7 +65,8 @@ class EngineCore:
 
     Raises:
         ValueError: a config field is out of range (named in the message), e.g.
-            max_model_len above the model's max_position_embeddings.
+            max_model_len above the model's max_position_embeddings, or a max_model_len
+            given explicitly that one dp rank's KV pool cannot hold (see `fit_kv_cache`).
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
 
     Counters for the metrics layer (plain attributes, monotonic unless noted):
@@ -87,6 +88,9 @@ class EngineCore:
 
         dtype = _DTYPES[config.dtype]
         sc, cc = config.scheduler, config.cache
+        if sc.max_model_len is not None and cc.num_blocks is not None:
+            # Both given: fail before loading the weights.
+            fit_kv_cache(sc.max_model_len, True, cc.num_blocks, cc.block_size)
         self.mesh = None
         if config.mesh.size == 1:
             model, self.model_config = load_model(config.model, dtype)
@@ -94,7 +98,7 @@ class EngineCore:
             model, self.model_config, self.mesh = _load_on_mesh(config, dtype)
         mc = self.model_config
         self.dp = config.mesh.dp
-        self.max_model_len = _max_model_len(sc.max_model_len, mc.max_position_embeddings)
+        max_model_len = _max_model_len(sc.max_model_len, mc.max_position_embeddings)
         # Blocks per dp rank (each rank's pool has its own null block 0).
         num_blocks = cc.num_blocks or num_kv_blocks(
             mc,
@@ -102,8 +106,12 @@ class EngineCore:
             dtype,
             cc.memory_fraction,
             sc.max_num_seqs,
-            self.max_model_len,
+            max_model_len,
             kv_head_shards=config.mesh.tp,
+        )
+        # The effective limit (reported in stats()): one sequence must fit in one rank's pool.
+        self.max_model_len = fit_kv_cache(
+            max_model_len, sc.max_model_len is not None, num_blocks, cc.block_size
         )
         self.block_managers = [
             BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -401,6 +409,53 @@ def _max_model_len(requested: int | None, max_position_embeddings: int) -> int:
             f"(the model's max_position_embeddings), got {requested}"
         )
     return requested
+
+
+def fit_kv_cache(max_model_len: int, explicit: bool, num_blocks: int, block_size: int) -> int:
+    """The max_model_len that one dp rank's KV pool can hold, as vLLM checks at start-up.
+
+    Every token of a sequence has a slot in its rank's pool, which has `num_blocks`
+    blocks of `block_size` tokens, one of them the null block: the capacity is
+    (num_blocks - 1) * block_size tokens. A longer max_model_len would admit requests
+    that can never run (they would wait or be preempted forever).
+
+    Args:
+        max_model_len: tokens (prompt + output) of one request, from the user or from
+            the model's max_position_embeddings.
+        explicit: whether the user set max_model_len (then it is never lowered).
+        num_blocks: KV blocks of one dp rank, null block included.
+        block_size: tokens per KV block.
+
+    Returns:
+        max_model_len, or the capacity when that is smaller and max_model_len came from
+        the model (with a warning in the log).
+
+    Raises:
+        ValueError: an explicit max_model_len above the capacity, or a capacity below 2
+            tokens (one prompt token and one output token).
+    """
+    capacity = (num_blocks - 1) * block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"max_model_len: {max_model_len} tokens do not fit in the KV cache, which holds "
+            f"{capacity} tokens per dp rank ({num_blocks - 1} usable blocks of {block_size}); "
+            f"pass --max-model-len {capacity} or less, or give the KV cache more blocks "
+            f"(--num-blocks, a larger memory fraction, or more device memory)"
+        )
+    if capacity < 2:
+        raise ValueError(
+            f"num_blocks: the KV cache holds {capacity} token(s) per dp rank "
+            f"({num_blocks - 1} usable blocks of {block_size}); a request needs at least 2"
+        )
+    logger.warning(
+        "max_model_len: the model's %d tokens do not fit in the KV cache (%d tokens per dp "
+        "rank: %d usable blocks of %d); serving max_model_len %d. Set --max-model-len, or "
+        "give the KV cache more blocks or memory.",
+        max_model_len, capacity, num_blocks - 1, block_size, capacity,
+    )  # fmt: skip
+    return capacity
 
 
 def _error_output(req: EngineRequest, error: str) -> RequestOutput:
