@@ -135,9 +135,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    if args.n is not None:
+        params["n"] = args.n
     last = None
     with JaxserveClient(args.server) as client:
         try:
+            if args.n is not None and args.n > 1:
+                # n samples interleave in the stream: print each whole once all are done.
+                _print_samples(client.complete(prompt, timeout=args.timeout, **params))
+                return 0
             for delta in client.generate(prompt, timeout=args.timeout, **params):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -162,6 +168,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _print_samples(completions) -> None:
+    """Each sample of an n > 1 request under a header naming its index and finish."""
+    for c in completions:
+        print(f"--- sample {c.index} (finish_reason={c.finish_reason}) ---")
+        print(c.text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--min-p", type=float)
     g.add_argument("--seed", type=int)
+    g.add_argument("-n", "--n", type=int, help="samples of the prompt (printed one by one)")
     g.add_argument(
         "--stop", action="append", default=[],
         help="stop string (repeatable; a shell passes \\n literally: use $'\\n')",

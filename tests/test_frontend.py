@@ -453,6 +453,20 @@ def test_cli_generate_streams_text(server, tok, vocab):
     assert out.stdout.decode() == expected
 
 
+def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
+    prompt = "import "
+    texts = [tok.decode(_expected_ids(tok, vocab, prompt, 8, seed=5 + i)) for i in range(2)]
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--max-tokens", "8", "--seed", "5", "-n", "2", prompt],
+        capture_output=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == "".join(
+        f"--- sample {i} (finish_reason=length) ---\n{text}\n" for i, text in enumerate(texts)
+    )
+
+
 def test_cli_generate_reports_bad_input(server):
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
