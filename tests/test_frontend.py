@@ -7,6 +7,7 @@ the expected text from `tokenizer.decode`. Shutdown and engine death get their o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -27,6 +29,7 @@ from server_harness import ServerProcess, alive
 
 from jaxserve.frontend.client import JaxserveClient, build_generate_request, collect_completions
 from jaxserve.frontend.detokenizer_process import OutputProcessor
+from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.tokenizer import load_tokenizer
@@ -38,7 +41,7 @@ from jaxserve.frontend.validation import (
     sampling_params_from_proto,
     split_samples,
 )
-from jaxserve.ipc import RequestOutput
+from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses, RequestOutput, TextOutput
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
@@ -640,6 +643,63 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
     # n = 1: the request itself, its id unchanged.
     (single,) = split_samples(build_engine_request(build_generate_request("x"), "s", tok, limits))
     assert single.request_id == "s"
+
+
+def _offline_engine_client(sent: list, fail_on_send: int | None = None) -> AsyncEngineClient:
+    """An AsyncEngineClient whose sends are recorded (no sockets); the fail_on_send-th
+    EngineRequest (0-based) fails as a stuck engine does."""
+    engine = AsyncEngineClient(IpcAddresses.in_dir("/nonexistent"))
+    engine._ready.set()
+
+    def send(msg):
+        num_requests = sum(isinstance(m, EngineRequest) for m in sent)
+        if isinstance(msg, EngineRequest) and num_requests == fail_on_send:
+            raise EngineDeadError("the engine is not taking requests")
+        sent.append(msg)
+
+    engine._send = send
+    return engine
+
+
+def _group_requests(group_id: str, n: int) -> list[EngineRequest]:
+    prompt = np.asarray([1, 2], np.int32)
+    return [EngineRequest(f"{group_id}-{i}", prompt, {"n": 1}) for i in range(n)]
+
+
+def test_engine_client_group_stays_reserved_until_its_last_final():
+    sent: list = []
+    engine = _offline_engine_client(sent)
+    stream = engine.add_request_group("g", _group_requests("g", 2))
+    assert [m.request_id for m in sent] == ["g-0", "g-1"]
+    assert all(engine.is_reserved(i) for i in ("g", "g-0", "g-1"))
+    with pytest.raises(ValueError, match="request_id: 'g-1'"):
+        engine.add_request_group("x", [*_group_requests("x", 1), EngineRequest("g-1", [], {})])
+    assert not engine.is_reserved("x") and not engine.is_reserved("x-0")
+    engine._dispatch([TextOutput("g-1", "a", [5]), TextOutput("g-0", "", [], "abort")])
+    assert engine.is_reserved("g") and not engine.is_reserved("g-0")
+    assert engine.abort("g") and sent[-1] == AbortRequest(["g-1"])  # only what still runs
+    engine._dispatch([TextOutput("g-1", "", [], "abort")])
+    assert not engine.is_reserved("g") and not engine.is_reserved("g-1")
+    assert not engine.abort("g")
+    # Both samples' outputs came through the one stream, in arrival order.
+    got = asyncio.run(stream.next_batch())
+    assert [(o.request_id, o.finish_reason) for o in got] == [
+        ("g-1", None), ("g-0", "abort"), ("g-1", "abort")
+    ]  # fmt: skip
+
+
+def test_engine_client_group_send_failure_aborts_what_was_sent():
+    sent: list = []
+    engine = _offline_engine_client(sent, fail_on_send=2)
+    with pytest.raises(EngineDeadError):
+        engine.add_request_group("g", _group_requests("g", 4))
+    assert [m.request_id for m in sent[:2]] == ["g-0", "g-1"]
+    assert sent[2] == AbortRequest(["g-0", "g-1"])
+    # The unsent samples are free at once; the sent ones until the engine's finals.
+    assert not engine.is_reserved("g-2") and not engine.is_reserved("g-3")
+    assert engine.is_reserved("g") and engine.is_reserved("g-0")
+    engine._dispatch([TextOutput(f"g-{i}", "", [], "abort") for i in (0, 1)])
+    assert not engine.is_reserved("g")
 
 
 def test_output_processor_stop_string_aborts_and_drops_the_rest(tok):
