@@ -3,7 +3,7 @@ API server exits when its engine dies).
 
 The real three-process server with the mock engine (tests/mock_engine.py) in the engine
 process: killing a child tests the launcher's supervision, which does not depend on the
-engine's contents. The same check on the demo model's engine is in tests/test_e2e.py.
+engine's contents (tests/test_e2e.py checks SIGTERM on the demo model's engine).
 """
 
 from __future__ import annotations
