@@ -85,8 +85,10 @@ def split_samples(request: EngineRequest) -> list[EngineRequest]:
     Follows `jaxserve.LLM.generate` (and vLLM's n): sample i gets the id
     `sample_request_id(request_id, i)`, n = 1, and seed + i when a seed is set, so the
     samples differ yet each is reproducible. Only sample 0 asks for prompt_logprobs (they
-    are the same for every sample, and computing them costs a full-logits prefill). With
-    n = 1 the request is returned as is (its id unchanged).
+    are the same for every sample, and computing them costs a full-logits prefill). The
+    samples share one `cache_group` (the request id), so the engine computes the prompt's
+    KV blocks once even with prefix caching off. With n = 1 the request is returned as is
+    (its id unchanged).
     """
     n = request.sampling.get("n", 1)
     if n == 1:
@@ -101,7 +103,10 @@ def split_samples(request: EngineRequest) -> list[EngineRequest]:
             sampling["prompt_logprobs"] = None
         out.append(
             dataclasses.replace(
-                request, request_id=sample_request_id(request.request_id, i), sampling=sampling
+                request,
+                request_id=sample_request_id(request.request_id, i),
+                sampling=sampling,
+                cache_group=request.request_id,  # the samples share the prompt's blocks
             )
         )
     return out

@@ -29,12 +29,17 @@ _NDARRAY_EXT = 1
 
 @dataclass(slots=True)
 class EngineRequest:
-    """A validated, tokenized request. `sampling` is SamplingParams.to_dict()."""
+    """A validated, tokenized request. `sampling` is SamplingParams.to_dict().
+
+    cache_group: requests with the same group (the n samples of one prompt) share their
+        prompt's KV blocks in the engine even with prefix caching off.
+    """
 
     request_id: str
     prompt_token_ids: np.ndarray  # [P] int32
     sampling: dict
     arrival_time: float = 0.0
+    cache_group: str | None = None
 
 
 @dataclass(slots=True)

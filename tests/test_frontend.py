@@ -590,6 +590,7 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
     assert [s.sampling["seed"] for s in samples] == [10, 11, 12]
     assert [s.sampling["n"] for s in samples] == [1, 1, 1]
     assert [s.sampling["prompt_logprobs"] for s in samples] == [2, None, None]
+    assert [s.cache_group for s in samples] == ["r"] * 3  # one copy of the prompt's blocks
     for s in samples:
         assert s.prompt_token_ids.tolist() == [5, 6, 7]
         rest = {k: v for k, v in s.sampling.items() if k not in ("seed", "n", "prompt_logprobs")}
@@ -603,7 +604,7 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
     assert [s.sampling["seed"] for s in unseeded] == [None, None]
     # n = 1: the request itself, its id unchanged.
     (single,) = split_samples(build_engine_request(build_generate_request("x"), "s", tok, limits))
-    assert single.request_id == "s"
+    assert single.request_id == "s" and single.cache_group is None
 
 
 def _offline_engine_client(sent: list, fail_on_send: int | None = None) -> AsyncEngineClient:
