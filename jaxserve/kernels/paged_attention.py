@@ -22,7 +22,13 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
 from jaxserve.kernels import tile_table
-from jaxserve.kernels.paged_attention_common import ROW_TILING, QueryLayout, plan_work_items
+from jaxserve.kernels.paged_attention_common import (
+    ROW_TILING,
+    AttentionSpec,
+    KernelInputs,
+    QueryLayout,
+    plan_work_items,
+)
 from jaxserve.kernels.paged_attention_decode import decode_attention
 from jaxserve.kernels.paged_attention_ragged import TILE_ROWS, ragged_attention
 from jaxserve.kernels.tile_table import AttentionConfig, attention_config
@@ -176,7 +182,7 @@ def paged_attention(
         raise ValueError(f"q: {layout.rows_per_token} query rows per KV head exceed {TILE_ROWS}")
     num_sms = num_sms or tile_table.num_sms()
     block_tables = metadata.block_tables.astype(jnp.int32)
-    common = dict(config=config, layout=layout, scale=float(scale), sliding_window=sliding_window)
+    spec = AttentionSpec(config, layout, float(scale), sliding_window)
 
     max_stages = pl.cdiv(block_tables.shape[1] * k_cache.shape[1], config.block_kv)
     splits = num_kv_splits(block_tables.shape[0], num_kv_heads, max_stages, num_sms)
@@ -184,10 +190,8 @@ def paged_attention(
         meta, counts = plan_work_items(
             metadata, positions, num_tokens, 1, sliding_window, config.block_kv
         )
-        out = decode_attention(
-            q_rows, k_cache, v_cache, block_tables, meta, counts,
-            num_splits=splits, num_sms=num_sms, **common,
-        )  # fmt: skip
+        inputs = KernelInputs(meta, counts, block_tables, q_rows, k_cache, v_cache)
+        out = decode_attention(inputs, spec, num_splits=splits, num_sms=num_sms)
         out = _unpack(out, layout, q.shape, num_kv_heads)
         covered = jnp.arange(num_tokens) < counts[1]
         return jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))
@@ -196,8 +200,6 @@ def paged_attention(
         metadata, positions, num_tokens, TILE_ROWS // layout.rows_per_token, sliding_window,
         config.block_kv,
     )  # fmt: skip
-    out = ragged_attention(
-        q_rows, k_cache, v_cache, block_tables, meta, counts,
-        num_tokens=num_tokens, num_sms=num_sms, **common,
-    )  # fmt: skip
+    inputs = KernelInputs(meta, counts, block_tables, q_rows, k_cache, v_cache)
+    out = ragged_attention(inputs, spec, num_tokens=num_tokens, num_sms=num_sms)
     return _unpack(out, layout, q.shape, num_kv_heads)

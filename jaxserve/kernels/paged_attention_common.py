@@ -1,23 +1,28 @@
-"""What the two paged attention kernels share: the query layout, the work list, and the
-TMA warpgroup that streams Q, K and V.
+"""What the two paged attention kernels share: the query layout, the work list, the
+launch settings, and the pipeline of one CTA (its SMEM ring, the TMA warpgroup that
+fills it, and the loop by which the compute warpgroup walks the same units).
 
 `paged_attention.py` is the entry point; `paged_attention_ragged.py` (mixed prefill and
-decode) and `paged_attention_decode.py` (one query token per request) are the kernels.
+decode) and `paged_attention_decode.py` (one query token per request) are the kernels;
+`paged_attention_flash.py` is the inner loop both run over a unit's key stages.
 
 A work unit is (item, KV split, KV head). An item is a tile of consecutive query tokens
 of one request (`plan_work_items`); a KV split is a contiguous range of its key stages
 (flash-decoding, Dao et al. 2023; the ragged kernel uses one split). CTAs are persistent
-and walk the units; in each, warpgroup 1 (this module's `stream_qkv`) streams the unit's
-query rows and its key/value blocks through a ring of `num_stages` buffers, and warpgroup
-0 computes. The ring runs across unit boundaries, so the loads of the next unit overlap
-the end of the current one.
+(`launch`) and walk the units; in each, warpgroup 1 (`stream_qkv`) streams the unit's
+query rows and its key/value blocks through a ring of `num_stages` buffers, and
+warpgroup 0 computes (`consume_units`); `run_pipelined` allocates the ring and starts
+both. The ring runs across unit boundaries, so the loads of the next unit overlap the
+end of the current one.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -54,6 +59,37 @@ class QueryLayout:
         """The rows of (token, head) in the [rows, D] query (and output) view."""
         row = token * self.token_stride + head * self.head_stride
         return pl.ds(pl.multiple_of(row, ROW_TILING), self.rows_per_token)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """The static settings of one kernel launch (hashable: part of the compiled kernel).
+
+    config: tiling (block_kv keys per stage, ring depth); layout: where the query rows
+    live; scale: softmax scale (natural-log units); sliding_window: if set, a query at
+    pos sees keys with pos - key < window.
+    """
+
+    config: AttentionConfig
+    layout: QueryLayout
+    scale: float
+    sliding_window: int | None
+
+
+class KernelInputs(NamedTuple):
+    """The operands of both kernels, in the order their bodies take the refs.
+
+    meta, counts: `plan_work_items`; block_tables: [R, max_blocks] int32; q_rows:
+    [rows, D] in the launch's `QueryLayout`; k_cache, v_cache: [num_blocks, block_size,
+    KVH, D] in q's dtype.
+    """
+
+    meta: jax.Array
+    counts: jax.Array
+    block_tables: jax.Array
+    q_rows: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
 
 
 def plan_work_items(
@@ -261,3 +297,94 @@ class Ring:
     @property
     def barriers(self) -> tuple:
         return (self.q_ready, self.q_free, self.k_ready, self.v_ready, self.kv_free)
+
+
+def consume_units(units: WorkUnits, ring: Ring, body: Callable[..., jax.Array]) -> None:
+    """The compute warpgroup's side of `stream_qkv`: walk this CTA's units in the same
+    order, waiting for each unit's query rows before calling
+
+        body(step, q_slot, fields, split, head) -> next ring step
+
+    `body` consumes the unit's key stages from ring step `step` and must arrive on
+    `ring.q_free[q_slot]` once it no longer reads the query slot (which may be after it
+    used the slot to stage the output).
+    """
+
+    @plgpu.nd_loop(units.grid, collective_axes="sm", init_carry=(jnp.int32(0), jnp.int32(0)))
+    def _units(loop_info, carry):
+        step, count = carry
+        fields, split, head = units.unpack(loop_info.index[0])
+        q_slot = lax.rem(count, 2)
+        plgpu.barrier_wait(ring.q_ready.at[q_slot])
+        return body(step, q_slot, fields, split, head), count + 1
+
+
+def run_pipelined(
+    units: WorkUnits,
+    spec: AttentionSpec,
+    tokens_per_tile: int,
+    tile_rows: int,
+    block_tables_gmem,
+    q_gmem,
+    k_gmem,
+    v_gmem,
+    compute: Callable[..., None],
+    *extra_scratch,
+) -> None:
+    """Allocate one CTA's ring and run its two warpgroups: warpgroup 1 streams Q, K and
+    V (`stream_qkv`), warpgroup 0 runs `compute(ring, *extra_refs)`.
+
+    The ring holds 2 query slots of [tile_rows, D], `num_stages` K and V slots of
+    [block_kv, D], and a [tile_rows, block_kv] buffer for P, all in q's dtype and
+    swizzled for wgmma. `extra_scratch` (SMEM types) are allocated beside it and handed
+    to `compute` in order.
+    """
+    config = spec.config
+    head_dim, dtype = q_gmem.shape[1], q_gmem.dtype
+    block_size, block_kv = k_gmem.shape[1], config.block_kv
+
+    def scoped(q_smem, k_smem, v_smem, p_smem, *rest):
+        extra_refs, barriers = rest[: len(extra_scratch)], rest[len(extra_scratch) :]
+        ring = Ring(q_smem, k_smem, v_smem, p_smem, *barriers)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _stream():
+            stream_qkv(
+                units, config, spec.layout, tokens_per_tile, block_tables_gmem, q_gmem, k_gmem,
+                v_gmem, ring,
+            )  # fmt: skip
+
+        pl.when(wg == 0)(lambda: compute(ring, *extra_refs))
+
+    kv_ring = plgpu.SMEM(
+        (config.num_stages, block_kv, head_dim), dtype, transforms=swizzled(head_dim, dtype)
+    )
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, tile_rows, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        kv_ring,
+        kv_ring,
+        plgpu.SMEM((tile_rows, block_kv), dtype, transforms=swizzled(block_kv, dtype)),
+        *extra_scratch,
+        *ring_barriers(config, block_size, tokens_per_tile),
+        collective_axes="wg",
+    )
+
+
+def launch(body: Callable[..., None], out_type, num_sms: int, inputs: KernelInputs):
+    """Run `body(*input_refs, *out_refs)` as a persistent kernel: `num_sms` CTAs (grid
+    axis "sm") of two warpgroups (axis "wg"), with Mosaic GPU's approximate math (fast
+    exp2 and division, enough for a float32 softmax compared at bf16 tolerance).
+
+    Returns the outputs of `out_type` (a ShapeDtypeStruct or a tuple of them)."""
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return kernel(*inputs)
