@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from mock_engine import mock_logprobs, mock_tokens, write_mock_model_dir
 from server_harness import ServerProcess, alive
 
+from jaxserve import ipc
 from jaxserve.frontend.client import JaxserveClient, build_generate_request, collect_completions
 from jaxserve.frontend.detokenizer_process import OutputProcessor
 from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
@@ -591,6 +592,7 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
     assert [s.sampling["n"] for s in samples] == [1, 1, 1]
     assert [s.sampling["prompt_logprobs"] for s in samples] == [2, None, None]
     assert [s.cache_group for s in samples] == ["r"] * 3  # one copy of the prompt's blocks
+    assert ipc.decode(ipc.encode(samples[1])).cache_group == "r"  # it reaches the engine
     for s in samples:
         assert s.prompt_token_ids.tolist() == [5, 6, 7]
         rest = {k: v for k, v in s.sampling.items() if k not in ("seed", "n", "prompt_logprobs")}
