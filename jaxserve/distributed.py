@@ -15,6 +15,17 @@ come from, first match wins:
 None of them: a single process, and `initialize` does nothing. Process 0 hosts the
 coordinator (JAX's rule) and, in jaxserve, schedules every step
 (`jaxserve.step_channel`).
+
+Failure detection. A run cannot go on without any of its processes: every step's
+collectives need all of them. Two mechanisms bound how long a survivor waits:
+
+- the step channel's membership connections (`jaxserve.step_channel`): a process that
+  dies closes them (the kernel does, even on SIGKILL), and the others learn it at once;
+- JAX's coordination service heartbeats, for what closes no connection (a host that
+  loses power or network): a process silent for `heartbeat_timeout_s` is declared dead
+  and the service makes every other process terminate (JAX's default is 100 s; jaxserve's
+  is `DEFAULT_HEARTBEAT_TIMEOUT_S`, set with `--heartbeat-timeout-s` or
+  `JAXSERVE_HEARTBEAT_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -31,6 +42,12 @@ logger = logging.getLogger(__name__)
 # The step channel listens beside the coordinator: its port is the coordinator's + this.
 STEP_CHANNEL_PORT_OFFSET = 1
 
+# Seconds without a heartbeat after which JAX declares a process dead. Short enough that a
+# lost host ends the run in well under a minute; long enough for a busy host's heartbeat
+# thread (it runs in C++, so neither the GIL nor a long compilation delays it).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+HEARTBEAT_TIMEOUT_ENV = "JAXSERVE_HEARTBEAT_TIMEOUT_S"
+
 
 @dataclass(frozen=True, slots=True)
 class DistributedConfig:
@@ -39,11 +56,14 @@ class DistributedConfig:
     coordinator_address: "host:port" of process 0's coordinator service.
     num_processes: processes in the run (>= 2).
     process_id: this process, in [0, num_processes).
+    heartbeat_timeout_s: seconds of missed heartbeats after which JAX's coordination
+        service declares a process dead and terminates the others (module docstring).
     """
 
     coordinator_address: str
     num_processes: int
     process_id: int
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     @property
     def coordinator_host(self) -> str:
@@ -57,15 +77,29 @@ class DistributedConfig:
     def is_leader(self) -> bool:
         return self.process_id == 0
 
+    def to_arguments(self) -> list[str]:
+        """The flags of `add_arguments` that give another process (e.g. the engine
+        process `jaxserve serve` starts) this same place in the run."""
+        return [
+            "--coordinator-address", self.coordinator_address,
+            "--num-processes", str(self.num_processes),
+            "--process-id", str(self.process_id),
+            "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+        ]  # fmt: skip
+
 
 def resolve(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     env: Mapping[str, str] | None = None,
+    heartbeat_timeout_s: int | None = None,
 ) -> DistributedConfig | None:
     """The run's `DistributedConfig` from flags, then the environment (module docstring);
     None for a single process.
+
+    heartbeat_timeout_s: the flag's value; None falls back to `JAXSERVE_HEARTBEAT_TIMEOUT_S`,
+        then `DEFAULT_HEARTBEAT_TIMEOUT_S`.
 
     Raises:
         ValueError: a partial or inconsistent setting (names the flag or variable).
@@ -102,7 +136,16 @@ def resolve(
         raise ValueError(f"distributed: process id {index} is not in [0, {count})")
     if not re.fullmatch(r".+:\d+", address):
         raise ValueError(f"distributed: coordinator address {address!r} is not host:port")
-    return DistributedConfig(address, count, index)
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = _int_env(env, HEARTBEAT_TIMEOUT_ENV)
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = DEFAULT_HEARTBEAT_TIMEOUT_S
+    if heartbeat_timeout_s < 1:
+        raise ValueError(
+            f"distributed: heartbeat timeout must be >= 1 s (--heartbeat-timeout-s or "
+            f"{HEARTBEAT_TIMEOUT_ENV}), got {heartbeat_timeout_s}"
+        )
+    return DistributedConfig(address, count, index, heartbeat_timeout_s)
 
 
 # JAX's SlurmCluster default coordinator port.
@@ -132,22 +175,27 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
 
 def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
     """`jax.distributed.initialize` for `config` (nothing for None). Call it before any
-    other JAX call; every process of the run must call it."""
+    other JAX call; every process of the run must call it.
+
+    timeout_s: how long (seconds) to wait for every process to join.
+    """
     if config is None:
         return
     import jax  # noqa: PLC0415 -- the CLI imports this module without JAX
 
     logger.info(
-        "jax.distributed.initialize: process %d of %d, coordinator %s",
+        "jax.distributed.initialize: process %d of %d, coordinator %s, heartbeat timeout %d s",
         config.process_id,
         config.num_processes,
         config.coordinator_address,
+        config.heartbeat_timeout_s,
     )
     jax.distributed.initialize(
         config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
         initialization_timeout=timeout_s,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
     )
 
 
@@ -157,8 +205,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator-address", help="host:port of process 0's coordinator")
     group.add_argument("--num-processes", type=int, help="processes in the run")
     group.add_argument("--process-id", type=int, help="this process, 0 = the scheduler")
+    group.add_argument(
+        "--heartbeat-timeout-s",
+        type=int,
+        help=f"seconds of missed heartbeats after which a process counts as dead and the "
+        f"run ends (default ${HEARTBEAT_TIMEOUT_ENV} or {DEFAULT_HEARTBEAT_TIMEOUT_S})",
+    )
 
 
 def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = None):
     """`resolve` from the flags of `add_arguments` and the environment."""
-    return resolve(args.coordinator_address, args.num_processes, args.process_id, env)
+    return resolve(
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        env,
+        heartbeat_timeout_s=getattr(args, "heartbeat_timeout_s", None),
+    )

@@ -11,6 +11,13 @@ travel on the outputs socket so they stay ordered with outputs.
 
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
+
+Several processes (`jaxserve.distributed`): this process leads, `run_follower` runs in
+the others. No process can go on without the others, so when one is gone (its step
+channel connection closed: `jaxserve.step_channel`) or a step fails, every process exits
+at once with a non-zero code and a log line that says why, and never waits at
+jax.distributed's shutdown barrier, which a dead process never reaches (measured: the
+survivor hung there until the heartbeat timeout, then JAX aborted it).
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import zmq
 
@@ -47,6 +56,15 @@ DEFAULT_ENGINE_CLASS = "jaxserve.engine.core:EngineCore"
 # An idle engine wakes this often even without messages (ms); parent death is handled
 # by jaxserve.lifetime, so this only bounds how stale nothing can be.
 _IDLE_POLL_MS = 1000
+
+# Exit codes of the engine process and of followers.
+EXIT_STEP_FAILED = 1
+EXIT_START_FAILED = 2
+EXIT_PEER_LOST = 3  # another process of a multi-process run is gone
+# After a failed step in a multi-process run: how long to let the step channel's watcher
+# name a dead peer (a collective fails the moment a peer's connection drops, about when
+# the watcher reads its EOF) before exiting with EXIT_STEP_FAILED.
+_PEER_LOSS_GRACE_S = 1.0
 
 
 def load_engine_class(path: str) -> type:
@@ -168,7 +186,8 @@ def run_engine_process(
     """Build the engine core, then serve until Shutdown. Returns the exit code.
 
     dist: the multi-process run this engine leads (process 0), or None. The leader
-        publishes every step to the followers (`run_follower`) and stops them on exit.
+        publishes every step to the followers (`run_follower`) and stops them on exit;
+        should a follower be gone, this process exits at once with EXIT_PEER_LOST.
 
     A failure to start (bad model folder, out of memory) logs the error and returns 2; a
     failure inside a step logs it and returns 1 (the frontend then reports UNAVAILABLE).
@@ -184,15 +203,24 @@ def run_engine_process(
                 from jaxserve.step_channel import StepPublisher  # noqa: PLC0415
 
                 port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
-                core.lead(StepPublisher(dist.coordinator_host, port, dist.num_processes - 1))
+                publisher = StepPublisher(
+                    dist.coordinator_host,
+                    port,
+                    dist.num_processes - 1,
+                    on_follower_lost=exit_on_lost_peer(dist),
+                )
+                core.lead(publisher)
         except Exception:
             logger.exception("engine failed to start")
-            return 2
+            return EXIT_START_FAILED
         try:
             EngineLoop(core, input_socket, output_socket).run()
         except Exception:
             logger.exception("engine step failed; the engine process exits")
-            return 1
+            if dist is not None and dist.num_processes > 1:
+                time.sleep(_PEER_LOSS_GRACE_S)  # a dead follower: let the watcher name it
+                exit_now(EXIT_STEP_FAILED)  # no STOP: a follower may be stuck in the step
+            return EXIT_STEP_FAILED
         return 0
     finally:
         if core is not None and hasattr(core, "close"):
@@ -205,7 +233,13 @@ def run_engine_process(
 def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> int:
     """Processes 1..N-1 of a multi-process run: join it, build the same engine as
     process 0 (same mesh, same executables in the same order), then run each step it
-    publishes until it stops. Returns the exit code (2: failed to start)."""
+    publishes until it stops.
+
+    Returns:
+        0 once the leader stopped the run. Any failure ends the process instead, at once
+        (`exit_now`): EXIT_START_FAILED, EXIT_STEP_FAILED, or EXIT_PEER_LOST when the
+        leader is gone.
+    """
     distributed.initialize(dist)  # before any other JAX call
     from jaxserve.engine.core import EngineCore  # noqa: PLC0415
     from jaxserve.step_channel import StepSubscriber  # noqa: PLC0415
@@ -213,14 +247,52 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
     try:
         core = EngineCore(config)
         port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
-        channel = StepSubscriber(dist.coordinator_host, port, dist.process_id)
+        channel = StepSubscriber(
+            dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
+        )
     except Exception:
         logger.exception("follower %d failed to start", dist.process_id)
-        return 2
-    steps = core.follow(channel)
+        exit_now(EXIT_START_FAILED)
+    try:
+        steps = core.follow(channel)
+    except Exception:
+        logger.exception("follower %d: a step failed; the process exits", dist.process_id)
+        time.sleep(_PEER_LOSS_GRACE_S)  # a dead leader: let the watcher name it
+        exit_now(EXIT_STEP_FAILED)
     channel.close()
     logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
     return 0
+
+
+def exit_on_lost_peer(dist: distributed.DistributedConfig) -> Callable[[int], None]:
+    """The step channel's lost-peer callback for this process: log which process is gone
+    and exit with EXIT_PEER_LOST (from the channel's watcher thread, so it also ends a
+    process whose main thread is blocked in a step's collectives)."""
+
+    def lost(process_id: int) -> None:
+        role = "the leader" if process_id == 0 else "a follower"
+        logger.error(
+            "process %d (%s) of the %d-process run is gone; the run cannot go on without "
+            "it: process %d exits (code %d)",
+            process_id,
+            role,
+            dist.num_processes,
+            dist.process_id,
+            EXIT_PEER_LOST,
+        )
+        exit_now(EXIT_PEER_LOST)
+
+    return lost
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` at once, after flushing logs: skips the interpreter's
+    exit hooks, among them jax.distributed's shutdown barrier, which waits for every
+    process of the run (a dead one: until the heartbeat timeout, then JAX aborts)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,11 +317,12 @@ def main(argv: list[str] | None = None) -> None:
         # jax.distributed's preemption notifier takes SIGTERM over: take it back, so the
         # launcher's SIGTERM ends the loop and `run_engine_process` stops the followers.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    sys.exit(
-        run_engine_process(
-            config, args.engine_input, args.detokenizer_input, args.engine_class, dist
-        )
+    code = run_engine_process(
+        config, args.engine_input, args.detokenizer_input, args.engine_class, dist
     )
+    if dist is not None and code != 0:
+        exit_now(code)  # the followers are gone or stopping: no shutdown barrier
+    sys.exit(code)
 
 
 if __name__ == "__main__":
