@@ -301,7 +301,12 @@ class StepSubscriber:
             self._ctx.term()
             raise TimeoutError(f"step channel: no leader at {host}:{port} after {timeout_s} s")
         # The subscription works (a hello arrived): join, and stay joined for the run.
-        self._member = socket.create_connection((host, port + 1), timeout=timeout_s)
+        try:
+            self._member = socket.create_connection((host, port + 1), timeout=timeout_s)
+        except OSError:
+            self._sub.close(linger=0)
+            self._ctx.term()
+            raise
         self._member.settimeout(None)
         _keepalive(self._member)
         self._member.sendall(f"{process_id}\n".encode())
