@@ -1,10 +1,13 @@
 """The one switch, end to end: a bf16 model's logits through the Pallas kernels (run by
-the Mosaic GPU interpreter on the CPU) equal the pure-jnp reference path."""
+the Mosaic GPU interpreter on the CPU, and compiled for the device where there is an
+NVIDIA GPU) equal the pure-jnp reference path."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from conftest_gpu import skip_without_gpu  # noqa: F401 -- fixture used via pytestmark
 from model_utils import (
     ModelStepper,
     StepRequest,
@@ -16,6 +19,8 @@ from model_utils import (
 from jaxserve.kernels import dispatch
 from jaxserve.models.base import allocate_kv_cache
 from jaxserve.models.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("skip_without_gpu")
 
 BLOCK_SIZE = 8
 MAX_BLOCKS = 4
@@ -44,7 +49,10 @@ def _logits(model, backend: str) -> np.ndarray:
     return np.concatenate([np.asarray(prefill), np.asarray(decode)]).astype(np.float32)
 
 
-def test_model_logits_through_kernels_match_reference(tmp_path, caplog):
+@pytest.mark.parametrize(
+    "backend", [dispatch.INTERPRET, pytest.param(dispatch.PALLAS_MGPU, marks=pytest.mark.gpu)]
+)
+def test_model_logits_through_kernels_match_reference(tmp_path, caplog, backend):
     # Shapes the kernels take: head_dim 64, hidden and expert widths multiples of 128.
     config = tiny_qwen3_moe_config(
         hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=64,
@@ -54,7 +62,7 @@ def test_model_logits_through_kernels_match_reference(tmp_path, caplog):
     model, _ = load_model(tmp_path, dtype=jnp.bfloat16)
     dispatch._fall_back.cache_clear()  # log every fallback of this test
     reference = _logits(model, dispatch.REFERENCE)
-    kernels = _logits(model, dispatch.INTERPRET)
+    kernels = _logits(model, backend)
     assert "cannot run" not in caplog.text, "a kernel fell back to the reference"
     assert np.isfinite(kernels).all()
     rel = np.abs(kernels - reference).max() / np.abs(reference).max()

@@ -126,13 +126,33 @@ def test_grouped_matmul_kernel_float32_output_and_deep_k(interpret):
 @pytest.mark.parametrize("fuse_gate_up", [True, False])
 def test_moe_ffn_kernels_match_oracle(interpret, fuse_gate_up):
     rng = np.random.default_rng(2)
-    m, hidden, inter, sizes = 72, 128, 128, [9, 0, 1, 50, 12]
+    m, hidden, inter, sizes = 80, 128, 128, [9, 0, 1, 50, 12]  # 8 rows past the groups
     x = bf16(rng, (m, hidden))
     w_gate, w_up = bf16(rng, (5, hidden, inter), 0.1), bf16(rng, (5, hidden, inter), 0.1)
     w_down = bf16(rng, (5, inter, hidden), 0.1)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     out = grouped_matmul.moe_ffn(x, group_sizes, w_gate, w_up, w_down, fuse_gate_up=fuse_gate_up)
     assert_close(out, moe_oracle(x, group_sizes, w_gate, w_up, w_down))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["skewed_with_empty_and_single_rows", "rows_past_the_groups_are_zero", "every_group_one_row"],
+)
+def test_fused_gate_up_kernel_matches_oracle(interpret, name):
+    """The fused gate+up+SiLU kernel on its own: every row of its [M, I] output, rows
+    past the groups included (moe_ffn's down projection never reads those)."""
+    m, sizes = GMM_CASES[name]
+    rng = np.random.default_rng(12)
+    x = bf16(rng, (m, 128))
+    w_gate, w_up = bf16(rng, (len(sizes), 128, 128), 0.1), bf16(rng, (len(sizes), 128, 128), 0.1)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    config = GmmConfig(tile_m=64, tile_n=64, max_concurrent_steps=2, fuse_gate_up=True)
+    out = grouped_matmul.grouped_matmul_gate_up(
+        x, w_gate, w_up, group_sizes, config=config, num_sms=2
+    )
+    gate, up = gmm_oracle(x, w_gate, group_sizes), gmm_oracle(x, w_up, group_sizes)
+    assert_close(out, gate / (1.0 + np.exp(-gate)) * up)
 
 
 def test_interpreter_poisons_unwritten_output(interpret):
@@ -273,6 +293,7 @@ ATTENTION_CASES = {
     "mixed_gqa2_packed_layout": (4, 2, MIXED, 32, None),
     "decode_mha_packed_layout": (2, 2, DECODE, 10, None),
     "mixed_sliding_window": (16, 2, MIXED, 32, 6),
+    "single_token_batch": (16, 2, [(1, 9)], 1, None),
 }
 
 
@@ -303,18 +324,27 @@ def test_paged_attention_kernel_matches_oracle(interpret, name):
     assert_close(reference, oracle)
 
 
-@pytest.mark.parametrize("num_heads", [16, 4])
-def test_split_kv_decode_launch_matches_oracle(interpret, num_heads):
+@pytest.mark.parametrize(
+    "num_heads, requests",
+    [
+        (16, [(1, 100), (1, 130)]),
+        (4, [(1, 100), (1, 130)]),
+        # Contexts of 1 key and of exactly one and eight blocks: some splits are empty.
+        (16, [(1, 1), (1, 8), (1, 64)]),
+    ],
+)
+def test_split_kv_decode_launch_matches_oracle(interpret, num_heads, requests):
     """max_query_len=1 with few requests: keys split over CTAs, partials merged."""
     rng = np.random.default_rng(10)
-    requests = [(1, 100), (1, 130)]
+    num_tokens = len(requests) + 1  # one padding token
     positions, metadata = make_batch(
-        rng, requests, num_tokens=3, block_size=8, num_blocks=40, max_blocks=17
+        rng, requests, num_tokens=num_tokens, block_size=8, num_blocks=40, max_blocks=17
     )
-    q = bf16(rng, (3, num_heads, 64))
+    q = bf16(rng, (num_tokens, num_heads, 64))
     k_cache, v_cache = bf16(rng, (40, 8, 2, 64)), bf16(rng, (40, 8, 2, 64))
-    # 3 request rows x 2 KV heads on 24 CTAs: 4 splits wanted, 3 key stages allowed.
-    assert paged_attention.num_kv_splits(3, 2, 3, 24) == 3
+    # (requests + 1 padded row) x 2 KV heads on 24 CTAs: >= 3 splits wanted, 3 key
+    # stages allowed.
+    assert paged_attention.num_kv_splits(len(requests) + 1, 2, 3, 24) == 3
     out = paged_attention.paged_attention(
         q, k_cache, v_cache, positions, metadata, 0.125,
         max_query_len=1, config=AttentionConfig(block_kv=64, num_stages=2), num_sms=24,
@@ -487,77 +517,160 @@ def test_dispatch_falls_back_to_reference_for_unsupported_inputs(caplog):
 
 
 # --- full size, on a GPU --------------------------------------------------------------
+#
+# The same checks as above at Qwen3-30B-A3B sizes, against XLA (lax.ragged_dot, the
+# jnp attention reference) rather than NumPy. A GPU has no interpreter to poison
+# outputs, so `poison_device_memory` fills the free part of JAX's memory pool with NaN
+# just before each kernel call: the call's output buffers are carved from that memory,
+# and an element no tile writes stays NaN (`test_gpu_poison_reaches_kernel_outputs`
+# pins that premise down on the device).
+
+
+def poison_device_memory(min_bytes: int = 1 << 20, max_chunks: int = 256) -> int:
+    """Fill the free chunks (of at least `min_bytes`) of the default device's allocator
+    with NaN, then free them. XLA's BFC allocator keeps freed memory in its pool,
+    unzeroed; filling the small chunks too matters, as best-fit would hand one of them to
+    an output that fits. Chunks are powers of two, so the fills compile a few times only.
+
+    Returns the bytes poisoned (0 where the device reports no memory statistics: the
+    value checks still run, and `test_gpu_poison_reaches_kernel_outputs` fails).
+    """
+    device = jax.devices()[0]
+    held = []
+    for _ in range(max_chunks):
+        stats = device.memory_stats() or {}
+        free = stats.get("largest_free_block_bytes")
+        if free is None:
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        free -= 1024  # the allocator's rounding and chunk bookkeeping
+        if free < min_bytes:
+            break
+        size = 1 << (free.bit_length() - 1)  # the largest power of two that fits
+        try:
+            held.append(jnp.full((size // 4,), jnp.nan, jnp.float32).block_until_ready())
+        except Exception:  # noqa: BLE001 -- out of memory (fragmentation): done
+            break
+    poisoned = sum(array.nbytes for array in held)
+    for array in held:
+        array.delete()
+    return poisoned
+
+
+def skewed_group_sizes(rng, rows: int, groups: int) -> jax.Array:
+    """Random skewed rows per group summing to `rows`, with group 0 empty and group 1
+    a single row."""
+    sizes = rng.multinomial(rows - 1, rng.dirichlet(np.full(groups, 0.5)))
+    big = 2 + int(np.argmax(sizes[2:]))
+    sizes[big] += sizes[0] + sizes[1]
+    sizes[0], sizes[1] = 0, 1
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def ragged_dot_f32(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_poison_reaches_kernel_outputs():
+    """The premise of the poisoned-output checks on a GPU: after `poison_device_memory`,
+    a kernel that writes nothing returns NaN."""
+
+    @jax.jit
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16),
+        grid=(1,),
+        grid_names=("sm",),
+    )
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    assert poison_device_memory() > 0, "no device memory statistics to find free memory"
+    assert np.isnan(np.asarray(writes_nothing(x), np.float32)).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16, 256, 4096])
 def test_moe_ffn_full_size_on_gpu(tokens):
+    """Grouped matmul, fused gate+up+SiLU and the expert FFN against lax.ragged_dot:
+    skewed groups (one empty, one of a single row) and 5 rows past the groups."""
     rng = np.random.default_rng(7)
     e, h, i, k = (QWEN3_30B[n] for n in ("experts", "hidden", "inter", "top_k"))
     m = tokens * k
     x = bf16(rng, (m, h))
     w_gate, w_up = bf16(rng, (e, h, i), 0.02), bf16(rng, (e, h, i), 0.02)
     w_down = bf16(rng, (e, i, h), 0.02)
-    group_sizes = jnp.asarray(rng.multinomial(m - 5, rng.dirichlet(np.full(e, 0.5))), jnp.int32)
+    group_sizes = skewed_group_sizes(rng, m - 5, e)
+
+    @jax.jit
+    def reference(x, group_sizes, w_gate, w_up, w_down):
+        gate, up = ragged_dot_f32(x, w_gate, group_sizes), ragged_dot_f32(x, w_up, group_sizes)
+        hidden = (gate * jax.nn.sigmoid(gate) * up).astype(x.dtype)
+        return hidden, jax.lax.ragged_dot(hidden, w_down, group_sizes)
+
+    hidden, expected = reference(x, group_sizes, w_gate, w_up, w_down)
     for fuse in (False, True):
+        poison_device_memory()
         out = jax.jit(functools.partial(grouped_matmul.moe_ffn, fuse_gate_up=fuse))(
             x, group_sizes, w_gate, w_up, w_down
         )
-        expected = jax.jit(moe_ffn_ref)(x, group_sizes, w_gate, w_up, w_down)
         assert_close(out, f64(expected))
+    poison_device_memory()
+    out = jax.jit(grouped_matmul.grouped_matmul_gate_up)(x, w_gate, w_up, group_sizes)
+    assert_close(out, f64(hidden))
+    poison_device_memory()
     out = jax.jit(grouped_matmul.grouped_matmul)(x, w_gate, group_sizes)
     assert_close(out, f64(jax.lax.ragged_dot(x, w_gate, group_sizes)))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch, context", [(64, 1024), (8, 8192)])
-def test_paged_decode_attention_full_size_on_gpu(batch, context):
-    rng = np.random.default_rng(8)
-    heads, kv_heads, head_dim, block_size = 32, 4, 128, 16
-    lens = rng.integers(context // 2, context + 1, batch)
-    requests = [(1, int(n)) for n in lens]
-    num_blocks = int(sum(-(-n // block_size) for n in lens)) + 1
-    positions, metadata = make_batch(
-        rng,
-        requests,
-        num_tokens=batch,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_blocks=context // block_size,
-    )
-    q = bf16(rng, (batch, heads, head_dim))
-    k_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
-    v_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
-    fn = functools.partial(paged_attention.paged_attention, scale=head_dim**-0.5)
-    out = jax.jit(fn)(q, k_cache, v_cache, positions, metadata)
-    expected = jax.jit(paged_attention_ref, static_argnums=(5,))(
-        q, k_cache, v_cache, positions, metadata, head_dim**-0.5
-    )
-    assert_close(out, f64(expected))
-
-
-@pytest.mark.gpu
-def test_paged_prefill_attention_full_size_on_gpu():
-    rng = np.random.default_rng(9)
-    requests = [(512, 2048), (300, 300), (1, 4000), (100, 1000)] + [(1, 700)] * 60
-    tokens = sum(q for q, _ in requests) + 13
+def full_size_attention_inputs(rng, requests, num_tokens, max_blocks):
+    """Qwen3-30B-A3B attention shapes (32 query heads, 4 KV heads, head dim 128, block
+    size 16) over `requests` (query_len, seq_len), blocks in random order."""
     heads, kv_heads, head_dim, block_size = 32, 4, 128, 16
     num_blocks = sum(-(-n // block_size) for _, n in requests) + 1
     positions, metadata = make_batch(
         rng,
         requests,
-        num_tokens=tokens,
+        num_tokens=num_tokens,
         block_size=block_size,
         num_blocks=num_blocks,
-        max_blocks=4096 // block_size,
+        max_blocks=max_blocks,
     )
-    q = bf16(rng, (tokens, heads, head_dim))
+    q = bf16(rng, (num_tokens, heads, head_dim))
     k_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
     v_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
-    out = jax.jit(functools.partial(paged_attention.paged_attention, scale=0.088))(
-        q, k_cache, v_cache, positions, metadata
-    )
-    expected = jax.jit(paged_attention_ref, static_argnums=(5,))(
-        q, k_cache, v_cache, positions, metadata, 0.088
-    )
-    assert_close(out, f64(expected))
+    return q, k_cache, v_cache, positions, metadata
+
+
+def check_attention_on_gpu(inputs, scale, **options):
+    """The kernel on poisoned memory against the jnp reference (XLA)."""
+    expected = jax.jit(paged_attention_ref, static_argnums=(5,))(*inputs, scale)
+    poison_device_memory()
+    fn = functools.partial(paged_attention.paged_attention, scale=scale, **options)
+    assert_close(jax.jit(fn)(*inputs), f64(expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_query_len", [None, 1])
+@pytest.mark.parametrize("batch, context", [(64, 1024), (8, 8192)])
+def test_paged_decode_attention_full_size_on_gpu(batch, context, max_query_len):
+    """Decode at random lengths, plus a context of one key and contexts that end at a
+    block boundary and one past it; max_query_len=1 allows the split-KV launch."""
+    rng = np.random.default_rng(8)
+    lens = rng.integers(context // 2, context + 1, batch)
+    lens[:4] = [1, context, context - 16, 16 * 5 + 1]
+    requests = [(1, int(n)) for n in lens]
+    inputs = full_size_attention_inputs(rng, requests, batch + 3, context // 16)
+    check_attention_on_gpu(inputs, 128**-0.5, max_query_len=max_query_len)
+
+
+@pytest.mark.gpu
+def test_paged_prefill_attention_full_size_on_gpu():
+    """A mixed step: prefill chunks (one from position 0, one continuing a context, one
+    ending at a block boundary) among decode tokens, and padding tokens."""
+    rng = np.random.default_rng(9)
+    requests = [(512, 2048), (300, 300), (1, 4000), (100, 1000), (64, 1024)] + [(1, 700)] * 60
+    tokens = sum(q for q, _ in requests) + 13
+    inputs = full_size_attention_inputs(rng, requests, tokens, 4096 // 16)
+    check_attention_on_gpu(inputs, 0.088)
