@@ -17,6 +17,8 @@ from conftest import TINY_BLOCK_SIZE, TINY_MAX_MODEL_LEN, swap_scheduler
 from engine_helpers import assert_idle, greedy, random_prompts, run_engine
 from model_utils import hf_logits
 
+from jaxserve.ipc import EngineRequest
+
 pytestmark = pytest.mark.slow
 
 
@@ -155,6 +157,34 @@ def test_n_samples_share_the_prompt_blocks(tiny_engine, tiny_moe_dir, prefix_cac
     assert [len(o.token_ids) for o in shared_outs[0].outputs] == [max_tokens] * n
     assert all(len(o.token_ids) == max_tokens for o in separate_outs)
     assert_idle(tiny_engine)
+
+
+def test_request_cache_group_shares_the_prompt_blocks(tiny_engine):
+    """EngineRequest.cache_group (set by the gRPC frontend for the n samples of one
+    request) shares the prompt's blocks with prefix caching off, as `LLM`'s n does."""
+    n, bs = 3, TINY_BLOCK_SIZE
+    vocab = tiny_engine.model_config.vocab_size
+    prompt = np.asarray(random_prompts(random.Random(8), 1, 3 * bs + 1, 3 * bs + 1, vocab)[0])
+
+    def max_ref_count(group):
+        peak = 0
+
+        def watch(_outs):
+            nonlocal peak
+            peak = max(peak, max(tiny_engine.scheduler.bm.ref_counts))
+
+        with swap_scheduler(tiny_engine, enable_prefix_caching=False):
+            for i in range(n):
+                sampling = dict(temperature=1.0, seed=i, max_tokens=4)
+                tiny_engine.add_request(
+                    EngineRequest(f"g{i}", prompt.astype(np.int32), sampling, cache_group=group)
+                )
+            run_engine(tiny_engine, [], on_step=watch)
+        assert_idle(tiny_engine)
+        return peak
+
+    assert max_ref_count("g") == n  # the prompt's full blocks are held once, by all n
+    assert max_ref_count(None) == 1  # without a group nothing is shared
 
 
 # ----- async scheduling and multi-step decode -----------------------------------------------

@@ -182,8 +182,11 @@ class EngineCore:
         on the next `step()` instead.
 
         cache_group: requests given the same group (the n samples of one prompt) share
-            their prompt's KV blocks even when prefix caching is off.
+            their prompt's KV blocks even when prefix caching is off. Defaults to
+            `req.cache_group` (set by the gRPC frontend for the samples of one request).
         """
+        if cache_group is None:
+            cache_group = req.cache_group
         try:
             params, prompt = self._validate(req)
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the engine
