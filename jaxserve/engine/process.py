@@ -244,6 +244,10 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
     from jaxserve.engine.core import EngineCore  # noqa: PLC0415
     from jaxserve.step_channel import StepSubscriber  # noqa: PLC0415
 
+    # jax.distributed's preemption notifier takes SIGTERM over and the process would run on
+    # (measured): take it back, so that stopping a follower (e.g. deleting its pod) ends
+    # it, and with it the run (the leader sees it gone).
+    signal.signal(signal.SIGTERM, lambda *_: _leave_on_sigterm(dist.process_id))
     try:
         core = EngineCore(config)
         port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
@@ -262,6 +266,15 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
     channel.close()
     logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
     return 0
+
+
+def _leave_on_sigterm(process_id: int) -> NoReturn:
+    logger.warning(
+        "follower %d: SIGTERM: leaving the run (the leader ends it: it cannot go on without "
+        "this process)",
+        process_id,
+    )
+    exit_now(0)
 
 
 def exit_on_lost_peer(dist: distributed.DistributedConfig) -> Callable[[int], None]:
