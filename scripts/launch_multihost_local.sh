@@ -57,9 +57,16 @@ for ((i = 0; i < num; i++)); do
   pids+=("$!")
 done
 
+# Every process exits by itself when another one dies (jaxserve.distributed), so waiting
+# for all of them ends; name the ones that failed.
 status=0
 tail -n +1 -f "${log_dir}/process_0.log" --pid="${pids[0]}" &
-for pid in "${pids[@]}"; do
-  wait "$pid" || status=$?
+for i in "${!pids[@]}"; do
+  code=0
+  wait "${pids[$i]}" || code=$?
+  if [[ "$code" -ne 0 ]]; then
+    echo "$0: process ${i} exited with code ${code} (log: ${log_dir}/process_${i}.log)" >&2
+    status=$code
+  fi
 done
 exit "$status"
