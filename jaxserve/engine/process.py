@@ -190,7 +190,9 @@ def run_engine_process(
         should a follower be gone, this process exits at once with EXIT_PEER_LOST.
 
     A failure to start (bad model folder, out of memory) logs the error and returns 2; a
-    failure inside a step logs it and returns 1 (the frontend then reports UNAVAILABLE).
+    failure inside a step logs it and returns 1 (the frontend then reports UNAVAILABLE),
+    or, leading several processes, exits with 1 at once (`exit_now`, no STOP: the
+    followers may be stuck in the failed step's collectives; they see the leader gone).
     """
     ctx = zmq.Context()
     input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=True)
