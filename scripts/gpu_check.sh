@@ -18,7 +18,8 @@
 #   --dry-run   the CPU rehearsal: JAX on the CPU, the gpu tests (they skip), the
 #               benchmark's --dry-run (GPU interpreter, tiny shapes); no sweep.
 # Caps (seconds): GPU_CHECK_TEST_S (170), GPU_CHECK_BENCH_S (270), GPU_CHECK_SWEEP_S (90);
-# GPU_CHECK_SWEEP_ARGS (default "--tokens 16,4096": the two regimes first).
+# GPU_CHECK_SWEEP_ARGS (default "--tokens 16,4096": the two regimes first);
+# GPU_CHECK_STAGES (default "tests,bench,sweep": which stages to run).
 # See scripts/README.md, "Kernels on a GPU".
 
 set -u
@@ -32,7 +33,7 @@ WHEELS=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
-        -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) WHEELS=$arg ;;
     esac
 done
@@ -40,6 +41,8 @@ TEST_S=${GPU_CHECK_TEST_S:-170}
 BENCH_S=${GPU_CHECK_BENCH_S:-270}
 SWEEP_S=${GPU_CHECK_SWEEP_S:-90}
 SWEEP_ARGS=${GPU_CHECK_SWEEP_ARGS-"--tokens 16,4096"}
+STAGES=,${GPU_CHECK_STAGES:-tests,bench,sweep},
+want() { case $STAGES in *",$1,"*) return 0 ;; *) note "$1: not asked for"; return 1 ;; esac; }
 export PYTHONUNBUFFERED=1
 # tests/conftest.py defaults JAX to the CPU: name the platform explicitly.
 if [ "$DRY" = 1 ]; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS=cuda; fi
@@ -109,7 +112,7 @@ if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
     # thread method: a kernel that hangs the device cannot be interrupted by a signal.
     TIMEOUT_ARGS=(--timeout=120 --timeout-method=thread)
 fi
-stage "pytest -m gpu" "$OUT/pytest.log" "$TEST_S" \
+want tests && stage "pytest -m gpu" "$OUT/pytest.log" "$TEST_S" \
     "$PY" -m pytest -m gpu -q -rA "${TIMEOUT_ARGS[@]}" -p no:cacheprovider \
     tests/test_kernels.py tests/test_kernel_model.py
 
@@ -118,14 +121,14 @@ BENCH_ARGS=(--extra-path /tmp/site)
 [ "$DRY" = 1 ] && BENCH_ARGS+=(--dry-run)
 # The benchmark stops starting measurements 40 s before the cap and writes its JSON
 # after every row, so a run cut short keeps what it measured.
-stage "bench_kernels" "$OUT/bench.log" "$BENCH_S" \
+want bench && stage "bench_kernels" "$OUT/bench.log" "$BENCH_S" \
     "$PY" scripts/bench_kernels.py "${BENCH_ARGS[@]}" --budget-s $((BENCH_S - 40)) \
     --out "$OUT/bench_kernels.json"
 
 # --- 3. tile-table sweep ---------------------------------------------------------------
 if [ "$DRY" = 1 ]; then
     note "sweep: skipped in --dry-run"
-else
+elif want sweep; then
     # shellcheck disable=SC2086 # SWEEP_ARGS is a list of arguments
     stage "bench_kernels --sweep" "$OUT/sweep.log" "$SWEEP_S" \
         "$PY" scripts/bench_kernels.py --sweep "${BENCH_ARGS[@]}" --budget-s $((SWEEP_S - 25)) \
