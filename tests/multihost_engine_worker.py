@@ -32,7 +32,6 @@ def engine_config(model_dir: str, dp: int, tp: int):
         cache=CacheConfig(block_size=4, num_blocks=1 + 4 * MAX_LEN // 4),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, num_decode_steps=4),
         mesh=MeshConfig(dp, tp),
-        compilation_cache_dir=None,
     )
 
 
