@@ -216,15 +216,22 @@ def test_distributed_config_round_trips_through_its_flags():
 
 # ----- a process that dies: the step channel's membership connections ---------------------
 
-# A step-channel end in a child process, to be SIGKILLed. argv: port, role.
+# A step-channel end in a child process, to be SIGKILLed. argv: port, role. The role
+# "follower_exits" reacts to a lost leader as `jaxserve serve`'s followers do.
 _CHANNEL_END = """
-import sys, time
+import logging, sys, time
+from jaxserve.distributed import DistributedConfig
+from jaxserve.engine.process import exit_on_lost_peer
 from jaxserve.step_channel import StepPublisher, StepSubscriber
+logging.basicConfig(level="INFO")
 port, role = int(sys.argv[1]), sys.argv[2]
 if role == "leader":
     end = StepPublisher("127.0.0.1", port, num_followers=1, timeout_s=30)
-else:
+elif role == "follower":
     end = StepSubscriber("127.0.0.1", port, process_id=1, timeout_s=30)
+else:
+    dist = DistributedConfig(f"127.0.0.1:{port - 1}", 2, 1)
+    end = StepSubscriber("127.0.0.1", port, 1, 30, on_leader_lost=exit_on_lost_peer(dist))
 print("joined", flush=True)
 time.sleep(120)
 """
@@ -234,6 +241,7 @@ def _channel_end_process(port: int, role: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", _CHANNEL_END, str(port), role],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
     )
@@ -266,7 +274,7 @@ def test_step_channel_names_a_dead_follower_at_once():
         pub.close()  # still closes cleanly without that follower
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
 
 
 def test_step_channel_names_a_dead_leader_at_once():
@@ -288,7 +296,31 @@ def test_step_channel_names_a_dead_leader_at_once():
         sub.close()
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
+
+
+def test_a_follower_exits_with_code_3_naming_the_dead_leader():
+    """The follower's reaction in `jaxserve serve` (`exit_on_lost_peer`): when the
+    leader's process dies, it exits at once with EXIT_PEER_LOST and says why."""
+    from jaxserve.engine.process import EXIT_PEER_LOST
+
+    port = _free_port()
+    leader = _channel_end_process(port, "leader")
+    follower = _channel_end_process(port, "follower_exits")
+    try:
+        assert leader.stdout.readline() == "joined\n"
+        assert follower.stdout.readline() == "joined\n"
+        leader.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, log = follower.communicate(timeout=10)
+        assert time.monotonic() - killed < 2.0
+        assert follower.returncode == EXIT_PEER_LOST, log
+        assert "process 0 (the leader) of the 2-process run is gone" in log
+        assert f"process 1 exits (code {EXIT_PEER_LOST})" in log
+    finally:
+        for p in (leader, follower):
+            p.kill()
+            p.communicate()
 
 
 def test_step_channel_clean_stop_reports_no_loss():
