@@ -288,20 +288,22 @@ def attention_oracle(q, k_cache, v_cache, positions, metadata, scale, window=Non
 MIXED = [(1, 21), (11, 16), (1, 8), (3, 40), (9, 9), (1, 1), (1, 65)]
 DECODE = [(1, n) for n in (1, 7, 8, 9, 64, 65, 100, 128)]
 ATTENTION_CASES = {
-    # name: (query heads, KV heads, requests, tokens, sliding window)
-    "mixed_gqa8_in_place_layout": (16, 2, MIXED, 32, None),
-    "mixed_gqa2_packed_layout": (4, 2, MIXED, 32, None),
-    "decode_mha_packed_layout": (2, 2, DECODE, 10, None),
-    "mixed_sliding_window": (16, 2, MIXED, 32, 6),
-    "single_token_batch": (16, 2, [(1, 9)], 1, None),
+    # name: (query heads, KV heads, requests, tokens, sliding window, block size)
+    "mixed_gqa8_in_place_layout": (16, 2, MIXED, 32, None, 8),
+    "mixed_gqa2_packed_layout": (4, 2, MIXED, 32, None, 8),
+    "decode_mha_packed_layout": (2, 2, DECODE, 10, None, 8),
+    "mixed_sliding_window": (16, 2, MIXED, 32, 6, 8),
+    "single_token_batch": (16, 2, [(1, 9)], 1, None, 8),
+    # A 64-key stage is half a block: loads start inside blocks.
+    "mixed_blocks_larger_than_a_stage": (16, 2, MIXED, 32, None, 128),
 }
 
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)
 def test_paged_attention_kernel_matches_oracle(interpret, name):
-    num_heads, num_kv_heads, requests, num_tokens, window = ATTENTION_CASES[name]
+    num_heads, num_kv_heads, requests, num_tokens, window, block_size = ATTENTION_CASES[name]
     rng = np.random.default_rng(4)
-    head_dim, block_size, num_blocks, max_blocks = 64, 8, 64, 17
+    head_dim, num_blocks, max_blocks = 64, 64, 17
     positions, metadata = make_batch(
         rng,
         requests,
@@ -531,6 +533,7 @@ def poison_device_memory(min_bytes: int = 1 << 20, max_chunks: int = 256) -> int
     with NaN, then free them. XLA's BFC allocator keeps freed memory in its pool,
     unzeroed; filling the small chunks too matters, as best-fit would hand one of them to
     an output that fits. Chunks are powers of two, so the fills compile a few times only.
+    `max_chunks` bounds the work: 256 chunks of up to 4 GiB cover an H200's pool.
 
     Returns the bytes poisoned (0 where the device reports no memory statistics: the
     value checks still run, and `test_gpu_poison_reaches_kernel_outputs` fails).
@@ -545,7 +548,8 @@ def poison_device_memory(min_bytes: int = 1 << 20, max_chunks: int = 256) -> int
         free -= 1024  # the allocator's rounding and chunk bookkeeping
         if free < min_bytes:
             break
-        size = 1 << (free.bit_length() - 1)  # the largest power of two that fits
+        # The largest power of two that fits, at most 4 GiB (2^30 elements: int32 indexing).
+        size = min(1 << (free.bit_length() - 1), 1 << 32)
         try:
             held.append(jnp.full((size // 4,), jnp.nan, jnp.float32).block_until_ready())
         except Exception:  # noqa: BLE001 -- out of memory (fragmentation): done
