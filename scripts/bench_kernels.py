@@ -30,9 +30,10 @@ Times are device time from CUPTI (sum of the kernels of one call, median of iter
 the JSON also has wall-clock time per call and the per-kernel split. Every measurement is
 isolated: a failure is recorded in its row and the run goes on.
 
-tokamax is not on the GPU image: install its wheel beside the benchmark (e.g.
-`pip install --target scripts/_vendor tokamax==0.0.17`) and pass `--extra-path
-scripts/_vendor`; without it that column says so.
+tokamax is not on the GPU image: install its wheel and the dependencies the image lacks
+with `pip install --no-deps --target DIR` (never with its dependencies: they would shadow
+the image's jax) and pass `--extra-path DIR`; scripts/README.md lists the wheels and
+scripts/gpu_check.sh does this. Without it that column says so.
 """
 
 from __future__ import annotations
@@ -268,8 +269,6 @@ def bench_grouped_matmul(
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxserve.kernels import grouped_matmul as gmm  # noqa: PLC0415
-
     e, h, i = shapes.experts, shapes.hidden, shapes.inter
     keys = jax.random.split(jax.random.key(1), 4)
     w_gate_up = jax.random.normal(keys[0], (e, h, 2 * i), jnp.bfloat16) * 0.02
@@ -286,14 +285,7 @@ def bench_grouped_matmul(
         case = f"T={tokens} M={m}"
         gu_floor = floor_us(ceilings, gmm_bytes(m, h, 2 * i, sizes_np), 2.0 * m * h * 2 * i)
         section = f"gmm gate_up [{e},{h},{2 * i}]"
-        bench.run(section, case, "jaxserve", gu_floor, job(gmm.grouped_matmul, x, w_gate_up, sizes))
-        bench.run(
-            section,
-            case,
-            "lax.ragged_dot",
-            gu_floor,
-            job(jax.lax.ragged_dot, x, w_gate_up, sizes),
-        )
+        _versus_ragged_dot(bench, section, case, gu_floor, x, w_gate_up, sizes)
         # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
         for cfg in ((64, 128, 64, 4, 1), (128, 128, 64, 4, 1)):
             bench.run(
@@ -322,6 +314,16 @@ def bench_grouped_matmul(
     return later
 
 
+def _versus_ragged_dot(bench: Bench, section: str, case: str, floor, x, w, sizes) -> None:
+    """Rows for jaxserve's grouped matmul and XLA's lax.ragged_dot on x @ w[g]."""
+    import jax  # noqa: PLC0415
+
+    from jaxserve.kernels import grouped_matmul as gmm  # noqa: PLC0415
+
+    bench.run(section, case, "jaxserve", floor, job(gmm.grouped_matmul, x, w, sizes))
+    bench.run(section, case, "lax.ragged_dot", floor, job(jax.lax.ragged_dot, x, w, sizes))
+
+
 def _bench_expert_ffn(bench, shapes, ceilings, interpret, tokens, x, sizes_np, weights):
     """jaxserve's fused gate+up+SiLU kernel, the down projection (against
     lax.ragged_dot) and the whole expert FFN at one T."""
@@ -348,14 +350,7 @@ def _bench_expert_ffn(bench, shapes, ceilings, interpret, tokens, x, sizes_np, w
     )
     down_floor = floor_us(ceilings, gmm_bytes(m, i, h, sizes_np), 2.0 * m * i * h)
     section = f"gmm down [{e},{i},{h}]"
-    bench.run(section, case, "jaxserve", down_floor, job(gmm.grouped_matmul, hidden, w_down, sizes))
-    bench.run(
-        section,
-        case,
-        "lax.ragged_dot",
-        down_floor,
-        job(jax.lax.ragged_dot, hidden, w_down, sizes),
-    )
+    _versus_ragged_dot(bench, section, case, down_floor, hidden, w_down, sizes)
     ffn_bytes = gmm_bytes(m, h, i, sizes_np, weights=2) + gmm_bytes(m, i, h, sizes_np)
     # The [M, I] intermediate is written once and read once, as the fused path does.
     ffn_floor = floor_us(ceilings, ffn_bytes, 2.0 * m * 3 * h * i)

@@ -155,20 +155,26 @@ def test_fused_gate_up_kernel_matches_oracle(interpret, name):
     assert_close(out, gate / (1.0 + np.exp(-gate)) * up)
 
 
-def test_interpreter_poisons_unwritten_output(interpret):
-    """The premise of the 'every element written' checks: a kernel that writes nothing
-    returns NaN under the interpreter."""
+def kernel_writing_nothing(shape: tuple[int, int]):
+    """A Mosaic GPU kernel that takes one input and writes none of its [shape] bf16
+    output."""
 
     @functools.partial(
         plgpu.kernel,
-        out_type=jax.ShapeDtypeStruct((8, 64), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct(shape, jnp.bfloat16),
         grid=(1,),
         grid_names=("sm",),
     )
     def writes_nothing(x_ref, o_ref):
         del x_ref, o_ref
 
-    out = writes_nothing(jnp.zeros((8, 64), jnp.bfloat16))
+    return writes_nothing
+
+
+def test_interpreter_poisons_unwritten_output(interpret):
+    """The premise of the 'every element written' checks: a kernel that writes nothing
+    returns NaN under the interpreter."""
+    out = kernel_writing_nothing((8, 64))(jnp.zeros((8, 64), jnp.bfloat16))
     assert np.isnan(np.asarray(out, np.float32)).all()
 
 
@@ -578,17 +584,7 @@ def ragged_dot_f32(x, w, group_sizes):
 def test_gpu_poison_reaches_kernel_outputs():
     """The premise of the poisoned-output checks on a GPU: after `poison_device_memory`,
     a kernel that writes nothing returns NaN."""
-
-    @jax.jit
-    @functools.partial(
-        plgpu.kernel,
-        out_type=jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16),
-        grid=(1,),
-        grid_names=("sm",),
-    )
-    def writes_nothing(x_ref, o_ref):
-        del x_ref, o_ref
-
+    writes_nothing = jax.jit(kernel_writing_nothing((4096, 128)))
     x = jnp.zeros((8, 64), jnp.bfloat16)
     assert poison_device_memory() > 0, "no device memory statistics to find free memory"
     assert np.isnan(np.asarray(writes_nothing(x), np.float32)).all()

@@ -12,7 +12,8 @@ and picks the launch:
   decode-only (`max_query_len=1`) and there are too few (request, KV head) pairs to fill
   the GPU: the keys are then split over several SMs (flash-decoding).
 
-The design notes are in those modules and in `paged_attention_common.py`.
+The design notes are in those modules, in `paged_attention_flash.py` (the FlashAttention
+stage loop both kernels run) and in `paged_attention_common.py` (work list, pipeline).
 """
 
 from __future__ import annotations
