@@ -5,20 +5,25 @@ call is validated and tokenized here (frontend/validation.py), sent to the engin
 answered from the request's stream of text deltas (frontend/engine_client.py). A call
 with n > 1 sends n engine requests (one per sample, as `jaxserve.LLM` does) and answers
 from their merged stream, each response naming its sample in `index`. Status codes:
-INVALID_ARGUMENT for a bad field (the message names it), UNAVAILABLE while the engine
-starts or after it died. A client that cancels aborts its request (every sample) in the
-engine.
+INVALID_ARGUMENT for a bad field (the message names it) or for bytes that do not parse
+as the method's request message (e.g. invalid UTF-8 in a string field), UNAVAILABLE while
+the engine starts or after it died, RESOURCE_EXHAUSTED for a message larger than
+`MAX_RECEIVE_MESSAGE_BYTES`. A client that cancels aborts its request (every sample) in
+the engine, and the metrics count it as finished with reason "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
@@ -38,6 +43,12 @@ from jaxserve.metrics import Metrics
 logger = logging.getLogger("jaxserve.frontend")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
+
+# The largest request message the server reads (gRPC's default is 4 MiB). Large enough
+# that an over-long prompt reaches the prompt-length check and gets INVALID_ARGUMENT naming
+# `prompt` (32 MiB is millions of tokens, beyond any max_model_len); a larger message is
+# refused by gRPC itself with RESOURCE_EXHAUSTED before it is parsed.
+MAX_RECEIVE_MESSAGE_BYTES = 32 * 1024 * 1024
 
 
 def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
@@ -89,10 +100,13 @@ class _RequestTiming:
         self._start = time.perf_counter()
         self._first: float | None = None
         self._last: float | None = None
+        self.num_tokens = 0  # output tokens delivered so far
 
     def observe(self, outputs: list[TextOutput]) -> None:
+        """Record one batch of consecutive outputs of the request (the last may be final)."""
         now = time.perf_counter()
         n_tokens = sum(len(o.token_ids) for o in outputs)
+        self.num_tokens += n_tokens
         if n_tokens:
             if self._first is None:
                 self._first = now
@@ -103,14 +117,25 @@ class _RequestTiming:
                     self._m.itl.observe(gap)
             self._last = now
         last = outputs[-1]
-        if last.finish_reason is None:
-            return
-        self._m.request_finished(last.finish_reason)
+        if last.finish_reason is not None:
+            self._finish(last.finish_reason, last.prompt_tokens, last.completion_tokens, now)
+
+    def cancelled(self, prompt_tokens: int) -> None:
+        """The client left before the final output: count the request as finished with
+        reason "abort" and the tokens delivered up to now (vLLM counts an aborted request
+        with the tokens it generated). Its final output, which arrives after the stream is
+        detached, is never observed, so this is the request's only count."""
+        self._finish("abort", prompt_tokens, self.num_tokens, time.perf_counter())
+
+    def _finish(
+        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, now: float
+    ) -> None:
+        self._m.request_finished(finish_reason)
         self._m.e2e.observe(now - self._start)
-        self._m.prompt_tokens.inc(last.prompt_tokens)
-        self._m.generation_tokens.inc(last.completion_tokens)
-        if self._first is not None and last.completion_tokens > 1:
-            self._m.tpot.observe((self._last - self._first) / (last.completion_tokens - 1))
+        self._m.prompt_tokens.inc(prompt_tokens)
+        self._m.generation_tokens.inc(completion_tokens)
+        if self._first is not None and completion_tokens > 1:
+            self._m.tpot.observe((self._last - self._first) / (completion_tokens - 1))
 
 
 class JaxserveServicer(pb_grpc.JaxserveServicer):
@@ -126,7 +151,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id, indices, stream = await self._start(request, context)
+        request_id, indices, stream, prompt_tokens = await self._start(request, context)
         timings = {sample_id: _RequestTiming(self._metrics) for sample_id in indices}
         pending = set(indices)  # engine ids of the samples whose final has not come yet
         try:
@@ -159,15 +184,17 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                         yield resp
         finally:
             if pending:  # the client cancelled, a sample failed, or the server is stopping
+                for sample_id in pending:
+                    timings[sample_id].cancelled(prompt_tokens)
                 self._engine.abort(request_id)  # with n > 1: every sample still running
                 self._engine.detach(request_id)
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, dict[str, int], RequestStream]:
+    ) -> tuple[str, dict[str, int], RequestStream, int]:
         """Validate, tokenize and send the request (its n samples); abort the call with a
-        status if not. Returns the request id, {engine request id: sample index} and the
-        stream of every sample's outputs."""
+        status if not. Returns the request id, {engine request id: sample index}, the
+        stream of every sample's outputs and the number of prompt tokens."""
         engine = self._engine
         if not engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
@@ -188,7 +215,8 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                 stream = engine.add_request(samples[0])
             else:
                 stream = engine.add_request_group(request_id, samples)
-            return request_id, {r.request_id: i for i, r in enumerate(samples)}, stream
+            indices = {r.request_id: i for i, r in enumerate(samples)}
+            return request_id, indices, stream, len(engine_request.prompt_token_ids)
         except (RequestValidationError, ValueError) as e:
             # ValueError: a duplicate request_id (or sample id) that arrived while this one
             # was tokenized.
@@ -224,6 +252,90 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         return f"engine unavailable: {reason}"
 
 
+class _Undecodable:
+    """What the lenient deserializer gives for bytes that are not a valid request message;
+    the method's handler answers it with INVALID_ARGUMENT instead of calling the servicer."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], object]:
+    """`message_class.FromString` that returns `_Undecodable` instead of raising.
+
+    grpc.aio turns an exception raised by a request deserializer into UNKNOWN
+    ("Unexpected <class DecodeError>") and logs its traceback, once per such request; a
+    client sending bad bytes (invalid UTF-8 in a string field, a truncated message) could
+    flood the log. The handler (`_checked_handler`) rejects it instead.
+    """
+    name = message_class.DESCRIPTOR.name
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as e:
+            return _Undecodable(f"request: not a valid {name} ({e})")
+
+    return deserialize
+
+
+async def _reject_undecodable(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    logger.debug("rejected an undecodable request: %s", request.message)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def _checked_handler(method, server_streaming: bool):
+    """The servicer's method behind a check that answers `_Undecodable` requests with
+    INVALID_ARGUMENT (and one debug log line); valid requests reach `method` unchanged."""
+    if server_streaming:
+
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await _reject_undecodable(request, context)
+            # aclosing: the servicer's generator runs its cleanup (aborting the request in
+            # the engine) when this one is closed, not whenever it is garbage-collected.
+            async with contextlib.aclosing(method(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return stream
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await _reject_undecodable(request, context)
+        return await method(request, context)
+
+    return unary
+
+
+def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.Server) -> None:
+    """Register `servicer` as the `jaxserve.v1.Jaxserve` service, like the generated
+    `add_JaxserveServicer_to_server`, but with request deserializers that never raise:
+    bytes that do not parse as the method's request get INVALID_ARGUMENT ("request: not a
+    valid GenerateRequest (...)") instead of UNKNOWN and a logged traceback. The handlers
+    are built from the service descriptor, so every method of the proto is registered."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Jaxserve"].methods:
+        if method.client_streaming:
+            raise NotImplementedError(f"{method.name}: client streaming is not handled")
+        request_class = GetMessageClass(method.input_type)
+        response_class = GetMessageClass(method.output_type)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            _checked_handler(getattr(servicer, method.name), method.server_streaming),
+            request_deserializer=_lenient_deserializer(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class FrontendServer:
     """The grpc.aio server with the Jaxserve, health and reflection services.
 
@@ -235,11 +347,14 @@ class FrontendServer:
     ) -> None:
         self._engine = engine
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self._health = health.aio.HealthServicer()
-        pb_grpc.add_JaxserveServicer_to_server(
-            JaxserveServicer(engine, tokenizer, metrics), self._server
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+            ]
         )
+        self._health = health.aio.HealthServicer()
+        add_servicer_to_server(JaxserveServicer(engine, tokenizer, metrics), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

@@ -77,12 +77,30 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+# Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
+# jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
+# machine) while JAX looks for its platforms.
+QUIET_LOGGERS = ("jax._src.xla_bridge",)
+
+
+def configure_logging(level: str, process_name: str) -> None:
+    """Log to stderr at `level` ("INFO", "debug", ...), each line tagged `[process_name]`;
+    the `QUIET_LOGGERS` log only warnings and errors (unless `level` is DEBUG, which keeps
+    everything for debugging)."""
+    level = level.upper()
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s [{process_name}] %(message)s"
+    )
+    if logging.getLevelName(level) != logging.DEBUG:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.launcher import serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [frontend] %(message)s"
-    )
+    # The frontend; a follower process (below) runs its engine steps in this process.
+    configure_logging(args.log_level, "frontend")
     try:
         config = _engine_config(args)
     except ValueError as e:
@@ -138,18 +156,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.n is not None:
         params["n"] = args.n
     last = None
+    completions = []
     with JaxserveClient(args.server) as client:
         try:
             if args.n is not None and args.n > 1:
                 # n samples interleave in the stream: print each whole once all are done.
-                _print_samples(client.complete(prompt, timeout=args.timeout, **params))
-                return 0
-            for delta in client.generate(prompt, timeout=args.timeout, **params):
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-                last = delta
-            if sys.stdout.isatty():
+                completions = client.complete(prompt, timeout=args.timeout, **params)
+                _print_samples(completions)
+            else:
+                for delta in client.generate(prompt, timeout=args.timeout, **params):
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                    last = delta
+                # End the output with a newline, terminal or pipe, as `llm` does: the
+                # shell prompt starts on its own line, and a file of it is a text file.
                 sys.stdout.write("\n")
+                sys.stdout.flush()
         except grpc.RpcError as e:
             print(f"\njaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -161,13 +183,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             # (the recipe in Python's signal module documentation).
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
-    if args.verbose and last is not None:
-        print(
-            f"\n[finish_reason={last.finish_reason} stop_reason={last.stop_reason!r} "
-            f"prompt_tokens={last.prompt_tokens} completion_tokens={last.completion_tokens}]",
-            file=sys.stderr,
-        )
+    if args.verbose:
+        for c in completions or ([last] if last is not None else []):
+            print(_summary(c, len(completions) > 1), file=sys.stderr)
     return 0
+
+
+def _summary(result, with_index: bool) -> str:
+    """The `-v` line of one sample (a GenerateDelta or a Completion): how it finished and
+    its token counts."""
+    sample = f"sample={result.index} " if with_index else ""
+    return (
+        f"[{sample}finish_reason={result.finish_reason} stop_reason={result.stop_reason!r} "
+        f"prompt_tokens={result.prompt_tokens} completion_tokens={result.completion_tokens}]"
+    )
 
 
 def _print_samples(completions) -> None:
@@ -189,7 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--seed", type=int)
     s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
-    s.add_argument("--num-blocks", type=_int_at_least(2), help="KV blocks (default: from memory)")
+    s.add_argument(
+        "--num-blocks", type=_int_at_least(2),
+        help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
+        "usable (default: from memory)",
+    )  # fmt: skip
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--max-num-seqs", type=POSITIVE, help="most requests in one step")
     s.add_argument("--max-num-batched-tokens", type=POSITIVE, help="token budget of one step")
@@ -219,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, help="seconds for the whole call")
-    g.add_argument("-v", "--verbose", action="store_true", help="print finish reason, counts")
+    g.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="print each sample's finish reason and token counts to stderr",
+    )  # fmt: skip
     g.set_defaults(func=_cmd_generate)
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint

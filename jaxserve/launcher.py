@@ -32,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import prometheus_client
 import uvloop
 
 from jaxserve.config import EngineConfig, ServerConfig
@@ -93,12 +94,21 @@ def serve(
     """Run the server until SIGINT/SIGTERM or until a child dies. Returns the process exit
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
     detokenizer died, during start-up or while serving (see the module docstring).
+    Raises RuntimeError naming the flag ("port: ...", "metrics-port: ...") when an address
+    cannot be bound; no child is left running then.
 
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
         process when it leads a multi-process run (process 0; see jaxserve.distributed).
     """
     tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
+    # This process owns its registry: no `_created` series (a sample per counter and
+    # histogram that dashboards do not use), as vLLM's server does.
+    prometheus_client.disable_created_metrics()
+    metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
+    if server_config.metrics_port is not None:
+        # Bound before any child starts: a busy port leaves nothing to clean up.
+        metrics.serve(server_config.metrics_port, server_config.host)
     socket_dir = tempfile.mkdtemp(prefix="jaxserve-")
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
@@ -123,7 +133,6 @@ def serve(
         children.append(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
         )
-        metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
         return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children, metrics))
     finally:
         _stop_children(children)
@@ -141,8 +150,6 @@ async def _run_frontend(
     engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
-    if server_config.metrics_port is not None:
-        metrics.serve(server_config.metrics_port, server_config.host)
     server = FrontendServer(engine, tokenizer, metrics)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
@@ -155,7 +162,9 @@ async def _run_frontend(
             stats = ready.result()
             await server.set_serving(True)
             logger.info(
-                "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d KV blocks of %d)",
+                # num_blocks_total is the usable count: the engine's null block is not in it.
+                "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d usable KV blocks "
+                "of %d tokens)",
                 stats.model, server_config.host, port,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip

@@ -12,6 +12,10 @@ Prometheus counters (`..._total`, as vLLM's `vllm:num_preemptions_total` and
 message increments a counter by the change since the previous message. A value below the
 previous one means the engine restarted and counts from 0 again: the whole new value is
 the increment (Prometheus' own counter-reset rule, applied at the source).
+Counters and histograms export no `_created` series: `disable_created_metrics`, the
+process-wide switch of prometheus_client, is called by `jaxserve serve` (the launcher),
+which owns its process, as vLLM's server does; it is not called here, so that importing
+this module leaves other registries of an embedding program alone.
 No JAX here.
 """
 
@@ -53,14 +57,17 @@ ENGINE_COUNTERS = {
 }  # fmt: skip
 
 # EngineStats.extra keys that are values of the last step, exported as gauges (name, help).
+# Names end in the unit, `_seconds` (Prometheus' naming convention).
 ENGINE_GAUGES = {
-    "last_host_s": ("jaxserve_engine_last_host_s", "Host time of the last engine step, s"),
-    "last_device_s": ("jaxserve_engine_last_device_s", "Device time of the last engine step, s"),
+    "last_host_s": ("jaxserve_engine_last_host_seconds", "Host time of the last engine step, s"),
+    "last_device_s": (
+        "jaxserve_engine_last_device_seconds", "Device time of the last engine step, s"
+    ),
     "last_coordination_s": (
-        "jaxserve_engine_last_coordination_s",
+        "jaxserve_engine_last_coordination_seconds",
         "Multi-process step coordination time of the last step, s",
     ),
-}
+}  # fmt: skip
 
 
 class Metrics:
@@ -102,6 +109,10 @@ class Metrics:
         self.kv_blocks_free = Gauge(
             "jaxserve_kv_blocks_free", "Free KV cache blocks", ["model"], registry=r
         ).labels(**labels)
+        self.kv_blocks_total = Gauge(
+            "jaxserve_kv_blocks_total", "Usable KV cache blocks (the null block excluded)",
+            ["model"], registry=r,
+        ).labels(**labels)  # fmt: skip
         self.engine_counters = {
             key: Counter(name, doc, ["model"], registry=r).labels(**labels)
             for key, (name, doc) in ENGINE_COUNTERS.items()
@@ -127,6 +138,7 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_free.set(stats.num_blocks_free)
+        self.kv_blocks_total.set(stats.num_blocks_total)
         extra = stats.extra or {}
         for key, value in extra.items():
             if value is None:
@@ -147,5 +159,12 @@ class Metrics:
             self.engine_counters[key].inc(delta)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose /metrics over HTTP on addr:port (a daemon thread)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+        """Expose /metrics over HTTP on addr:port (a daemon thread).
+
+        Raises RuntimeError("metrics-port: cannot bind ADDR:PORT (...)") if the address
+        cannot be bound (the port is busy, the address is not local).
+        """
+        try:
+            start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            raise RuntimeError(f"metrics-port: cannot bind {addr}:{port} ({e})") from e

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from jaxserve.frontend.detokenizer_process import OutputProcessor
 from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.frontend.server import MAX_RECEIVE_MESSAGE_BYTES
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.frontend.validation import (
     DEFAULT_MAX_TOKENS,
@@ -411,6 +413,63 @@ def _assert_invalid(stub, req, field, name):
     assert info.value.details().startswith(f"{field}:"), (name, info.value.details())
 
 
+# Raw request bytes that do not parse: invalid UTF-8 in each string field, and a message
+# cut short. Field tags: request_id = 1 (0x0a), text = 2 (0x12), stop = 6 (0x32).
+UNDECODABLE_GENERATE = [
+    ("bad UTF-8 in text", b"\x12\x03\xff\xfeA"),
+    ("bad UTF-8 in request_id", b"\x0a\x02\xff\xfe\x12\x02hi"),
+    ("bad UTF-8 in stop", b"\x12\x02hi\x32\x02\xff\xfe"),
+    ("truncated", b"\x12\x05hi"),
+]
+
+
+def test_undecodable_requests_are_invalid_argument_without_a_traceback(server, client):
+    log_start = len(server.lines)
+    with grpc.insecure_channel(server.target) as channel:
+        generate = channel.unary_stream(
+            "/jaxserve.v1.Jaxserve/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
+        abort = channel.unary_unary(
+            "/jaxserve.v1.Jaxserve/Abort",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.AbortResponse.FromString,
+        )
+        calls = [(name, lambda d=data: list(generate(d, timeout=RPC_TIMEOUT_S)), "GenerateRequest")
+                 for name, data in UNDECODABLE_GENERATE]  # fmt: skip
+        calls.append(
+            ("Abort, bad UTF-8", lambda: abort(b"\x0a\x02\xff\xfe", timeout=10), "AbortRequest")
+        )
+        for name, call, message in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert info.value.details().startswith(f"request: not a valid {message} ("), (
+                name, info.value.details()
+            )  # fmt: skip
+        # The same raw path with valid bytes reaches the servicer.
+        ok = list(generate(build_generate_request([1, 2], max_tokens=3).SerializeToString()))
+        assert ok[-1].finish_reason == "length" and ok[-1].completion_tokens == 3
+    # grpc.aio logs a traceback for a deserializer that raises: none here (the log line
+    # of a rejected call is written before its status is sent, so it would be in by now).
+    client.server_info(timeout=RPC_TIMEOUT_S)
+    time.sleep(0.2)
+    new_log = "".join(server.lines[log_start:])
+    assert "Traceback" not in new_log and "DecodeError" not in new_log, new_log
+
+
+def test_prompt_over_4_mib_reaches_the_prompt_check(server):
+    stub = pb_grpc.JaxserveStub(grpc.insecure_channel(server.target))
+    # Above gRPC's default 4 MiB receive limit, below MAX_RECEIVE_MESSAGE_BYTES.
+    big = build_generate_request("x" * (5 * 1024 * 1024))
+    _assert_invalid(stub, big, "prompt", "5 MiB text prompt")
+    huge = build_generate_request("x" * (MAX_RECEIVE_MESSAGE_BYTES + 1))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(huge, timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # ---------------------------------------------------------------- abort and cancel
 
 
@@ -445,16 +504,22 @@ def test_client_cancel_aborts_request(client):
 # ---------------------------------------------------------------- CLI
 
 
-def test_cli_generate_streams_text(server, tok, vocab):
+def test_cli_generate_streams_text_and_a_final_newline(server, tok, vocab):
     prompt = "import "
     expected = tok.decode(_expected_ids(tok, vocab, prompt, 12))
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
-         "--max-tokens", "12", "--temperature", "0", prompt],
+         "--max-tokens", "12", "--temperature", "0", "-v", prompt],
         capture_output=True, timeout=60, cwd=REPO_DIR,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.decode() == expected
+    # The text, then one newline (a pipe too, as `llm` does); -v's summary goes to stderr.
+    assert out.stdout.decode() == expected + "\n"
+    prompt_tokens = len(tok.encode(prompt).ids)
+    assert out.stderr.decode().splitlines() == [
+        f"[finish_reason=length stop_reason=None prompt_tokens={prompt_tokens} "
+        "completion_tokens=12]"
+    ]
 
 
 def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
@@ -462,13 +527,20 @@ def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
     texts = [tok.decode(_expected_ids(tok, vocab, prompt, 8, seed=5 + i)) for i in range(2)]
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
-         "--max-tokens", "8", "--seed", "5", "-n", "2", prompt],
+         "--max-tokens", "8", "--seed", "5", "-n", "2", "-v", prompt],
         capture_output=True, timeout=60, cwd=REPO_DIR,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.decode() == "".join(
         f"--- sample {i} (finish_reason=length) ---\n{text}\n" for i, text in enumerate(texts)
     )
+    # -v: each sample's finish and token counts, as the help says.
+    prompt_tokens = len(tok.encode(prompt).ids)
+    assert out.stderr.decode().splitlines() == [
+        f"[sample={i} finish_reason=length stop_reason=None prompt_tokens={prompt_tokens} "
+        "completion_tokens=8]"
+        for i in range(2)
+    ]
 
 
 def test_cli_generate_reports_bad_input(server):
@@ -494,6 +566,58 @@ def test_busy_port_is_an_error(server, model_dir):
     )  # fmt: skip
     assert out.returncode == 1
     assert "Failed to bind" in out.stderr
+
+
+def test_busy_metrics_port_is_an_error_naming_the_flag(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+             "--port", "0", "--metrics-port", str(port),
+             "--engine-class", "mock_engine:MockEngineCore"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_DIR,
+            env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+        )  # fmt: skip
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert f"jaxserve serve: error: metrics-port: cannot bind 127.0.0.1:{port} (" in stderr
+    # No child outlived it (children carry their parent's pid on their command line).
+    marker = f"--parent-pid {proc.pid}"
+    leftovers = [
+        pid for pid in (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+        if alive(pid) and marker in _cmdline(pid)
+    ]  # fmt: skip
+    assert not leftovers
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_serve_logging_quiets_the_jax_backend_probe():
+    """`configure_logging` (used by `serve`) hides xla_bridge's INFO lines at every start
+    ("Unable to initialize backend 'tpu'"); at DEBUG they stay."""
+    code = (
+        "import sys; from jaxserve.cli import configure_logging; "
+        "configure_logging(sys.argv[1], 'test'); import jax; jax.devices()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # probe every platform
+    logs = {}
+    for level in ("INFO", "DEBUG"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, level], capture_output=True, text=True, timeout=120,
+            env=env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        logs[level] = out.stderr
+    assert "Unable to initialize backend" in logs["DEBUG"]  # the probe does log it
+    assert "Unable to initialize backend" not in logs["INFO"]
+    assert "xla_bridge" not in logs["INFO"]
 
 
 def test_frontend_process_never_imports_jax():
@@ -719,23 +843,75 @@ def _scrape(port: int) -> dict[str, float]:
     return samples
 
 
-def test_metrics_endpoint_counts_what_the_client_saw(model_dir):
+@pytest.fixture(scope="module")
+def metrics_server(model_dir):
+    """A server with --metrics-port, shared by the metrics tests (each compares the
+    samples after its requests with those before)."""
     port = _free_port()
-    server = MockServer(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
-    try:
-        client = JaxserveClient(server.target)
+    srv = MockServer(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
+    srv.metrics_port = port
+    yield srv
+    srv.terminate(15)
+
+
+def _increase(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_endpoint_counts_what_the_client_saw(metrics_server, model_dir):
+    port = metrics_server.metrics_port
+    with JaxserveClient(metrics_server.target) as client:
+        before = _scrape(port)
         deltas = list(client.generate("metrics please", max_tokens=12, timeout=RPC_TIMEOUT_S))
-        samples = _scrape(port)
-        model = f'model="{model_dir.name}"'
-        assert deltas[-1].completion_tokens == 12
-        assert samples[f"jaxserve_generation_tokens_total{{{model}}}"] == 12
-        assert samples[f"jaxserve_prompt_tokens_total{{{model}}}"] == deltas[-1].prompt_tokens
-        assert samples[f"jaxserve_time_to_first_token_seconds_count{{{model}}}"] == 1
-        assert samples[f"jaxserve_time_per_output_token_seconds_count{{{model}}}"] == 1
-        # 12 tokens: the first is TTFT, the other 11 each get an inter-token latency.
-        assert samples[f"jaxserve_inter_token_latency_seconds_count{{{model}}}"] == 11
-        key = f'jaxserve_request_success_total{{finish_reason="length",{model}}}'
-        assert samples[key] == 1
-        assert samples[f"jaxserve_kv_blocks_free{{{model}}}"] > 0
-    finally:
-        server.terminate(10)
+    samples = _scrape(port)
+    model = f'model="{model_dir.name}"'
+
+    def increase(key):
+        return _increase(before, samples, key)
+
+    assert deltas[-1].completion_tokens == 12
+    assert increase(f"jaxserve_generation_tokens_total{{{model}}}") == 12
+    assert increase(f"jaxserve_prompt_tokens_total{{{model}}}") == deltas[-1].prompt_tokens
+    assert increase(f"jaxserve_time_to_first_token_seconds_count{{{model}}}") == 1
+    assert increase(f"jaxserve_time_per_output_token_seconds_count{{{model}}}") == 1
+    # 12 tokens: the first is TTFT, the other 11 each get an inter-token latency.
+    assert increase(f"jaxserve_inter_token_latency_seconds_count{{{model}}}") == 11
+    assert increase(f'jaxserve_request_success_total{{finish_reason="length",{model}}}') == 1
+    assert 0 < samples[f"jaxserve_kv_blocks_free{{{model}}}"] <= 256
+    assert samples[f"jaxserve_kv_blocks_total{{{model}}}"] == 256  # --num-blocks of the mock
+    # disable_created_metrics in the serving process: no `_created` series.
+    assert not [key for key in samples if "_created{" in key]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_metrics_count_a_cancelled_request_once_as_abort(metrics_server, model_dir, n):
+    port = metrics_server.metrics_port
+    model = f'model="{model_dir.name}"'
+    abort_key = f'jaxserve_request_success_total{{finish_reason="abort",{model}}}'
+    prompt = [47] * 6
+    with JaxserveClient(metrics_server.target) as client:
+        _wait_idle(client)
+        before = _scrape(port)
+        stream = client.generate(
+            prompt, n=n, max_tokens=1000, return_token_ids=True, timeout=RPC_TIMEOUT_S
+        )
+        received = 0
+        while received < 5 * n:
+            received += len(next(stream).token_ids)
+        stream.close()  # cancels the call
+        _wait_idle(client, timeout=3.0)  # the engine's finals (aborts) have arrived
+    # The engine's finals came after the streams were detached: give a double count the
+    # time to happen before reading.
+    time.sleep(0.3)
+    after = _scrape(port)
+
+    def increase(key):
+        return _increase(before, after, key)
+
+    assert increase(abort_key) == n
+    assert increase(f'jaxserve_request_success_total{{finish_reason="length",{model}}}') == 0
+    assert increase(f"jaxserve_e2e_request_latency_seconds_count{{{model}}}") == n
+    assert increase(f"jaxserve_prompt_tokens_total{{{model}}}") == n * len(prompt)
+    # The tokens the server delivered: at least what this client read before leaving.
+    generated = increase(f"jaxserve_generation_tokens_total{{{model}}}")
+    assert received <= generated < n * 1000

@@ -19,9 +19,16 @@ MODEL = "tiny"
 LABELS = {"model": MODEL}
 
 
-def _stats(running: int = 0, waiting: int = 0, free: int = 10, **extra) -> EngineStats:
+def _stats(
+    running: int = 0, waiting: int = 0, free: int = 10, total: int = 16, **extra
+) -> EngineStats:
     return EngineStats(
-        model=MODEL, num_running=running, num_waiting=waiting, num_blocks_free=free, extra=extra
+        model=MODEL,
+        num_running=running,
+        num_waiting=waiting,
+        num_blocks_free=free,
+        num_blocks_total=total,
+        extra=extra,
     )
 
 
@@ -75,12 +82,16 @@ def test_engine_restart_counts_the_new_value_as_the_increment():
 
 def test_gauges_follow_the_last_message():
     metrics = Metrics(model=MODEL)
-    metrics.update_from_engine(_stats(running=3, waiting=2, free=5, last_host_s=0.5))
-    metrics.update_from_engine(_stats(running=1, waiting=0, free=9, last_host_s=0.125))
+    metrics.update_from_engine(_stats(running=3, waiting=2, free=5, total=12, last_host_s=0.5))
+    metrics.update_from_engine(
+        _stats(running=1, waiting=0, free=9, total=15, last_host_s=0.125, last_device_s=0.25)
+    )
     assert _value(metrics, "jaxserve_num_requests_running") == 1
     assert _value(metrics, "jaxserve_num_requests_waiting") == 0
     assert _value(metrics, "jaxserve_kv_blocks_free") == 9
-    assert _value(metrics, "jaxserve_engine_last_host_s") == 0.125
+    assert _value(metrics, "jaxserve_kv_blocks_total") == 15
+    assert _value(metrics, "jaxserve_engine_last_host_seconds") == 0.125
+    assert _value(metrics, "jaxserve_engine_last_device_seconds") == 0.25
 
 
 def test_exposition_names_and_types():
@@ -104,11 +115,25 @@ def test_exposition_names_and_types():
         "jaxserve_num_requests_running",
         "jaxserve_num_requests_waiting",
         "jaxserve_kv_blocks_free",
+        "jaxserve_kv_blocks_total",
         "jaxserve_prefix_cache_hit_rate",
     ):
         assert families[name] == "gauge", name
     # No key is both.
     assert not set(ENGINE_COUNTERS) & set(ENGINE_GAUGES)
+
+
+def test_time_metrics_are_named_in_seconds():
+    """Prometheus' naming convention: a metric of a duration ends in its unit, `_seconds`
+    (a counter's exposition adds `_total` after it). The engine's keys in seconds end
+    in `_s`."""
+    for key, (name, _) in {**ENGINE_COUNTERS, **ENGINE_GAUGES}.items():
+        if key.endswith("_s"):
+            assert name.endswith("_seconds"), (key, name)
+    families = _families(Metrics(model=MODEL))
+    for name, kind in families.items():
+        if kind == "histogram":  # every histogram here is a latency
+            assert name.endswith("_seconds"), name
 
 
 def test_every_engine_counter_key_is_exported():
