@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int)
     s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
     s.add_argument(
-        "--num-blocks", type=_int_at_least(2),
+        "--num-blocks", type=_int_at_least(2), metavar="N",
         help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
         "usable (default: from memory)",
     )  # fmt: skip
