@@ -14,8 +14,9 @@ With n > 1 the deltas of the n samples interleave; `delta.index` says whose, and
 
 Errors are `grpc.RpcError` (`.code()`, `.details()`): INVALID_ARGUMENT names the bad
 field; UNAVAILABLE means the engine is starting or gone; RESOURCE_EXHAUSTED means the
-request message is over the server's 32 MiB limit (`server.MAX_RECEIVE_MESSAGE_BYTES`). Leaving the `generate` loop early
-cancels the call, which aborts the request (every sample) in the engine.
+request message is over the server's 32 MiB limit (`server.MAX_RECEIVE_MESSAGE_BYTES`).
+Leaving the `generate` loop early cancels the call, which aborts the request (every
+sample) in the engine.
 """
 
 from __future__ import annotations
