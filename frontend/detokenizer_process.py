@@ -36,6 +36,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
+from jaxserve.logs import configure_logging
 
 logger = logging.getLogger("jaxserve.detokenizer")
 
@@ -174,9 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [detokenizer] %(message)s"
-    )
+    configure_logging(args.log_level, "detokenizer")
     try:
         tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError) as e:

@@ -11,7 +11,6 @@ process (the engine process does).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -24,6 +23,7 @@ from jaxserve.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from jaxserve.logs import configure_logging
 
 
 def _int_at_least(low: int, high: int | None = None):
@@ -77,25 +77,6 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-# Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
-# jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
-# machine) while JAX looks for its platforms.
-QUIET_LOGGERS = ("jax._src.xla_bridge",)
-
-
-def configure_logging(level: str, process_name: str) -> None:
-    """Log to stderr at `level` ("INFO", "debug", ...), each line tagged `[process_name]`;
-    the `QUIET_LOGGERS` log only warnings and errors (unless `level` is DEBUG, which keeps
-    everything for debugging)."""
-    level = level.upper()
-    logging.basicConfig(
-        level=level, format=f"%(asctime)s %(levelname)s [{process_name}] %(message)s"
-    )
-    if logging.getLevelName(level) != logging.DEBUG:
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.launcher import serve
 
@@ -116,13 +97,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from jaxserve.engine.process import run_follower
 
         return run_follower(config, dist)
-    dist_args = []
-    if dist is not None:
-        dist_args = [
-            "--coordinator-address", dist.coordinator_address,
-            "--num-processes", str(dist.num_processes),
-            "--process-id", str(dist.process_id),
-        ]  # fmt: skip
+    # The engine process joins the run where this process stands (heartbeat included).
+    dist_args = dist.to_arguments() if dist is not None else []
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     try:
         return serve(

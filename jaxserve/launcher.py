@@ -45,7 +45,9 @@ from jaxserve.metrics import Metrics
 logger = logging.getLogger("jaxserve")
 
 GRPC_GRACE_S = 2.0  # open calls get this long after SIGTERM before they are cancelled
-CHILD_TERM_TIMEOUT_S = 4.0  # after SIGTERM, a child is SIGKILLed when it takes longer
+# After SIGTERM, a child is SIGKILLed when it takes longer than this (the engine of a
+# multi-process run takes ~3.5 s to leave the run cleanly).
+CHILD_TERM_TIMEOUT_S = 6.0
 CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children live
 # After a child dies: how long open calls' UNAVAILABLE and health's NOT_SERVING are
 # served before the server stops (SIGINT/SIGTERM cuts it short).

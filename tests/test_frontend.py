@@ -603,7 +603,7 @@ def test_serve_logging_quiets_the_jax_backend_probe():
     """`configure_logging` (used by `serve`) hides xla_bridge's INFO lines at every start
     ("Unable to initialize backend 'tpu'"); at DEBUG they stay."""
     code = (
-        "import sys; from jaxserve.cli import configure_logging; "
+        "import sys; from jaxserve.logs import configure_logging; "
         "configure_logging(sys.argv[1], 'test'); import jax; jax.devices()"
     )
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # probe every platform

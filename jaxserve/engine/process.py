@@ -49,6 +49,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
+from jaxserve.logs import configure_logging
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -322,9 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
-    )
+    configure_logging(args.log_level, "engine")
     config = EngineConfig.from_dict(json.loads(args.config_json))
     dist = distributed.from_arguments(args)
     distributed.initialize(dist)  # before any other JAX call
