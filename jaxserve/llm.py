@@ -154,6 +154,8 @@ class LLM:
         Raises:
             ValueError: bad parameters or prompts (the message names the field), or a
                 request the engine rejected (e.g. a prompt longer than max_model_len).
+                Whatever it raises (KeyboardInterrupt too), the requests of this call
+                are aborted first, so the LLM stays usable.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -171,6 +173,21 @@ class LLM:
             params.validate(vocab)
 
         samples: dict[str, _Sample] = {}
+        try:
+            self._add_requests(encoded, params_list, samples)
+            self._run(samples)
+        except BaseException:
+            self._abort_all(samples)
+            raise
+        return _collect(encoded, params_list, samples)
+
+    def _add_requests(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        samples: dict[str, _Sample],
+    ) -> None:
+        """One engine request per sample, recorded in `samples` by request id."""
         for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             group = f"llm-{self._next_id}" if params.n > 1 else None
             for j in range(params.n):
@@ -189,8 +206,13 @@ class LLM:
                     ),
                     cache_group=group,
                 )
-        self._run(samples)
-        return _collect(encoded, params_list, samples)
+
+    def _abort_all(self, samples: dict[str, _Sample]) -> None:
+        """Abort this call's requests and step the engine until it is idle, so that the
+        next call finds no leftover request (and no step of this one in flight)."""
+        self.engine.abort_requests(sorted(samples))
+        while self.engine.has_work():
+            self.engine.step()
 
     def _run(self, samples: dict[str, _Sample]) -> None:
         pending = set(samples)
@@ -200,10 +222,7 @@ class LLM:
                 if sample is None or out.request_id not in pending:
                     continue  # the final "abort" of a request a stop string already ended
                 if out.finish_reason == "error":
-                    self.engine.abort_requests(sorted(pending))
-                    while self.engine.has_work():
-                        self.engine.step()
-                    raise ValueError(out.error)
+                    raise ValueError(out.error)  # generate() aborts the others
                 if self._apply(sample, out):
                     pending.discard(out.request_id)
 

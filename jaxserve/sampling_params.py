@@ -2,13 +2,39 @@
 
 Shared by the offline `LLM` API, the gRPC frontend and the engine. Plain data, no JAX.
 Field names and meanings follow vLLM's `SamplingParams`.
+
+`SamplingParams.validate` is the single place where a request's parameters are checked,
+against every limit the engine's sampler has (the limits live here, the sampler imports
+them): the frontend, the offline `LLM` and `EngineCore.add_request` all call it, so a
+request the sampler could not pack is rejected at the door with its field named.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+import numpy as np
+
+# Most top log-probs a request may ask for (vLLM's default max_logprobs is 20); the
+# sampler computes this many alternatives for every row.
+MAX_LOGPROBS = 20
+# Most logit_bias entries per request: the sampler's bias arrays are [rows, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS = 64
+# The sampler holds every float parameter as float32: larger magnitudes would overflow.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(slots=True)
@@ -26,10 +52,12 @@ class SamplingParams:
     ignore_eos: keep going past the EOS token.
     skip_special_tokens: drop special tokens from the text.
     repetition_penalty / presence_penalty / frequency_penalty: as in vLLM (1.0 / 0 / 0 disable).
-    logit_bias: token id -> additive bias on the logit.
+    logit_bias: token id -> additive bias on the logit (at most MAX_LOGIT_BIAS entries).
     n: number of samples for the prompt.
     logprobs: return the log-prob of each chosen token and of the top-N alternatives (None: off).
     prompt_logprobs: return log-probs of the prompt tokens, with top-N alternatives (None: off).
+
+    Every float must be finite with |x| <= FLOAT32_MAX (the sampler computes in float32).
     """
 
     temperature: float = 1.0
@@ -55,25 +83,36 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError whose message starts with the offending field's name."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):  # fmt: skip
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
-        if not all(math.isfinite(v) for v in self.logit_bias.values()):
-            raise ValueError("logit_bias: biases must be finite numbers")
+        """Check every field against its range and the sampler's limits.
+
+        Args:
+            vocab_size: when given, token ids (stop_token_ids, logit_bias keys) must lie
+                in [0, vocab_size).
+
+        Raises:
+            ValueError: whose message starts with the offending field's name
+                ("logit_bias: at most 64 entries are supported, got 65").
+        """
+        self._validate_types()
+        for name in _FLOAT_FIELDS:
+            _check_float32(name, getattr(self, name))
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        # top_p and repetition_penalty must stay > 0 once cast to float32: a top_p of 0
+        # keeps no token, and a penalty of 0 divides logits by zero.
+        if not (0.0 < self.top_p <= 1.0 and np.float32(self.top_p) > 0.0):
+            raise ValueError(f"top_p: must be in (0, 1] (and > 0 in float32), got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k: must be -1 (disabled) or >= 1, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0.0 and np.float32(self.repetition_penalty) > 0.0):
+            raise ValueError(
+                f"repetition_penalty: must be > 0 (and > 0 in float32), "
+                f"got {self.repetition_penalty}"
+            )
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
@@ -84,22 +123,82 @@ class SamplingParams:
             if not s:
                 raise ValueError("stop: stop strings must be non-empty")
         for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if k is not None and not (0 <= k <= 20):
-                raise ValueError(f"{name}: must be in [0, 20], got {k}")
+            if k is not None and not (0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}")
+        self._validate_logit_bias(vocab_size)
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"stop_token_ids: token id {t} outside [0, {vocab_size})")
-            for t in self.logit_bias:
-                if not 0 <= int(t) < vocab_size:
-                    raise ValueError(f"logit_bias: token id {t} outside [0, {vocab_size})")
+
+    def _validate_types(self) -> None:
+        """Integers where the sampler indexes or counts with them, numbers where it
+        computes with them: anything else would fail later, inside an engine step."""
+        for name in ("top_k", "max_tokens", "n"):
+            _check_int(name, getattr(self, name))
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, Real):
+                raise ValueError(f"{name}: must be a number, got {value!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop: must be a list of strings, got {self.stop!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+        if not isinstance(self.logit_bias, Mapping):
+            raise ValueError(f"logit_bias: must map token ids to biases, got {self.logit_bias!r}")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS} entries are supported, "
+                f"got {len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id)
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} outside [0, {vocab_size})")
+            if not isinstance(bias, Real):
+                raise ValueError(f"logit_bias: the bias of token {token_id} is not a number")
+            _check_float32("logit_bias", bias, f"the bias of token {token_id}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
+        """SamplingParams from `to_dict`'s output (logit_bias keys may be strings, as
+        after a JSON round trip). Not validated: call `validate`.
+
+        Raises:
+            TypeError: an unknown field.
+            ValueError: a logit_bias key or value that is not a number (named).
+        """
         d = dict(d)
         if "logit_bias" in d:
-            d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
+            try:
+                d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias: must map token ids to numbers ({e})") from None
         return cls(**d)
+
+
+def _check_int(name: str, value: object) -> None:
+    if not isinstance(value, Integral):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+
+
+def _check_float32(name: str, value: float, what: str = "") -> None:
+    """Raise ValueError naming `name` unless value is finite with |value| <= FLOAT32_MAX."""
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond the float64 range
+        x = math.inf
+    if not (math.isfinite(x) and abs(x) <= FLOAT32_MAX):
+        subject = f"{what} must be" if what else "must be"
+        raise ValueError(
+            f"{name}: {subject} a finite number within the float32 range "
+            f"(|x| <= {FLOAT32_MAX:.7g}), got {value}"
+        )

@@ -427,3 +427,111 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
         )
         ends = np.cumsum([r.num_tokens for r in reqs]) - 1
         np.testing.assert_array_equal(inputs.logits_indices[: len(reqs)], ends)
+
+
+# ----- sampler limits: checked at the door, and no request can stop the engine --------------
+
+
+def _too_many_biases() -> dict[int, float]:
+    from jaxserve.sampling_params import MAX_LOGIT_BIAS
+
+    return {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
+
+
+def test_sampler_limits_end_with_error_and_others_continue(tiny_engine):
+    """Parameters the sampler cannot hold (more logit_bias entries than its arrays,
+    floats beyond float32) end their request with an error naming the field, while a
+    seeded request beside them gives the tokens it gives alone."""
+    normal = dict(temperature=0.8, seed=11, logit_bias={3: 2.0}, max_tokens=12)
+    prompt = list(range(1, 20))
+    alone = run_engine(tiny_engine, [("alone", prompt, normal)])["alone"].tokens
+    bad = {
+        "biases": dict(logit_bias=_too_many_biases()),
+        "bias_1e308": dict(logit_bias={5: 1e308}),
+        "temperature": dict(temperature=1e308),
+        "repetition_penalty": dict(repetition_penalty=1e308),
+    }
+    fields = {"biases": "logit_bias", "bias_1e308": "logit_bias"}
+    r = run_engine(
+        tiny_engine,
+        [("normal", prompt, normal)]
+        + [(k, [1, 2, 3], dict(s, max_tokens=4)) for k, s in bad.items()],
+    )
+    assert r["normal"].tokens == alone and r["normal"].finish_reason == "length"
+    for rid in bad:
+        assert r[rid].finish_reason == "error", rid
+        assert r[rid].error.startswith(f"{fields.get(rid, rid)}:"), (rid, r[rid].error)
+    assert_idle(tiny_engine)
+
+
+@pytest.mark.parametrize(
+    "when, async_scheduling", [("waiting", True), ("running", True), ("running", False)]
+)
+def test_unpackable_row_ends_with_error_and_others_continue(tiny_engine, when, async_scheduling):
+    """Defence in depth: a request whose parameters turn out unpackable only inside a
+    step (here: changed after validation) ends with an error and frees its blocks; the
+    step and every other request go on as if it had never been there."""
+    normal = dict(temperature=0.8, seed=5, max_tokens=16)
+    prompt = list(range(30, 50))
+    spoiled = []
+
+    def spoil(outputs=()):
+        seq = tiny_engine.scheduler.requests.get("victim")
+        if seq is None or spoiled or (when == "running" and seq.num_output_tokens == 0):
+            return
+        seq.params.logit_bias = _too_many_biases()
+        spoiled.append(seq.num_output_tokens)
+
+    with swap_scheduler(tiny_engine, async_scheduling=async_scheduling):
+        alone = run_engine(tiny_engine, [("alone", prompt, normal)])["alone"].tokens
+        tiny_engine.add_request(EngineRequest("normal", np.asarray(prompt, np.int32), normal))
+        victim = EngineRequest("victim", np.arange(1, 9, dtype=np.int32), greedy(40))
+        tiny_engine.add_request(victim)
+        spoil()
+        r = run_engine(tiny_engine, [], on_step=spoil)
+        assert len(spoiled) == 1 and (spoiled[0] == 0) == (when == "waiting"), spoiled
+        assert r["normal"].tokens == alone and r["normal"].finish_reason == "length"
+        assert r["victim"].finish_reason == "error"
+        assert r["victim"].error.startswith("logit_bias: at most"), r["victim"].error
+        assert len(r["victim"].tokens) < 40
+        assert_idle(tiny_engine)
+
+
+def test_llm_rejects_sampler_limits_and_stays_usable(llm, tiny_engine):
+    from jaxserve import SamplingParams
+
+    ref = llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
+    with pytest.raises(ValueError, match="^logit_bias: at most"):
+        llm.generate("def ", SamplingParams(logit_bias=_too_many_biases()))
+    with pytest.raises(ValueError, match="^logit_bias:"):
+        llm.generate("def ", SamplingParams(logit_bias={5: 1e308}))
+    with pytest.raises(ValueError, match="^temperature:"):
+        llm.generate("def ", SamplingParams(temperature=1e308))
+    assert_idle(tiny_engine)
+    again = llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert again.token_ids == ref
+
+
+def test_llm_is_usable_after_an_interrupted_generate(llm, tiny_engine, monkeypatch):
+    """An exception in the middle of a step (here Ctrl-C while waiting for the device)
+    aborts the call's requests: no leftover request, and the next call works."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    ref = llm.generate([[7, 8, 9], [1, 2]], params)
+    fetch, calls = tiny_engine.runner.fetch, []
+
+    def interrupted_fetch(handle):
+        calls.append(handle)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fetch(handle)
+
+    monkeypatch.setattr(tiny_engine.runner, "fetch", interrupted_fetch)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[7, 8, 9], [1, 2]], params)
+    monkeypatch.undo()
+    assert_idle(tiny_engine)
+    assert not tiny_engine.has_work()
+    again = llm.generate([[7, 8, 9], [1, 2]], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]

@@ -12,7 +12,7 @@ import scipy.stats
 
 from jaxserve.engine import sampler
 from jaxserve.engine.sampler import SamplingRow, prepare_sampling_metadata
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import FLOAT32_MAX, SamplingParams
 from tests import sampler_reference as ref
 
 VOCAB = 257
@@ -339,3 +339,65 @@ def test_bad_rows_raise_naming_the_field():
         prepare_sampling_metadata([long_row], 1, VOCAB, 4)
     with pytest.raises(ValueError, match="^num_rows"):
         prepare_sampling_metadata([long_row, long_row], 1, VOCAB, 8)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1e-3])
+def test_largest_logit_bias_wins_even_when_it_overflows(temperature):
+    """A bias of the largest float32 makes its token certain. Divided by a temperature
+    < 1, or by a repetition penalty < 1, the logit overflows to +inf; the token must
+    still win every draw (not turn into NaN and be dropped)."""
+    num = 64
+    logits_row = random_logits(9, rows=1)[0]
+    target = int(np.argmin(logits_row))  # the least likely token without the bias
+    plain = SamplingParams(temperature=temperature, logit_bias={target: FLOAT32_MAX})
+    penalized = SamplingParams(
+        temperature=temperature, logit_bias={target: FLOAT32_MAX}, repetition_penalty=0.5
+    )
+    prompt = np.array([target], np.int32)  # the penalty applies to tokens seen
+    rows = [SamplingRow(plain if s % 2 else penalized, prompt, [], s) for s in range(num)]
+    md = prepare_sampling_metadata(rows, num, VOCAB, HISTORY)
+    logits = np.broadcast_to(logits_row, (num, VOCAB))
+    filtered = np.asarray(apply_filters(apply_penalties(logits, md), md))
+    assert not np.isnan(filtered).any()
+    np.testing.assert_array_equal(np.asarray(sample(logits, md).token_ids), target)
+
+
+def test_numpy_integer_seeds_pack_like_python_ints():
+    prompt = np.array([1], np.int32)
+    seeds = [7, 2**63 + 5, -3]
+    numpy_seeds = [np.int64(7), np.uint64(2**63 + 5), np.int64(-3)]
+    packed = [
+        prepare_sampling_metadata(
+            [SamplingRow(SamplingParams(), prompt, [], s) for s in ss], 3, VOCAB, 0
+        ).seeds
+        for ss in (seeds, numpy_seeds)
+    ]
+    np.testing.assert_array_equal(packed[1], packed[0])
+    expected = [((s % 2**64) >> 32, s % 2**32) for s in seeds]
+    np.testing.assert_array_equal(packed[0], np.array(expected, np.uint32))
+
+
+def test_unpackable_row_is_reported_and_left_as_padding(mixed_batch):
+    """With row_errors, one row that cannot be packed does not fail the batch: it is
+    padding, its error is reported, and the other rows are packed as usual."""
+    _, rows = mixed_batch
+    bad = SamplingRow(
+        SamplingParams(logit_bias={t: 1.0 for t in range(sampler.MAX_LOGIT_BIAS + 1)}),
+        rows[1].prompt_token_ids,
+        rows[1].output_token_ids,
+        rows[1].seed,
+    )
+    errors: dict[int, str] = {}
+    got = prepare_sampling_metadata([rows[0], bad, rows[2]], 4, VOCAB, HISTORY, errors)
+    assert list(errors) == [1] and errors[1].startswith("logit_bias: at most")
+    good = prepare_sampling_metadata([rows[0], rows[0], rows[2]], 4, VOCAB, HISTORY)
+    padding = prepare_sampling_metadata([], 4, VOCAB, HISTORY)
+    for name, leaf, good_leaf, pad_leaf in zip(
+        sampler.SamplingMetadata.__dataclass_fields__,
+        jax.tree.leaves(got),
+        jax.tree.leaves(good),
+        jax.tree.leaves(padding),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(leaf[[0, 2, 3]], good_leaf[[0, 2, 3]], err_msg=name)
+        np.testing.assert_array_equal(leaf[1], pad_leaf[1], err_msg=name)

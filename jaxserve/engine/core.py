@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.dp_scheduler import DPScheduler
+from jaxserve.engine.dp_scheduler import DPScheduler, DPSchedulerOutput
 from jaxserve.engine.model_runner import (
     MIN_TOKEN_BUCKET,
     CompileCounter,
@@ -39,7 +39,13 @@ from jaxserve.engine.model_runner import (
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, StepShape, pow2_buckets
+from jaxserve.engine.step_inputs import (
+    MIN_DECODE_ROWS,
+    DPStepInputs,
+    StepInputs,
+    StepShape,
+    pow2_buckets,
+)
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.models.loader import load_config, load_model
 from jaxserve.sampling_params import SamplingParams
@@ -151,6 +157,9 @@ class EngineCore:
         self.startup_time_s = time.perf_counter() - start
         self._rng = np.random.default_rng(config.seed)
         self._rejected: list[RequestOutput] = []
+        # Requests ended because their sampling row could not be packed: request id ->
+        # error, turned into their final output's error (see `_end_unpackable_rows`).
+        self._row_errors: dict[str, str] = {}
         self.num_steps = 0
         self.host_time_s = 0.0
         self.device_time_s = 0.0
@@ -253,6 +262,8 @@ class EngineCore:
             outputs += self._step_overlapped()
         else:
             outputs += self._step_sync()
+        if self._row_errors:
+            _mark_errors(outputs, self._row_errors)
         total = time.perf_counter() - start
         self.num_steps += 1
         self.last_device_s = self.runner.last_wait_s
@@ -266,7 +277,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self.scheduler.drain_finished()
-        return self.scheduler.update(sched, self.runner.execute(sched))
+        x = self._prepare(sched)
+        return self.scheduler.update(sched, self.runner.fetch(self.runner.dispatch(x, sched)))
 
     def _step_overlapped(self) -> list[RequestOutput]:
         self.runner.last_wait_s = 0.0
@@ -274,17 +286,53 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return self.scheduler.drain_finished()
-            self._inflight = sched, self.runner.dispatch(self.runner.prepare(sched), sched)
+            self._inflight = sched, self.runner.dispatch(self._prepare(sched), sched)
         sched, handle = self._inflight
         # Step N runs on the device: schedule and pack N + 1 meanwhile.
         nxt = self.scheduler.schedule()
-        x = None if nxt.is_empty else self.runner.prepare(nxt)
+        x = None if nxt.is_empty else self._prepare(nxt)
         samples = self.runner.fetch(handle)
         self._inflight = None
         if x is not None:
             self.runner.fill_pending(x, samples)
             self._inflight = nxt, self.runner.dispatch(x, nxt)
         return self.scheduler.update(sched, samples)
+
+    def _prepare(self, sched: SchedulerOutput | DPSchedulerOutput) -> StepInputs | DPStepInputs:
+        """The runner's packed inputs of `sched`, after ending every request whose
+        sampling row could not be packed (see `_end_unpackable_rows`)."""
+        x = self.runner.prepare(sched)
+        self._end_unpackable_rows(sched, x)
+        return x
+
+    def _end_unpackable_rows(
+        self, sched: SchedulerOutput | DPSchedulerOutput, x: StepInputs | DPStepInputs
+    ) -> None:
+        """Abort the requests of x's `row_errors`; their final output becomes an error.
+
+        Defence in depth: `SamplingParams.validate` at `add_request` should reject every
+        request the sampler cannot pack, so this only runs on a validation gap (logged
+        as an engine bug). The step still runs with those rows as padding; aborting frees
+        their blocks, and the step's results for them are discarded by `update` (as for
+        any request aborted while a step that holds it is in flight).
+        """
+        pairs = (
+            zip(sched.ranks, x.ranks, strict=True) if isinstance(x, DPStepInputs) else [(sched, x)]
+        )
+        failed: dict[str, str] = {}
+        for rank_sched, rank_x in pairs:
+            for row, error in rank_x.row_errors.items():
+                failed[rank_sched.requests[row].seq.request_id] = error
+        if not failed:
+            return
+        logger.error(
+            "ending %d request(s) whose sampling parameters passed validation but could "
+            "not be packed (a validation gap): %s",
+            len(failed),
+            failed,
+        )
+        self._row_errors.update(failed)
+        self.scheduler.abort(list(failed))
 
     # ----- facts -------------------------------------------------------------------------
 
@@ -459,6 +507,14 @@ def fit_kv_cache(max_model_len: int, explicit: bool, num_blocks: int, block_size
         max_model_len, capacity, num_blocks - 1, block_size, capacity,
     )  # fmt: skip
     return capacity
+
+
+def _mark_errors(outputs: list[RequestOutput], errors: dict[str, str]) -> None:
+    """Turn the "abort" final outputs of the requests in `errors` into "error" ones
+    (popping them from `errors`)."""
+    for out in outputs:
+        if out.finish_reason == "abort" and out.request_id in errors:
+            out.finish_reason, out.error = "error", errors.pop(out.request_id)
 
 
 def _error_output(req: EngineRequest, error: str) -> RequestOutput:

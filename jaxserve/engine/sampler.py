@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import FLOAT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
-K_MAX = 20  # most top log-probs a request may ask for (SamplingParams.validate allows 20)
-MAX_LOGIT_BIAS = 64  # most logit_bias entries per request: the bias arrays are [R, 64]
+# The request limits live in sampling_params (SamplingParams.validate checks them at the
+# door); they size the arrays here.
+K_MAX = MAX_LOGPROBS  # top log-probs computed per row
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing by them would
 # overflow the logits to inf.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -122,7 +123,11 @@ def history_len_needed(rows: list[SamplingRow]) -> int:
 
 
 def prepare_sampling_metadata(
-    rows: list[SamplingRow], num_rows: int, vocab_size: int, max_len: int
+    rows: list[SamplingRow],
+    num_rows: int,
+    vocab_size: int,
+    max_len: int,
+    row_errors: dict[int, str] | None = None,
 ) -> SamplingMetadata:
     """Pack rows into padded NumPy arrays for `sample`.
 
@@ -132,18 +137,38 @@ def prepare_sampling_metadata(
       vocab_size: V, the logits' last dimension.
       max_len: L, the length of the token-history arrays. Only rows that use a penalty
         fill their history (others stay -1), so L must be >= `history_len_needed(rows)`.
+      row_errors: when given, a row that cannot be packed does not raise: it is left as
+        padding and row_errors[i] gets the error message (the engine then ends that one
+        request with an error instead of failing the whole step).
 
     Returns:
       SamplingMetadata whose shapes depend only on (num_rows, max_len).
 
     Raises:
-      ValueError naming `num_rows` if there are more rows than that, `logit_bias` if a
-      request has more than MAX_LOGIT_BIAS entries or an id outside [0, V), and
-      `max_len` if a penalized row's prompt plus output does not fit.
+      ValueError naming `num_rows` if there are more rows than that; without
+      `row_errors`, also for a row that cannot be packed: `logit_bias` if a request has
+      more than MAX_LOGIT_BIAS entries or an id outside [0, V), `max_len` if a penalized
+      row's prompt plus output does not fit (rows are expected to be validated by
+      `SamplingParams.validate` already).
     """
     if len(rows) > num_rows:
         raise ValueError(f"num_rows: {len(rows)} rows do not fit in {num_rows}")
-    md = SamplingMetadata(
+    md = _padding(num_rows, vocab_size, max_len)
+    for i, row in enumerate(rows):
+        if row_errors is None:
+            _fill_row(md, i, row, vocab_size)
+            continue
+        try:
+            _fill_row(md, i, row, vocab_size)
+        except Exception as e:  # noqa: BLE001 - one request must not fail the whole step
+            _pad_row(md, i, vocab_size)
+            row_errors[i] = str(e)
+    return md
+
+
+def _padding(num_rows: int, vocab_size: int, max_len: int) -> SamplingMetadata:
+    """Metadata of num_rows padding rows: greedy, every filter and penalty off."""
+    return SamplingMetadata(
         temperature=np.zeros(num_rows, np.float32),
         top_k=np.full(num_rows, vocab_size, np.int32),
         top_p=np.ones(num_rows, np.float32),
@@ -158,9 +183,13 @@ def prepare_sampling_metadata(
         seeds=np.zeros((num_rows, 2), np.uint32),
         num_output_tokens=np.zeros(num_rows, np.int32),
     )
-    for i, row in enumerate(rows):
-        _fill_row(md, i, row, vocab_size)
-    return md
+
+
+def _pad_row(md: SamplingMetadata, i: int, vocab_size: int) -> None:
+    """Reset row i to padding (after a partial fill that failed)."""
+    pad = _padding(1, vocab_size, md.token_history.shape[1])
+    for dst, src in zip(jax.tree.leaves(md), jax.tree.leaves(pad), strict=True):
+        dst[i] = src[0]
 
 
 def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, vocab_size: int) -> None:
@@ -176,7 +205,7 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, vocab_size: int) -
     _fill_logit_bias(md, i, p.logit_bias, vocab_size)
     if uses_penalties(p):
         _fill_history(md, i, row)
-    seed = row.seed % 2**64
+    seed = int(row.seed) % 2**64  # int(): a NumPy integer seed would overflow here
     md.seeds[i] = (seed >> 32, seed & 0xFFFFFFFF)
     md.num_output_tokens[i] = len(row.output_token_ids)
 
@@ -267,12 +296,12 @@ def apply_filters(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
       md: the batch's metadata.
 
     Returns:
-      [R, V] float32: for sampled rows, logits / temperature with every token outside the
-      allowed set at -inf; greedy rows are returned unchanged. The allowed set is the
-      intersection of: the top_k largest (with every token tied with the k-th); the
-      smallest prefix of tokens by descending probability whose mass (after top-k,
-      renormalized) reaches top_p, at least one token (ties with its last token kept);
-      tokens with probability >= min_p * the largest probability.
+      [R, V] float32: for sampled rows, logits / temperature (+inf clamped to the largest
+      float32) with every token outside the allowed set at -inf; greedy rows are returned
+      unchanged. The allowed set is the intersection of: the top_k largest (with every
+      token tied with the k-th); the smallest prefix of tokens by descending probability
+      whose mass (after top-k, renormalized) reaches top_p, at least one token (ties with
+      its last token kept); tokens with probability >= min_p * the largest probability.
 
     Cost: no sort. Each of top-k and top-p is an exact bitwise binary search for its
     threshold over the float32 bit patterns (the idea of the pivot search in FlashInfer's
@@ -283,7 +312,10 @@ def apply_filters(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """
     greedy = md.temperature == 0.0
     temperature = jnp.where(greedy, 1.0, md.temperature)
-    x = logits / temperature[:, None]
+    # A huge (valid, finite) logit_bias, a repetition penalty < 1 on it or a small
+    # temperature can overflow a logit to +inf, and exp(inf - inf) = NaN would then drop
+    # exactly those tokens; the largest float32 keeps them the most likely instead.
+    x = jnp.minimum(logits / temperature[:, None], FLOAT32_MAX)
     keys = _ordered_keys(x)
     keep = keys >= _kth_largest_key(keys, md.top_k)[:, None]
     top_k_logits = jnp.where(keep, x, -jnp.inf)  # top-p renormalizes over the top-k

@@ -158,6 +158,8 @@ class StepInputs:
     pending_history: (row, history column, previous-step row, decode step) likewise for
         the sampler's token history of penalized rows.
     logprob_rows: whether any row asked for sampled-token log-probs.
+    row_errors: rows whose sampling parameters could not be packed (row -> message); they
+        run as padding rows and the engine must end their requests with an error.
     """
 
     shape: StepShape
@@ -168,6 +170,7 @@ class StepInputs:
     pending_history: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     logprob_rows: bool = False
+    row_errors: dict[int, str] = field(default_factory=dict)
 
     def fill_pending(self, prev_token_ids: np.ndarray) -> None:
         """Write the previous step's sampled tokens ([S, R_prev] int32) into the inputs."""
@@ -292,8 +295,9 @@ class InputBuilder:
                 the smallest that holds the decision.
 
         Raises:
-            ValueError: the step fits no shape (a scheduler bug), or a sampling parameter
-                the sampler cannot pack (named).
+            ValueError: the step fits no shape (a scheduler bug). A row whose sampling
+                parameters the sampler cannot pack does not raise: it is packed as
+                padding and listed in the result's `row_errors`.
         """
         reqs = sched.requests
         spans = [self._prompt_span(row, r.seq, r.start, r.num_tokens) for row, r in enumerate(reqs)]
@@ -354,10 +358,14 @@ class InputBuilder:
             )
             for r in reqs
         ]
+        # One request's parameters must never fail the whole step (and with it every
+        # other request): a row that cannot be packed is reported, not raised.
         sampling = sampler_lib.prepare_sampling_metadata(
-            rows, x.shape.num_rows, self.vocab_size, x.shape.history_len
+            rows, x.shape.num_rows, self.vocab_size, x.shape.history_len, x.row_errors
         )
         for row, r in enumerate(reqs):
+            if row in x.row_errors:
+                continue
             # Outputs still in flight (sampled by the previous step) come before this
             # step's tokens: they count for the RNG step and belong in the history.
             seq = r.seq

@@ -1,0 +1,113 @@
+"""SamplingParams.validate: every limit the engine's sampler has is checked at the door,
+with an error naming the field (no JAX, no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.engine import sampler
+from jaxserve.sampling_params import FLOAT32_MAX, MAX_LOGIT_BIAS, SamplingParams
+
+VOCAB = 1000
+
+
+def test_logit_bias_limit_is_the_samplers():
+    # The sampler's bias arrays are [rows, MAX_LOGIT_BIAS]: the limit validate enforces
+    # must be exactly their width.
+    md = sampler.prepare_sampling_metadata([], 1, VOCAB, 0)
+    assert md.logit_bias_ids.shape[1] == MAX_LOGIT_BIAS == sampler.MAX_LOGIT_BIAS
+    SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS)}).validate(VOCAB)
+    too_many = SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)})
+    with pytest.raises(ValueError, match=f"^logit_bias: at most {MAX_LOGIT_BIAS} entries"):
+        too_many.validate(VOCAB)
+    with pytest.raises(ValueError, match="^logit_bias"):
+        too_many.validate()  # also without a vocabulary
+
+
+def test_float32_max_is_numpys():
+    assert FLOAT32_MAX == float(np.finfo(np.float32).max)
+    assert np.isfinite(np.float32(FLOAT32_MAX))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=1e308), "temperature"),
+        (dict(temperature=3.5e38), "temperature"),
+        (dict(temperature=10**400), "temperature"),  # an int no float holds
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=1e308), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),  # 0 in float32
+        (dict(top_p=1e-300), "top_p"),  # 0 in float32: would keep no token
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(presence_penalty=-1e308), "presence_penalty"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
+        (dict(logit_bias={5: 1e308}), "logit_bias"),
+        (dict(logit_bias={5: -1e308}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    ],
+)
+def test_floats_beyond_float32_are_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs).validate(VOCAB)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=FLOAT32_MAX),
+        dict(repetition_penalty=FLOAT32_MAX),
+        dict(repetition_penalty=1e-40),  # a float32 subnormal, still > 0
+        dict(top_p=1e-40),
+        dict(logit_bias={5: FLOAT32_MAX, 6: -FLOAT32_MAX}),
+    ],
+)
+def test_float32_extremes_are_accepted(kwargs):
+    (value,) = kwargs.values()
+    values = value.values() if isinstance(value, dict) else [value]
+    # The premise: each value is a finite, non-zero float32.
+    assert all(np.isfinite(np.float32(v)) and np.float32(v) != 0 for v in values)
+    SamplingParams(**kwargs).validate(VOCAB)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(seed=1.5), "seed"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(max_tokens=3.0), "max_tokens"),
+        (dict(logprobs=2.5), "logprobs"),
+        (dict(prompt_logprobs="3"), "prompt_logprobs"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p=None), "top_p"),
+        (dict(stop=["ok", 3]), "stop"),
+        (dict(stop="ok"), "stop"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(logit_bias={"a": 1.0}), "logit_bias"),
+        (dict(logit_bias={5: "big"}), "logit_bias"),
+        (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
+    ],
+)
+def test_wrong_types_are_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs).validate(VOCAB)
+
+
+def test_numpy_numbers_are_accepted():
+    SamplingParams(
+        temperature=np.float32(0.5),
+        top_k=np.int64(5),
+        seed=np.int64(7),
+        logit_bias={np.int32(3): np.float64(2.0)},
+    ).validate(VOCAB)
+
+
+def test_from_dict_names_logit_bias_on_bad_entries():
+    with pytest.raises(ValueError, match="^logit_bias:"):
+        SamplingParams.from_dict({"logit_bias": {"x": 1.0}})
+    with pytest.raises(ValueError, match="^logit_bias:"):
+        SamplingParams.from_dict({"logit_bias": {"1": None}})
+    params = SamplingParams.from_dict({"logit_bias": {"3": 2}})
+    assert params.logit_bias == {3: 2.0}
