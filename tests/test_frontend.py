@@ -345,6 +345,19 @@ BAD_REQUESTS = [
     ("n 0", dict(prompt="hi", n=0), "sampling.n"),
     ("n negative", dict(prompt="hi", n=-1), "sampling.n"),
     ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "sampling.n"),
+    # The sampler holds 64 biases per request (sampling_params.MAX_LOGIT_BIAS) in float32.
+    (
+        "65 logit_bias entries",
+        dict(prompt="hi", logit_bias=dict.fromkeys(range(65), 1.0)),
+        "logit_bias",
+    ),
+    ("logit_bias beyond float32", dict(prompt="hi", logit_bias={5: 1e308}), "logit_bias"),
+    ("temperature beyond float32", dict(prompt="hi", temperature=1e308), "temperature"),
+    (
+        "repetition_penalty beyond float32",
+        dict(prompt="hi", repetition_penalty=1e308),
+        "repetition_penalty",
+    ),
 ]
 
 
