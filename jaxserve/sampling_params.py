@@ -200,5 +200,5 @@ def _check_float32(name: str, value: float, what: str = "") -> None:
         subject = f"{what} must be" if what else "must be"
         raise ValueError(
             f"{name}: {subject} a finite number within the float32 range "
-            f"(|x| <= {FLOAT32_MAX:.7g}), got {value}"
+            f"(|x| <= {FLOAT32_MAX:.8g}), got {value}"
         )
