@@ -45,6 +45,7 @@ from jaxserve.frontend.validation import (
     split_samples,
 )
 from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses, RequestOutput, TextOutput
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
@@ -345,10 +346,10 @@ BAD_REQUESTS = [
     ("n 0", dict(prompt="hi", n=0), "sampling.n"),
     ("n negative", dict(prompt="hi", n=-1), "sampling.n"),
     ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "sampling.n"),
-    # The sampler holds 64 biases per request (sampling_params.MAX_LOGIT_BIAS) in float32.
+    # The sampler holds MAX_LOGIT_BIAS biases per request, in float32.
     (
-        "65 logit_bias entries",
-        dict(prompt="hi", logit_bias=dict.fromkeys(range(65), 1.0)),
+        "logit_bias above its maximum entries",
+        dict(prompt="hi", logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
         "logit_bias",
     ),
     ("logit_bias beyond float32", dict(prompt="hi", logit_bias={5: 1e308}), "logit_bias"),

@@ -171,10 +171,11 @@ class EngineCore:
         self._publisher: StepPublisher | None = None
         self._follow_pending = None
         logger.info(
-            "engine ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready in %.1f s: %s, %d usable KV blocks of %d tokens (per dp rank; "
+            "one more is the null block), max_model_len %d",
             self.startup_time_s,
             config.model,
-            num_blocks,
+            num_blocks - 1,
             cc.block_size,
             self.max_model_len,
         )
