@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import shutil
 
+import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
 from model_utils import write_hf_checkpoint
@@ -20,6 +21,7 @@ from sharding_utils import mesh_qwen3_moe_config
 from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.dp_scheduler import DPScheduler
+from jaxserve.ipc import EngineRequest
 from jaxserve.sharding.mesh import MeshError
 
 MAX_LEN = 32
@@ -117,8 +119,13 @@ def test_llm_accepts_mesh_string_and_config(mesh_model_dir, reference):
     assert _tokens(llm.engine) == reference
 
 
-def test_mesh_logprobs_equal_single_device(mesh_model_dir, reference_engine):
-    engine = EngineCore(_config(mesh_model_dir, 2, 2))
+@pytest.fixture(scope="module")
+def engine_2x2(mesh_model_dir):
+    return EngineCore(_config(mesh_model_dir, 2, 2))
+
+
+def test_mesh_logprobs_equal_single_device(engine_2x2, reference_engine):
+    engine = engine_2x2
     got = run_engine(engine, _logprob_requests())
     want = run_engine(reference_engine, _logprob_requests())
     assert all(n > 0 for n in engine.scheduler.num_assigned)
@@ -130,6 +137,30 @@ def test_mesh_logprobs_equal_single_device(mesh_model_dir, reference_engine):
                 a, b = _flat(getattr(go, field)), _flat(getattr(wo, field))
                 assert len(a) == len(b) > 0 or getattr(wo, field) is None, (rid, field)
                 assert a == pytest.approx(b, abs=1e-4), (rid, field)
+
+
+def test_mesh_unpackable_row_ends_with_error_and_others_continue(engine_2x2, reference):
+    """Defence in depth on DP ranks: a request whose sampling parameters turn unpackable
+    after validation (changed here, as no valid request can) ends with an error on its
+    rank; the requests of both ranks give the single-device engine's tokens."""
+    from jaxserve.sampling_params import MAX_LOGIT_BIAS
+
+    engine = engine_2x2
+    requests = _requests()
+    for rid, prompt, sampling in requests:
+        engine.add_request(EngineRequest(rid, np.asarray(prompt, np.int32), sampling))
+    engine.add_request(EngineRequest("victim", np.arange(1, 9, dtype=np.int32), greedy(20)))
+    engine.scheduler.requests["victim"].params.logit_bias = dict.fromkeys(
+        range(MAX_LOGIT_BIAS + 1), 1.0
+    )
+    results = run_engine(engine, [])
+    assert results["victim"].finish_reason == "error"
+    assert results["victim"].error.startswith("logit_bias: at most"), results["victim"].error
+    assert {rid: results[rid].tokens for rid, _, _ in requests} == reference
+    assert all(n > 0 for n in engine.scheduler.num_assigned)
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_free == stats.num_blocks_total
 
 
 def test_mesh_that_cannot_hold_the_model(mesh_model_dir):
