@@ -53,6 +53,7 @@ def plan_placement(
     num_groups: int | None = None,
     refine: bool = True,
     current: ArrayLike | None = None,
+    min_improvement: float = 0.0,
 ) -> PlacementPlan:
     """Plan the slots of every layer from its expert load (DeepSeek EPLB).
 
@@ -77,6 +78,10 @@ def plan_placement(
             the current placement, so a replan never makes a layer worse (the greedy
             alone can, rarely: e.g. 2 of 3,000 random S == E cases against the
             identity placement at ep=2, E=14).
+        min_improvement: with current, a layer takes its new plan only if that lowers
+            the max device load by more than this fraction (e.g. 0.05): load windows are
+            noisy, and a fresh plan of a similar load can move most slots for a small
+            gain. In [0, 1).
 
     Returns:
         The plan; deterministic (the same input gives the same plan).
@@ -86,13 +91,16 @@ def plan_placement(
     """
     load = _check_load(expert_load)
     num_experts = load.shape[1]
+    if not 0.0 <= min_improvement < 1.0:
+        raise ValueError(f"min_improvement: must be in [0, 1), got {min_improvement}")
     _check_sizes(num_experts, num_slots, ep, num_nodes, num_groups)
     p2l = np.stack(
         [_plan_layer(row, num_slots, ep, num_nodes, num_groups or 1, refine) for row in load]
     )
     if current is not None:
         cur = _check_current(current, load.shape[0], num_slots, num_experts)
-        worse = device_load(load, p2l, ep).max(-1) >= device_load(load, cur, ep).max(-1)
+        cur_peak = device_load(load, cur, ep).max(-1)
+        worse = device_load(load, p2l, ep).max(-1) >= cur_peak * (1.0 - min_improvement)
         p2l[worse] = cur[worse]
     p2l = p2l.astype(np.int32)
     counts = np.stack([np.bincount(row, minlength=num_experts) for row in p2l])

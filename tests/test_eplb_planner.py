@@ -247,6 +247,26 @@ def test_never_worse_than_identity_placement_when_slots_equal_experts() -> None:
     assert guard_used > 0
 
 
+def test_current_kept_unless_plan_gains_more_than_min_improvement() -> None:
+    rng = np.random.default_rng(12)
+    popularity = rng.permutation(1.0 / np.arange(1, 33))
+    windows = [rng.multinomial(4096, popularity / popularity.sum(), 6) for _ in range(2)]
+    in_use = plan_placement(windows[0], 40, 8).physical_to_logical
+    fresh = plan_placement(windows[1], 40, 8).physical_to_logical
+    fresh_peak = device_load(windows[1], fresh, 8).max(-1)
+    in_use_peak = device_load(windows[1], in_use, 8).max(-1)
+    took_plan = 0
+    for threshold in (0.0, 0.01, 0.03, 0.1):
+        got = plan_placement(
+            windows[1], 40, 8, current=in_use, min_improvement=threshold
+        ).physical_to_logical
+        take = fresh_peak < in_use_peak * (1 - threshold)
+        np.testing.assert_array_equal(got[take], fresh[take])
+        np.testing.assert_array_equal(got[~take], in_use[~take])
+        took_plan += take.sum()
+    assert 0 < took_plan < 4 * 6, "both branches are exercised"
+
+
 def test_plan_is_deterministic() -> None:
     rng = np.random.default_rng(6)
     load = _random_load(rng, (4, 64))
@@ -357,6 +377,7 @@ def test_plan_improves_balancedness_on_skewed_load() -> None:
         (np.ones((1, 8)), {"num_slots": 8, "ep": 4, "num_nodes": 2, "num_groups": 3}, "num_groups"),
         (np.ones((1, 8)), {"num_slots": 8, "ep": 2, "current": np.zeros((1, 8), int)}, "current"),
         (np.ones((1, 8)), {"num_slots": 8, "ep": 2, "current": np.arange(8)}, "current"),
+        (np.ones((1, 8)), {"num_slots": 8, "ep": 2, "min_improvement": 1.0}, "min_improvement"),
     ],
 )
 def test_bad_input_names_the_field(load: np.ndarray, kwargs: dict, field: str) -> None:
