@@ -15,6 +15,11 @@ eplb.py; vendored by vLLM as vllm/distributed/eplb/rebalance_algo.py):
 3. pack the replicas onto devices, heaviest first, each onto the lightest device that
    still has a free slot (`balanced_packing`), so every device gets exactly S / ep slots.
 
+Two additions of ours, both optional: a 2-exchange local search after step 3
+(`refine_packing`), and, given the placement in use, keeping it for a layer where the
+plan is not better (by `min_improvement`). `minimize_movement` then reorders a plan so
+that the fewest slots change expert.
+
 Slot layout (sharding/placement.py): device d holds slots [d * S/ep, (d + 1) * S/ep); a
 token of expert e picks one of its replicas evenly, so a slot's expected load is
 load[e] / replica_counts[e].
