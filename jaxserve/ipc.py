@@ -112,7 +112,16 @@ class TextOutputs:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Engine facts and gauges, sent at start-up (ready=True) and after steps that change them."""
+    """Engine facts and gauges, sent at start-up (ready=True) and after steps that change them.
+
+    Expert load (MoE models only; empty / 0 otherwise), from the engine's
+    `eplb.recorder.ExpertLoadRecorder`:
+    expert_layers: decoder-layer index of each MoE layer.
+    expert_balancedness: per MoE layer (same order), mean / max of the EP ranks' token
+        loads over the recorder's window, in (0, 1] (1.0: balanced, or no load yet).
+    expert_routed_tokens: (token, top-k choice) pairs routed to experts since start-up,
+        summed over MoE layers (cumulative).
+    """
 
     model: str = ""
     max_model_len: int = 0
@@ -124,6 +133,9 @@ class EngineStats:
     num_waiting: int = 0
     ready: bool = False
     extra: dict = field(default_factory=dict)
+    expert_layers: list[int] = field(default_factory=list)
+    expert_balancedness: list[float] = field(default_factory=list)
+    expert_routed_tokens: int = 0
 
 
 @dataclass(slots=True)

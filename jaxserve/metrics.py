@@ -16,6 +16,13 @@ Counters and histograms export no `_created` series: `disable_created_metrics`, 
 process-wide switch of prometheus_client, is called by `jaxserve serve` (the launcher),
 which owns its process, as vLLM's server does; it is not called here, so that importing
 this module leaves other registries of an embedding program alone.
+
+Expert-parallel load balance (MoE models only, from `EngineStats.expert_*`): per MoE
+layer the balancedness of the EP ranks' loads over the engine's EPLB window,
+`jaxserve_expert_balancedness{layer="3"}` (mean / max, vLLM's EPLB metric; 1.0 is
+balanced), its mean over layers `jaxserve_expert_balancedness_mean`, and
+`jaxserve_expert_routed_tokens_total`. They are registered on the first stats of an MoE
+model, so a dense model's exposition has none of them.
 No JAX here.
 """
 
@@ -68,6 +75,12 @@ ENGINE_GAUGES = {
         "Multi-process step coordination time of the last step, s",
     ),
 }  # fmt: skip
+
+
+# Expert-load metric names (see the module docstring).
+EXPERT_BALANCEDNESS = "jaxserve_expert_balancedness"
+EXPERT_BALANCEDNESS_MEAN = "jaxserve_expert_balancedness_mean"
+EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
 
 
 class Metrics:
@@ -127,6 +140,8 @@ class Metrics:
             "jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries over prompt tokens",
             ["model"], registry=r,
         ).labels(**labels)  # fmt: skip
+        # Expert-load metrics: registered by the first stats of an MoE model.
+        self._expert_metrics: tuple[Gauge, Gauge, Counter] | None = None
 
     def request_finished(self, finish_reason: str) -> None:
         self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
@@ -149,6 +164,38 @@ class Metrics:
                 self.engine_gauges[key].set(float(value))
         if queries := extra.get("prefix_cache_queries"):
             self.prefix_cache_hit_rate.set(extra.get("prefix_cache_hits", 0) / queries)
+        if stats.expert_layers:
+            self._update_expert_load(stats)
+
+    def _update_expert_load(self, stats) -> None:
+        """Per-layer and mean balancedness gauges, routed-token counter (MoE only)."""
+        if self._expert_metrics is None:
+            r = self.registry
+            self._expert_metrics = (
+                Gauge(
+                    EXPERT_BALANCEDNESS,
+                    "Expert load balancedness of an MoE layer: mean / max of the EP ranks' "
+                    "routed tokens over the EPLB window (1 = balanced)",
+                    ["model", "layer"], registry=r,
+                ),
+                Gauge(
+                    EXPERT_BALANCEDNESS_MEAN,
+                    "Expert load balancedness averaged over the MoE layers",
+                    ["model"], registry=r,
+                ),
+                Counter(
+                    EXPERT_ROUTED_TOKENS,
+                    "Token copies routed to experts (tokens x top-k, summed over MoE layers)",
+                    ["model"], registry=r,
+                ),
+            )  # fmt: skip
+        per_layer, mean, _ = self._expert_metrics
+        values = stats.expert_balancedness
+        for layer, value in zip(stats.expert_layers, values, strict=True):
+            per_layer.labels(model=self._model, layer=str(layer)).set(float(value))
+        if values:
+            mean.labels(model=self._model).set(sum(values) / len(values))
+        self._advance_engine_counter(EXPERT_ROUTED_TOKENS, float(stats.expert_routed_tokens))
 
     def _advance_engine_counter(self, key: str, total: float) -> None:
         last = self._last_engine_counts.get(key, 0.0)
@@ -156,7 +203,12 @@ class Metrics:
         delta = total - last if total >= last else total
         self._last_engine_counts[key] = total
         if delta > 0:
-            self.engine_counters[key].inc(delta)
+            self._engine_counter(key).inc(delta)
+
+    def _engine_counter(self, key: str):
+        if key == EXPERT_ROUTED_TOKENS:
+            return self._expert_metrics[2].labels(model=self._model)
+        return self.engine_counters[key]
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on addr:port (a daemon thread).

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.base import AttentionMetadata, KVCache
+from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import (
     MLP,
@@ -84,11 +84,21 @@ class DecoderLayer(nnx.Module):
         positions: jax.Array,
         kv: KVPair | None,
         metadata: AttentionMetadata | None,
-    ) -> tuple[jax.Array, KVPair | None]:
-        """x: [T, embed] -> ([T, embed], updated kv or None)."""
+        token_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVPair | None, jax.Array | None]:
+        """x: [T, embed]; token_mask: [T] bool, False for padded tokens (None: all real).
+
+        Returns ([T, embed], updated kv or None, slot counts [S] int32 of an MoE layer or
+        None for a dense one; see `MoeBlock`).
+        """
         attn_out, kv = self.self_attn(self.input_layernorm(x), positions, kv, metadata)
         h = x + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        normed = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoeBlock):
+            mlp_out, counts = self.mlp(normed, token_mask)
+        else:
+            mlp_out, counts = self.mlp(normed), None
+        return h + mlp_out, kv, counts
 
 
 class DecoderOnlyLM(nnx.Module):
@@ -135,7 +145,7 @@ class DecoderOnlyLM(nnx.Module):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata | None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Run the flat batch of T tokens through the stack.
+        """Run the flat batch of T tokens through the stack (the `CausalLM` contract).
 
         tokens, positions: [T] int32. With kv_cache (one (K, V) per layer) and metadata,
         attention reads/writes the paged cache and the updated cache is returned. With
@@ -144,18 +154,59 @@ class DecoderOnlyLM(nnx.Module):
 
         Returns (hidden [T, embed] after the final norm, kv_cache).
         """
+        hidden, kv_cache, _ = self.forward_with_expert_counts(tokens, positions, kv_cache, metadata)
+        return hidden, kv_cache
+
+    def forward_with_expert_counts(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata | None,
+    ) -> tuple[jax.Array, KVCache | None, jax.Array]:
+        """`__call__`, plus the expert load of the step (what EPLB records).
+
+        Returns (hidden, kv_cache, expert_counts): expert_counts is [M, S] int32, M =
+        `len(moe_layers())`, S = physical expert slots (`num_expert_slots`): row m counts
+        the (token, top-k choice) pairs of MoE layer moe_layers()[m] sent to each slot,
+        real tokens only (a token with slot_mapping == PAD_SLOT is padding; cache-less,
+        every token is real). A model without MoE layers returns a [0, 0] array.
+
+        Why an extra return and not `nnx.sow` / `nnx.Intermediate`: the engine calls the
+        model inside `lax.scan` (multi-step decode), where NNX refuses to write module
+        state created outside the scan ("Cannot mutate ... from different trace level"),
+        and it rebuilds the module from flat parameters on every call; a return value
+        threads through scan, jit and shard_map like any array, and callers that drop it
+        (`__call__`) leave dead code that XLA removes. The logits are unchanged: the
+        counts only read the router's top-k ids.
+        """
         if (kv_cache is None) != (metadata is None):
             raise ValueError("kv_cache and metadata must be both given or both None")
         if kv_cache is not None and len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
+        token_mask = None if metadata is None else metadata.slot_mapping != PAD_SLOT
         x = self.embed_tokens[...][tokens]
         if self.parallel is not None:
             x = self.parallel.constrain_hidden(x)
-        new_cache = []
+        new_cache, counts = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, None if kv_cache is None else kv_cache[i], metadata)
+            kv = None if kv_cache is None else kv_cache[i]
+            x, kv, layer_counts = layer(x, positions, kv, metadata, token_mask)
             new_cache.append(kv)
-        return self.norm(x), (None if kv_cache is None else new_cache)
+            if layer_counts is not None:
+                counts.append(layer_counts)
+        expert_counts = jnp.stack(counts) if counts else jnp.zeros((0, 0), jnp.int32)
+        return self.norm(x), (None if kv_cache is None else new_cache), expert_counts
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder-layer indices of the MoE layers, in the row order of expert counts."""
+        return tuple(i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoeBlock))
+
+    @property
+    def num_expert_slots(self) -> int:
+        """S, physical expert slots per MoE layer (E on one device; 0 without MoE)."""
+        moe = self.moe_layers()
+        return self.layers[moe[0]].mlp.w_gate.shape[0] if moe else 0
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, embed] -> logits [N, vocab] float32."""

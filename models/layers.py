@@ -50,6 +50,8 @@ class Parallelism(Protocol):
 
     def initial_placement(self, num_experts: int) -> dict[str, Any]: ...
 
+    def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array: ...
+
 
 class PlacementTable(nnx.Variable):
     """An int32 expert-placement table of an expert-parallel MoE block: model state
@@ -391,14 +393,43 @@ class MoeBlock(nnx.Module):
             return {}
         return self.parallel.initial_placement(self.w_gate.shape[0])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [T, embed] -> [T, embed]."""
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """x: [T, embed]; token_mask: [T] bool, False for padded tokens (None: all real).
+
+        Returns (out [T, embed], slot_counts [S] int32): the MoE output, and how many
+        (real token, top-k choice) pairs went to each physical slot (S = E on one device;
+        on a mesh the slot each pair is dispatched to, replicas included), the expert load
+        that EPLB records (`jaxserve.eplb.recorder`).
+        """
         weights, ids = route(x, self.router[...], self.top_k, self.norm_topk_prob)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        num_slots = self.w_gate.shape[0]
         if self.parallel is None:
-            return moe_experts_local(x, weights, ids, *experts)
+            out = moe_experts_local(x, weights, ids, *experts)
+            return out, count_expert_tokens(ids, token_mask, num_slots)
         tables = {name: getattr(self, name)[...] for name in PLACEMENT_FIELDS}
-        return self.parallel.moe_experts(x, weights, ids, *experts, tables)
+        out = self.parallel.moe_experts(x, weights, ids, *experts, tables)
+        slots = self.parallel.expert_slots(ids, tables)
+        return out, count_expert_tokens(slots, token_mask, num_slots)
+
+
+def count_expert_tokens(
+    slots: jax.Array, token_mask: jax.Array | None, num_slots: int
+) -> jax.Array:
+    """Tokens routed to each expert slot: the per-layer load of vLLM's EPLB
+    (`expert_load_pass`) and SGLang's ExpertDistributionRecorder, on device.
+
+    slots: [T, k] int32 slot (or logical expert) of each token's top-k choices;
+    token_mask: [T] bool, False for padded tokens, which are not counted (None: all
+    real). Returns [num_slots] int32.
+    """
+    ones = jnp.ones(slots.shape, jnp.int32)
+    if token_mask is not None:
+        ones = ones * token_mask[:, None].astype(jnp.int32)
+    # A scatter-add of T*k ones: no [T, k, S] one-hot is materialized.
+    return jnp.zeros(num_slots, jnp.int32).at[slots].add(ones, mode="drop")
 
 
 # The placement tables of an expert-parallel MoE block (`PlacementTable` attributes).

@@ -1,6 +1,6 @@
 """`MeshParallelism`: how a model built for one device runs on a (dp, tp) mesh.
 
-A model takes one of these at construction (`parallel=`) and calls it at the three
+A model takes one of these at construction (`parallel=`) and calls it at the
 places where the mesh changes the computation; everything else (the projections, norms,
 dense MLPs, the LM head) is partitioned by XLA from the weights' shardings (`rules.py`).
 
@@ -12,6 +12,8 @@ dense MLPs, the LM head) is partitioned by XLA from the weights' shardings (`rul
 - `moe_experts`: expert parallelism over all devices (`moe_ep.py`), through the
   all_to_all path or, for steps of at most `replicated_max_tokens` tokens, the
   replicated-token path; the choice is static per step shape and logged.
+- `expert_slots`: the slot each routed token is dispatched to, for the expert-load
+  counts that EPLB records (the same rule as the dispatch, outside shard_map).
 
 The single-device model (parallel=None) never touches this module.
 """
@@ -24,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.base import AttentionMetadata
 from jaxserve.sharding import moe_ep
-from jaxserve.sharding.placement import ExpertPlacement, identity_placement
+from jaxserve.sharding.placement import ExpertPlacement, choose_slots, identity_placement
 from jaxserve.sharding.rules import DP, HIDDEN_AXES, KV_CACHE_AXES, TP, logical_to_spec
 
 logger = logging.getLogger(__name__)
@@ -133,6 +136,17 @@ class MeshParallelism:
             mesh=self.mesh,
             path=self.moe_path(x.shape[0]),
         )
+
+    def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array:
+        """The physical slot each (token, choice) is dispatched to, by both MoE paths:
+        `choose_slots` with the token's index in the global flat batch (the index the
+        shard_map bodies compute from their dp/tp position). For EPLB's load counts.
+
+        topk_ids: [T, k] int32 logical experts (the dp ranks' tokens concatenated);
+        placement: the `ExpertPlacement` fields by name. Returns [T, k] int32 in [0, S).
+        """
+        token = jnp.arange(topk_ids.shape[0], dtype=jnp.int32)
+        return choose_slots(topk_ids, token, ExpertPlacement(**placement))
 
     def initial_placement(self, num_experts: int) -> dict[str, np.ndarray]:
         """Placement tables of a freshly loaded checkpoint (slot e holds expert e), by

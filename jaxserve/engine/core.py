@@ -351,7 +351,21 @@ class EngineCore:
             num_waiting=s.num_waiting,
             ready=True,
             extra=self.counters(),
+            **self.expert_load_stats(),
         )
+
+    def expert_load_stats(self) -> dict:
+        """The `EngineStats` expert-load fields: per MoE layer (decoder-layer index) the
+        balancedness over the EP ranks in the recorder's window, and the routed tokens
+        since start-up; {} for a model without MoE layers."""
+        recorder = self.runner.expert_load
+        if recorder is None:
+            return {}
+        return {
+            "expert_layers": list(self.runner.moe_layers),
+            "expert_balancedness": recorder.balancedness().tolist(),
+            "expert_routed_tokens": recorder.total_routed_tokens(),
+        }
 
     # ----- several processes --------------------------------------------------------------
 

@@ -20,6 +20,10 @@ donated to each call, so XLA updates it in place.
 Calls are asynchronous: `dispatch` returns as soon as the step is queued (JAX's async
 dispatch), and `fetch` waits for its tokens, so the engine can schedule the next step
 meanwhile.
+
+Every step also returns the expert load of its MoE layers (tokens routed to each expert
+slot, padding excluded); `fetch` copies it with the sampled tokens, in the same transfer,
+into `expert_load` (an `eplb.recorder.ExpertLoadRecorder`), for EPLB and the metrics.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from jaxserve.engine.step_inputs import (
     StepShape,
     pow2_buckets,
 )
+from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.models.base import PAD_SLOT, KVCache, allocate_kv_cache
 from jaxserve.models.config import ModelConfig
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
@@ -141,7 +146,9 @@ class StepOutput:
 
     token_ids / logprobs: [S, R]; top_token_ids / top_logprobs: [S, R, K];
     prompt_logprobs: [P]; prompt_top_ids / prompt_top_logprobs: [P, K] (P = 0 unless
-    the step is a full variant).
+    the step is a full variant); expert_counts: [M, E_slots] int32, tokens routed to each
+    expert slot of each MoE layer, summed over the S decode steps, real tokens only
+    ([0, 0] without MoE layers; see `DecoderOnlyLM.forward_with_expert_counts`).
     """
 
     token_ids: jax.Array
@@ -151,6 +158,7 @@ class StepOutput:
     prompt_logprobs: jax.Array
     prompt_top_ids: jax.Array
     prompt_top_logprobs: jax.Array
+    expert_counts: jax.Array
 
 
 @dataclass(slots=True)
@@ -177,6 +185,12 @@ class ModelRunner:
         mesh: the (dp, tp) mesh the model is sharded on (None: one device). The KV cache
             then holds dp ranks' pools of num_blocks // dp blocks each, and every step is
             the dp ranks' inputs concatenated (DP attention; see `prepare`).
+        expert_load_window: steps of the expert-load window (`expert_load`).
+
+    Attributes:
+        expert_load: the `ExpertLoadRecorder` every fetched step's expert counts go into
+            (EP ranks = the mesh's devices), or None for a model without MoE layers.
+        moe_layers: decoder-layer index of each row of the expert counts.
     """
 
     def __init__(
@@ -192,6 +206,7 @@ class ModelRunner:
         kv_dtype: jnp.dtype = jnp.float32,
         num_decode_steps: int = 1,
         mesh: jax.sharding.Mesh | None = None,
+        expert_load_window: int = DEFAULT_WINDOW,
     ):
         self.config = model_config
         self.mesh = mesh
@@ -211,6 +226,15 @@ class ModelRunner:
             num_decode_steps,
         )
         self.max_blocks_per_seq = self.builder.max_blocks_per_seq
+        self.moe_layers: tuple[int, ...] = model.moe_layers()
+        self.expert_load: ExpertLoadRecorder | None = None
+        if self.moe_layers:
+            self.expert_load = ExpertLoadRecorder(
+                len(self.moe_layers),
+                model.num_expert_slots,
+                ep=1 if mesh is None else mesh.size,
+                window=expert_load_window,
+            )
         self.graphdef, self.state = nnx.split(model)
         # Steps take the parameters as a flat list: flattening the nested NNX state on
         # every call costs milliseconds of host time per step.
@@ -379,12 +403,18 @@ class ModelRunner:
         jax.block_until_ready(out.token_ids)  # the one wait for the device
         self.last_wait_s = time.perf_counter() - start
         if isinstance(x, DPStepInputs):
-            return self._fetch_ranks(out, x)
-        return _samples(out, x, jax.device_get if self.mesh is None else _to_host)
+            samples, counts = self._fetch_ranks(out, x)
+        else:
+            samples, counts = _samples(out, x, jax.device_get if self.mesh is None else _to_host)
+        if self.expert_load is not None:
+            self.expert_load.record(counts)
+        return samples
 
-    def _fetch_ranks(self, out: StepOutput, x: DPStepInputs) -> list[StepSamples]:
+    def _fetch_ranks(
+        self, out: StepOutput, x: DPStepInputs
+    ) -> tuple[list[StepSamples], np.ndarray]:
         """Per-rank samples of a DP step (rank k: rows [k R, (k + 1) R), tokens
-        [k T, (k + 1) T) of the prompt log-probs)."""
+        [k T, (k + 1) T) of the prompt log-probs), and the step's expert counts."""
         full = _samples_arrays(out, any(r.logprob_rows for r in x.ranks), _to_host)
         t, r = x.shape.num_tokens, x.shape.num_rows
         result = []
@@ -392,10 +422,11 @@ class ModelRunner:
             rows = slice(k * r, (k + 1) * r)
             part = StepOutput(
                 *(a[:, rows] if a is not None else None for a in full[:4]),
-                *(a[k * t : (k + 1) * t] if a is not None else None for a in full[4:]),
+                *(a[k * t : (k + 1) * t] if a is not None else None for a in full[4:7]),
+                expert_counts=full[7],
             )
-            result.append(_samples(part, rank, lambda tree: tree))
-        return result
+            result.append(_samples(part, rank, lambda tree: tree)[0])
+        return result, full[7]
 
     def execute(self, sched):
         """prepare + dispatch + fetch: one synchronous step (every input token known)."""
@@ -417,7 +448,8 @@ def _to_host(tree):
 
 def _samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
     """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
-    prompt top logprobs) on the host; None for what the step does not need."""
+    prompt top logprobs, expert counts) on the host, in one transfer; None for what the
+    step does not need."""
     wanted = (out.token_ids,)
     wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
     prompt = out.prompt_logprobs.shape[0] > 0
@@ -426,25 +458,27 @@ def _samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
         if prompt
         else (None,) * 3
     )
-    return get(wanted)
+    return get((*wanted, out.expert_counts))
 
 
-def _samples(out: StepOutput, x: StepInputs, get) -> StepSamples:
-    """StepSamples of a one-rank step's outputs (device arrays with get=jax.device_get,
-    host arrays with get=identity)."""
+def _samples(out: StepOutput, x: StepInputs, get) -> tuple[StepSamples, np.ndarray]:
+    """(StepSamples, expert counts [M, S]) of a one-rank step's outputs (device arrays
+    with get=jax.device_get, host arrays with get=identity). The counts come back in the
+    same transfer as the tokens."""
     n = x.num_rows
     if x.logprob_rows:
-        token_ids, logprobs, top_ids, top_lps = get(
-            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
+        token_ids, logprobs, top_ids, top_lps, counts = get(
+            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs, out.expert_counts)
         )
         samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
     else:
-        samples = StepSamples(np.asarray(get(out.token_ids))[:, :n])
+        token_ids, counts = get((out.token_ids, out.expert_counts))
+        samples = StepSamples(np.asarray(token_ids)[:, :n])
     if x.prompt_spans:
         samples.prompt_logprobs = _prompt_entries(
             x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
         )
-    return samples
+    return samples, np.asarray(counts)
 
 
 def _step(
@@ -478,7 +512,9 @@ def _step(
 def _forward(model, kv_cache: KVCache, x: DeviceInputs, block_size: int, num_steps: int):
     if num_steps > 1:
         return _decode_steps(model, kv_cache, x, block_size, num_steps)
-    hidden, kv_cache = model(x.tokens, x.positions, kv_cache, x.metadata)
+    hidden, kv_cache, counts = model.forward_with_expert_counts(
+        x.tokens, x.positions, kv_cache, x.metadata
+    )
     out = sampler_lib.sample(
         model.compute_logits(hidden[x.logits_indices]), x.sampling, sampler_lib.K_MAX
     )
@@ -488,7 +524,7 @@ def _forward(model, kv_cache: KVCache, x: DeviceInputs, block_size: int, num_ste
         )
     else:
         prompt = _no_prompt_logprobs()
-    return _step_output(out, prompt, add_step_axis=True), kv_cache
+    return _step_output(out, prompt, counts, add_step_axis=True), kv_cache
 
 
 def _decode_steps(model, kv_cache, x: DeviceInputs, block_size: int, num_steps: int):
@@ -504,21 +540,25 @@ def _decode_steps(model, kv_cache, x: DeviceInputs, block_size: int, num_steps: 
     rows = jnp.arange(md0.block_tables.shape[0])
 
     def body(carry, step):
-        kv, tokens, positions, seq_lens = carry
+        kv, tokens, positions, seq_lens, counts = carry
         slots = md0.block_tables[rows, positions // block_size] * block_size
         slots = jnp.where(real, slots + positions % block_size, PAD_SLOT)
         md = dataclasses.replace(md0, slot_mapping=slots, seq_lens=seq_lens)
-        hidden, kv = model(tokens, positions, kv, md)
+        hidden, kv, step_counts = model.forward_with_expert_counts(tokens, positions, kv, md)
         sampling = dataclasses.replace(
             x.sampling, num_output_tokens=x.sampling.num_output_tokens + step
         )
         out = sampler_lib.sample(model.compute_logits(hidden), sampling, sampler_lib.K_MAX)
-        carry = (kv, out.token_ids, positions + 1, jnp.where(real, seq_lens + 1, 0))
+        next_seq_lens = jnp.where(real, seq_lens + 1, 0)
+        carry = (kv, out.token_ids, positions + 1, next_seq_lens, counts + step_counts)
         return carry, out
 
-    carry = (kv_cache, x.tokens, x.positions, md0.seq_lens)
-    (kv_cache, *_), outs = jax.lax.scan(body, carry, jnp.arange(num_steps, dtype=jnp.int32))
-    return _step_output(outs, _no_prompt_logprobs(), add_step_axis=False), kv_cache
+    # The expert counts are summed in the carry: one [M, S] array, not one per step.
+    moe = model.moe_layers()
+    counts = jnp.zeros((len(moe), model.num_expert_slots) if moe else (0, 0), jnp.int32)
+    carry = (kv_cache, x.tokens, x.positions, md0.seq_lens, counts)
+    (kv_cache, *_, counts), outs = jax.lax.scan(body, carry, jnp.arange(num_steps, dtype=jnp.int32))
+    return _step_output(outs, _no_prompt_logprobs(), counts, add_step_axis=False), kv_cache
 
 
 def _no_prompt_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -526,7 +566,9 @@ def _no_prompt_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.zeros(0), jnp.zeros((0, k)), jnp.zeros((0, k), jnp.int32)
 
 
-def _step_output(out: sampler_lib.SamplerOutput, prompt, add_step_axis: bool) -> StepOutput:
+def _step_output(
+    out: sampler_lib.SamplerOutput, prompt, expert_counts: jax.Array, add_step_axis: bool
+) -> StepOutput:
     lead = (lambda a: a[None]) if add_step_axis else (lambda a: a)
     prompt_logprobs, prompt_top_logprobs, prompt_top_ids = prompt
     return StepOutput(
@@ -537,6 +579,7 @@ def _step_output(out: sampler_lib.SamplerOutput, prompt, add_step_axis: bool) ->
         prompt_logprobs=prompt_logprobs,
         prompt_top_ids=prompt_top_ids,
         prompt_top_logprobs=prompt_top_logprobs,
+        expert_counts=expert_counts,
     )
 
 
