@@ -22,6 +22,7 @@ from model_utils import StepRequest, build_step, write_hf_checkpoint
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.eplb.recorder import ExpertLoadRecorder
+from jaxserve.ipc import decode, encode
 from jaxserve.models.base import AttentionMetadata, allocate_kv_cache
 from jaxserve.models.loader import load_model
 from jaxserve.sharding.load import load_sharded_model
@@ -113,6 +114,7 @@ def test_engine_stats_carry_balancedness(tiny_engine, single_step_run):
     assert stats.expert_balancedness == recorder.balancedness().tolist()
     assert stats.expert_balancedness == [1.0, 1.0, 1.0]  # one device: one EP rank
     assert stats.expert_routed_tokens == recorder.total_slot_load().sum() > 0
+    assert decode(encode(stats)) == stats  # the new fields cross the process boundary
 
 
 # ----- the model's forward: padding, logits unchanged, and on a mesh ----------------------

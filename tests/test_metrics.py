@@ -149,3 +149,40 @@ def test_every_engine_counter_key_is_exported():
     returned = next(n for n in ast.walk(tree) if isinstance(n, ast.Return))
     keys = {k.value for k in returned.value.keys}
     assert keys == set(ENGINE_COUNTERS) | set(ENGINE_GAUGES)
+
+
+def _moe_stats(layers: list[int], balancedness: list[float], routed: int) -> EngineStats:
+    stats = _stats()
+    stats.expert_layers, stats.expert_balancedness = layers, balancedness
+    stats.expert_routed_tokens = routed
+    return stats
+
+
+def test_expert_balancedness_per_layer_mean_and_routed_tokens():
+    """Per-layer gauges labelled by decoder layer, their mean over layers, and the routed
+    tokens as a counter (across an engine restart), in the text exposition."""
+    metrics = Metrics(model=MODEL)
+    metrics.update_from_engine(_moe_stats([0, 2, 3], [1.0, 0.5, 0.75], routed=120))
+    metrics.update_from_engine(_moe_stats([0, 2, 3], [0.25, 0.5, 0.6], routed=300))
+    text = generate_latest(metrics.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["jaxserve_expert_balancedness"].type == "gauge"
+    per_layer = {
+        s.labels["layer"]: s.value for s in families["jaxserve_expert_balancedness"].samples
+    }
+    assert per_layer == {"0": 0.25, "2": 0.5, "3": 0.6}
+    assert all(s.labels["model"] == MODEL for s in families["jaxserve_expert_balancedness"].samples)
+    assert _value(metrics, "jaxserve_expert_balancedness_mean") == pytest.approx(
+        (0.25 + 0.5 + 0.6) / 3
+    )
+    assert families["jaxserve_expert_routed_tokens"].type == "counter"
+    assert _value(metrics, "jaxserve_expert_routed_tokens_total") == 300
+    metrics.update_from_engine(_moe_stats([0, 2, 3], [1.0, 1.0, 1.0], routed=50))  # restart
+    assert _value(metrics, "jaxserve_expert_routed_tokens_total") == 300 + 50
+
+
+def test_dense_model_exports_no_expert_metrics():
+    metrics = Metrics(model=MODEL)
+    metrics.update_from_engine(_stats(num_steps=3))
+    text = generate_latest(metrics.registry).decode()
+    assert "jaxserve_expert" not in text
