@@ -245,6 +245,46 @@ def test_mesh_counts_equal_single_device(
     np.testing.assert_array_equal(counts, single_device_step[1])
 
 
+def _mesh_engine(model_dir, dp: int, tp: int):
+    from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+    from jaxserve.engine.core import EngineCore
+
+    # One token bucket, one step per call: two executables.
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + 4 * 64 // BLOCK_SIZE),
+            scheduler=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=16, num_decode_steps=1
+            ),
+            mesh=MeshConfig(dp, tp),
+        )
+    )
+
+
+def test_mesh_engine_records_the_single_device_counts(mesh_model_dir, mesh_prompts):
+    """The engine on a 2x4 mesh (DP attention, wide EP over 8 ranks) records the counts
+    of the one-device engine for the same greedy requests, and its balancedness is that
+    of the 8 EP ranks' loads (slot s on rank s // (S / 8))."""
+    requests = [(f"m{i}", p, greedy(3)) for i, p in enumerate(mesh_prompts)]
+    runs = {}
+    for dp, tp in ((1, 1), (2, 4)):
+        engine = _mesh_engine(mesh_model_dir, dp, tp)
+        results = run_engine(engine, requests)
+        runs[dp, tp] = engine, {rid: r.tokens for rid, r in results.items()}
+    (one, one_tokens), (mesh, mesh_tokens) = runs[1, 1], runs[2, 4]
+    assert mesh_tokens == one_tokens
+    assert mesh.num_compilations == 0
+    counts = mesh.runner.expert_load.total_slot_load()
+    np.testing.assert_array_equal(counts, one.runner.expert_load.total_slot_load())
+    assert counts.sum() > 0
+    ranks = counts.reshape(counts.shape[0], 8, -1).sum(axis=2)  # all steps are in the window
+    np.testing.assert_allclose(
+        mesh.stats().expert_balancedness, ranks.mean(axis=1) / ranks.max(axis=1), rtol=1e-12
+    )
+    assert one.stats().expert_balancedness == [1.0] * counts.shape[0]
+
+
 # ----- the recorder ----------------------------------------------------------------------
 
 
