@@ -82,6 +82,8 @@ class EngineCore:
         with it, the device time that host work did not hide), last_host_s /
         last_device_s (the last step), plus the scheduler's num_preemptions,
         num_prefix_queries / num_prefix_hits (tokens) and prefill/decode token counts.
+        The expert load of MoE models is `runner.expert_load` (an
+        `eplb.recorder.ExpertLoadRecorder`), summarized in `stats()`.
     """
 
     def __init__(self, config: EngineConfig):
