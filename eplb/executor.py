@@ -1,0 +1,422 @@
+"""EPLB placement executor: move the expert weights of the MoE layers to a new placement.
+
+The planner (eplb/planner.py) decides which logical expert every physical slot should
+hold; this module makes it so on the devices. It owns the *move* only: given the slot
+weights (sharded over the ep = dp * tp devices, device d holding slots
+[d * S/ep, (d + 1) * S/ep), `sharding/placement.py`) and the current and new
+physical_to_logical tables, it returns the weights of the new placement and the new
+tables, as device arrays that can be swapped into the model without recompiling its
+step (same shapes, dtypes and shardings).
+
+How a re-placement runs (one compiled function per model, built once):
+
+1. On the host, `source_slots` picks for every new slot s a current slot holding
+   expert new_p2l[s]: s itself when it already holds it, else a slot on s's device,
+   else a slot on another device (the one that has sent this device the fewest slots
+   so far, to keep the per-link transfer count, and so the buffers, small).
+2. `transfer_tables` turns the sources into int32 index tables: a local gather per
+   device, and for each ring shift r = 1 .. ep-1 which of its slots device d sends to
+   device (d + r) % ep and where the receiver puts them.
+3. One jitted `shard_map` takes the weights (donated: the old buffers are reused, so a
+   re-placement needs no second copy of the model's experts) and the tables (traced:
+   a new placement is new data, not a new program). Per device and weight: gather the
+   local sources, then ep - 1 `ppermute` rounds of at most `max_transfer_slots` slots
+   each, scattered into place.
+
+Every round moves a fixed number of slots (the padded capacity `max_transfer_slots`),
+because collective sizes are static: a placement that moves few slots still pays
+(ep - 1) * max_transfer_slots slots per device on the wire. Set the capacity to the
+most slots the planner may move between two devices (`minimize_movement` keeps moves
+few); the default, S / ep, accepts any placement. A variable-size exchange
+(`lax.ragged_all_to_all`, which sends only the real rows) would remove the padding on
+GPU/TPU, but it is unimplemented on the CPU, so this version uses `ppermute` only.
+
+Same idea as vLLM's EPLB `rearrange_expert_weights_inplace`
+(vllm/distributed/eplb/rebalance_execute.py) and SGLang's `expert_location_updater`:
+keep a slot's weights where they already are, copy from a local replica when one
+exists, and point-to-point transfer the rest; here with static shapes under `jit`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.sharding.mesh import as_auto_mesh
+from jaxserve.sharding.placement import ExpertPlacement, placement_from_slots
+from jaxserve.sharding.rules import EP, replicated
+
+# One MoE layer's slot-indexed expert weights, e.g. (w_gate, w_up, w_down).
+LayerWeights = tuple[jax.Array, ...]
+
+
+@dataclass(frozen=True)
+class TransferTables:
+    """Host int32 index tables of one re-placement (`transfer_tables`).
+
+    local_source: [ep, L, S/ep], device d's new local slot j takes its own current local
+        slot local_source[d, l, j] (slots filled by a transfer are overwritten after).
+    send_slots: [ep, L, ep - 1, C], in ring round r (shift r + 1) device d sends its
+        current local slots send_slots[d, l, r, :] to device (d + r + 1) % ep; unused
+        entries are 0 (sent, then dropped by the receiver).
+    recv_slots: [ep, L, ep - 1, C], device d writes row k received in round r into its
+        new local slot recv_slots[d, l, r, k]; S/ep marks an unused row (dropped).
+    """
+
+    local_source: np.ndarray
+    send_slots: np.ndarray
+    recv_slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class ReplacementStats:
+    """What one `PlacementExecutor.apply` did, summed over the layers.
+
+    slots_kept: slots whose expert did not change (no copy).
+    slots_copied_local: slots that changed expert, copied from a slot on the same device.
+    slots_moved_remote: slots copied from another device.
+    bytes_moved: bytes of the remote copies (slots_moved_remote x bytes per slot, all
+        weight arrays of the layer): the data that has to cross devices.
+    bytes_on_wire: bytes the ppermute rounds send, capacity padding included
+        (L x ep x (ep - 1) x max_transfer_slots x bytes per slot).
+    seconds: host wall time of the call, tables included, until the outputs are ready.
+    """
+
+    slots_kept: int
+    slots_copied_local: int
+    slots_moved_remote: int
+    bytes_moved: int
+    bytes_on_wire: int
+    seconds: float
+
+
+def source_slots(current_p2l: np.ndarray, new_p2l: np.ndarray, ep: int) -> np.ndarray:
+    """The current slot each new slot copies its weights from (one layer, host).
+
+    New slot s keeps its own weights when current_p2l[s] == new_p2l[s]; otherwise it
+    takes a current slot holding new_p2l[s] on its own device (lowest index) if there is
+    one, else one on another device: the device that has so far sent s's device the
+    fewest slots (ties: lowest slot index), which keeps the per-link count, and so the
+    capacity `PlacementExecutor` needs, small.
+
+    Args:
+        current_p2l: [S] ints, the logical expert each slot holds now.
+        new_p2l: [S] ints, the logical expert each slot should hold.
+        ep: number of expert-parallel devices; S % ep == 0 (slots of device d:
+            [d * S/ep, (d + 1) * S/ep)).
+
+    Returns:
+        [S] int32, source slot of every new slot; current_p2l[src[s]] == new_p2l[s].
+
+    Raises:
+        ValueError: shapes differ or are not 1-D (names the argument), ep does not
+            divide S, or an expert of new_p2l is held by no current slot.
+    """
+    cur, new = _check_pair(current_p2l, new_p2l)
+    num_slots = cur.shape[0]
+    if ep < 1 or num_slots % ep:
+        raise ValueError(f"ep: {ep} must be >= 1 and divide S={num_slots}")
+    per_device = num_slots // ep
+    holders: dict[int, list[int]] = {}
+    for slot, expert in enumerate(cur.tolist()):
+        holders.setdefault(expert, []).append(slot)
+    missing = sorted(set(new.tolist()) - holders.keys())
+    if missing:
+        raise ValueError(
+            f"new_p2l: experts {missing[:10]} are held by no slot of current_p2l "
+            "(weights can only be copied from a slot that holds them)"
+        )
+    src = np.arange(num_slots, dtype=np.int32)
+    sent = np.zeros((ep, ep), np.int64)  # sent[from, to]: remote copies so far
+    for slot in np.flatnonzero(cur != new).tolist():
+        device = slot // per_device
+        candidates = holders[int(new[slot])]
+        local = [c for c in candidates if c // per_device == device]
+        if local:
+            src[slot] = local[0]
+            continue
+        best = min(candidates, key=lambda c: (sent[c // per_device, device], c))
+        sent[best // per_device, device] += 1
+        src[slot] = best
+    return src
+
+
+def transfer_tables(sources: np.ndarray, ep: int, capacity: int) -> TransferTables:
+    """The index tables of the compiled move, from every layer's source slots.
+
+    Args:
+        sources: [L, S] ints, `source_slots` of each layer.
+        ep: number of devices; S % ep == 0.
+        capacity: C, most slots one device may send another in one re-placement.
+
+    Raises:
+        ValueError: a device needs more than `capacity` slots from one other device
+            (names the layer and devices).
+    """
+    src = np.asarray(sources, np.int64)
+    num_layers, num_slots = src.shape
+    per_device = num_slots // ep
+    rounds = ep - 1
+    local = np.tile(np.arange(per_device, dtype=np.int32), (ep, num_layers, 1))
+    send = np.zeros((ep, num_layers, rounds, capacity), np.int32)
+    recv = np.full((ep, num_layers, rounds, capacity), per_device, np.int32)
+    for layer in range(num_layers):
+        used = np.zeros((ep, rounds), np.int64)  # rows used per (receiver, round)
+        for slot, source in enumerate(src[layer].tolist()):
+            dst_dev, j = divmod(slot, per_device)
+            src_dev, i = divmod(source, per_device)
+            if src_dev == dst_dev:
+                local[dst_dev, layer, j] = i
+                continue
+            r = (dst_dev - src_dev) % ep - 1
+            k = used[dst_dev, r]
+            if k >= capacity:
+                raise ValueError(
+                    f"new_p2l: layer {layer}: device {dst_dev} needs more than "
+                    f"max_transfer_slots={capacity} slots from device {src_dev}"
+                )
+            send[src_dev, layer, r, k] = i
+            recv[dst_dev, layer, r, k] = j
+            used[dst_dev, r] += 1
+    return TransferTables(local, send, recv)
+
+
+class PlacementExecutor:
+    """Re-places the expert weights of a model's MoE layers with one compiled function.
+
+    Built once per model and mesh: it compiles the move for the weights' shapes,
+    dtypes and shardings (ahead of time, so a later call with other shapes fails
+    instead of compiling again). Every `apply` then runs that executable with new index
+    tables: `num_compilations` stays 1.
+
+    Args:
+        mesh: the (dp, tp) mesh the weights live on (`sharding.mesh.build_mesh`).
+        weights: [L] layers, each a tuple of slot-indexed weight arrays (or
+            `jax.ShapeDtypeStruct`s with shardings), e.g. (w_gate [S, H, I], w_up
+            [S, H, I], w_down [S, I, H]); axis 0 is the slot axis, sharded over all
+            devices (`PartitionSpec(("dp", "tp"))`, the "experts" rule), the other axes
+            whole. Every layer has the same number of slots S.
+        num_experts: E, logical experts per layer.
+        max_replicas: width of the tables' logical_to_physical, the same as the model's
+            `PlacementTable` state (kept fixed so swapping tables needs no recompile).
+        max_transfer_slots: C, most slots one device may receive from one other device
+            in one apply; default S / ep (any placement). Every apply sends
+            L * (ep - 1) * C slots per device (see the module docstring).
+
+    Raises:
+        ValueError: an empty `weights`, layers with different slot counts, S not
+            divisible by ep, a weight not sharded over ep on axis 0 (names it), or
+            max_transfer_slots outside [1, S / ep].
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        weights: Sequence[Sequence[jax.Array | jax.ShapeDtypeStruct]],
+        num_experts: int,
+        max_replicas: int,
+        *,
+        max_transfer_slots: int | None = None,
+    ):
+        self.mesh = as_auto_mesh(mesh)
+        self.ep = self.mesh.size
+        self.num_experts = num_experts
+        self.max_replicas = max_replicas
+        self._structs = _check_weights(self.mesh, weights)
+        self.num_layers = len(self._structs)
+        self.num_slots = self._structs[0][0].shape[0]
+        per_device = self.num_slots // self.ep
+        capacity = per_device if max_transfer_slots is None else max_transfer_slots
+        if not 1 <= capacity <= per_device:
+            raise ValueError(f"max_transfer_slots: {capacity} must be in [1, S/ep = {per_device}]")
+        self.max_transfer_slots = capacity
+        # Bytes of one slot of each layer, summed over its weight arrays.
+        self.slot_bytes = [
+            sum(int(np.prod(w.shape[1:])) * np.dtype(w.dtype).itemsize for w in layer)
+            for layer in self._structs
+        ]
+        self._table_sharding = NamedSharding(self.mesh, P(EP))
+        self._placement_sharding = replicated(self.mesh)
+        start = time.perf_counter()
+        self._compiled = self._compile()
+        self.compile_seconds = time.perf_counter() - start
+        self.num_compilations = 1
+        # Scratch the move needs per device beyond the (donated, aliased) weights: the
+        # ppermute buffers of the rounds, at most about 2 (ep - 1) C slots per array
+        # (None where the backend does not report it).
+        memory = self._compiled.memory_analysis()
+        self.temp_bytes_per_device = None if memory is None else int(memory.temp_size_in_bytes)
+
+    def apply(
+        self,
+        weights: Sequence[Sequence[jax.Array]],
+        current_p2l: np.ndarray,
+        new_p2l: np.ndarray,
+    ) -> tuple[list[LayerWeights], list[ExpertPlacement], ReplacementStats]:
+        """Move every layer's weights from the current placement to the new one.
+
+        Args:
+            weights: [L] layers of slot-indexed weights, as given to the constructor
+                (same shapes, dtypes, shardings). DONATED: do not use them after the
+                call; use the returned arrays.
+            current_p2l: [L, S] ints, the expert each slot holds now.
+            new_p2l: [L, S] ints in [0, E), every expert in every row.
+
+        Returns:
+            (new_weights [L] tuples, same shapes/dtypes/shardings as `weights`;
+             tables [L] `ExpertPlacement`s of int32 device arrays replicated over the
+             mesh, shaped [E, max_replicas], [E], [S] like the model's `PlacementTable`
+             state; stats).
+
+        Raises:
+            ValueError: table shapes (names the argument), an expert of new_p2l not held
+                by any current slot, an expert without a slot or with more than
+                max_replicas slots, a transfer over max_transfer_slots, or weights that
+                do not match the compiled shapes/shardings.
+        """
+        start = time.perf_counter()
+        cur = self._check_tables(current_p2l, "current_p2l")
+        new = self._check_tables(new_p2l, "new_p2l")
+        placements = [placement_from_slots(row, self.num_experts, self.max_replicas) for row in new]
+        sources = np.stack([source_slots(c, n, self.ep) for c, n in zip(cur, new, strict=True)])
+        tables = transfer_tables(sources, self.ep, self.max_transfer_slots)
+        structs = _check_weights(self.mesh, weights)
+        if structs != self._structs:
+            raise ValueError(
+                "weights: shapes/dtypes/shardings differ from the ones the executor was "
+                f"built for ({_describe(structs)} vs {_describe(self._structs)})"
+            )
+        device_tables = [
+            jax.device_put(t, self._table_sharding)
+            for t in (tables.local_source, tables.send_slots, tables.recv_slots)
+        ]
+        new_weights = self._compiled(tuple(tuple(layer) for layer in weights), *device_tables)
+        device_placements = [jax.device_put(p, self._placement_sharding) for p in placements]
+        jax.block_until_ready((new_weights, device_placements))
+        stats = self._stats(cur, new, sources, time.perf_counter() - start)
+        return [tuple(layer) for layer in new_weights], device_placements, stats
+
+    def _check_tables(self, p2l: np.ndarray, name: str) -> np.ndarray:
+        table = np.asarray(p2l)
+        want = (self.num_layers, self.num_slots)
+        if table.shape != want or not np.issubdtype(table.dtype, np.integer):
+            raise ValueError(f"{name}: expected int {list(want)}, got {table.dtype} {table.shape}")
+        if (table < 0).any() or (table >= self.num_experts).any():
+            raise ValueError(f"{name}: entries must be in [0, {self.num_experts})")
+        return table.astype(np.int64)
+
+    def _stats(self, cur, new, sources, seconds: float) -> ReplacementStats:
+        per_device = self.num_slots // self.ep
+        slots = np.arange(self.num_slots)
+        changed = cur != new
+        remote = (sources // per_device) != (slots // per_device)[None, :]
+        remote_per_layer = remote.sum(1)
+        wire_slots = self.ep * (self.ep - 1) * self.max_transfer_slots
+        return ReplacementStats(
+            slots_kept=int((~changed).sum()),
+            slots_copied_local=int((changed & ~remote).sum()),
+            slots_moved_remote=int(remote.sum()),
+            bytes_moved=int(np.dot(remote_per_layer, self.slot_bytes)),
+            bytes_on_wire=int(wire_slots * sum(self.slot_bytes)),
+            seconds=seconds,
+        )
+
+    def _compile(self):
+        """Lower and compile the move for the constructor's weights (once)."""
+        ep, capacity = self.ep, self.max_transfer_slots
+        per_device = self.num_slots // ep
+        rounds = ep - 1
+        table = NamedSharding(self.mesh, P(EP))
+        table_structs = (
+            jax.ShapeDtypeStruct((ep, self.num_layers, per_device), np.int32, sharding=table),
+            jax.ShapeDtypeStruct((ep, self.num_layers, rounds, capacity), np.int32, sharding=table),
+            jax.ShapeDtypeStruct((ep, self.num_layers, rounds, capacity), np.int32, sharding=table),
+        )
+        weight_specs = tuple(tuple(P(EP) for _ in layer) for layer in self._structs)
+        moved = jax.shard_map(
+            _move_body,
+            mesh=self.mesh,
+            in_specs=(weight_specs, P(EP), P(EP), P(EP)),
+            out_specs=weight_specs,
+        )
+        out_shardings = tuple(tuple(w.sharding for w in layer) for layer in self._structs)
+        jitted = jax.jit(moved, donate_argnums=(0,), out_shardings=out_shardings)
+        return jitted.lower(self._structs, *table_structs).compile()
+
+
+def _move_body(weights, local_source, send_slots, recv_slots):
+    """Per-device body: weights [L] tuples of [S/ep, ...] local slots; tables with a
+    leading device axis of 1 (see `TransferTables`). Returns the new local slots."""
+    ep = lax.axis_size(EP)
+    out = []
+    for layer, arrays in enumerate(weights):
+        local, send, recv = local_source[0, layer], send_slots[0, layer], recv_slots[0, layer]
+        moved = []
+        for w in arrays:
+            new = w[local]
+            for r in range(ep - 1):
+                # Ring shift r + 1: every device sends to the one r + 1 after it.
+                perm = [(d, (d + r + 1) % ep) for d in range(ep)]
+                got = lax.ppermute(w[send[r]], EP, perm)
+                new = new.at[recv[r]].set(got, mode="drop")
+            moved.append(new)
+        out.append(tuple(moved))
+    return tuple(out)
+
+
+def _check_weights(mesh: Mesh, weights) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:
+    """The weights as ShapeDtypeStructs with their shardings, after checking them."""
+    if len(weights) == 0:
+        raise ValueError("weights: expected at least one MoE layer")
+    num_slots = weights[0][0].shape[0]
+    if num_slots % mesh.size:
+        raise ValueError(
+            f"weights: {num_slots} slots are not divisible by ep = dp*tp = {mesh.size}"
+        )
+    structs = []
+    for layer, arrays in enumerate(weights):
+        row = []
+        for i, w in enumerate(arrays):
+            name = f"weights[{layer}][{i}]"
+            if w.ndim < 1 or w.shape[0] != num_slots:
+                raise ValueError(f"{name}: expected {num_slots} slots on axis 0, got {w.shape}")
+            sharding = getattr(w, "sharding", None)
+            expected = NamedSharding(mesh, P(EP))
+            if sharding is None or not sharding.is_equivalent_to(expected, w.ndim):
+                raise ValueError(
+                    f"{name}: expected slots sharded over ep on axis 0 ({expected.spec}), "
+                    f"got {sharding}"
+                )
+            row.append(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding))
+        structs.append(tuple(row))
+    return tuple(structs)
+
+
+def _describe(structs) -> str:
+    return str([[(tuple(w.shape), str(w.dtype)) for w in layer] for layer in structs])
+
+
+def _check_pair(current_p2l, new_p2l) -> tuple[np.ndarray, np.ndarray]:
+    cur, new = np.asarray(current_p2l), np.asarray(new_p2l)
+    for name, table in (("current_p2l", cur), ("new_p2l", new)):
+        if table.ndim != 1 or not np.issubdtype(table.dtype, np.integer):
+            raise ValueError(f"{name}: expected int [S], got {table.dtype} {table.shape}")
+    if cur.shape != new.shape:
+        raise ValueError(f"new_p2l: expected the shape of current_p2l {cur.shape}, got {new.shape}")
+    return cur.astype(np.int64), new.astype(np.int64)
+
+
+__all__ = [
+    "PlacementExecutor",
+    "ReplacementStats",
+    "TransferTables",
+    "source_slots",
+    "transfer_tables",
+]
