@@ -288,7 +288,7 @@ class PlacementExecutor:
         sources = np.stack([source_slots(c, n, self.ep) for c, n in zip(cur, new, strict=True)])
         tables = transfer_tables(sources, self.ep, self.max_transfer_slots)
         structs = _check_weights(self.mesh, weights)
-        if structs != self._structs:
+        if not _same_layout(structs, self._structs):
             raise ValueError(
                 "weights: shapes/dtypes/shardings differ from the ones the executor was "
                 f"built for ({_describe(structs)} vs {_describe(self._structs)})"
@@ -397,6 +397,19 @@ def _check_weights(mesh: Mesh, weights) -> tuple[tuple[jax.ShapeDtypeStruct, ...
             row.append(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding))
         structs.append(tuple(row))
     return tuple(structs)
+
+
+def _same_layout(a, b) -> bool:
+    """Same layers, shapes and dtypes, and equivalent shardings."""
+    if [len(layer) for layer in a] != [len(layer) for layer in b]:
+        return False
+    return all(
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+        for la, lb in zip(a, b, strict=True)
+        for x, y in zip(la, lb, strict=True)
+    )
 
 
 def _describe(structs) -> str:

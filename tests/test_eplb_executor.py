@@ -263,6 +263,9 @@ def test_executor_errors_name_the_field(placed):
     few[0, :] = np.arange(NUM_SLOTS) % 8  # experts 8-15 lose their slots
     with pytest.raises(ValueError, match="physical_to_logical: experts .* have no slot"):
         executor.apply([], current, few)
+    small = jax.device_put(np.zeros((NUM_SLOTS, 4, 4), np.float32), sharding)
+    with pytest.raises(ValueError, match="weights: shapes/dtypes/shardings differ"):
+        executor.apply([(small,) * 3] * NUM_LAYERS, current, current)
     replicated_weight = jax.device_put(logical[0][1][current[0]])  # one device only
     bad = [
         (jax.device_put(logical[0][0][current[0]], sharding), replicated_weight),
