@@ -21,7 +21,9 @@ How a re-placement runs (one compiled function per model, built once):
    re-placement needs no second copy of the model's experts) and the tables (traced:
    a new placement is new data, not a new program). Per device and weight: gather the
    local sources, then ep - 1 `ppermute` rounds of at most `max_transfer_slots` slots
-   each, scattered into place.
+   each, scattered into place. Arrays and rounds run one after the other, so the
+   scratch memory is about one array's slots of one device plus one round's buffers
+   (`PlacementExecutor.temp_bytes_per_device`).
 
 Every round moves a fixed number of slots (the padded capacity `max_transfer_slots`),
 because collective sizes are static: a placement that moves few slots still pays
@@ -248,9 +250,9 @@ class PlacementExecutor:
         self._compiled = self._compile()
         self.compile_seconds = time.perf_counter() - start
         self.num_compilations = 1
-        # Scratch the move needs per device beyond the (donated, aliased) weights: the
-        # ppermute buffers of the rounds, at most about 2 (ep - 1) C slots per array
-        # (None where the backend does not report it).
+        # Scratch the move needs per device beyond the (donated, aliased) weights: about
+        # one array's new slots plus one round's send and receive buffers, as the arrays
+        # and rounds run one at a time (None where the backend does not report it).
         memory = self._compiled.memory_analysis()
         self.temp_bytes_per_device = None if memory is None else int(memory.temp_size_in_bytes)
 
