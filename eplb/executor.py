@@ -390,8 +390,8 @@ def _move_array(w, local, send, recv, ep: int) -> jax.Array:
 
 def _check_weights(mesh: Mesh, weights) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:
     """The weights as ShapeDtypeStructs with their shardings, after checking them."""
-    if len(weights) == 0:
-        raise ValueError("weights: expected at least one MoE layer")
+    if len(weights) == 0 or any(len(layer) == 0 for layer in weights):
+        raise ValueError("weights: expected at least one MoE layer, each with >= 1 array")
     num_slots = weights[0][0].shape[0]
     if num_slots % mesh.size:
         raise ValueError(
