@@ -19,6 +19,7 @@ from jaxserve.config import (
     DEMO_MODEL_DIR,
     CacheConfig,
     EngineConfig,
+    EplbConfig,
     MeshConfig,
     SchedulerConfig,
     ServerConfig,
@@ -63,11 +64,22 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
         )
     )
+    eplb = EplbConfig(
+        enabled=args.enable_eplb,
+        **given(
+            num_redundant_experts=args.num_redundant_experts,
+            window_size=args.eplb_window_size,
+            step_interval=args.eplb_step_interval,
+            min_improvement=args.eplb_min_improvement,
+        ),
+    )
+    eplb.validate()
     config = EngineConfig(
         model=args.model,
         cache=cache,
         scheduler=scheduler,
         mesh=MeshConfig.parse(args.mesh),
+        eplb=eplb,
         **given(dtype=args.dtype, seed=args.seed),
     )
     if args.no_compilation_cache:
@@ -91,6 +103,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dist = distributed.from_arguments(args)
     except ValueError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
+    if dist is not None and config.eplb.enabled:
+        print(
+            "jaxserve serve: error: --enable-eplb: not supported with several processes "
+            "yet (the followers would need every new expert placement)",
+            file=sys.stderr,
+        )
         return 2
     if dist is not None and not dist.is_leader:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
@@ -182,6 +201,51 @@ def _print_samples(completions) -> None:
         print(c.text)
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def _add_eplb_arguments(s: argparse.ArgumentParser) -> None:
+    """The EPLB flags of `serve` (vLLM's names; see `config.EplbConfig`)."""
+    s.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="re-place MoE experts by their measured load (needs a mesh with dp*tp > 1)",
+    )
+    s.add_argument(
+        "--num-redundant-experts",
+        type=_int_at_least(0),
+        metavar="R",
+        help="extra expert slots per MoE layer for replicas (E + R divisible by dp*tp)",
+    )
+    s.add_argument(
+        "--eplb-window-size",
+        type=POSITIVE,
+        metavar="STEPS",
+        help=f"engine steps of the expert-load window (default {EplbConfig().window_size})",
+    )
+    s.add_argument(
+        "--eplb-step-interval",
+        type=POSITIVE,
+        metavar="STEPS",
+        help=f"engine steps between re-placements (default {EplbConfig().step_interval})",
+    )
+    s.add_argument(
+        "--eplb-min-improvement",
+        type=_fraction,
+        metavar="F",
+        help="re-place a layer only if its peak device load drops by more than F "
+        f"(default {EplbConfig().min_improvement:g})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,15 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int)
     s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
     s.add_argument(
-        "--num-blocks", type=_int_at_least(2), metavar="N",
+        "--num-blocks",
+        type=_int_at_least(2),
+        metavar="N",
         help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
         "usable (default: from memory)",
-    )  # fmt: skip
+    )
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--max-num-seqs", type=POSITIVE, help="most requests in one step")
     s.add_argument("--max-num-batched-tokens", type=POSITIVE, help="token budget of one step")
     s.add_argument("--max-model-len", type=_int_at_least(2), help="most tokens per request")
     s.add_argument("--mesh", default="dp=1,tp=1", help="device mesh, e.g. dp=2,tp=4")
+    _add_eplb_arguments(s)
     s.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache")
     s.add_argument("--no-compilation-cache", action="store_true")
     s.add_argument("--log-level", default="INFO")
@@ -223,15 +290,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("-n", "--n", type=int, help="samples of the prompt (printed one by one)")
     g.add_argument(
-        "--stop", action="append", default=[],
+        "--stop",
+        action="append",
+        default=[],
         help="stop string (repeatable; a shell passes \\n literally: use $'\\n')",
-    )  # fmt: skip
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, help="seconds for the whole call")
     g.add_argument(
-        "-v", "--verbose", action="store_true",
+        "-v",
+        "--verbose",
+        action="store_true",
         help="print each sample's finish reason and token counts to stderr",
-    )  # fmt: skip
+    )
     g.set_defaults(func=_cmd_generate)
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint

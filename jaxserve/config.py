@@ -75,6 +75,55 @@ class MeshConfig:
 
 
 @dataclass(slots=True)
+class EplbConfig:
+    """Expert-parallel load balancing (EPLB) of MoE models on a mesh, as vLLM's
+    `--enable-eplb` (vllm/distributed/eplb/eplb_state.py).
+
+    enabled: re-place experts from their measured load every `step_interval` engine
+        steps. Needs an expert-parallel mesh (dp * tp > 1): on one device the engine
+        logs a warning and runs without it. Not supported with several processes yet
+        (the followers would need the new placement): the engine refuses to start.
+    num_redundant_experts: R, extra expert slots per MoE layer (S = E + R physical
+        slots, S divisible by dp * tp) holding replicas of hot experts. They start as
+        replicas of experts 0..R-1 and cost R experts' weights per layer. Used on any
+        expert-parallel mesh, with or without `enabled`.
+    window_size: engine steps of the expert-load window the plan is made from.
+    step_interval: engine steps between two re-placement checks (steps, not tokens).
+    min_improvement: a layer is re-placed only if its plan lowers the most loaded
+        device's load by more than this fraction, in [0, 1) (load windows are noisy:
+        a small gain is not worth moving weights).
+    """
+
+    enabled: bool = False
+    num_redundant_experts: int = 0
+    window_size: int = 1000
+    step_interval: int = 3000
+    min_improvement: float = 0.05
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field of an out-of-range value."""
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                "eplb.num_redundant_experts (--num-redundant-experts): must be >= 0, "
+                f"got {self.num_redundant_experts}"
+            )
+        if self.window_size < 1:
+            raise ValueError(
+                f"eplb.window_size (--eplb-window-size): must be >= 1 steps, got {self.window_size}"
+            )
+        if self.step_interval < 1:
+            raise ValueError(
+                "eplb.step_interval (--eplb-step-interval): must be >= 1 steps, "
+                f"got {self.step_interval}"
+            )
+        if not 0.0 <= self.min_improvement < 1.0:
+            raise ValueError(
+                "eplb.min_improvement (--eplb-min-improvement): must be in [0, 1), "
+                f"got {self.min_improvement}"
+            )
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything the engine process needs to start."""
 
@@ -84,6 +133,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     # JAX persistent compilation cache; None disables it.
     compilation_cache_dir: str | None = str(Path.home() / ".cache" / "jaxserve" / "jax_cache")
 
@@ -97,6 +147,7 @@ class EngineConfig:
             cache=CacheConfig(**d.pop("cache", {})),
             scheduler=SchedulerConfig(**d.pop("scheduler", {})),
             mesh=MeshConfig(**d.pop("mesh", {})),
+            eplb=EplbConfig(**d.pop("eplb", {})),
             **d,
         )
 

@@ -21,7 +21,14 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+from jaxserve.config import (
+    DEMO_MODEL_DIR,
+    CacheConfig,
+    EngineConfig,
+    EplbConfig,
+    MeshConfig,
+    SchedulerConfig,
+)
 from jaxserve.engine.core import EngineCore
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 from jaxserve.ipc import EngineRequest
@@ -33,6 +40,14 @@ _ALIASES = {
     "gpu_memory_utilization": "memory_fraction",
     "tensor_parallel_size": "tp",
     "data_parallel_size": "dp",
+}
+# EPLB keyword arguments (vLLM's names) -> EplbConfig fields.
+_EPLB_KWARGS = {
+    "enable_eplb": "enabled",
+    "num_redundant_experts": "num_redundant_experts",
+    "eplb_window_size": "window_size",
+    "eplb_step_interval": "step_interval",
+    "eplb_min_improvement": "min_improvement",
 }
 
 
@@ -107,7 +122,9 @@ class LLM:
             cache fields (block_size, num_blocks, memory_fraction, enable_prefix_caching),
             scheduler fields (max_num_seqs, max_num_batched_tokens, max_model_len,
             enable_chunked_prefill) and mesh fields (dp, tp), or mesh="dp=D,tp=T" (or a
-            MeshConfig). vLLM's
+            MeshConfig); EPLB with vLLM's names (enable_eplb, num_redundant_experts,
+            eplb_window_size, eplb_step_interval; also eplb_min_improvement), or
+            eplb=EplbConfig(...); out-of-range EPLB values raise ValueError. vLLM's
             gpu_memory_utilization / tensor_parallel_size / data_parallel_size also work.
 
     Raises:
@@ -253,10 +270,19 @@ class LLM:
 def build_engine_config(model: str, **kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (see `LLM`). Raises TypeError on unknown ones."""
     sections = {"cache": CacheConfig(), "scheduler": SchedulerConfig(), "mesh": MeshConfig()}
+    eplb = EplbConfig()
     top: dict = {"model": model}
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections) - {"eplb"}
     for key, value in kwargs.items():
         name = _ALIASES.get(key, key)
+        if name == "eplb":  # an EplbConfig
+            if not isinstance(value, EplbConfig):
+                raise TypeError(f"eplb: expected an EplbConfig, got {value!r}")
+            eplb = value
+            continue
+        if name in _EPLB_KWARGS:
+            setattr(eplb, _EPLB_KWARGS[name], value)
+            continue
         if name == "mesh":  # "dp=2,tp=4" or a MeshConfig
             mesh = MeshConfig.parse(value) if isinstance(value, str) else value
             if not isinstance(mesh, MeshConfig):
@@ -272,7 +298,8 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
                 break
         else:
             raise TypeError(f"LLM: unknown engine argument {key!r}")
-    return EngineConfig(**top, **sections)
+    eplb.validate()
+    return EngineConfig(**top, **sections, eplb=eplb)
 
 
 def _load_tokenizer(path: Path) -> Tokenizer:

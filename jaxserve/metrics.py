@@ -21,7 +21,9 @@ Expert-parallel load balance (MoE models only, from `EngineStats.expert_*`): per
 layer the balancedness of the EP ranks' loads over the engine's EPLB window,
 `jaxserve_expert_balancedness{layer="3"}` (mean / max, vLLM's EPLB metric; 1.0 is
 balanced), its mean over layers `jaxserve_expert_balancedness_mean`, and
-`jaxserve_expert_routed_tokens_total`. They are registered on the first stats of an MoE
+`jaxserve_expert_routed_tokens_total`; with EPLB on, the re-placements applied
+`jaxserve_eplb_rebalances_total` and their time `jaxserve_eplb_rebalance_seconds_total`
+(engine counters, 0 while EPLB is off). They are registered on the first stats of an MoE
 model, so a dense model's exposition has none of them.
 No JAX here.
 """
@@ -60,6 +62,12 @@ ENGINE_COUNTERS = {
     ),
     "num_compilations": (
         "jaxserve_engine_compilations", "XLA compilations after warm-up (should stay 0)"
+    ),
+    "eplb_rebalances": (
+        "jaxserve_eplb_rebalances", "EPLB expert re-placements applied (weights moved)"
+    ),
+    "eplb_rebalance_s": (
+        "jaxserve_eplb_rebalance_seconds", "Time spent moving expert weights for EPLB, s"
     ),
 }  # fmt: skip
 

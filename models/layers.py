@@ -50,6 +50,8 @@ class Parallelism(Protocol):
 
     def initial_placement(self, num_experts: int) -> dict[str, Any]: ...
 
+    def num_expert_slots(self, num_experts: int) -> int: ...
+
     def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array: ...
 
 
@@ -355,8 +357,11 @@ class MoeBlock(nnx.Module):
 
     With `parallel` (a device mesh) the experts run expert-parallel, and the expert
     weights are indexed by physical slot: slot s holds logical expert
-    `physical_to_logical[s]`. The placement tables (`PlacementTable` state) start as
-    the identity, matching a checkpoint's expert order.
+    `physical_to_logical[s]`. There are `parallel.num_expert_slots(E)` slots (E, plus
+    any redundant slots for replicas of hot experts); the placement tables
+    (`PlacementTable` state) start as `parallel.initial_placement(E)`: slot e holds
+    expert e for e < E, the redundant slots replicas, so the loader fills slot s from
+    the checkpoint's expert `physical_to_logical[s]`.
     """
 
     def __init__(
@@ -377,11 +382,14 @@ class MoeBlock(nnx.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.parallel = parallel
+        self.num_experts = num_experts
         e, h, i = num_experts, hidden_size, moe_intermediate_size
+        # Physical expert slots: E on one device, E + redundant slots on a mesh.
+        s = e if parallel is None else parallel.num_expert_slots(e)
         self.router = param(rngs, (h, e), ("embed", None), dtype)
-        self.w_gate = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
-        self.w_up = param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), dtype)
-        self.w_down = param(rngs, (e, i, h), ("experts", "expert_mlp", "embed"), dtype)
+        self.w_gate = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
+        self.w_up = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
+        self.w_down = param(rngs, (s, i, h), ("experts", "expert_mlp", "embed"), dtype)
         if parallel is not None:
             for name, table in self.initial_placement().items():
                 setattr(self, name, PlacementTable(jnp.asarray(table)))
@@ -391,7 +399,7 @@ class MoeBlock(nnx.Module):
         only), by name (`PLACEMENT_FIELDS`), as host arrays: {} on one device."""
         if self.parallel is None:
             return {}
-        return self.parallel.initial_placement(self.w_gate.shape[0])
+        return self.parallel.initial_placement(self.num_experts)
 
     def __call__(
         self, x: jax.Array, token_mask: jax.Array | None = None

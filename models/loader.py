@@ -105,14 +105,33 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     buffers = abstract.initial_buffers()
+    slot_experts = _slot_experts(buffers, config.num_experts)
     if is_orbax_checkpoint(model_dir):
+        if slot_experts:
+            raise ValueError(
+                f"num_redundant_experts: redundant expert slots are not supported with a "
+                f"`jaxserve convert` checkpoint ({model_dir}) yet; serve the HF folder"
+            )
         restore_params(model_dir, variables, [p for p in variables if p not in buffers], place)
     else:
         specs = abstract.hf_weight_specs()
         _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})
-        _read_safetensors(model_dir, config, specs, variables, place)
+        _read_safetensors(model_dir, config, specs, variables, place, slot_experts)
     fill_buffers(variables, buffers, place)
     return nnx.merge(graphdef, nnx.from_flat_state(variables)), config
+
+
+def _slot_experts(buffers: dict[ParamPath, object], num_experts: int) -> dict[tuple, np.ndarray]:
+    """MoE module path -> [S] logical expert of each physical slot, for the blocks whose
+    S slots are not the checkpoint's E experts (redundant slots, on a mesh); {} when
+    every block holds exactly the checkpoint's experts."""
+    slot_experts = {}
+    for path, value in buffers.items():
+        if path[-1] == "physical_to_logical":
+            p2l = np.asarray(value)
+            if not np.array_equal(p2l, np.arange(num_experts)):
+                slot_experts[path[:-1]] = p2l
+    return slot_experts
 
 
 def _read_safetensors(
@@ -121,8 +140,13 @@ def _read_safetensors(
     specs: list[WeightSpec],
     variables: dict[ParamPath, nnx.Variable],
     place: ShardingFn,
+    slot_experts: dict[tuple, np.ndarray] | None = None,
 ) -> None:
-    """Fill each parameter from its checkpoint tensors, one tensor at a time."""
+    """Fill each parameter from its checkpoint tensors, one tensor at a time. The expert
+    weights of a block in `slot_experts` (module path -> [S] logical expert of each
+    slot) are [E, ...] in the checkpoint and [S, ...] in the model: slot s gets a copy
+    of expert slot_experts[s]."""
+    slot_experts = slot_experts or {}
     with _CheckpointReader(model_dir) as checkpoint:
         for spec in specs:
             var = variables[spec.path]
@@ -130,12 +154,14 @@ def _read_safetensors(
             value = layout.to_param(
                 [checkpoint.read(n, s) for n, s in zip(layout.names, layout.shapes, strict=True)]
             )
+            axes = var.get_metadata().get("out_sharding") or ()
+            if axes and axes[0] == "experts" and spec.path[:-1] in slot_experts:
+                value = np.asarray(value)[slot_experts[spec.path[:-1]]]
             if value.shape != tuple(var.shape):
                 raise ValueError(
                     f"parameter {path_str(spec.path)}: converted shape {value.shape} "
                     f"!= model shape {tuple(var.shape)}"
                 )
-            axes = var.get_metadata().get("out_sharding") or ()
             sharding = place(path_str(spec.path), tuple(axes))
             var.set_value(jax.device_put(value.astype(np.dtype(var.dtype)), sharding))
         _report_unused(checkpoint, config)

@@ -28,6 +28,7 @@ def load_sharded_model(
     dtype: jnp.dtype | str = jnp.float32,
     *,
     replicated_max_tokens: int = 0,
+    num_redundant_experts: int = 0,
 ) -> tuple[DecoderOnlyLM, ModelConfig]:
     """The model of `model_dir` on `mesh`, sharded by `rules.LOGICAL_AXIS_RULES`.
 
@@ -38,6 +39,8 @@ def load_sharded_model(
         replicated_max_tokens: MoE steps of at most this many tokens take the
             replicated-token path (see `MeshParallelism`; measure it with
             `ep_calibration.measure_replicated_max_tokens`).
+        num_redundant_experts: R, extra expert slots per MoE layer (E + R slots, the
+            extra ones filled with replicas; see `MeshParallelism.initial_placement`).
 
     Returns:
         (model, config). The model's forward expects the DP flat-batch layout
@@ -49,8 +52,10 @@ def load_sharded_model(
         `load_model`'s errors.
     """
     mesh = as_auto_mesh(mesh)
-    check_model_fits(load_config(model_dir), mesh)
-    parallel = MeshParallelism(mesh, replicated_max_tokens)
+    config = load_config(model_dir)
+    slots = config.num_experts + num_redundant_experts if num_redundant_experts else None
+    check_model_fits(config, mesh, num_physical_experts=slots)
+    parallel = MeshParallelism(mesh, replicated_max_tokens, num_redundant_experts)
     return load_model(
         model_dir, dtype, mesh=mesh, shardings=param_sharding_fn(mesh), parallel=parallel
     )

@@ -14,6 +14,10 @@ dense MLPs, the LM head) is partitioned by XLA from the weights' shardings (`rul
   replicated-token path; the choice is static per step shape and logged.
 - `expert_slots`: the slot each routed token is dispatched to, for the expert-load
   counts that EPLB records (the same rule as the dispatch, outside shard_map).
+- `num_expert_slots` / `initial_placement`: S = E + num_redundant_experts physical
+  slots per MoE layer, the first E holding experts 0..E-1 and the redundant ones
+  replicas (of experts 0, 1, ...), in tables of a fixed width so that EPLB's new
+  tables keep their shapes.
 
 The single-device model (parallel=None) never touches this module.
 """
@@ -33,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.base import AttentionMetadata
 from jaxserve.sharding import moe_ep
-from jaxserve.sharding.placement import ExpertPlacement, choose_slots, identity_placement
+from jaxserve.sharding.placement import ExpertPlacement, choose_slots, placement_from_slots
 from jaxserve.sharding.rules import DP, HIDDEN_AXES, KV_CACHE_AXES, TP, logical_to_spec
 
 logger = logging.getLogger(__name__)
@@ -52,10 +56,14 @@ class MeshParallelism:
     replicated_max_tokens: MoE steps of at most this many tokens (the whole flat batch,
         all dp ranks) take the replicated-token path; 0 = always all_to_all. Measure it
         with `ep_calibration.measure_replicated_max_tokens`.
+    num_redundant_experts: R, expert slots per MoE layer beyond the E logical experts
+        (replicas of hot experts, DeepSeek-V3's redundant experts); E + R must be
+        divisible by the mesh size (checked by `sharding.mesh.check_model_fits`).
     """
 
     mesh: Mesh
     replicated_max_tokens: int = 0
+    num_redundant_experts: int = 0
 
     @property
     def dp(self) -> int:
@@ -148,10 +156,23 @@ class MeshParallelism:
         token = jnp.arange(topk_ids.shape[0], dtype=jnp.int32)
         return choose_slots(topk_ids, token, ExpertPlacement(**placement))
 
+    def num_expert_slots(self, num_experts: int) -> int:
+        """S = E + num_redundant_experts physical slots per MoE layer."""
+        return num_experts + self.num_redundant_experts
+
+    @property
+    def max_replicas(self) -> int:
+        """Width of the logical_to_physical table: R + 1, the most slots one expert
+        can get, so any re-placement of the S slots fits the same table shape."""
+        return self.num_redundant_experts + 1
+
     def initial_placement(self, num_experts: int) -> dict[str, np.ndarray]:
-        """Placement tables of a freshly loaded checkpoint (slot e holds expert e), by
-        `ExpertPlacement` field name, as host int32 arrays."""
-        return dataclasses.asdict(identity_placement(num_experts))
+        """Placement tables of a freshly loaded checkpoint, by `ExpertPlacement` field
+        name, as host int32 arrays: slot s holds expert s % E (the identity for the
+        first E slots; redundant slot E + r a replica of expert r % E), with
+        logical_to_physical max_replicas wide. R = 0: the identity, [E, 1]."""
+        slots = np.arange(self.num_expert_slots(num_experts)) % num_experts
+        return dataclasses.asdict(placement_from_slots(slots, num_experts, self.max_replicas))
 
     def _check_dp_divisible(self, **sizes: int) -> None:
         for name, size in sizes.items():

@@ -16,6 +16,7 @@ that N stops (EOS, stop token) wastes its row of N+1, whose result is discarded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, EplbConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.dp_scheduler import DPScheduler, DPSchedulerOutput
 from jaxserve.engine.model_runner import (
@@ -75,6 +76,11 @@ class EngineCore:
             given explicitly that one dp rank's KV pool cannot hold (see `fit_kv_cache`).
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
 
+    EPLB (config.eplb, on an expert-parallel mesh): every `step_interval` steps the
+    expert placement is re-planned from the load window; a new one is applied between
+    two steps, after draining the step in flight (`eplb.controller`). With ep = 1 it is
+    disabled with a warning; with several processes the engine refuses to start.
+
     Counters for the metrics layer (plain attributes, monotonic unless noted):
         num_steps, host_time_s (seconds the engine thread worked: scheduling, packing
         inputs, dispatching, turning tokens into outputs) and device_time_s (seconds it
@@ -96,6 +102,7 @@ class EngineCore:
 
         dtype = _DTYPES[config.dtype]
         sc, cc = config.scheduler, config.cache
+        self.eplb_config = _check_eplb(config)
         if sc.max_model_len is not None and cc.num_blocks is not None:
             # Both given: fail before loading the weights.
             fit_kv_cache(sc.max_model_len, True, cc.num_blocks, cc.block_size)
@@ -150,7 +157,10 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             kv_dtype=dtype,
             num_decode_steps=sc.num_decode_steps,
+            expert_load_window=self.eplb_config.window_size,
         )
+        # Built (its move compiled) before the start-up compilations are counted.
+        self.eplb = self._build_eplb()
         self.async_scheduling = sc.async_scheduling
         # The dispatched step whose outputs are not processed yet (async scheduling).
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -181,6 +191,35 @@ class EngineCore:
             cc.block_size,
             self.max_model_len,
         )
+
+    def _build_eplb(self):
+        """The `EplbController` when EPLB is on and the model has MoE layers, else None."""
+        ec = self.eplb_config
+        if not ec.enabled:
+            return None
+        if self.runner.expert_load is None:
+            logger.warning("--enable-eplb: %s has no MoE layers; EPLB is off", self.config.model)
+            return None
+        from jaxserve.eplb.controller import EplbController  # noqa: PLC0415
+
+        controller = EplbController(
+            self.runner,
+            self.mesh,
+            self.model_config.num_experts,
+            ec.num_redundant_experts + 1,
+            step_interval=ec.step_interval,
+            min_improvement=ec.min_improvement,
+        )
+        logger.info(
+            "EPLB on: %d expert slots per MoE layer (%d redundant), re-plan every %d steps "
+            "from a %d-step load window; placement move compiled in %.1f s",
+            controller.executor.num_slots,
+            ec.num_redundant_experts,
+            ec.step_interval,
+            ec.window_size,
+            controller.executor.compile_seconds,
+        )
+        return controller
 
     @property
     def num_compilations(self) -> int:
@@ -265,11 +304,15 @@ class EngineCore:
             outputs += self._step_overlapped()
         else:
             outputs += self._step_sync()
+        wait_s = self.runner.last_wait_s
+        if self.eplb is not None and self.eplb.step_done():
+            outputs += self._rebalance()
+            wait_s += self.runner.last_wait_s
         if self._row_errors:
             _mark_errors(outputs, self._row_errors)
         total = time.perf_counter() - start
         self.num_steps += 1
-        self.last_device_s = self.runner.last_wait_s
+        self.last_device_s = wait_s
         self.last_host_s = total - self.last_device_s
         self.device_time_s += self.last_device_s
         self.host_time_s += self.last_host_s
@@ -300,6 +343,22 @@ class EngineCore:
             self.runner.fill_pending(x, samples)
             self._inflight = nxt, self.runner.dispatch(x, nxt)
         return self.scheduler.update(sched, samples)
+
+    def _rebalance(self) -> list[RequestOutput]:
+        """Re-place the experts if the EPLB plan changes any layer. The step in flight
+        (async scheduling) is finished first, since the move donates the weights it
+        reads; its outputs are returned."""
+        plan = self.eplb.plan()
+        if plan is None:
+            return []
+        outputs = []
+        self.runner.last_wait_s = 0.0
+        if self._inflight is not None:
+            sched, handle = self._inflight
+            self._inflight = None
+            outputs = self.scheduler.update(sched, self.runner.fetch(handle))
+        self.eplb.apply(plan)
+        return outputs
 
     def _prepare(self, sched: SchedulerOutput | DPSchedulerOutput) -> StepInputs | DPStepInputs:
         """The runner's packed inputs of `sched`, after ending every request whose
@@ -432,6 +491,8 @@ class EngineCore:
             "last_host_s": self.last_host_s,
             "last_device_s": self.last_device_s,
             "num_compilations": self.num_compilations,
+            "eplb_rebalances": 0 if self.eplb is None else self.eplb.num_rebalances,
+            "eplb_rebalance_s": 0.0 if self.eplb is None else self.eplb.rebalance_time_s,
         }
 
 
@@ -449,7 +510,17 @@ def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
 
     mesh = build_mesh_from_config(config.mesh)
     mc = load_config(config.model)
-    check_model_fits(mc, mesh)  # before timing anything: a clear error at start-up
+    redundant = config.eplb.num_redundant_experts if mc.num_experts > 0 else 0
+    if redundant and (mc.num_experts + redundant) % config.mesh.size:
+        raise ValueError(
+            f"num_redundant_experts (--num-redundant-experts): {mc.num_experts} experts + "
+            f"{redundant} redundant slots = {mc.num_experts + redundant} is not divisible by "
+            f"ep = dp*tp = {config.mesh.size}"
+        )
+    # Before timing anything: a clear error at start-up.
+    check_model_fits(
+        mc, mesh, num_physical_experts=mc.num_experts + redundant if redundant else None
+    )
     threshold = 0
     if mc.num_experts > 0:
         sc = config.scheduler
@@ -460,12 +531,42 @@ def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
             sorted({config.mesh.dp * t for t in buckets}),
             mc.hidden_size,
             mc.moe_intermediate_size,
-            mc.num_experts,
+            mc.num_experts + redundant,
             mc.num_experts_per_tok,
             dtype,
         )
-    model, mc = load_sharded_model(config.model, mesh, dtype, replicated_max_tokens=threshold)
+    model, mc = load_sharded_model(
+        config.model,
+        mesh,
+        dtype,
+        replicated_max_tokens=threshold,
+        num_redundant_experts=redundant,
+    )
     return model, mc, mesh
+
+
+def _check_eplb(config: EngineConfig) -> EplbConfig:
+    """The EPLB settings the engine runs with: config.eplb, validated; turned off (with
+    a warning) on one device, where there is no expert parallelism to balance.
+
+    Raises:
+        ValueError: an out-of-range field (named), or EPLB with several processes (the
+            followers would need every new placement: not supported yet).
+    """
+    ec = config.eplb
+    ec.validate()
+    if config.mesh.size == 1 and (ec.enabled or ec.num_redundant_experts):
+        logger.warning(
+            "--enable-eplb / --num-redundant-experts: need an expert-parallel mesh "
+            "(dp*tp > 1), got dp=1,tp=1; running without EPLB and redundant experts"
+        )
+        return dataclasses.replace(ec, enabled=False, num_redundant_experts=0)
+    if ec.enabled and jax.process_count() > 1:
+        raise ValueError(
+            "enable_eplb (--enable-eplb): not supported with several processes yet (the "
+            "followers would need every new expert placement)"
+        )
+    return ec
 
 
 def _max_model_len(requested: int | None, max_position_embeddings: int) -> int:

@@ -239,6 +239,7 @@ class ModelRunner:
         # Steps take the parameters as a flat list: flattening the nested NNX state on
         # every call costs milliseconds of host time per step.
         self._params, self._params_def = jax.tree.flatten(self.state)
+        self._param_index = _leaf_index(self.state)
         c = model_config
         self.kv_cache: KVCache = allocate_kv_cache(
             c.num_hidden_layers,
@@ -309,6 +310,67 @@ class ModelRunner:
                 for b in buffers
             ]
         return jitted.lower(self._params, self.kv_cache, *buffers)
+
+    # ----- expert placement (EPLB) --------------------------------------------------------
+
+    def expert_weights(self) -> list[tuple[jax.Array, ...]]:
+        """[M] MoE layers (`moe_layers` order), each (w_gate [S, H, I], w_up [S, H, I],
+        w_down [S, I, H]): the slot-indexed expert weights the compiled steps read."""
+        return [
+            tuple(self._params[self._param_index[("layers", i, "mlp", w)]] for w in EXPERT_WEIGHTS)
+            for i in self.moe_layers
+        ]
+
+    def physical_to_logical(self) -> np.ndarray:
+        """[M, S] int32 on the host: the logical expert each slot of each MoE layer holds
+        (the model's `physical_to_logical` placement tables).
+
+        Raises:
+            ValueError: the model has no placement tables (one device or no MoE).
+        """
+        keys = [("layers", i, "mlp", "physical_to_logical") for i in self.moe_layers]
+        if not keys or keys[0] not in self._param_index:
+            raise ValueError("physical_to_logical: the model has no expert placement tables")
+        return np.stack([np.asarray(self._params[self._param_index[k]]) for k in keys])
+
+    def set_expert_placement(
+        self, weights: list[tuple[jax.Array, ...]], tables: list[dict[str, jax.Array]]
+    ) -> None:
+        """Swap new expert weights and placement tables into the arrays the compiled
+        steps read (no recompile: the same shapes, dtypes and shardings). Call it only
+        with no step in flight: the old weights are usually donated to the move.
+
+        weights: [M] as `expert_weights`; tables: [M] dicts of `PLACEMENT_FIELDS` arrays
+        (e.g. `dataclasses.asdict` of an `ExpertPlacement`), in `moe_layers` order.
+
+        Raises:
+            ValueError: a list of another length, or an array of another shape / dtype
+                than the one it replaces (names it).
+        """
+        if len(weights) != len(self.moe_layers) or len(tables) != len(self.moe_layers):
+            raise ValueError(
+                f"set_expert_placement: expected {len(self.moe_layers)} MoE layers, got "
+                f"{len(weights)} weights and {len(tables)} tables"
+            )
+        updates = {}
+        for i, layer_weights, layer_tables in zip(self.moe_layers, weights, tables, strict=True):
+            updates.update(
+                {
+                    ("layers", i, "mlp", w): a
+                    for w, a in zip(EXPERT_WEIGHTS, layer_weights, strict=True)
+                }
+            )
+            updates.update({("layers", i, "mlp", k): v for k, v in layer_tables.items()})
+        for key, value in updates.items():
+            old = self._params[self._param_index[key]]
+            if value.shape != old.shape or value.dtype != old.dtype:
+                raise ValueError(
+                    f"set_expert_placement: {'.'.join(map(str, key))} is {value.dtype}"
+                    f"{list(value.shape)}, expected {old.dtype}{list(old.shape)}"
+                )
+        for key, value in updates.items():
+            self._params[self._param_index[key]] = value
+        self.state = jax.tree.unflatten(self._params_def, self._params)
 
     # ----- one step ----------------------------------------------------------------------
 
@@ -431,6 +493,21 @@ class ModelRunner:
     def execute(self, sched):
         """prepare + dispatch + fetch: one synchronous step (every input token known)."""
         return self.fetch(self.dispatch(self.prepare(sched), sched))
+
+
+# The slot-indexed expert weights of a `MoeBlock`, in the order EPLB moves them.
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def _leaf_index(state) -> dict[tuple, int]:
+    """State path (e.g. ("layers", 3, "mlp", "w_gate")) -> index of its array in the
+    flat parameter list (`jax.tree.flatten` order)."""
+    index = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    for i, (key_path, _) in enumerate(flat):
+        path = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
+        index[path] = i
+    return index
 
 
 def _to_host(tree):
