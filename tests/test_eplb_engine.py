@@ -1,11 +1,12 @@
 """EPLB in the engine: expert re-placement while serving, on 8 emulated CPU devices.
 
-A 2x4-mesh engine with EPLB on, 8 redundant expert slots and a short step interval runs
-a greedy workload during which the placement changes at least twice. Checked against
-independent values: its tokens equal the single-device engine's (no mesh or EPLB code
-runs there), every slot's weights equal the checkpoint weights of the expert the
-placement says it holds (read from the single-device model), no compilation after
-start-up (the executor compiled once), and the placement differs from the initial one.
+A 2x4-mesh (async scheduling, multi-step decode) and an 8x1-mesh (sync) engine with
+EPLB on, 8 redundant expert slots and a short step interval each run a greedy workload
+during which the placement changes at least twice. Checked against independent values:
+the tokens equal the single-device engine's (no mesh or EPLB code runs there), every
+slot's weights equal the checkpoint weights of the expert the placement says it holds
+(read from the single-device model), no compilation after start-up (the executor
+compiled once), and the placement differs from the initial one.
 Also: the config, LLM keyword and `serve` flag validation, and the start-up errors.
 """
 
@@ -20,11 +21,13 @@ import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
 from model_utils import write_hf_checkpoint
+from prometheus_client import generate_latest
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.config import CacheConfig, EngineConfig, EplbConfig, MeshConfig, SchedulerConfig
 from jaxserve.engine import core as core_lib
 from jaxserve.engine.core import EngineCore
+from jaxserve.metrics import Metrics
 
 MAX_LEN = 40
 BLOCK_SIZE = 4
@@ -42,12 +45,17 @@ def model_dir(tmp_path_factory, tiny_moe_dir):
     return path
 
 
-def _config(model_dir, dp: int, tp: int, eplb: EplbConfig) -> EngineConfig:
+def _config(
+    model_dir, dp: int, tp: int, eplb: EplbConfig, async_scheduling: bool = True
+) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4),
         scheduler=SchedulerConfig(
-            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=32,
+            num_decode_steps=4,
+            async_scheduling=async_scheduling,
         ),
         mesh=MeshConfig(dp, tp),
         eplb=eplb,
@@ -81,8 +89,9 @@ def reference_engine(model_dir):
 
 
 @pytest.fixture(scope="module")
-def eplb_engine(model_dir):
-    return EngineCore(_config(model_dir, 2, 4, _eplb_on()))
+def reference(reference_engine):
+    """Greedy tokens of the single-device engine."""
+    return _tokens(reference_engine)
 
 
 def test_eplb_off_on_one_device(reference_engine):
@@ -93,8 +102,15 @@ def test_eplb_off_on_one_device(reference_engine):
     assert w_gate.shape[0] == NUM_EXPERTS
 
 
-def test_eplb_engine_rebalances_with_same_outputs(reference_engine, eplb_engine):
-    engine = eplb_engine
+@pytest.mark.parametrize(
+    ("dp", "tp", "async_scheduling"),
+    # Async scheduling drains its in-flight step before each move; sync has none.
+    [(2, 4, True), (8, 1, False)],
+)
+def test_eplb_engine_rebalances_with_same_outputs(
+    model_dir, reference_engine, reference, dp, tp, async_scheduling
+):
+    engine = EngineCore(_config(model_dir, dp, tp, _eplb_on(), async_scheduling))
     controller = engine.eplb
     assert controller is not None
     initial = controller.initial_p2l
@@ -102,7 +118,6 @@ def test_eplb_engine_rebalances_with_same_outputs(reference_engine, eplb_engine)
     assert initial.shape == (len(engine.runner.moe_layers), num_slots)
     np.testing.assert_array_equal(initial[0], np.arange(num_slots) % NUM_EXPERTS)
 
-    reference = _tokens(reference_engine)
     tokens = _tokens(engine)
 
     assert tokens == reference
@@ -115,9 +130,15 @@ def test_eplb_engine_rebalances_with_same_outputs(reference_engine, eplb_engine)
         assert counts.min() >= 1 and counts.max() <= REDUNDANT + 1
     assert engine.num_compilations == 0
     assert controller.executor.num_compilations == 1
-    counters = engine.stats().extra
-    assert counters["eplb_rebalances"] == controller.num_rebalances
-    assert counters["eplb_rebalance_s"] > 0
+    stats = engine.stats()
+    assert stats.extra["eplb_rebalances"] == controller.num_rebalances
+    assert stats.extra["eplb_rebalance_s"] > 0
+    metrics = Metrics(model="m")
+    metrics.update_from_engine(stats)
+    exposition = generate_latest(metrics.registry).decode()
+    assert f'jaxserve_eplb_rebalances_total{{model="m"}} {float(controller.num_rebalances)}' in (
+        exposition
+    )
 
     # Slot s of every MoE layer holds the checkpoint weights of expert p2l[s]: compared
     # with the single-device model's expert weights (slot e = expert e there).
