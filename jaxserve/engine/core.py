@@ -75,6 +75,8 @@ class EngineCore:
             max_model_len above the model's max_position_embeddings, or a max_model_len
             given explicitly that one dp rank's KV pool cannot hold (see `fit_kv_cache`).
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
+        ValueError: eplb.num_redundant_experts makes the expert slots not divisible by
+            dp * tp, or EPLB with several processes.
 
     EPLB (config.eplb, on an expert-parallel mesh): every `step_interval` steps the
     expert placement is re-planned from the load window; a new one is applied between
@@ -89,7 +91,9 @@ class EngineCore:
         last_device_s (the last step), plus the scheduler's num_preemptions,
         num_prefix_queries / num_prefix_hits (tokens) and prefill/decode token counts.
         The expert load of MoE models is `runner.expert_load` (an
-        `eplb.recorder.ExpertLoadRecorder`), summarized in `stats()`.
+        `eplb.recorder.ExpertLoadRecorder`), summarized in `stats()`; with EPLB, the
+        re-placements applied and their seconds (`eplb`: an `EplbController`, None when
+        off) are the counters eplb_rebalances / eplb_rebalance_s.
     """
 
     def __init__(self, config: EngineConfig):

@@ -24,6 +24,9 @@ meanwhile.
 Every step also returns the expert load of its MoE layers (tokens routed to each expert
 slot, padding excluded); `fetch` copies it with the sampled tokens, in the same transfer,
 into `expert_load` (an `eplb.recorder.ExpertLoadRecorder`), for EPLB and the metrics.
+EPLB re-places experts between steps through `expert_weights`, `physical_to_logical` and
+`set_expert_placement`, which swap new arrays of the same shapes and shardings into the
+parameter list the compiled steps take (no recompile).
 """
 
 from __future__ import annotations
