@@ -4,7 +4,7 @@ Every message is a small dataclass here, sent as one msgpack frame
 `[type_name, {field: value}]`; numpy arrays travel as raw buffers (msgpack ext type),
 not lists. No JAX here: the frontend and the detokenizer import this module.
 
-The paths (see DESIGN.md, Processes); each socket is bound by the process that reads it
+The paths (see README.md, Architecture); each socket is bound by the process that reads it
 (`IpcAddresses`), and every producer connects:
     frontend    --EngineRequest/AbortRequest-->  engine
     engine      --EngineOutputs/EngineStats---->  detokenizer

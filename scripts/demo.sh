@@ -38,4 +38,3 @@ sys.exit("server did not become ready within 600 s")
 PY
 
 "$venv/bin/jaxserve" generate --server "127.0.0.1:$port" --max-tokens 48 --temperature 0 "$prompt"
-echo

@@ -1,6 +1,6 @@
 """`DPScheduler`: one scheduler per attention data-parallel (dp) rank, kept in step.
 
-With DP attention (DESIGN.md, Parallelism) each dp rank has its own requests and its own
+With DP attention (README.md, Parallelism) each dp rank has its own requests and its own
 KV cache: here, its own `Scheduler` and `BlockManager` (with its own null block and
 prefix cache; block ids are rank-local). A request is assigned to a rank when it arrives
 and stays there: the rank holding the longest cached prefix of its prompt, else the

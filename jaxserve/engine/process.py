@@ -3,7 +3,7 @@
     python -m jaxserve.engine.process --config-json '{...}' --engine-input ipc://... \
         --detokenizer-input ipc://... --parent-pid N
 
-Loop (DESIGN.md, Processes): drain new requests and aborts without blocking, run one
+Loop (README.md, Architecture): drain new requests and aborts without blocking, run one
 step, publish its outputs to the detokenizer sidecar. While there is work, nothing waits
 on a socket; only an idle engine blocks, in `poll`. Stats (the ready handshake at start,
 then changes, at most every `stats_interval_s` while busy and always on going idle)
