@@ -56,10 +56,12 @@ class GenerateDelta:
 class Completion:
     """One sample's whole output, gathered from its deltas (vLLM's CompletionOutput).
 
+    request_id: the request's id (the one the server assigned when the caller set none).
     token_ids are empty unless the request set return_token_ids; logprobs and
     prompt_logprobs are as in GenerateDelta (prompt_logprobs only on sample 0).
     """
 
+    request_id: str
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -76,7 +78,7 @@ def collect_completions(deltas: Iterable[GenerateDelta]) -> list[Completion]:
     Completion per sample, ordered by index."""
     by_index: dict[int, Completion] = {}
     for d in deltas:
-        c = by_index.setdefault(d.index, Completion(d.index))
+        c = by_index.setdefault(d.index, Completion(d.request_id, d.index))
         c.text += d.text
         c.token_ids += d.token_ids
         if d.logprobs:
@@ -215,7 +217,8 @@ class JaxserveClient:
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **params
     ) -> list[Completion]:
         """Run `generate` to the end; returns one Completion per sample (n of them, by
-        index). Same arguments and errors as `generate`."""
+        index), each carrying the request_id (the server's, if none was given). Same
+        arguments and errors as `generate`."""
         return collect_completions(self.generate(prompt, timeout=timeout, **params))
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:

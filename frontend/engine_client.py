@@ -1,21 +1,25 @@
 """The frontend's side of the IPC: requests and aborts out to the engine, text deltas in
-from the sidecar, fanned out to one queue per open request (asyncio, no JAX).
+from the sidecar, fanned out to one stream per open client request (asyncio, no JAX).
 
-A request id stays reserved from `add_request` until the engine's final output for it
-arrives (even when the client went away first), so a new request can never reuse an id
-the engine still holds. The n samples of one client request (`add_request_group`) are n
-engine requests that feed one stream; the group's id stays reserved, and `abort` of it
-aborts every sample, until the last sample's final output. When the engine (or the
-sidecar) dies, `mark_dead` ends every open stream with `EngineDeadError` and refuses new
-requests.
+Client request ids and engine request ids are two namespaces. A client request (its id
+chosen by the client, unique among running requests) with n samples becomes n engine
+requests whose ids (`engine_request_id`) are unique for the life of this process. So a
+client id can be reused as soon as its stream ends (finished, cancelled, aborted, failed):
+the engine may still hold the old engine ids for a few milliseconds, and their late
+outputs are dropped without touching the new request. `abort` takes a client id only.
+When the engine (or the sidecar) dies, `mark_dead` ends every open stream with
+`EngineDeadError` and refuses new requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -34,24 +38,70 @@ from jaxserve.ipc import (
 
 logger = logging.getLogger("jaxserve.frontend")
 
+# Separates the client id from the serial in an engine request id. It is a control
+# character (ASCII unit separator), which `validation.check_request_id` rejects in client
+# ids; the "#" after it keeps the id readable in logs that print it raw ("r#12.0").
+ENGINE_ID_SEPARATOR = "\x1f#"
+
+
+def engine_request_id(request_id: str, serial: int, index: int) -> str:
+    """The engine request id of sample `index` of the client request `request_id`, the
+    `serial`-th request this engine client accepted: f"{request_id}\\x1f#{serial}.{index}".
+
+    It cannot collide with another engine id: the client id holds no control character,
+    so the id splits back at its only "\\x1f" into (client id, serial, index), and no two
+    samples share (serial, index). Nor can it equal a client id, which has no "\\x1f".
+    """
+    return f"{request_id}{ENGINE_ID_SEPARATOR}{serial}.{index}"
+
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or not ready yet); the message says which."""
 
 
+class SampleOutput(NamedTuple):
+    """One text output of one sample of a client request."""
+
+    index: int  # the sample, in [0, n)
+    output: TextOutput  # output.request_id is the sample's engine request id
+
+
 class RequestStream:
-    """The text outputs of one request, in order, as the sidecar sends them. The stream of
-    a request group carries the outputs of all its samples (each names its request_id),
-    in arrival order: every sample's outputs are in order, and none waits behind another."""
+    """The outputs of the n samples of one client request, in arrival order (each sample's
+    outputs in order, none waiting behind another's), as `SampleOutput`s.
 
-    def __init__(self, request_id: str) -> None:
+    request_id: the client's id. num_samples: n. engine_ids: the samples' engine ids.
+    """
+
+    def __init__(self, request_id: str, engine_ids: list[str]) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[TextOutput | EngineDeadError] = asyncio.Queue()
+        self.engine_ids = engine_ids
+        self._index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
+        # engine id -> sample index, for the samples whose final output has not come yet.
+        self._unfinished = dict(self._index)
+        self._queue: asyncio.Queue[SampleOutput | EngineDeadError] = asyncio.Queue()
 
-    def put(self, item: TextOutput | EngineDeadError) -> None:
-        self._queue.put_nowait(item)
+    @property
+    def num_samples(self) -> int:
+        return len(self.engine_ids)
 
-    async def next_batch(self) -> list[TextOutput]:
+    def unfinished_engine_ids(self) -> list[str]:
+        """The engine ids of the samples the engine has not sent a final output for."""
+        return list(self._unfinished)
+
+    def put(self, item: TextOutput | EngineDeadError) -> bool:
+        """Queue an output of one of this request's samples (or the engine's death).
+        Returns True when it was the final output of the last unfinished sample."""
+        if isinstance(item, EngineDeadError):
+            self._unfinished.clear()
+            self._queue.put_nowait(item)
+            return False
+        if item.finish_reason is not None:
+            self._unfinished.pop(item.request_id)
+        self._queue.put_nowait(SampleOutput(self._index[item.request_id], item))
+        return item.finish_reason is not None and not self._unfinished
+
+    async def next_batch(self) -> list[SampleOutput]:
         """Wait for the next output, then take every output already queued with it (so a
         slow client gets fewer, larger deltas). Raises EngineDeadError if the engine died."""
         items = [await self._queue.get()]
@@ -80,11 +130,10 @@ class AsyncEngineClient:
         self._to_engine: zmq.Socket | None = None
         self._from_sidecar: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        # request id -> stream; None once the client left but the engine still holds it.
-        self._requests: dict[str, RequestStream | None] = {}
-        # group id -> its samples' request ids still held by the engine, and back.
-        self._groups: dict[str, set[str]] = {}
-        self._group_of: dict[str, str] = {}
+        # client request id -> its open stream; engine id -> the stream of its client request.
+        self._requests: dict[str, RequestStream] = {}
+        self._by_engine_id: dict[str, RequestStream] = {}
+        self._serials = itertools.count()
         self._ready = asyncio.Event()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self.stats: EngineStats | None = None
@@ -126,77 +175,78 @@ class AsyncEngineClient:
     def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
         self._stats_listeners.append(listener)
 
-    def is_reserved(self, request_id: str) -> bool:
-        """True while the engine may still hold a request (or a group) with this id."""
-        return request_id in self._requests or request_id in self._groups
+    def is_running(self, request_id: str) -> bool:
+        """True while the client request `request_id` has an open stream."""
+        return request_id in self._requests
 
-    def add_request(self, request: EngineRequest) -> RequestStream:
-        """Send a validated request; returns the stream of its outputs.
+    def add_request(self, request_id: str, samples: list[EngineRequest]) -> RequestStream:
+        """Send the n samples (`validation.split_samples`) of the client request
+        `request_id`; returns one stream of all their outputs.
 
-        Raises EngineDeadError if the engine is not ready or died, ValueError if the id is
-        still reserved (the caller checks `is_reserved` first to report it).
+        Sample i is sent with the engine id `engine_request_id(request_id, serial, i)`;
+        with n > 1 the samples share one cache_group (so the engine computes the prompt's
+        KV blocks once), unique to this request. The client id stays taken until the
+        last sample's final output arrives or `release(stream)`, whichever comes first.
+
+        Raises EngineDeadError if the engine is not ready or died (samples already sent
+        are then aborted), ValueError naming request_id if it is running already or holds
+        a control character (`ENGINE_ID_SEPARATOR`, which would make engine ids ambiguous).
         """
         self._check_alive()
-        self._check_free(request.request_id)
-        stream = RequestStream(request.request_id)
-        self._requests[request.request_id] = stream
-        self._send(request)
-        return stream
-
-    def add_request_group(self, group_id: str, requests: list[EngineRequest]) -> RequestStream:
-        """Send the samples of one client request; returns one stream of all their outputs.
-
-        `group_id` and every sample's id are reserved together before anything is sent;
-        `abort(group_id)` then aborts every sample still running.
-
-        Raises EngineDeadError if the engine is not ready or died (samples already sent are
-        then aborted), ValueError naming request_id if the group id or any sample id is
-        still reserved, or if the ids are not distinct.
-        """
-        self._check_alive()
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids) or group_id in ids:
-            raise ValueError(f"request_id: the samples of {group_id!r} need distinct ids")
-        for request_id in (group_id, *ids):
-            self._check_free(request_id)
-        stream = RequestStream(group_id)
-        self._groups[group_id] = set(ids)
-        for request_id in ids:
-            self._requests[request_id] = stream
-            self._group_of[request_id] = group_id
-        for i, request in enumerate(requests):
+        if not samples:
+            raise ValueError(f"request_id: {request_id!r} has no samples")
+        if ENGINE_ID_SEPARATOR[0] in request_id:
+            raise ValueError(f"request_id: {request_id!r} holds a control character")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        serial = next(self._serials)
+        engine_ids = [engine_request_id(request_id, serial, i) for i in range(len(samples))]
+        if len(samples) > 1:
+            group = engine_ids[0].rpartition(".")[0]  # "<request_id>\x1f#<serial>"
+            samples = [dataclasses.replace(s, cache_group=group) for s in samples]
+        stream = RequestStream(request_id, engine_ids)
+        self._requests[request_id] = stream
+        for engine_id in engine_ids:
+            self._by_engine_id[engine_id] = stream
+        for i, (engine_id, sample) in enumerate(zip(engine_ids, samples, strict=True)):
             try:
-                self._send(request)
+                self._send(dataclasses.replace(sample, request_id=engine_id))
             except EngineDeadError:
-                for unsent in ids[i:]:
-                    self._release(unsent)
-                with contextlib.suppress(EngineDeadError):  # the engine is stuck anyway
-                    self.abort(group_id)
-                self.detach(group_id)
+                for unsent in engine_ids[i:]:
+                    stream._unfinished.pop(unsent)
+                self.release(stream)  # aborts the samples already sent
                 raise
         return stream
 
     def abort(self, request_id: str) -> bool:
-        """Ask the engine to abort a request, or every sample of a group; each stream (if
-        still open) then ends with finish_reason "abort". Returns False if no request or
-        group with this id is running. Raises EngineDeadError if the engine is stuck."""
+        """Ask the engine to abort every unfinished sample of the client request
+        `request_id`; its stream then ends with finish_reason "abort" for each. Returns
+        False if no client request with this id is running (engine ids never match).
+        Raises EngineDeadError if the engine is stuck."""
         if self.dead_reason is not None:
             return False
-        if request_id in self._groups:
-            ids = sorted(self._groups[request_id])
-        elif request_id in self._requests:
-            ids = [request_id]
-        else:
+        stream = self._requests.get(request_id)
+        if stream is None:
             return False
-        self._send(AbortRequest(ids))
+        unfinished = stream.unfinished_engine_ids()
+        if unfinished:
+            self._send(AbortRequest(unfinished))
         return True
 
-    def detach(self, request_id: str) -> None:
-        """The client left: drop the stream (of a request, or of every sample of a group),
-        keep the ids reserved until the engine's finals."""
-        for rid in self._groups.get(request_id, (request_id,)):
-            if self._requests.get(rid) is not None:
-                self._requests[rid] = None
+    def release(self, stream: RequestStream) -> None:
+        """The stream ended (finished, cancelled, failed): abort its unfinished samples in
+        the engine, drop their later outputs, and free the client id at once for reuse.
+        Idempotent; a newer request with the same client id is left alone."""
+        unfinished = stream.unfinished_engine_ids()
+        if unfinished and self.dead_reason is None:
+            with contextlib.suppress(EngineDeadError):  # stuck: nothing more can be done
+                self._send(AbortRequest(unfinished))
+        stream._unfinished.clear()
+        for engine_id in stream.engine_ids:
+            if self._by_engine_id.get(engine_id) is stream:
+                del self._by_engine_id[engine_id]
+        if self._requests.get(stream.request_id) is stream:
+            del self._requests[stream.request_id]
 
     def mark_dead(self, reason: str) -> None:
         """End every open stream with EngineDeadError(reason) and refuse new requests."""
@@ -204,28 +254,10 @@ class AsyncEngineClient:
             return
         self.dead_reason = reason
         logger.error("engine unavailable: %s", reason)
-        # A group's stream is held by each of its samples: end each stream once.
-        streams = {id(s): s for s in self._requests.values() if s is not None}
-        for stream in streams.values():
+        for stream in self._requests.values():
             stream.put(EngineDeadError(reason))
         self._requests.clear()
-        self._groups.clear()
-        self._group_of.clear()
-
-    def _check_free(self, request_id: str) -> None:
-        if self.is_reserved(request_id):
-            raise ValueError(f"request_id: {request_id!r} is already running")
-
-    def _release(self, request_id: str) -> RequestStream | None:
-        """Forget a request (the engine no longer holds it); returns its stream, if open."""
-        stream = self._requests.pop(request_id, None)
-        group_id = self._group_of.pop(request_id, None)
-        if group_id is not None:
-            samples = self._groups[group_id]
-            samples.discard(request_id)
-            if not samples:
-                del self._groups[group_id]
-        return stream
+        self._by_engine_id.clear()
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -258,12 +290,16 @@ class AsyncEngineClient:
 
     def _dispatch(self, outputs: list[TextOutput]) -> None:
         for out in outputs:
+            # None: a sample of a request whose stream already ended (late output).
+            stream = self._by_engine_id.get(out.request_id)
+            if stream is None:
+                continue
             if out.finish_reason is not None:
-                stream = self._release(out.request_id)
-            else:
-                stream = self._requests.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+                del self._by_engine_id[out.request_id]
+            if stream.put(out):
+                # The last final: free the client id before the client can see it, so
+                # a request sent right after it never finds the id taken.
+                self.release(stream)
 
     def _on_stats(self, stats: EngineStats) -> None:
         self.stats = stats

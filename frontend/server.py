@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +29,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
-from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
+from jaxserve.frontend.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestStream,
+    SampleOutput,
+)
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import (
@@ -81,13 +87,13 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
     return resp
 
 
-def _by_request(outputs: list[TextOutput]) -> list[tuple[str, list[TextOutput]]]:
-    """Outputs grouped by request id (a group's stream mixes its samples), each group in
+def _by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
+    """Outputs grouped by sample index (a stream mixes its samples), each group in
     arrival order, the groups in order of their first output."""
-    by_id: dict[str, list[TextOutput]] = {}
-    for out in outputs:
-        by_id.setdefault(out.request_id, []).append(out)
-    return list(by_id.items())
+    by_index: dict[int, list[TextOutput]] = {}
+    for index, out in outputs:
+        by_index.setdefault(index, []).append(out)
+    return list(by_index.items())
 
 
 class _RequestTiming:
@@ -151,9 +157,9 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id, indices, stream, prompt_tokens = await self._start(request, context)
-        timings = {sample_id: _RequestTiming(self._metrics) for sample_id in indices}
-        pending = set(indices)  # engine ids of the samples whose final has not come yet
+        stream, prompt_tokens = await self._start(request, context)
+        timings = [_RequestTiming(self._metrics) for _ in range(stream.num_samples)]
+        pending = set(range(stream.num_samples))  # samples whose final was not yielded yet
         try:
             while pending:
                 try:
@@ -161,19 +167,19 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                 except EngineDeadError as e:
                     pending.clear()  # nothing left to abort
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-                for sample_id, sample_outputs in _by_request(outputs):
+                for index, sample_outputs in _by_sample(outputs):
                     last = sample_outputs[-1]
                     finished = last.finish_reason is not None
                     if finished:
-                        pending.discard(sample_id)
-                    timings[sample_id].observe(sample_outputs)
+                        pending.discard(index)
+                    timings[index].observe(sample_outputs)
                     if last.finish_reason == "error":
                         await context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT,
                             f"engine rejected the request: {last.error}",
                         )
-                    resp = _response(request_id, sample_outputs, request.return_token_ids)
-                    resp.index = indices[sample_id]
+                    resp = _response(stream.request_id, sample_outputs, request.return_token_ids)
+                    resp.index = index
                     if (
                         finished
                         or resp.text
@@ -183,43 +189,37 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                     ):
                         yield resp
         finally:
-            if pending:  # the client cancelled, a sample failed, or the server is stopping
-                for sample_id in pending:
-                    timings[sample_id].cancelled(prompt_tokens)
-                self._engine.abort(request_id)  # with n > 1: every sample still running
-                self._engine.detach(request_id)
+            # The client cancelled, a sample failed, or the server is stopping: each
+            # sample not finished counts once, as an abort.
+            for index in pending:
+                timings[index].cancelled(prompt_tokens)
+            # Aborts the samples the engine still runs and frees the request_id at once.
+            self._engine.release(stream)
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, dict[str, int], RequestStream, int]:
+    ) -> tuple[RequestStream, int]:
         """Validate, tokenize and send the request (its n samples); abort the call with a
-        status if not. Returns the request id, {engine request id: sample index}, the
-        stream of every sample's outputs and the number of prompt tokens."""
+        status if not. Returns the stream of every sample's outputs and the number of
+        prompt tokens."""
         engine = self._engine
         if not engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
         request_id = request.request_id or uuid.uuid4().hex
-        if engine.is_reserved(request_id):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already running"
-            )
         stats = engine.stats
         limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
         try:
+            # Fail fast on a duplicate id (add_request checks again, after tokenizing).
+            if engine.is_running(request_id):
+                raise RequestValidationError(f"request_id: {request_id!r} is already running")
             # Tokenizing is CPU work: off the event loop, so other streams keep flowing.
             engine_request = await asyncio.to_thread(
                 build_engine_request, request, request_id, self._tokenizer, limits
             )
-            samples = split_samples(engine_request)
-            if len(samples) == 1:
-                stream = engine.add_request(samples[0])
-            else:
-                stream = engine.add_request_group(request_id, samples)
-            indices = {r.request_id: i for i, r in enumerate(samples)}
-            return request_id, indices, stream, len(engine_request.prompt_token_ids)
+            stream = engine.add_request(request_id, split_samples(engine_request))
+            return stream, len(engine_request.prompt_token_ids)
         except (RequestValidationError, ValueError) as e:
-            # ValueError: a duplicate request_id (or sample id) that arrived while this one
-            # was tokenized.
+            # ValueError: a duplicate request_id that arrived while this one was tokenized.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
@@ -227,7 +227,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        # A request with n > 1 is a group in the engine client: this aborts every sample.
+        # Matches client request ids only; with n > 1 it aborts every sample.
         return pb.AbortResponse(found=self._engine.abort(request.request_id))
 
     async def GetServerInfo(
@@ -336,6 +336,21 @@ def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+def _bind_error(host: str, port: int) -> str:
+    """Why host:port cannot be bound, as the OS says it (gRPC's own error only says that it
+    failed): a plain TCP bind of the same address, closed at once."""
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, type_, proto, _, address = infos[0]
+        with socket.socket(family, type_, proto) as probe:
+            probe.bind(address)
+    except OSError as e:
+        return str(e)
+    return "refused by gRPC"  # the address binds now: it was released meanwhile
+
+
 class FrontendServer:
     """The grpc.aio server with the Jaxserve, health and reflection services.
 
@@ -362,11 +377,16 @@ class FrontendServer:
 
     async def start(self, host: str, port: int) -> int:
         """Bind host:port (port 0 picks a free one) and start; returns the bound port.
-        Raises RuntimeError if the address cannot be bound."""
+        Raises RuntimeError("port: cannot bind HOST:PORT (reason)") if the address cannot
+        be bound (the port is busy, the address is not local), in the style of the
+        metrics port's error."""
         await self.set_serving(False)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
+            bound = 0
         if bound == 0:
-            raise RuntimeError(f"port: cannot bind {host}:{port}")
+            raise RuntimeError(f"port: cannot bind {host}:{port} ({_bind_error(host, port)})")
         await self._server.start()
         return bound
 

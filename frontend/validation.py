@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,12 +43,15 @@ class ModelLimits:
 def build_engine_request(
     request: pb.GenerateRequest, request_id: str, tokenizer: Tokenizer, limits: ModelLimits
 ) -> EngineRequest:
-    """Validate `request` and return the EngineRequest to send (prompt as int32 ids).
+    """Validate `request` and return its EngineRequest (prompt as int32 ids), under the
+    client's `request_id` (split it with `split_samples`; the engine client gives each
+    sample its engine id).
 
-    Raises RequestValidationError naming the field: prompt / prompt.token_ids (missing,
-    empty, ids outside [0, vocab_size), longer than max_model_len allows), max_tokens
-    (<= 0, or prompt + max_tokens > max_model_len), and every sampling field that
-    SamplingParams.validate checks (temperature, top_p, top_k, stop, ...).
+    Raises RequestValidationError naming the field: request_id (too long, a control
+    character), prompt / prompt.token_ids (missing, empty, ids outside [0, vocab_size),
+    longer than max_model_len allows), max_tokens (<= 0, or prompt + max_tokens >
+    max_model_len), and every sampling field that SamplingParams.validate checks
+    (temperature, top_p, top_k, stop, ...).
     """
     check_request_id(request_id)
     prompt_ids = _prompt_token_ids(request, tokenizer, limits)
@@ -74,21 +78,15 @@ def build_engine_request(
     )
 
 
-def sample_request_id(request_id: str, index: int) -> str:
-    """The engine request id of sample `index` of a request with n > 1."""
-    return f"{request_id}-{index}"
-
-
 def split_samples(request: EngineRequest) -> list[EngineRequest]:
     """The n engine requests of a request whose sampling asks for n samples.
 
-    Follows `jaxserve.LLM.generate` (and vLLM's n): sample i gets the id
-    `sample_request_id(request_id, i)`, n = 1, and seed + i when a seed is set, so the
-    samples differ yet each is reproducible. Only sample 0 asks for prompt_logprobs (they
-    are the same for every sample, and computing them costs a full-logits prefill). The
-    samples share one `cache_group` (the request id), so the engine computes the prompt's
-    KV blocks once even with prefix caching off. With n = 1 the request is returned as is
-    (its id unchanged).
+    Follows `jaxserve.LLM.generate` (and vLLM's n): each sample has n = 1, and seed + i
+    when a seed is set, so the samples differ yet each is reproducible. Only sample 0 asks
+    for prompt_logprobs (they are the same for every sample, and computing them costs a
+    full-logits prefill). The samples keep the client's request_id: the engine client
+    (`AsyncEngineClient.add_request`) gives each its engine id and, with n > 1, their
+    shared cache_group. With n = 1 the request is returned as is.
     """
     n = request.sampling.get("n", 1)
     if n == 1:
@@ -101,22 +99,23 @@ def split_samples(request: EngineRequest) -> list[EngineRequest]:
             sampling["seed"] = seed + i
         if i > 0:
             sampling["prompt_logprobs"] = None
-        out.append(
-            dataclasses.replace(
-                request,
-                request_id=sample_request_id(request.request_id, i),
-                sampling=sampling,
-                cache_group=request.request_id,  # the samples share the prompt's blocks
-            )
-        )
+        out.append(dataclasses.replace(request, sampling=sampling))
     return out
 
 
 def check_request_id(request_id: str) -> None:
-    """Raises RequestValidationError("request_id: ...") on an id that is too long."""
+    """Raises RequestValidationError("request_id: ...") on an id that is too long or holds
+    a control character (Unicode category Cc: C0, DEL, C1). Control characters are refused
+    so that ids print cleanly in logs, and because the engine client builds its engine ids
+    around one (`engine_client.engine_request_id`), which no client id may then contain."""
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise RequestValidationError(
             f"request_id: at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}"
+        )
+    bad = next((i for i, c in enumerate(request_id) if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise RequestValidationError(
+            f"request_id: control character {request_id[bad]!r} at position {bad} is not allowed"
         )
 
 

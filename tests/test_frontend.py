@@ -31,7 +31,11 @@ from server_harness import ServerProcess, alive
 from jaxserve import ipc
 from jaxserve.frontend.client import JaxserveClient, build_generate_request, collect_completions
 from jaxserve.frontend.detokenizer_process import OutputProcessor
-from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from jaxserve.frontend.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    engine_request_id,
+)
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.server import MAX_RECEIVE_MESSAGE_BYTES
@@ -40,7 +44,9 @@ from jaxserve.frontend.validation import (
     DEFAULT_MAX_TOKENS,
     MAX_N,
     ModelLimits,
+    RequestValidationError,
     build_engine_request,
+    check_request_id,
     sampling_params_from_proto,
     split_samples,
 )
@@ -243,6 +249,7 @@ def test_n_samples_share_one_stream_each_index_finishing_once(client, tok, vocab
         assert mine[-1].completion_tokens == max_tokens
     samples = collect_completions(deltas)
     assert [c.index for c in samples] == list(range(n))
+    assert [c.request_id for c in samples] == ["three-samples"] * n
     assert [c.token_ids for c in samples] == [
         [t for d in deltas if d.index == i for t in d.token_ids] for i in range(n)
     ]
@@ -265,9 +272,8 @@ def test_abort_of_the_request_id_aborts_every_sample(server, client):
     first = [next(group), next(solo)]
     assert all(d.finish_reason is None for d in first)
     _wait_num_running(client, 4)
-    # The request id and the samples' ids are taken while the samples run; a group
-    # whose sample id would clash with a running request is refused as a whole.
-    for request_id, n in (("grp", 1), ("grp", 2), ("grp-2", 1), ("solo", 2)):
+    # A running request's id is taken, whatever the n of the newcomer.
+    for request_id, n in (("grp", 1), ("grp", 2), ("solo-1", 1), ("solo-1", 3)):
         req = build_generate_request("hi", request_id=request_id)
         req.sampling.n = n
         _assert_invalid(stub, req, "request_id", f"{request_id} n={n}")
@@ -294,6 +300,93 @@ def test_client_cancel_aborts_every_sample(client):
     # Every id is free again once the engine confirmed the aborts.
     again = client.complete([1], request_id="cancel-group", n=2, max_tokens=2, timeout=30)
     assert [c.finish_reason for c in again] == ["length", "length"]
+
+
+def _tokens(deltas, index=0):
+    return [t for d in deltas if d.index == index for t in d.token_ids]
+
+
+def test_sample_ids_are_not_client_ids(server, client, tok, vocab):
+    """The samples of a request with n > 1 have engine ids of their own: no client id
+    clashes with them, and Abort never reaches them."""
+    _wait_idle(client)
+    max_tokens = 200  # >= 1 s at the mock's step time: they run through the checks below
+    running = {
+        "s": dict(prompt=[51] * 4, n=3, seed=5),
+        "p-1": dict(prompt=[52] * 4, n=1, seed=None),
+        "q": dict(prompt=[53] * 4, n=3, seed=9),
+    }
+    streams = {
+        rid: client.generate(
+            r["prompt"], request_id=rid, n=r["n"], seed=r["seed"], max_tokens=max_tokens,
+            return_token_ids=True, timeout=RPC_TIMEOUT_S,
+        )
+        for rid, r in running.items()
+    }  # fmt: skip
+    firsts = {rid: next(stream) for rid, stream in streams.items()}
+    assert all(d.finish_reason is None for d in firsts.values())
+    _wait_num_running(client, 7)
+
+    # "s-1" while s (n=3) runs, and "p" with n=2 while "p-1" runs: accepted and correct.
+    for rid, prompt, n in (("s-1", [54, 55], 1), ("p", [56, 57], 2)):
+        got = client.complete(
+            prompt, request_id=rid, n=n, seed=3, max_tokens=4, return_token_ids=True,
+            timeout=RPC_TIMEOUT_S,
+        )  # fmt: skip
+        assert [c.request_id for c in got] == [rid] * n
+        for i, c in enumerate(got):
+            assert c.finish_reason == "length"
+            assert c.token_ids == _expected_ids(tok, vocab, prompt, 4, seed=3 + i)
+    # "q-1" names no client request: not found, and q's sample 1 runs on.
+    assert not client.abort("q-1", timeout=RPC_TIMEOUT_S)
+    assert _wait_num_running(client, 7).num_waiting == 0
+
+    for rid, stream in streams.items():
+        r = running[rid]
+        deltas = [firsts[rid], *stream]
+        assert {d.request_id for d in deltas} == {rid}
+        for i in range(r["n"]):
+            (final,) = [d for d in deltas if d.index == i and d.finish_reason is not None]
+            assert (final.finish_reason, final.completion_tokens) == ("length", max_tokens)
+            seed = None if r["seed"] is None else r["seed"] + i
+            assert _tokens(deltas, i) == _expected_ids(tok, vocab, r["prompt"], max_tokens, seed)
+    _wait_idle(client)
+
+
+def test_request_id_is_reusable_at_once_after_a_cancel(client, tok, vocab):
+    """A cancelled request frees its id when its stream ends, not when the engine's final
+    comes: a new request with the id is accepted at once (10 of 10), and the engine's
+    late outputs of the old one never reach it."""
+    _wait_idle(client)
+    for attempt in range(10):
+        old_n = 1 + attempt % 2  # also a request with n > 1
+        old = client.generate(
+            [61] * 5, request_id="r", n=old_n, max_tokens=2000, return_token_ids=True,
+            timeout=RPC_TIMEOUT_S,
+        )  # fmt: skip
+        next(old)
+        next(old)
+        old.close()  # cancels the call; the engine still runs it for a few ms
+        prompt = [62, attempt]
+        deltas = list(
+            client.generate(
+                prompt, request_id="r", max_tokens=8, return_token_ids=True,
+                timeout=RPC_TIMEOUT_S,
+            )
+        )  # fmt: skip
+        assert {(d.request_id, d.index) for d in deltas} == {("r", 0)}, attempt
+        assert [d.finish_reason for d in deltas].count("length") == 1, attempt
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 8
+        expected = _expected_ids(tok, vocab, prompt, 8)
+        assert _tokens(deltas) == expected, attempt
+        assert "".join(d.text for d in deltas) == tok.decode(expected), attempt
+    _wait_idle(client, timeout=3.0)  # every cancelled request was aborted in the engine
+
+
+def test_complete_reports_the_assigned_request_id(client):
+    got = client.complete([1, 2], n=2, max_tokens=2, timeout=RPC_TIMEOUT_S)
+    (request_id,) = {c.request_id for c in got}
+    assert len(request_id) == 32 and int(request_id, 16) >= 0  # the server's uuid4().hex
 
 
 # ---------------------------------------------------------------- health, reflection, info
@@ -346,6 +439,11 @@ BAD_REQUESTS = [
     ("n 0", dict(prompt="hi", n=0), "sampling.n"),
     ("n negative", dict(prompt="hi", n=-1), "sampling.n"),
     ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "sampling.n"),
+    # Control characters (C0, DEL, C1), among them the engine ids' separator.
+    ("request_id with a newline", dict(prompt="hi", request_id="a\nb"), "request_id"),
+    ("request_id with a unit separator", dict(prompt="hi", request_id="a\x1f#0.1"), "request_id"),
+    ("request_id with DEL", dict(prompt="hi", request_id="a\x7f"), "request_id"),
+    ("request_id with a C1 control", dict(prompt="hi", request_id="\x85a"), "request_id"),
     # The sampler holds MAX_LOGIT_BIAS biases per request, in float32.
     (
         "logit_bias above its maximum entries",
@@ -578,8 +676,9 @@ def test_busy_port_is_an_error(server, model_dir):
         capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
         env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
     )  # fmt: skip
-    assert out.returncode == 1
-    assert "Failed to bind" in out.stderr
+    assert out.returncode == 1, out.stderr
+    # The metrics port's style: the flag, the address and the OS's reason.
+    assert f"jaxserve serve: error: port: cannot bind 127.0.0.1:{port} ([Errno " in out.stderr
 
 
 def test_busy_metrics_port_is_an_error_naming_the_flag(model_dir):
@@ -725,12 +824,11 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
     req = build_generate_request([5, 6, 7], n=3, seed=10, prompt_logprobs=2, max_tokens=4)
     parent = build_engine_request(req, "r", tok, limits)
     samples = split_samples(parent)
-    assert [s.request_id for s in samples] == ["r-0", "r-1", "r-2"]
+    # The client's id on each: the engine client gives the engine ids (tested below).
+    assert [s.request_id for s in samples] == ["r", "r", "r"]
     assert [s.sampling["seed"] for s in samples] == [10, 11, 12]
     assert [s.sampling["n"] for s in samples] == [1, 1, 1]
     assert [s.sampling["prompt_logprobs"] for s in samples] == [2, None, None]
-    assert [s.cache_group for s in samples] == ["r"] * 3  # one copy of the prompt's blocks
-    assert ipc.decode(ipc.encode(samples[1])).cache_group == "r"  # it reaches the engine
     for s in samples:
         assert s.prompt_token_ids.tolist() == [5, 6, 7]
         rest = {k: v for k, v in s.sampling.items() if k not in ("seed", "n", "prompt_logprobs")}
@@ -742,9 +840,16 @@ def test_split_samples_follows_the_offline_llm(tok, vocab):
         build_engine_request(build_generate_request("x", n=2), "u", tok, limits)
     )
     assert [s.sampling["seed"] for s in unseeded] == [None, None]
-    # n = 1: the request itself, its id unchanged.
+    # n = 1: the request itself.
     (single,) = split_samples(build_engine_request(build_generate_request("x"), "s", tok, limits))
     assert single.request_id == "s" and single.cache_group is None
+
+
+@pytest.mark.parametrize("request_id", ["a\nb", "\x00", "x\x1f#0.0", "\x7f", "a\x9fb"])
+def test_control_characters_in_request_id_are_rejected(request_id):
+    with pytest.raises(RequestValidationError, match="^request_id: control character"):
+        check_request_id(request_id)
+    check_request_id("req 42/a-b#0.1 é🤖")  # printable characters (and spaces) are fine
 
 
 def _offline_engine_client(sent: list, fail_on_send: int | None = None) -> AsyncEngineClient:
@@ -763,45 +868,97 @@ def _offline_engine_client(sent: list, fail_on_send: int | None = None) -> Async
     return engine
 
 
-def _group_requests(group_id: str, n: int) -> list[EngineRequest]:
+def _samples(request_id: str, n: int) -> list[EngineRequest]:
     prompt = np.asarray([1, 2], np.int32)
-    return [EngineRequest(f"{group_id}-{i}", prompt, {"n": 1}) for i in range(n)]
+    return [EngineRequest(request_id, prompt, {"n": 1, "seed": i}) for i in range(n)]
 
 
-def test_engine_client_group_stays_reserved_until_its_last_final():
+def _drain(stream) -> list[tuple[int, str, str | None]]:
+    """(sample index, engine id, finish_reason) of every output queued on the stream."""
+    got = asyncio.run(stream.next_batch())
+    return [(i, o.request_id, o.finish_reason) for i, o in got]
+
+
+def test_engine_client_gives_each_sample_a_unique_engine_id():
     sent: list = []
     engine = _offline_engine_client(sent)
-    stream = engine.add_request_group("g", _group_requests("g", 2))
-    assert [m.request_id for m in sent] == ["g-0", "g-1"]
-    assert all(engine.is_reserved(i) for i in ("g", "g-0", "g-1"))
-    with pytest.raises(ValueError, match="request_id: 'g-1'"):
-        engine.add_request_group("x", [*_group_requests("x", 1), EngineRequest("g-1", [], {})])
-    assert not engine.is_reserved("x") and not engine.is_reserved("x-0")
-    engine._dispatch([TextOutput("g-1", "a", [5]), TextOutput("g-0", "", [], "abort")])
-    assert engine.is_reserved("g") and not engine.is_reserved("g-0")
-    assert engine.abort("g") and sent[-1] == AbortRequest(["g-1"])  # only what still runs
-    engine._dispatch([TextOutput("g-1", "", [], "abort")])
-    assert not engine.is_reserved("g") and not engine.is_reserved("g-1")
-    assert not engine.abort("g")
-    # Both samples' outputs came through the one stream, in arrival order.
-    got = asyncio.run(stream.next_batch())
-    assert [(o.request_id, o.finish_reason) for o in got] == [
-        ("g-1", None), ("g-0", "abort"), ("g-1", "abort")
-    ]  # fmt: skip
+    g = engine.add_request("g", _samples("g", 2))
+    g0, g1 = (engine_request_id("g", 0, i) for i in range(2))
+    assert g.engine_ids == [g0, g1] and [m.request_id for m in sent] == [g0, g1]
+    assert [m.sampling["seed"] for m in sent] == [0, 1]  # the samples themselves, in order
+    # The samples share a cache_group of their own; a lone request has none.
+    (group,) = {m.cache_group for m in sent}
+    assert group is not None and ipc.decode(ipc.encode(sent[1])).cache_group == group
+    engine.add_request("h", _samples("h", 2))
+    engine.add_request("g-1", _samples("g-1", 1))
+    assert sent[2].cache_group == sent[3].cache_group not in (group, None)
+    assert sent[4].cache_group is None
+    # Engine ids are unique and never equal to a client id (they hold a control character).
+    ids = [m.request_id for m in sent]
+    assert len(set(ids)) == len(ids) and not {"g", "h", "g-1"} & set(ids)
+    assert all("\x1f" in i for i in ids)
+    # Client ids are unique among running requests; abort matches client ids only.
+    with pytest.raises(ValueError, match="^request_id: 'g' is already running"):
+        engine.add_request("g", _samples("g", 1))
+    with pytest.raises(ValueError, match="^request_id: .* control character"):
+        engine.add_request("x\x1f#9.0", _samples("x", 1))
+    assert not engine.abort(g1) and not engine.abort("g-0")
+    del sent[:]
+    assert engine.abort("g-1") and sent == [AbortRequest([engine_request_id("g-1", 2, 0)])]
 
 
-def test_engine_client_group_send_failure_aborts_what_was_sent():
+def test_engine_client_routes_outputs_and_frees_the_id_on_the_last_final():
+    sent: list = []
+    engine = _offline_engine_client(sent)
+    stream = engine.add_request("g", _samples("g", 2))
+    g0, g1 = stream.engine_ids
+    engine._dispatch([TextOutput(g1, "a", [5]), TextOutput(g0, "", [], "abort")])
+    assert engine.is_running("g")
+    assert engine.abort("g") and sent[-1] == AbortRequest([g1])  # only what still runs
+    engine._dispatch([TextOutput(g1, "", [], "abort")])
+    assert not engine.is_running("g") and not engine.abort("g")
+    # Both samples' outputs came through the one stream, in arrival order, by index.
+    assert _drain(stream) == [(1, g1, None), (0, g0, "abort"), (1, g1, "abort")]
+    engine.release(stream)  # what the server does when the stream ends: nothing left
+    assert sent[-1] == AbortRequest([g1])
+
+
+def test_engine_client_release_frees_the_id_at_once_and_drops_late_outputs():
+    sent: list = []
+    engine = _offline_engine_client(sent)
+    old = engine.add_request("r", _samples("r", 2))
+    engine._dispatch([TextOutput(old.engine_ids[0], "x", [7], "length")])
+    engine.release(old)  # the client cancelled: the unfinished sample is aborted
+    assert sent[-1] == AbortRequest([old.engine_ids[1]]) and not engine.is_running("r")
+    new = engine.add_request("r", _samples("r", 1))
+    assert engine.is_running("r") and not set(new.engine_ids) & set(old.engine_ids)
+    # The engine's late outputs of the old request are dropped; the new one's arrive.
+    engine._dispatch(
+        [
+            TextOutput(old.engine_ids[1], "late", [8]),
+            TextOutput(new.engine_ids[0], "new", [9]),
+            TextOutput(old.engine_ids[1], "", [], "abort"),
+        ]
+    )
+    assert _drain(new) == [(0, new.engine_ids[0], None)]
+    assert _drain(old) == [(0, old.engine_ids[0], "length")]  # nothing after the release
+    engine.release(old)  # idempotent: the new request keeps its id
+    assert engine.is_running("r") and len(sent) == 4  # two samples, one abort, one sample
+
+
+def test_engine_client_send_failure_aborts_what_was_sent_and_frees_the_id():
     sent: list = []
     engine = _offline_engine_client(sent, fail_on_send=2)
     with pytest.raises(EngineDeadError):
-        engine.add_request_group("g", _group_requests("g", 4))
-    assert [m.request_id for m in sent[:2]] == ["g-0", "g-1"]
-    assert sent[2] == AbortRequest(["g-0", "g-1"])
-    # The unsent samples are free at once; the sent ones until the engine's finals.
-    assert not engine.is_reserved("g-2") and not engine.is_reserved("g-3")
-    assert engine.is_reserved("g") and engine.is_reserved("g-0")
-    engine._dispatch([TextOutput(f"g-{i}", "", [], "abort") for i in (0, 1)])
-    assert not engine.is_reserved("g")
+        engine.add_request("g", _samples("g", 4))
+    ids = [engine_request_id("g", 0, i) for i in range(4)]
+    assert [m.request_id for m in sent[:2]] == ids[:2]
+    assert sent[2:] == [AbortRequest(ids[:2])]  # only the samples that were sent
+    assert not engine.is_running("g")
+    engine._dispatch([TextOutput(i, "", [], "abort") for i in ids[:2]])  # dropped
+    # The request that failed holds nothing: its id is free for the next one.
+    del sent[:]  # (the fake engine takes sends again)
+    assert engine.add_request("g", _samples("g", 1)).engine_ids == [engine_request_id("g", 1, 0)]
 
 
 def test_output_processor_stop_string_aborts_and_drops_the_rest(tok):
