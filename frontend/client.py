@@ -16,7 +16,7 @@ Errors are `grpc.RpcError` (`.code()`, `.details()`): INVALID_ARGUMENT names the
 field; UNAVAILABLE means the engine is starting or gone; RESOURCE_EXHAUSTED means the
 request message is over the server's 32 MiB limit (`server.MAX_RECEIVE_MESSAGE_BYTES`).
 Leaving the `generate` loop early cancels the call, which aborts the request (every
-sample) in the engine.
+sample) in the engine and frees its request_id for a new request at once.
 """
 
 from __future__ import annotations

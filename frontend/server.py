@@ -10,6 +10,11 @@ as the method's request message (e.g. invalid UTF-8 in a string field), UNAVAILA
 the engine starts or after it died, RESOURCE_EXHAUSTED for a message larger than
 `MAX_RECEIVE_MESSAGE_BYTES`. A client that cancels aborts its request (every sample) in
 the engine, and the metrics count it as finished with reason "abort".
+
+A request_id is the client's: unique among running requests (INVALID_ARGUMENT naming
+request_id otherwise), free again as soon as its stream ends for any reason, and the one
+every GenerateResponse and Abort use. The engine never sees it alone: each sample runs
+under an engine id of its own (`engine_client.engine_request_id`, which contains it).
 """
 
 from __future__ import annotations
