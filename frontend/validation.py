@@ -138,7 +138,7 @@ def sampling_params_from_proto(
         max_tokens = min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
     n = opt(s, "n", 1)
     if not 1 <= n <= MAX_N:
-        raise RequestValidationError(f"sampling.n: must be in [1, {MAX_N}], got {n}")
+        raise RequestValidationError(f"n: must be in [1, {MAX_N}], got {n}")
     return SamplingParams(
         temperature=opt(s, "temperature", 1.0),
         top_k=opt(s, "top_k", -1),

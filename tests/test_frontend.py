@@ -436,9 +436,9 @@ BAD_REQUESTS = [
     ("negative token id", dict(prompt=[1, -1]), "prompt.token_ids"),
     ("stop token outside vocab", dict(prompt="hi", stop_token_ids=["VOCAB"]), "stop_token_ids"),
     ("empty stop string", dict(prompt="hi", stop=["ok", ""]), "stop"),
-    ("n 0", dict(prompt="hi", n=0), "sampling.n"),
-    ("n negative", dict(prompt="hi", n=-1), "sampling.n"),
-    ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "sampling.n"),
+    ("n 0", dict(prompt="hi", n=0), "n"),
+    ("n negative", dict(prompt="hi", n=-1), "n"),
+    ("n above the maximum", dict(prompt="hi", n=MAX_N + 1), "n"),
     # Control characters (C0, DEL, C1), among them the engine ids' separator.
     ("request_id with a newline", dict(prompt="hi", request_id="a\nb"), "request_id"),
     ("request_id with a unit separator", dict(prompt="hi", request_id="a\x1f#0.1"), "request_id"),
