@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.eplb.executor import PlacementExecutor
-from jaxserve.eplb.planner import balancedness, device_load, minimize_movement, plan_placement
+from jaxserve.eplb.planner import device_load, minimize_movement, plan_placement
+from jaxserve.eplb.recorder import balancedness
 from jaxserve.sharding.placement import ExpertPlacement
 
 if TYPE_CHECKING:

@@ -212,21 +212,6 @@ def device_load(expert_load: ArrayLike, physical_to_logical: ArrayLike, ep: int)
     return slot_load.reshape(p2l.shape[:-1] + (ep, -1)).sum(-1)
 
 
-def balancedness(load_per_device: ArrayLike) -> np.ndarray | float:
-    """Mean over devices / max over devices of the load on each device.
-
-    1.0 is perfectly balanced, 1 / ep the worst (all load on one device); no load at
-    all counts as balanced (1.0). The same definition as eplb/recorder.py.
-
-    load_per_device: [..., ep] >= 0 (summed slot loads per device). Returns [...]:
-    a float for a 1-D input.
-    """
-    load = np.asarray(load_per_device, np.float64)
-    peak = load.max(-1)
-    ratio = np.where(peak > 0, load.mean(-1) / np.where(peak > 0, peak, 1.0), 1.0)
-    return float(ratio) if ratio.ndim == 0 else ratio
-
-
 def minimize_movement(
     current: ArrayLike,
     planned: ArrayLike,

@@ -26,6 +26,22 @@ import numpy as np
 DEFAULT_WINDOW = 1000
 
 
+def balancedness(load_per_device: np.ndarray) -> np.ndarray | float:
+    """Mean over devices / max over devices of the load on each device (vLLM's and
+    DeepSeek's balancedness).
+
+    1.0 is perfectly balanced, 1 / ep the worst (all load on one device); no load at
+    all counts as balanced (1.0: no device is a straggler).
+
+    load_per_device: [..., ep] >= 0 (summed slot loads per device). Returns [...]
+    float64: a float for a 1-D input.
+    """
+    load = np.asarray(load_per_device, np.float64)
+    peak = load.max(-1)
+    ratio = np.where(peak > 0, load.mean(-1) / np.where(peak > 0, peak, 1.0), 1.0)
+    return float(ratio) if ratio.ndim == 0 else ratio
+
+
 class ExpertLoadRecorder:
     """Sliding-window sum of per-step expert-slot counts.
 
@@ -142,11 +158,6 @@ class ExpertLoadRecorder:
         return self._window_sum.reshape(self.num_layers, self.ep, -1).sum(axis=2)
 
     def balancedness(self) -> np.ndarray:
-        """[M] float64 in (0, 1]: per layer, mean / max of the EP ranks' window loads
-        (vLLM's and DeepSeek's balancedness). 1.0 is perfect balance (and the value of a
-        layer with no load yet: no rank is a straggler); 1 / ep means one rank did all
-        the work."""
-        ranks = self.rank_load().astype(np.float64)
-        peak = ranks.max(axis=1)
-        mean = ranks.mean(axis=1)
-        return np.divide(mean, peak, out=np.ones_like(mean), where=peak > 0)
+        """[M] float64 in (0, 1]: per layer, `balancedness` of the EP ranks' window loads
+        (1.0 for a layer with no load yet)."""
+        return balancedness(self.rank_load())

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from jaxserve.eplb.planner import balancedness, device_load, minimize_movement, plan_placement
+from jaxserve.eplb.planner import device_load, minimize_movement, plan_placement
+from jaxserve.eplb.recorder import balancedness
 
 
 def zipf_window(

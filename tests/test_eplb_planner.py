@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from jaxserve.eplb.planner import (
-    balancedness,
     device_load,
     minimize_movement,
     plan_placement,
     replicate_experts,
 )
+from jaxserve.eplb.recorder import balancedness
 from jaxserve.sharding.placement import placement_from_slots
 
 # Worst ratio (planner max device load / optimal max device load) allowed on the tiny
