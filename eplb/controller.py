@@ -16,7 +16,6 @@ log the balancedness); the plan is DeepSeek's EPLB (github.com/deepseek-ai/EPLB)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,7 +26,7 @@ from jax.sharding import Mesh
 from jaxserve.eplb.executor import PlacementExecutor
 from jaxserve.eplb.planner import device_load, minimize_movement, plan_placement
 from jaxserve.eplb.recorder import balancedness
-from jaxserve.sharding.placement import ExpertPlacement
+from jaxserve.models.layers import PLACEMENT_FIELDS
 
 if TYPE_CHECKING:
     from jaxserve.engine.model_runner import ModelRunner
@@ -91,7 +90,6 @@ class EplbController:
         self.num_experts = num_experts
         self.step_interval = step_interval
         self.min_improvement = min_improvement
-        self.initial_p2l = runner.physical_to_logical()
         self.executor = PlacementExecutor(mesh, runner.expert_weights(), num_experts, max_replicas)
         self.steps_since_plan = 0
         self.num_rebalances = 0
@@ -143,9 +141,8 @@ class EplbController:
         )
         # Not `dataclasses.asdict`: it deep-copies, and copying a device array runs (and
         # compiles) a copy program.
-        fields = [f.name for f in dataclasses.fields(ExpertPlacement)]
         self.runner.set_expert_placement(
-            weights, [{name: getattr(t, name) for name in fields} for t in tables]
+            weights, [{name: getattr(t, name) for name in PLACEMENT_FIELDS} for t in tables]
         )
         self.runner.expert_load.reset()
         self.num_rebalances += 1

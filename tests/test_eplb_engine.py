@@ -113,7 +113,7 @@ def test_eplb_engine_rebalances_with_same_outputs(
     engine = EngineCore(_config(model_dir, dp, tp, _eplb_on(), async_scheduling))
     controller = engine.eplb
     assert controller is not None
-    initial = controller.initial_p2l
+    initial = engine.runner.physical_to_logical()  # before any step
     num_slots = NUM_EXPERTS + REDUNDANT
     assert initial.shape == (len(engine.runner.moe_layers), num_slots)
     np.testing.assert_array_equal(initial[0], np.arange(num_slots) % NUM_EXPERTS)
