@@ -167,7 +167,7 @@ class Metrics:
             if value is None:
                 continue
             if key in self.engine_counters:
-                self._advance_engine_counter(key, float(value))
+                self._advance_engine_counter(key, float(value), self.engine_counters[key])
             elif key in self.engine_gauges:
                 self.engine_gauges[key].set(float(value))
         if queries := extra.get("prefix_cache_queries"):
@@ -197,26 +197,26 @@ class Metrics:
                     ["model"], registry=r,
                 ),
             )  # fmt: skip
-        per_layer, mean, _ = self._expert_metrics
+        per_layer, mean, routed = self._expert_metrics
         values = stats.expert_balancedness
         for layer, value in zip(stats.expert_layers, values, strict=True):
             per_layer.labels(model=self._model, layer=str(layer)).set(float(value))
         if values:
             mean.labels(model=self._model).set(sum(values) / len(values))
-        self._advance_engine_counter(EXPERT_ROUTED_TOKENS, float(stats.expert_routed_tokens))
+        self._advance_engine_counter(
+            EXPERT_ROUTED_TOKENS,
+            float(stats.expert_routed_tokens),
+            routed.labels(model=self._model),
+        )
 
-    def _advance_engine_counter(self, key: str, total: float) -> None:
+    def _advance_engine_counter(self, key: str, total: float, counter) -> None:
+        """Advance `counter` by the change of the engine's cumulative value `key`."""
         last = self._last_engine_counts.get(key, 0.0)
         # Below the last value: the engine restarted, and `total` counts from its start.
         delta = total - last if total >= last else total
         self._last_engine_counts[key] = total
         if delta > 0:
-            self._engine_counter(key).inc(delta)
-
-    def _engine_counter(self, key: str):
-        if key == EXPERT_ROUTED_TOKENS:
-            return self._expert_metrics[2].labels(model=self._model)
-        return self.engine_counters[key]
+            counter.inc(delta)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose /metrics over HTTP on addr:port (a daemon thread).
