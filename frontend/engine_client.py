@@ -202,7 +202,7 @@ class AsyncEngineClient:
         serial = next(self._serials)
         engine_ids = [engine_request_id(request_id, serial, i) for i in range(len(samples))]
         if len(samples) > 1:
-            group = engine_ids[0].rpartition(".")[0]  # "<request_id>\x1f#<serial>"
+            group = f"{request_id}{ENGINE_ID_SEPARATOR}{serial}"  # the engine ids' prefix
             samples = [dataclasses.replace(s, cache_group=group) for s in samples]
         stream = RequestStream(request_id, engine_ids)
         self._requests[request_id] = stream
