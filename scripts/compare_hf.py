@@ -15,7 +15,7 @@ Prompts are new every repetition, so jaxserve's prefix cache does not serve repe
 
     python scripts/bench_offline.py --compare-hf [--batches 1,8,32,128] [--max-tokens 64]
         [--prompt-len 32] [--repeats 3] [--models demo,qwen3moe]
-        [--out bench_results/compare_hf.json]
+        [--baseline-python OLD_VENV/bin/python] [--out bench_results/compare_hf.json]
 
 llama.cpp (llama-cpp-python) is not compared: it needs a GGUF of the checkpoint, made by
 llama.cpp's own converter, which is not a dependency of this project.
@@ -159,9 +159,11 @@ def worker_main(side: str, model: str, max_batch: int, max_model_len: int) -> No
 class Worker:
     """A worker process driven over its stdin/stdout."""
 
-    def __init__(self, side: str, model: str, max_batch: int, max_model_len: int):
+    def __init__(
+        self, side: str, model: str, max_batch: int, max_model_len: int, python: str | None = None
+    ):
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu")
-        cmd = [sys.executable, __file__, "--worker", side, "--worker-model", model]
+        cmd = [python or sys.executable, __file__, "--worker", side, "--worker-model", model]
         cmd += ["--worker-max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -209,6 +211,10 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
         "jaxserve": Worker("jaxserve", model, max_batch, args.max_model_len),
         "transformers": Worker("transformers", model, max_batch, args.max_model_len),
     }
+    if args.baseline_python:  # the same jaxserve side, from another install (an old commit)
+        sides["baseline"] = Worker(
+            "jaxserve", model, max_batch, args.max_model_len, python=args.baseline_python
+        )
     try:
         ceiling = max(w.call(op="ceiling")["flops_per_s"] for w in sides.values())
         # Warm-up: one small batch each (jaxserve compiled at start; torch's first call).
@@ -223,7 +229,7 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
             for rep in range(args.repeats):
                 prompts = _prompts(batch, args.prompt_len, cfg["vocab_size"], 1000 * batch + rep)
                 got = {}
-                order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                order = list(sides) if rep % 2 == 0 else list(reversed(sides))  # interleaved
                 for s in order:
                     r = sides[s].call(op="generate", prompts=prompts, max_tokens=args.max_tokens)
                     got[s] = r["tokens"]
@@ -241,6 +247,9 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
                 ceiling_gflop_s=ceiling / 1e9, load_avg=os.getloadavg()[0],
                 jaxserve_runs=tps["jaxserve"], hf_runs=tps["transformers"],
             )  # fmt: skip
+            if "baseline" in sides:
+                row.update(baseline_tok_s=med["baseline"], baseline_runs=tps["baseline"],
+                           speedup_vs_baseline=med["jaxserve"] / med["baseline"])  # fmt: skip
             rows.append(row)
             print_row(row)
         return rows
@@ -256,10 +265,13 @@ HEADER = (
 
 
 def print_row(r: dict) -> None:
+    base = ""
+    if "baseline_tok_s" in r:
+        base = f"  baseline {r['baseline_tok_s']:.1f} tok/s (x{r['speedup_vs_baseline']:.2f})"
     print(
         f"{r['model']:<9} {r['batch']:>5} {r['jaxserve_tok_s']:>14.1f} {r['hf_tok_s']:>9.1f} "
         f"{r['ratio']:>6.2f} {100 * r['agreement']:>5.1f}% {100 * r['jaxserve_mfu']:>7.1f}% "
-        f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}",
+        f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}{base}",
         flush=True,
     )
 
@@ -273,6 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="demo,qwen3moe")
     parser.add_argument("--out", default="bench_results/compare_hf.json")
+    parser.add_argument(
+        "--baseline-python",
+        help="also run jaxserve from this interpreter's install (e.g. an old commit's venv), "
+        "interleaved with the others: before/after in one run",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-model", help=argparse.SUPPRESS)
     parser.add_argument("--worker-max-batch", type=int, help=argparse.SUPPRESS)
