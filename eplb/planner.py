@@ -366,13 +366,21 @@ def _replan(
         )
         cur_local = np.take_along_axis(local_of, current[layers], 1)
         devices = ep // num_nodes
-        slots, ok = planner_refine.replan_rows(
-            row_load,
-            cur_local.reshape(-1, devices, num_slots // ep),
-            np.repeat(target[layers], num_nodes),
-        )
+        cur_rows = cur_local.reshape(-1, devices, num_slots // ep)
+        row_target = np.repeat(target[layers], num_nodes)
+        slots, ok = planner_refine.replan_rows(row_load, cur_rows, row_target)
+        # A (layer, node) the local search could not bring to the target: a fresh plan of
+        # that node's experts, reordered to keep what it can of the current slots.
+        for row in np.flatnonzero(~ok):
+            plan = planner_refine.plan_rows(
+                row_load[row : row + 1], num_slots // num_nodes, devices
+            )
+            slots[row] = minimize_movement(cur_rows[row].ravel(), plan.ravel(), devices)[0].reshape(
+                devices, -1
+            )
+        peak = device_load(row_load, slots.reshape(rows.shape[0], -1), devices).max(-1)
+        ok = (peak <= row_target * (1 + 1e-12)).reshape(layers.size, num_nodes).all(1)
         planned = np.take_along_axis(rows, slots.reshape(rows.shape[0], -1), 1)
-        ok = ok.reshape(layers.size, num_nodes).all(1)
         out[layers[ok]] = planned.reshape(layers.size, num_slots)[ok]
         valid[layers[~ok]] = False
     for layer in np.flatnonzero(~valid):

@@ -172,7 +172,7 @@ def sweep_pairs(slots: np.ndarray, weight: np.ndarray, sweeps: int) -> np.ndarra
     """
     rows, num_devices, per_device = slots.shape
     half = num_devices // 2
-    if half == 0:
+    if half == 0 or rows == 0:
         return slots
     state = _SwapState(slots, weight)
     base = (np.arange(rows) * num_devices)[:, None]
@@ -186,8 +186,8 @@ def sweep_pairs(slots: np.ndarray, weight: np.ndarray, sweeps: int) -> np.ndarra
         gain = np.take_along_axis(peak, best[..., None], -1)[..., 0] < state.load[heavy] * (
             1 - _EPS
         )
-        if not gain.any():
-            break
+        # No early exit when no pair gains: the next rotation pairs other devices (and
+        # a row's result must not depend on the other rows of the batch).
         i, j = np.divmod(best[gain], per_device)
         state.swap(
             heavy[gain],
@@ -223,17 +223,17 @@ def refine_swaps(
     [B] float64 or None.
     """
     rows, num_devices, per_device = slots.shape
-    if num_devices == 1:
+    if num_devices == 1 or rows == 0:
         return slots
     state = _SwapState(slots, load / counts)
     device_load = state.load.reshape(rows, -1)
     partners = min(num_devices - 1, _PARTNERS)
     active = np.arange(rows)
-    rounds = max_rounds if max_rounds is not None else 4 * slots[0].size
     for _ in range(_REASSIGN_PHASES + 1):
         # Swaps until every row is stuck (or meets its target), then one reassignment
         # for all the stuck rows at once; the rows it moved swap again.
         stuck = []
+        rounds = max_rounds if max_rounds is not None else 4 * slots[0].size
         while active.size and rounds > 0:
             rounds -= 1
             if target is not None:
@@ -254,7 +254,7 @@ def refine_swaps(
             state.swap(heavy[gain, 0], i, light[gain][np.arange(i.size), p], j, moved)
             stuck.append(active[~gain])
             active = active[gain]
-        if not stuck or rounds <= 0:
+        if not stuck:
             break
         stuck = np.sort(np.concatenate(stuck))
         if stuck.size == 0:
@@ -373,26 +373,54 @@ def replan_rows(
     load: np.ndarray, current: np.ndarray, target: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every row's current placement changed by few slots until its max device load is at
-    most target: `anchored_pack` to the new `replica_counts`, then `refine_swaps` with
-    that target (each swap changes two slots; it stops as soon as the target is met).
+    most target.
+
+    First with the current copy counts (a row whose placement has no duplicate on a
+    device and at most d copies of an expert): `refine_swaps` from the current slots,
+    stopping as soon as the target is met (a noisy window of an unchanged load needs a
+    few swaps; a fresh count vector would change the load of every copy of the experts
+    whose count moved). Rows that miss it start again from `anchored_pack` to the new
+    load's `replica_counts`, then `refine_swaps` with the target.
 
     load: [B, n] float64 >= 0; current: [B, d, k] int64 experts, every expert at least
     once per row; target: [B] float64.
-    Returns ([B, d, k] int64 slots, kept in their current positions where unchanged;
-    [B] bool: the row met its target with no duplicate on a device).
+    Returns ([B, d, k] int64 slots, unchanged slots in their current positions; [B]
+    bool: the row met its target with no duplicate on a device).
     """
     rows, num_devices, per_device = current.shape
-    counts = replica_counts(load, num_devices * per_device, num_devices)
-    weight = load / counts
-    slots, failed = anchored_pack(current, weight, counts, load)
+    num_experts = load.shape[1]
+    flat = current.reshape(rows, -1)
+    old_counts = np.zeros((rows, num_experts), np.int64)
+    np.add.at(old_counts, (np.broadcast_to(np.arange(rows)[:, None], flat.shape), flat), 1)
+    sorted_slots = np.sort(current, axis=-1)
+    valid = ~(sorted_slots[..., 1:] == sorted_slots[..., :-1]).any((1, 2))
+    valid &= old_counts.max(1) <= num_devices
+    slots = current.copy()
+    met = np.zeros(rows, bool)
+    first = np.flatnonzero(valid)
+    if first.size:
+        counts = old_counts[first]
+        slots[first] = refine_swaps(slots[first], load[first], counts, target=target[first])
+        met[first] = _peak(slots[first], load[first] / counts) <= target[first] * (1 + _EPS)
+    again = np.flatnonzero(~met)
+    if again.size == 0:
+        return slots, met
+    counts = replica_counts(load[again], num_devices * per_device, num_devices)
+    weight = load[again] / counts
+    fresh, failed = anchored_pack(current[again], weight, counts, load[again])
     ok = np.flatnonzero(~failed)
-    sub_counts = counts[ok]
-    slots[ok] = refine_swaps(slots[ok], load[ok], sub_counts, target=target[ok])
-    counts[ok] = sub_counts
-    weight = load / counts
-    copy_load = np.take_along_axis(weight, slots.reshape(rows, -1), 1)
-    peak = copy_load.reshape(slots.shape).sum(-1).max(1)
-    return slots, ~failed & (peak <= target * (1 + _EPS))
+    sub = counts[ok]
+    fresh[ok] = refine_swaps(fresh[ok], load[again][ok], sub, target=target[again][ok])
+    counts[ok] = sub
+    slots[again] = fresh
+    met[again] = ~failed & (_peak(fresh, load[again] / counts) <= target[again] * (1 + _EPS))
+    return slots, met
+
+
+def _peak(slots: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """[B] max device load of [B, d, k] slots under [B, n] copy loads."""
+    copy_load = np.take_along_axis(weight, slots.reshape(slots.shape[0], -1), 1)
+    return copy_load.reshape(slots.shape).sum(-1).max(1)
 
 
 class _SwapState:
