@@ -51,11 +51,11 @@ def replica_counts(load: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
 
     DeepSeek EPLB's `replicate_experts` greedy (each of the s - n redundant slots goes to
     the expert with the highest load / copies at that moment; optimal for that max), with
-    the experts at `cap` copies skipped. Ties go to the heavier, then lower-index expert;
-    experts without load get copies only when every loaded one is at `cap`, fewest
-    copies first (so zero load spreads copies round-robin). Only the s - n heaviest
-    experts can receive a copy (one of them always has load / 1 at least as high as any
-    other expert's), so the loop runs on those, updating one entry per row per slot.
+    its ties (fewer copies, then lower index: zero load spreads copies round-robin), and
+    the experts at `cap` copies skipped. Only the s - n heaviest experts (lower index
+    first among equal loads) can receive a copy: one of them always has load / 1 at
+    least as high as any other expert's, and wins its ties. So the loop runs on those,
+    updating one entry per row per slot; where no count reaches cap it is DeepSeek's.
 
     load: [B, n] float64 >= 0; num_slots: s with n <= s <= n * cap.
     Returns [B, n] int64 in [1, cap], each row summing to s.
@@ -65,20 +65,18 @@ def replica_counts(load: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
     extra = num_slots - num_experts
     if extra == 0:
         return counts
-    candidates = np.argsort(-load, axis=1, kind="stable")[:, : min(num_experts, extra)]
+    heaviest = np.argsort(-load, axis=1, kind="stable")[:, : min(num_experts, extra)]
+    candidates = np.sort(heaviest, axis=1)  # by index, for the ties
     cand_load = np.take_along_axis(load, candidates, 1)
     cand_counts = np.ones(candidates.shape, np.int64)
-    # key: load / copies for loaded experts, -copies for the others, -inf at cap.
-    key = np.where(cand_load > 0, cand_load, -1.0) if cap > 1 else np.full(cand_load.shape, -np.inf)
+    ratio = cand_load.copy() if cap > 1 else np.full(cand_load.shape, -np.inf)
     index = np.arange(rows)
     for _ in range(extra):
-        pick = key.argmax(1)
+        tied = ratio == ratio.max(1, keepdims=True)
+        pick = np.argmin(np.where(tied, cand_counts, _INT_MAX), axis=1)
         copies = cand_counts[index, pick] + 1
         cand_counts[index, pick] = copies
-        value = cand_load[index, pick]
-        key[index, pick] = np.where(
-            copies >= cap, -np.inf, np.where(value > 0, value / copies, -copies)
-        )
+        ratio[index, pick] = np.where(copies >= cap, -np.inf, cand_load[index, pick] / copies)
     np.put_along_axis(counts, candidates, cand_counts, 1)
     return counts
 
