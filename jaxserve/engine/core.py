@@ -33,9 +33,9 @@ from jaxserve.engine.builder import CompileCounter, build_engine
 from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.observability.stats import EngineCounters
@@ -136,7 +136,7 @@ class EngineCore:
             self._rejected.append(_error_output(req, str(e)))
             return
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
-        seq = Sequence(
+        seq = Request(
             request_id=req.request_id,
             token_ids=prompt,
             num_prompt_tokens=len(prompt),

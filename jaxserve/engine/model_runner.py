@@ -52,8 +52,8 @@ from flax import nnx
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
 from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_fn import StepOutput, step
 from jaxserve.engine.step_inputs import (
     DPStepInputs,
@@ -302,9 +302,7 @@ class ModelRunner:
         """
         if isinstance(sched, DPSchedulerOutput):
             shape = self.builder.common_shape(sched.ranks)
-            pending = (
-                [_rows(s) for s in in_flight.ranks] if in_flight else [{}] * len(sched.ranks)
-            )
+            pending = [_rows(s) for s in in_flight.ranks] if in_flight else [{}] * len(sched.ranks)
             return DPStepInputs.of(
                 [
                     self.builder.build(s, rows, shape)
@@ -386,7 +384,7 @@ class ModelRunner:
         return result, full[7]
 
 
-def _rows(sched: SchedulerOutput) -> dict[Sequence, int]:
+def _rows(sched: SchedulerOutput) -> dict[Request, int]:
     """Row of each request of a step: where its sampled tokens are found."""
     return {r.seq: row for row, r in enumerate(sched.requests)}
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.request import Request
 from jaxserve.ipc import RequestOutput
 
 
@@ -39,7 +39,7 @@ class StepSamples:
 
 
 def request_output(
-    seq: Sequence, new_token_ids: list[int], logprobs: list | None = None
+    seq: Request, new_token_ids: list[int], logprobs: list | None = None
 ) -> RequestOutput:
     """The RequestOutput of `seq` after it got `new_token_ids` (or finished): carries the
     `first` header on seq's first output and the prompt log-probs with its first tokens."""
@@ -71,7 +71,7 @@ def request_output(
     )
 
 
-def row_logprobs(seq: Sequence, samples: StepSamples, row: int, num_tokens: int) -> list | None:
+def row_logprobs(seq: Request, samples: StepSamples, row: int, num_tokens: int) -> list | None:
     """The ipc.RequestOutput.logprobs entries of a row's first `num_tokens` new tokens:
     [[logprob, [[top_token_id, top_logprob], ...]], ...] with the top-N the request asked for."""
     k = seq.params.logprobs
@@ -88,7 +88,7 @@ def row_logprobs(seq: Sequence, samples: StepSamples, row: int, num_tokens: int)
     return entries
 
 
-def add_prompt_logprobs(seq: Sequence, computed: tuple[int, list] | None) -> None:
+def add_prompt_logprobs(seq: Request, computed: tuple[int, list] | None) -> None:
     """Append a step's prompt log-prob entries (first position, entries) to seq, skipping
     positions it already has (a recompute after preemption)."""
     if computed is None or seq.prompt_logprobs is None:

@@ -147,5 +147,3 @@ def _step_output(
         prompt_top_logprobs=prompt_top_logprobs,
         expert_counts=expert_counts,
     )
-
-
