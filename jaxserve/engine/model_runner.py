@@ -51,7 +51,7 @@ from flax import nnx
 
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
 from jaxserve.engine.dp_scheduler import DPSchedulerOutput
-from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.outputs import StepSamples, samples_arrays, step_samples
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.step_fn import StepOutput, step
@@ -360,7 +360,7 @@ class ModelRunner:
             samples, counts = self._fetch_ranks(out, x)
         else:
             get = jax.device_get if self.mesh is None else replicated_to_host
-            samples, counts = _samples(out, x, get)
+            samples, counts = step_samples(out, x, get)
         if self.expert_load is not None:
             self.expert_load.record(counts)
         return samples
@@ -370,7 +370,7 @@ class ModelRunner:
     ) -> tuple[list[StepSamples], np.ndarray]:
         """Per-rank samples of a DP step (rank k: rows [k R, (k + 1) R), tokens
         [k T, (k + 1) T) of the prompt log-probs), and the step's expert counts."""
-        full = _samples_arrays(out, any(r.logprob_rows for r in x.ranks), replicated_to_host)
+        full = samples_arrays(out, any(r.logprob_rows for r in x.ranks), replicated_to_host)
         t, r = x.shape.num_tokens, x.shape.num_rows
         result = []
         for k, rank in enumerate(x.ranks):
@@ -380,7 +380,7 @@ class ModelRunner:
                 *(a[k * t : (k + 1) * t] if a is not None else None for a in full[4:7]),
                 expert_counts=full[7],
             )
-            result.append(_samples(part, rank, lambda tree: tree)[0])
+            result.append(step_samples(part, rank, lambda tree: tree)[0])
         return result, full[7]
 
 
@@ -398,52 +398,3 @@ def _leaf_index(state) -> dict[tuple, int]:
         path = tuple(k.key for k in key_path if isinstance(k, jax.tree_util.DictKey))
         index[path] = i
     return index
-
-
-def _samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
-    """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
-    prompt top logprobs, expert counts) on the host, in one transfer; None for what the
-    step does not need."""
-    wanted = (out.token_ids,)
-    wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
-    prompt = out.prompt_logprobs.shape[0] > 0
-    wanted += (
-        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
-        if prompt
-        else (None,) * 3
-    )
-    return get((*wanted, out.expert_counts))
-
-
-def _samples(out: StepOutput, x: StepInputs, get) -> tuple[StepSamples, np.ndarray]:
-    """(StepSamples, expert counts [M, S]) of a one-rank step's outputs (device arrays
-    with get=jax.device_get, host arrays with get=identity). The counts come back in the
-    same transfer as the tokens."""
-    n = x.num_rows
-    if x.logprob_rows:
-        token_ids, logprobs, top_ids, top_lps, counts = get(
-            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs, out.expert_counts)
-        )
-        samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
-    else:
-        token_ids, counts = get((out.token_ids, out.expert_counts))
-        samples = StepSamples(np.asarray(token_ids)[:, :n])
-    if x.prompt_spans:
-        samples.prompt_logprobs = _prompt_entries(
-            x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
-        )
-    return samples, np.asarray(counts)
-
-
-def _prompt_entries(
-    x: StepInputs, logprobs: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
-) -> dict[int, tuple[int, list]]:
-    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...])."""
-    entries = {}
-    for span in x.prompt_spans:
-        rows = []
-        for t in range(span.flat_start, span.flat_start + span.count):
-            ids, lps = top_ids[t, : span.k].tolist(), top_lps[t, : span.k].tolist()
-            rows.append([float(logprobs[t]), [[i, lp] for i, lp in zip(ids, lps, strict=True)]])
-        entries[span.row] = (span.first_position, rows)
-    return entries
