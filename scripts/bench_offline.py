@@ -145,9 +145,9 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, one_at_a_time: 
     return (
         tokens,
         seconds,
-        c1["num_steps"] - c0["num_steps"],
-        c1["host_time_s"] - c0["host_time_s"],
-        c1["device_time_s"] - c0["device_time_s"],
+        c1.num_steps - c0.num_steps,
+        c1.host_time_s - c0.host_time_s,
+        c1.device_time_s - c0.device_time_s,
     )
 
 
