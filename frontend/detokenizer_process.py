@@ -9,6 +9,11 @@ When a stop string matches, the request's final TextOutput goes to the frontend 
 and an AbortRequest goes to the engine; the engine's later outputs for that request
 (tokens already in flight, then its final "abort") are dropped. The main loop around it
 forwards EngineStats unchanged, in order with the outputs.
+
+One request's bad data (a token id the tokenizer cannot decode, a malformed `first`)
+fails only that request: its final TextOutput has finish_reason "error" and an error
+starting with "detokenizer:", the engine is told to abort it, and every other stream goes
+on. A frame that does not decode is logged (one line) and dropped.
 """
 
 from __future__ import annotations
@@ -74,10 +79,37 @@ class OutputProcessor:
         texts: list[TextOutput] = []
         aborts: list[str] = []
         for out in outputs:
-            text = self._process_one(out, aborts)
+            try:
+                text = self._process_one(out, aborts)
+            except Exception as e:  # the tokenizer's Rust side raises plain Exceptions too
+                text = self._fail(out, e, aborts)
             if text is not None:
                 texts.append(text)
         return texts, aborts
+
+    def _fail(self, out: RequestOutput, error: Exception, aborts: list[str]) -> TextOutput | None:
+        """End one request whose output could not be processed; the others go on."""
+        state = self._requests.get(out.request_id)
+        if state is not None and state.stopped:  # already ended; drop
+            if out.finish_reason is not None:
+                del self._requests[out.request_id]
+            return None
+        logger.warning("request %r failed in the detokenizer: %s", out.request_id, error)
+        if out.finish_reason is None:
+            if state is None:  # keep a state so the engine's later outputs are dropped
+                state = _RequestState(IncrementalDetokenizer(self._tokenizer))
+                self._requests[out.request_id] = state
+            state.stopped = True
+            aborts.append(out.request_id)
+        else:
+            self._requests.pop(out.request_id, None)
+        return TextOutput(
+            out.request_id,
+            "",
+            [],
+            finish_reason="error",
+            error=f"detokenizer: cannot decode the output token ids ({error})",
+        )
 
     def _state(self, out: RequestOutput) -> _RequestState:
         state = self._requests.get(out.request_id)
@@ -145,7 +177,11 @@ def run_detokenizer(
     try:
         while True:
             frame = pull.recv()
-            msg = decode(frame)
+            try:
+                msg = decode(frame)
+            except Exception as e:  # one bad frame must not end every stream
+                logger.warning("dropping a frame that does not decode: %s", e)
+                continue
             if isinstance(msg, EngineOutputs):
                 texts, aborts = processor.process(msg.outputs)
                 if aborts:  # first, so the engine stops spending steps on them
