@@ -92,6 +92,15 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
     return resp
 
 
+def _error_status(error: str) -> tuple[grpc.StatusCode, str]:
+    """The status of a sample that ended with finish_reason "error": INTERNAL when the
+    sidecar could not detokenize its output (not the client's fault), else
+    INVALID_ARGUMENT (the engine rejected the request)."""
+    if error.startswith("detokenizer:"):
+        return grpc.StatusCode.INTERNAL, error
+    return grpc.StatusCode.INVALID_ARGUMENT, f"engine rejected the request: {error}"
+
+
 def _by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
     """Outputs grouped by sample index (a stream mixes its samples), each group in
     arrival order, the groups in order of their first output."""
@@ -179,10 +188,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                         pending.discard(index)
                     timings[index].observe(sample_outputs)
                     if last.finish_reason == "error":
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"engine rejected the request: {last.error}",
-                        )
+                        await context.abort(*_error_status(last.error or ""))
                     resp = _response(stream.request_id, sample_outputs, request.return_token_ids)
                     resp.index = index
                     if (
