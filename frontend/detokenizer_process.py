@@ -21,17 +21,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import zmq
 from tokenizers import Tokenizer
 
+from jaxserve.engine.control import HEARTBEAT_INTERVAL_S
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import (
     AbortRequest,
     EngineOutputs,
     EngineStats,
+    Heartbeat,
     RequestOutput,
     Shutdown,
     TextOutput,
@@ -166,16 +169,31 @@ class OutputProcessor:
 
 
 def run_detokenizer(
-    tokenizer: Tokenizer, detokenizer_input: str, frontend_input: str, engine_input: str
+    tokenizer: Tokenizer,
+    detokenizer_input: str,
+    frontend_input: str,
+    engine_input: str,
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
 ) -> None:
-    """Serve until a Shutdown message arrives (or the process is terminated)."""
+    """Serve until a Shutdown message arrives (or the process is terminated).
+
+    engine_input: where stop-string aborts go (the engine's control path). The engine's
+    Heartbeats are forwarded; this process sends its own every `heartbeat_interval_s`.
+    """
     ctx = zmq.Context()
     pull = make_socket(ctx, zmq.PULL, detokenizer_input, bind=True)
     to_frontend = make_socket(ctx, zmq.PUSH, frontend_input, bind=False)
     to_engine = make_socket(ctx, zmq.PUSH, engine_input, bind=False)
     processor = OutputProcessor(tokenizer)
+    last_beat = float("-inf")
     try:
         while True:
+            now = time.monotonic()
+            if now - last_beat >= heartbeat_interval_s:
+                to_frontend.send(encode(Heartbeat("detokenizer", time.time())))
+                last_beat = now
+            if not pull.poll(max(1, int((last_beat + heartbeat_interval_s - now) * 1000))):
+                continue
             frame = pull.recv()
             try:
                 msg = decode(frame)
@@ -188,7 +206,7 @@ def run_detokenizer(
                     to_engine.send(encode(AbortRequest(aborts)))
                 if texts:
                     to_frontend.send(encode(TextOutputs(texts)))
-            elif isinstance(msg, EngineStats):
+            elif isinstance(msg, (EngineStats, Heartbeat)):
                 to_frontend.send(frame)
             elif isinstance(msg, Shutdown):
                 return
@@ -205,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="model folder with tokenizer.json")
     parser.add_argument("--detokenizer-input", required=True)
     parser.add_argument("--frontend-input", required=True)
-    parser.add_argument("--engine-input", required=True)
+    parser.add_argument("--engine-input", required=True, help="where stop-string aborts go")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)

@@ -119,6 +119,7 @@ def serve(
             "--config-json", json.dumps(engine_config.to_dict()),
             "--engine-input", addresses.engine_input,
             "--detokenizer-input", addresses.detokenizer_input,
+            "--engine-control", addresses.engine_control,
             "--log-level", log_level,
         ]  # fmt: skip
         if engine_class:
@@ -129,7 +130,7 @@ def serve(
             "--model", engine_config.model,
             "--detokenizer-input", addresses.detokenizer_input,
             "--frontend-input", addresses.frontend_input,
-            "--engine-input", addresses.engine_input,
+            "--engine-input", addresses.engine_control,  # stop-string aborts: control path
             "--log-level", log_level,
         ]  # fmt: skip
         children.append(
