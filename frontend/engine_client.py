@@ -91,6 +91,7 @@ class RequestStream:
         # engine id -> sample index, for the samples whose final output has not come yet.
         self._unfinished = dict(self._index)
         self._queue: asyncio.Queue[SampleOutput | EngineDeadError] = asyncio.Queue()
+        self.released = asyncio.Event()  # set by AsyncEngineClient.release
 
     @property
     def num_samples(self) -> int:
@@ -154,6 +155,7 @@ class AsyncEngineClient:
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self.stalled_reason: str | None = None  # set by the stall watchdog (liveness.py)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -185,8 +187,8 @@ class AsyncEngineClient:
 
     @property
     def ready(self) -> bool:
-        """The engine finished start-up and is alive."""
-        return self._ready.is_set() and self.dead_reason is None
+        """The engine finished start-up, is alive and not stalled."""
+        return self._ready.is_set() and self.dead_reason is None and self.stalled_reason is None
 
     async def wait_ready(self) -> EngineStats:
         """Wait for the engine's ready handshake; returns its stats."""
@@ -253,9 +255,29 @@ class AsyncEngineClient:
         self._abort(stream.unfinished_engine_ids())
         return True
 
-    def stream_of(self, request_id: str) -> RequestStream | None:
-        """The open stream of the client request `request_id`, if any."""
-        return self._requests.get(request_id)
+    async def wait_released(self, request_id: str, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the open stream of `request_id` (if any) to
+        be released."""
+        stream = self._requests.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stream.released.wait(), timeout)
+
+    def mark_stalled(self, reason: str | None) -> None:
+        """A process stopped sending heartbeats (reason says which), or None: it is back.
+        While stalled, new requests are refused (`ready` is False) and every open stream
+        ends with EngineDeadError(reason); ending it aborts its samples, queued here
+        (`_pending_aborts`) until the engine takes them again."""
+        if reason == self.stalled_reason:
+            return
+        self.stalled_reason = reason
+        if reason is None:
+            logger.warning("the stalled process is back: serving again")
+            self._flush_aborts()
+            return
+        logger.error("stalled: %s", reason)
+        for stream in list(self._requests.values()):
+            stream._queue.put_nowait(EngineDeadError(reason))
 
     @property
     def num_pending_aborts(self) -> int:
@@ -271,6 +293,8 @@ class AsyncEngineClient:
         self._flush_aborts()
 
     def _flush_aborts(self) -> None:
+        if self._abort_retry is not None:
+            self._abort_retry.cancel()
         self._abort_retry = None
         if not self._pending_aborts or self.dead_reason is not None:
             self._pending_aborts.clear()
@@ -290,6 +314,7 @@ class AsyncEngineClient:
         Idempotent; a newer request with the same client id is left alone."""
         self._abort(stream.unfinished_engine_ids())
         stream._unfinished.clear()
+        stream.released.set()
         for engine_id in stream.engine_ids:
             if self._by_engine_id.get(engine_id) is stream:
                 del self._by_engine_id[engine_id]

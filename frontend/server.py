@@ -20,26 +20,26 @@ under an engine id of its own (`engine_client.engine_request_id`, which contains
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError, Message
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflectionServicer
 from tokenizers import Tokenizer
 
+from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
 from jaxserve.frontend.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
     RequestStream,
     SampleOutput,
 )
+from jaxserve.frontend.lenient_services import add_lenient_service
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import (
@@ -60,6 +60,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 # `prompt` (32 MiB is millions of tokens, beyond any max_model_len); a larger message is
 # refused by gRPC itself with RESOURCE_EXHAUSTED before it is parsed.
 MAX_RECEIVE_MESSAGE_BYTES = 32 * 1024 * 1024
+
+
+# How long a request waits for its request_id to be released by a call that was just
+# cancelled (the cancel and the new call can race within the server), seconds.
+REQUEST_ID_REUSE_GRACE_S = 0.5
 
 
 def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
@@ -162,16 +167,21 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     """Generate / Abort / GetServerInfo over an AsyncEngineClient."""
 
     def __init__(
-        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+        self,
+        engine: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._metrics = metrics or Metrics()
+        self._admission = admission or AdmissionController()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        stream, prompt_tokens = await self._start(request, context)
+        stream, prompt_tokens, ticket = await self._start(request, context)
         timings = [_RequestTiming(self._metrics) for _ in range(stream.num_samples)]
         pending = set(range(stream.num_samples))  # samples whose final was not yielded yet
         try:
@@ -179,8 +189,10 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
                 try:
                     outputs = await stream.next_batch()
                 except EngineDeadError as e:
-                    pending.clear()  # nothing left to abort
+                    if self._engine.dead_reason is not None:
+                        pending.clear()  # nothing left to abort
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+                ticket.prompt_done()
                 for index, sample_outputs in _by_sample(outputs):
                     last = sample_outputs[-1]
                     finished = last.finish_reason is not None
@@ -202,24 +214,38 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         finally:
             # The client cancelled, a sample failed, or the server is stopping: each
             # sample not finished counts once, as an abort.
+            if pending:
+                remaining = context.time_remaining()
+                gone = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                self._metrics.request_abandoned(gone)
             for index in pending:
                 timings[index].cancelled(prompt_tokens)
             # Aborts the samples the engine still runs and frees the request_id at once.
             self._engine.release(stream)
+            ticket.release()
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[RequestStream, int]:
-        """Validate, tokenize and send the request (its n samples); abort the call with a
-        status if not. Returns the stream of every sample's outputs and the number of
-        prompt tokens."""
+    ) -> tuple[RequestStream, int, Ticket]:
+        """Admit, validate, tokenize and send the request (its n samples); abort the call
+        with a status if not. Returns the stream of every sample's outputs, the number of
+        prompt tokens and the request's admission ticket (release it at the end)."""
         engine = self._engine
         if not engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
         request_id = request.request_id or uuid.uuid4().hex
         stats = engine.stats
         limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline: already passed")
+        ticket, admitted = None, False
         try:
+            ticket = self._admission.reserve(request.ByteSize())
+            # A client that cancelled a request and reuses its id at once may get here
+            # before that call's cleanup ran: give it a moment to release the id.
+            if engine.is_running(request_id):
+                await engine.wait_released(request_id, REQUEST_ID_REUSE_GRACE_S)
             # Fail fast on a duplicate id (add_request checks again, after tokenizing).
             if engine.is_running(request_id):
                 raise RequestValidationError(f"request_id: {request_id!r} is already running")
@@ -227,18 +253,30 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             engine_request = await asyncio.to_thread(
                 build_engine_request, request, request_id, self._tokenizer, limits
             )
-            stream = engine.add_request(request_id, split_samples(engine_request))
-            return stream, len(engine_request.prompt_token_ids)
+            if remaining is not None:  # the engine aborts it at its next step after this
+                engine_request.deadline = time.time() + context.time_remaining()
+            samples = split_samples(engine_request)
+            ticket.admit(len(samples), len(engine_request.prompt_token_ids))
+            stream = engine.add_request(request_id, samples)
+            admitted = True
+            return stream, len(engine_request.prompt_token_ids), ticket
+        except AdmissionError as e:
+            self._metrics.request_rejected(e.limit)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (RequestValidationError, ValueError) as e:
             # ValueError: a duplicate request_id that arrived while this one was tokenized.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        finally:
+            if ticket is not None and not admitted:
+                ticket.release()  # refused: nothing stays reserved (idempotent)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        # Matches client request ids only; with n > 1 it aborts every sample.
+        # Matches client request ids only; with n > 1 it aborts every sample. Never fails:
+        # an abort the engine cannot take now waits in the engine client until it can.
         return pb.AbortResponse(found=self._engine.abort(request.request_id))
 
     async def GetServerInfo(
@@ -259,92 +297,19 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         )
 
     def _unavailable_message(self) -> str:
-        reason = self._engine.dead_reason or "the engine is starting"
+        engine = self._engine
+        reason = engine.dead_reason or engine.stalled_reason or "the engine is starting"
         return f"engine unavailable: {reason}"
-
-
-class _Undecodable:
-    """What the lenient deserializer gives for bytes that are not a valid request message;
-    the method's handler answers it with INVALID_ARGUMENT instead of calling the servicer."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], object]:
-    """`message_class.FromString` that returns `_Undecodable` instead of raising.
-
-    grpc.aio turns an exception raised by a request deserializer into UNKNOWN
-    ("Unexpected <class DecodeError>") and logs its traceback, once per such request; a
-    client sending bad bytes (invalid UTF-8 in a string field, a truncated message) could
-    flood the log. The handler (`_checked_handler`) rejects it instead.
-    """
-    name = message_class.DESCRIPTOR.name
-
-    def deserialize(data: bytes) -> object:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as e:
-            return _Undecodable(f"request: not a valid {name} ({e})")
-
-    return deserialize
-
-
-async def _reject_undecodable(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-    logger.debug("rejected an undecodable request: %s", request.message)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-
-
-def _checked_handler(method, server_streaming: bool):
-    """The servicer's method behind a check that answers `_Undecodable` requests with
-    INVALID_ARGUMENT (and one debug log line); valid requests reach `method` unchanged."""
-    if server_streaming:
-
-        async def stream(request, context):
-            if isinstance(request, _Undecodable):
-                await _reject_undecodable(request, context)
-            # aclosing: the servicer's generator runs its cleanup (aborting the request in
-            # the engine) when this one is closed, not whenever it is garbage-collected.
-            async with contextlib.aclosing(method(request, context)) as responses:
-                async for response in responses:
-                    yield response
-
-        return stream
-
-    async def unary(request, context):
-        if isinstance(request, _Undecodable):
-            await _reject_undecodable(request, context)
-        return await method(request, context)
-
-    return unary
 
 
 def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.Server) -> None:
     """Register `servicer` as the `jaxserve.v1.Jaxserve` service, like the generated
     `add_JaxserveServicer_to_server`, but with request deserializers that never raise:
     bytes that do not parse as the method's request get INVALID_ARGUMENT ("request: not a
-    valid GenerateRequest (...)") instead of UNKNOWN and a logged traceback. The handlers
-    are built from the service descriptor, so every method of the proto is registered."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Jaxserve"].methods:
-        if method.client_streaming:
-            raise NotImplementedError(f"{method.name}: client streaming is not handled")
-        request_class = GetMessageClass(method.input_type)
-        response_class = GetMessageClass(method.output_type)
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            _checked_handler(getattr(servicer, method.name), method.server_streaming),
-            request_deserializer=_lenient_deserializer(request_class),
-            response_serializer=response_class.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    valid GenerateRequest (...)") instead of UNKNOWN and a logged traceback
+    (`frontend.lenient_services`). The handlers are built from the service descriptor, so
+    every method of the proto is registered."""
+    add_lenient_service(servicer, pb.DESCRIPTOR.services_by_name["Jaxserve"], server)
 
 
 def _bind_error(host: str, port: int) -> str:
@@ -381,9 +346,15 @@ class FrontendServer:
         )
         self._health = health.aio.HealthServicer()
         add_servicer_to_server(JaxserveServicer(engine, tokenizer, metrics), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        # Health and reflection too, with deserializers that never raise: garbage bytes
+        # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
+        add_lenient_service(
+            self._health, health_pb2.DESCRIPTOR.services_by_name["Health"], self._server
+        )
+        add_lenient_service(
+            AsyncReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)),
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+            self._server,
         )
 
     async def start(self, host: str, port: int) -> int:

@@ -71,6 +71,15 @@ ENGINE_COUNTERS = {
     ),
 }  # fmt: skip
 
+# Cumulative EngineStats.extra keys that the engine loop adds (jaxserve.engine.control),
+# not EngineCore.counters(): exported like ENGINE_COUNTERS.
+LOOP_COUNTERS = {
+    "requests_expired": (
+        "jaxserve_engine_requests_expired",
+        "Requests the engine aborted because their client's deadline had passed",
+    ),
+}
+
 # EngineStats.extra keys that are values of the last step, exported as gauges (name, help).
 # Names end in the unit, `_seconds` (Prometheus' naming convention).
 ENGINE_GAUGES = {
@@ -121,6 +130,16 @@ class Metrics:
             ["model", "finish_reason"], registry=r,
         )  # fmt: skip
         self._model = model
+        self._rejected = Counter(
+            "jaxserve_requests_rejected", "Requests refused by admission control, by limit",
+            ["model", "limit"], registry=r,
+        )  # fmt: skip
+        self._abandoned = Counter(
+            "jaxserve_requests_abandoned",
+            "Requests whose client left before the end (reason: cancelled or deadline); "
+            "the engine aborts them",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
         self.running = Gauge(
             "jaxserve_num_requests_running", "Requests running", ["model"], registry=r
         ).labels(**labels)
@@ -136,7 +155,7 @@ class Metrics:
         ).labels(**labels)  # fmt: skip
         self.engine_counters = {
             key: Counter(name, doc, ["model"], registry=r).labels(**labels)
-            for key, (name, doc) in ENGINE_COUNTERS.items()
+            for key, (name, doc) in {**ENGINE_COUNTERS, **LOOP_COUNTERS}.items()
         }
         self.engine_gauges = {
             key: Gauge(name, doc, ["model"], registry=r).labels(**labels)
@@ -150,6 +169,12 @@ class Metrics:
         ).labels(**labels)  # fmt: skip
         # Expert-load metrics: registered by the first stats of an MoE model.
         self._expert_metrics: tuple[Gauge, Gauge, Counter] | None = None
+
+    def request_rejected(self, limit: str) -> None:
+        self._rejected.labels(model=self._model, limit=limit).inc()
+
+    def request_abandoned(self, reason: str) -> None:
+        self._abandoned.labels(model=self._model, reason=reason).inc()
 
     def request_finished(self, finish_reason: str) -> None:
         self._finished.labels(model=self._model, finish_reason=finish_reason).inc()

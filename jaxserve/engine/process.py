@@ -189,6 +189,7 @@ class EngineLoop:
         at once, so a client sees its request counted by the time its tokens arrive."""
         stats = self._core.stats()
         stats.ready = True
+        stats.extra = {**(stats.extra or {}), "requests_expired": self._control.num_expired}
         last = self._last_stats
         if not force and stats == last:
             return
