@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflection
 from tokenizers import Tokenizer
 
 from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
+from jaxserve.frontend.auth import ApiKeyInterceptor
 from jaxserve.frontend.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -40,6 +41,7 @@ from jaxserve.frontend.engine_client import (
     SampleOutput,
 )
 from jaxserve.frontend.lenient_services import add_lenient_service
+from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import (
@@ -331,21 +333,32 @@ class FrontendServer:
     """The grpc.aio server with the Jaxserve, health and reflection services.
 
     Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
+    options: admission limits, TLS and the API key (`frontend.options`); the defaults
+    serve plaintext without authentication.
     """
 
     def __init__(
-        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+        self,
+        engine: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        options: FrontendOptions | None = None,
     ) -> None:
         self._engine = engine
+        self._options = options = options or FrontendOptions()
+        interceptors = [ApiKeyInterceptor(options.api_key)] if options.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
-            ]
+            ],
         )
         self._health = health.aio.HealthServicer()
-        add_servicer_to_server(JaxserveServicer(engine, tokenizer, metrics), self._server)
+        admission = AdmissionController(options.admission)
+        servicer = JaxserveServicer(engine, tokenizer, metrics, admission)
+        add_servicer_to_server(servicer, self._server)
         # Health and reflection too, with deserializers that never raise: garbage bytes
         # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
         add_lenient_service(
@@ -363,8 +376,12 @@ class FrontendServer:
         be bound (the port is busy, the address is not local), in the style of the
         metrics port's error."""
         await self.set_serving(False)
+        tls = self._options.tls
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is not None:
+                bound = self._server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
+            else:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
             bound = 0
         if bound == 0:
