@@ -14,11 +14,16 @@ queueing until its deadline (vLLM and SGLang queue without bound):
 
 A request always gets in when nothing else is in flight, whatever its size, so no
 single valid request is refused forever. Plain Python on the event loop; no locks.
+When the bytes in flight fall back to zero after a burst, `on_drained` runs (the server
+returns freed memory to the OS there: `frontend.memory`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from jaxserve.frontend.memory import TRIM_AFTER_BYTES
 
 DEFAULT_MAX_REQUESTS = 4096
 DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 2**20  # ~1M tokens of prefill backlog
@@ -92,21 +97,35 @@ class Ticket:
         ctl.num_requests -= self._samples
         ctl.request_bytes -= self._bytes
         self._samples = self._bytes = 0
+        ctl.maybe_drained()
 
 
 class AdmissionController:
     """Counts what is in flight against `AdmissionLimits`."""
 
-    def __init__(self, limits: AdmissionLimits | None = None) -> None:
+    def __init__(
+        self, limits: AdmissionLimits | None = None, on_drained: Callable[[], None] | None = None
+    ) -> None:
         self.limits = limits or AdmissionLimits()
+        self.on_drained = on_drained
         self.num_requests = 0
         self.queued_prompt_tokens = 0
         self.request_bytes = 0
+        self.seen_bytes = 0  # bytes of requests (admitted or not) since the last drain
+
+    def maybe_drained(self) -> None:
+        """Call `on_drained` when the requests of a burst (TRIM_AFTER_BYTES or more,
+        refused ones included) have all ended."""
+        if self.request_bytes == 0 and self.seen_bytes >= TRIM_AFTER_BYTES:
+            self.seen_bytes = 0
+            if self.on_drained is not None:
+                self.on_drained()
 
     def reserve(self, request_bytes: int) -> Ticket:
         """A ticket holding `request_bytes` (before the request is tokenized). Raises
         AdmissionError past --max-inflight-request-bytes."""
         lim = self.limits.max_request_bytes
+        self.seen_bytes += request_bytes
         if self.request_bytes and self.request_bytes + request_bytes > lim:
             raise AdmissionError(
                 "bytes",

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflectionServicer
 from tokenizers import Tokenizer
 
+from jaxserve.frontend import memory
 from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
 from jaxserve.frontend.auth import ApiKeyInterceptor
 from jaxserve.frontend.engine_client import (
@@ -242,6 +243,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline: already passed")
         ticket, admitted = None, False
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             ticket = self._admission.reserve(request.ByteSize())
             # A client that cancelled a request and reuses its id at once may get here
@@ -262,17 +264,22 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             stream = engine.add_request(request_id, samples)
             admitted = True
             return stream, len(engine_request.prompt_token_ids), ticket
+        # The status is sent outside the except blocks: an abort raised inside one would
+        # chain the error, whose traceback holds the request (megabytes) for as long as
+        # gRPC keeps the call's exception.
         except AdmissionError as e:
             self._metrics.request_rejected(e.limit)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (RequestValidationError, ValueError) as e:
             # ValueError: a duplicate request_id that arrived while this one was tokenized.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+            refusal = (grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
         finally:
             if ticket is not None and not admitted:
                 ticket.release()  # refused: nothing stays reserved (idempotent)
+        del request
+        await context.abort(*refusal)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -356,7 +363,9 @@ class FrontendServer:
             ],
         )
         self._health = health.aio.HealthServicer()
-        admission = AdmissionController(options.admission)
+        # After a burst of large requests, freed memory goes back to the OS.
+        self.trimmer = memory.Trimmer()
+        admission = AdmissionController(options.admission, on_drained=self.trimmer.request)
         servicer = JaxserveServicer(engine, tokenizer, metrics, admission)
         add_servicer_to_server(servicer, self._server)
         # Health and reflection too, with deserializers that never raise: garbage bytes
