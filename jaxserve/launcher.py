@@ -109,6 +109,13 @@ def serve(
     frontend_options: admission limits, stall timeout, TLS, API key (frontend.options).
     """
     options = frontend_options or FrontendOptions()
+    logger.info(
+        "admission limits: %d requests, %d queued prompt tokens, %d request bytes; "
+        "stall timeout %g s; TLS %s; API key %s",
+        options.admission.max_requests, options.admission.max_queued_prompt_tokens,
+        options.admission.max_request_bytes, options.stall_timeout_s,
+        "on" if options.tls else "off", "on" if options.api_key else "off",
+    )  # fmt: skip
     if warning := insecure_bind_warning(
         server_config.host, options.tls is not None, options.api_key is not None
     ):
