@@ -154,3 +154,72 @@ def test_coordinator_binds_only_the_given_address(monkeypatch):
     )
     distributed.initialize(config)
     assert seen["coordinator_bind_address"] == "127.0.0.1:41234"
+
+
+def test_aborts_the_engine_cannot_take_wait_and_are_sent_later():
+    """The control socket refuses (a stalled engine): Abort still answers, the ids wait,
+    coalesced, and go out once the socket takes them again; none is dropped."""
+    import asyncio
+
+    import numpy as np
+
+    from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+    from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses
+
+    async def scenario():
+        engine = AsyncEngineClient(IpcAddresses.in_dir("/nonexistent"))
+        engine._ready.set()
+        sent, full = [], [True]
+
+        def send(msg):
+            if isinstance(msg, AbortRequest) and full[0]:
+                raise EngineDeadError("the engine is not taking requests")
+            sent.append(msg)
+
+        engine._send = send
+        prompt = np.asarray([1, 2], np.int32)
+        streams = [
+            engine.add_request(f"r{i}", [EngineRequest(f"r{i}", prompt, {"n": 1})])
+            for i in range(5)
+        ]
+        assert all(engine.abort(f"r{i}") for i in range(3))  # answered, not raised
+        engine.release(streams[4])
+        assert engine.num_pending_aborts == 4
+        await asyncio.sleep(0.2)  # retried meanwhile, still refused
+        assert engine.num_pending_aborts == 4
+        full[0] = False
+        await asyncio.sleep(0.2)
+        aborts = [m for m in sent if isinstance(m, AbortRequest)]
+        assert len(aborts) == 1  # coalesced into one message
+        expected = {streams[i].engine_ids[0] for i in (0, 1, 2, 4)}
+        assert set(aborts[0].request_ids) == expected
+        assert engine.num_pending_aborts == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_sidecar_is_named(model_dir):
+    srv = mock_server(model_dir, extra_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            stub = pb_grpc.JaxserveStub(ch)
+            pid = srv.child("jaxserve.frontend.detokenizer_process")
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(STALL_TIMEOUT_S + 1.0)
+                code, details = status_of(lambda: stub.Generate(generate_request([5], 3)))
+                assert code == grpc.StatusCode.UNAVAILABLE
+                assert "detokenizer process is stalled" in details
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    got = list(stub.Generate(generate_request([5], 3), timeout=10))
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "did not recover"
+                    time.sleep(0.1)
+            assert got[-1].finish_reason == "length"
+    finally:
+        srv.kill()
