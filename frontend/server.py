@@ -52,7 +52,7 @@ from jaxserve.frontend.validation import (
     split_samples,
 )
 from jaxserve.ipc import TextOutput
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 
 logger = logging.getLogger("jaxserve.frontend")
 

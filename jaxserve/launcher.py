@@ -42,7 +42,7 @@ from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
 
 logger = logging.getLogger("jaxserve")
