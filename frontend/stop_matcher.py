@@ -76,9 +76,11 @@ class _Automaton:
         self.goto, self.fail, self.depth, self.out = goto, fail, depth, out
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _automaton(stops: tuple[str, ...]) -> _Automaton:
     # The n samples of a request (and repeated requests) share one stop list: build once.
+    # An automaton at the request limits (4 KiB of stop strings) is ~4k states, ~1 MB:
+    # 32 of them bound the cache's memory.
     return _Automaton(stops)
 
 
