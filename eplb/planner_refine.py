@@ -42,6 +42,8 @@ _PARTNERS = 16
 _SWEEPS = 8
 # Rounds of count-changing moves after the swaps are stuck (see refine_swaps).
 _REASSIGN_PHASES = 4
+# Penalty on a device that already holds the expert being packed (pack_greedy).
+_HELD = 1e300
 # Relative margin under which a swap does not count as a gain (float rounding).
 _EPS = 1e-12
 
@@ -127,30 +129,46 @@ def pack_greedy(weight: np.ndarray, counts: np.ndarray, num_devices: int) -> np.
     order = np.argsort(-weight, axis=1, kind="stable")
     item = _repeat_rows(order, np.take_along_axis(counts, order, 1), num_slots)
     item_weight = np.take_along_axis(weight, item, 1)
+    # A device that holds the current expert gets this much on top of its key: still
+    # below a full device's inf, so a row out of choices puts a duplicate (found below)
+    # rather than overfill a device.
+    same_next = np.zeros((rows, num_slots))
+    same_next[:, :-1] = np.where(item[:, 1:] == item[:, :-1], _HELD, 0.0)
+    keep_next = same_next > 0
     slots = np.zeros((rows * num_devices, per_device), np.int64)
     load = np.zeros(rows * num_devices)
     size = np.zeros(rows * num_devices, np.int64)
     key = np.zeros((rows, num_devices))  # device load, inf when full
-    holds = np.zeros((rows, num_devices), bool)  # the devices of the current expert
-    stuck = np.zeros(rows, bool)
+    held = np.zeros((rows, num_devices))  # _HELD on the devices of the current expert
     base = np.arange(rows) * num_devices
-    for t in range(num_slots):
-        masked = np.where(holds, np.inf, key)
-        device = masked.argmin(1)
-        none = masked.ravel()[base + device] == np.inf
-        if none.any():  # every device with room holds the expert: continue, then replace
-            stuck |= none
-            device[none] = key[none].argmin(1)
-        flat = base + device
+    start = 0
+    if num_devices <= num_slots and (item_weight[:, :num_devices] > 0).all():
+        # Round one needs no loop: with positive weights the i-th replica meets i loaded
+        # devices and takes the first empty one, device i.
+        slots[:, 0] = item[:, :num_devices].ravel()
+        load[:] = item_weight[:, :num_devices].ravel()
+        size[:] = 1
+        key[:] = load.reshape(rows, -1) if per_device > 1 else np.inf
+        prev = item[:, num_devices - 1]
+        same = item[:, num_devices] == prev if num_devices < num_slots else prev < 0
+        run = item[:, :num_devices] == prev[:, None]  # the devices of that expert
+        held[:] = np.where(same[:, None] & run, _HELD, 0.0)
+        start = num_devices
+    key_flat, held_flat = key.ravel(), held.ravel()
+    for t in range(start, num_slots):
+        flat = base + (key + held).argmin(1)
         filled = size[flat]
         slots[flat, filled] = item[:, t]
-        size[flat] = filled + 1
-        load[flat] += item_weight[:, t]
-        key.ravel()[flat] = np.where(filled + 1 < per_device, load[flat], np.inf)
-        if t + 1 < num_slots:
-            holds &= (item[:, t + 1] == item[:, t])[:, None]
-            holds.ravel()[flat] |= item[:, t + 1] == item[:, t]
+        filled += 1
+        size[flat] = filled
+        new = load[flat] + item_weight[:, t]
+        load[flat] = new
+        key_flat[flat] = np.where(filled < per_device, new, np.inf)
+        held *= keep_next[:, t : t + 1]
+        held_flat[flat] = same_next[:, t]
     slots = slots.reshape(rows, num_devices, per_device)
+    sorted_slots = np.sort(slots, axis=-1)
+    stuck = (sorted_slots[..., 1:] == sorted_slots[..., :-1]).any((1, 2))
     if stuck.any():
         slots[stuck] = pack_rounds(weight[stuck], counts[stuck], num_devices)
     return slots
