@@ -45,7 +45,12 @@ from jaxserve.eplb.planner_deepseek import (
 )
 from jaxserve.eplb.planner_movement import minimize_movement
 
+# The re-plan tolerance the engine uses (EplbController): a layer's re-plan keeps its
+# current slots where that costs at most 0.5% of a fresh plan's balancedness.
+REPLAN_TOLERANCE = 0.005
+
 __all__ = [
+    "REPLAN_TOLERANCE",
     "PlacementPlan",
     "balanced_packing",
     "device_load",
@@ -100,7 +105,9 @@ def plan_placement(
             a multiple of num_nodes.
         refine: True (default): the project's planner. Whenever S / ep <= E / num_nodes
             no device holds an expert twice and no expert has more than ep / num_nodes
-            copies; the packing is improved by swaps (`planner_refine`). With more slots
+            copies; the packing starts as DeepSeek's (so wherever DeepSeek's plan has
+            no duplicate, the max device load is at most DeepSeek's) and is improved by
+            swaps and slot reassignments (`planner_refine`). With more slots
             per device than experts (of a node) duplicates cannot be avoided; the plan
             is then DeepSeek's greedy improved by `refine_packing`. False gives
             DeepSeek's plan exactly, duplicates included.
