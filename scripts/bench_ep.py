@@ -267,11 +267,11 @@ def coordination_worker(steps: int, out: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
     from jaxserve.sharding import moe_ep
     from jaxserve.sharding.mesh import build_mesh
     from jaxserve.sharding.placement import identity_placement
     from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
-    from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
 
     mesh = build_mesh(2, 4)
     rng = np.random.default_rng(0)
