@@ -47,7 +47,8 @@ QWEN_STYLE = """{%- if tools %}
 {%- endif %}
 {%- set ns = namespace(turns=0) %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+            or (message.role == "assistant" and not message.tool_calls) %}
         {%- set ns.turns = ns.turns + 1 %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
@@ -153,7 +154,10 @@ TOOL_CHAT = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich"}},
+            }
         ],
     },
     {"role": "tool", "content": '{"temp": 21}'},
@@ -204,9 +208,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("style,chat,add_generation_prompt", CASES)
-def test_render_equals_transformers(
-    hf_tokenizer, tokenizer, style, chat, add_generation_prompt
-):
+def test_render_equals_transformers(hf_tokenizer, tokenizer, style, chat, add_generation_prompt):
     source = STYLES[style]
     messages = CHATS[chat]
     want_text, want_ids = _hf(
