@@ -485,3 +485,30 @@ def test_engine_death_ends_streams_and_answers_503(tmp_path):
         assert r.status_code == 503
     finally:
         srv.kill()
+
+
+# ---------------------------------------------------------------- the stream chunk fast path
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_fast_path_chunks_equal_the_generic_ones(chat):
+    from jaxserve.frontend.http.outputs import ResponseWriter
+    from jaxserve.ipc import TextOutput
+
+    writer = ResponseWriter("id-1", 'demo "model"', chat=chat, logprobs=False, texts=None)
+    cases = [
+        [TextOutput("e", 'he said "hi"\n', [5])],
+        [TextOutput("e", "ü", [6]), TextOutput("e", "€ \u2028", [7, 8])],
+        [TextOutput("e", "", [9], finish_reason="stop", stop_reason="):")],
+        [TextOutput("e", "x", [9], finish_reason="stop", stop_reason=17)],
+        [TextOutput("e", "", [], finish_reason="length")],
+    ]
+    for outputs in cases:
+        for include_usage in (False, True):
+            text = "".join(o.text for o in outputs)
+            want = writer._chunk(3, outputs, text, first=False)
+            if include_usage:
+                want["usage"] = None
+            event = writer.event(3, outputs, first=False, include_usage=include_usage)
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+            assert json.loads(event[6:]) == want

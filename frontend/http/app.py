@@ -282,17 +282,15 @@ class OpenAIApi:
         tokens: dict[int, int] = {}
         try:
             async for index, outputs in _merged(generations, n):
-                chunk = writer.chunk(index, outputs, first=index not in started)
+                event = writer.event(index, outputs, index not in started, include_usage)
                 started.add(index)
                 last = outputs[-1]
                 if last.finish_reason is not None:
                     tokens[index] = last.completion_tokens
                 else:
                     tokens[index] = tokens.get(index, 0) + sum(len(o.token_ids) for o in outputs)
-                if chunk is not None:
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse_event(chunk)
+                if event is not None:
+                    yield event
             if include_usage:
                 yield sse_event(writer.usage_chunk(prompt_tokens, sum(tokens.values())))
         except EngineUnavailableError as e:

@@ -12,12 +12,21 @@ matched stop string or stop token id, else null.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
 from jaxserve.ipc import TextOutput
+
+
+def _dumps(obj) -> bytes:
+    """Compact JSON, UTF-8 (non-ASCII text as is, as OpenAI sends it)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+_dumps_str = json.JSONEncoder(ensure_ascii=False).encode  # a str, int or None as JSON
 
 
 class TokenTexts:
@@ -121,19 +130,48 @@ class ResponseWriter:
         self.created = int(time.time())
         self._texts = texts
         self._offsets: dict[int, int] = {}  # choice -> characters streamed so far
+        self._prefix: str | None = None  # a chunk's JSON up to its choice's index
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, index: int, outputs: list[TextOutput], first: bool) -> dict | None:
-        """The stream chunk of one choice's new outputs (`first`: its first chunk, which
-        in a chat carries the assistant role); None when it has nothing to send."""
+    def event(
+        self, index: int, outputs: list[TextOutput], first: bool, include_usage: bool
+    ) -> bytes | None:
+        """The server-sent event (`data: {chunk}\\n\\n`) of one choice's new outputs
+        (`first`: its first chunk, which in a chat carries the assistant role); None when
+        it has nothing to send. include_usage: the chunk carries "usage": null (the usage
+        comes in the last chunk). Without log-probs the JSON is written from a prefix
+        built once per response (this runs once per streamed chunk)."""
         last = outputs[-1]
-        text = "".join(o.text for o in outputs)
+        text = "".join(o.text for o in outputs) if len(outputs) > 1 else last.text
         finish = last.finish_reason
         first = first and self.chat  # a chat's first chunk names the role, even empty
         if not (text or finish or first or (self.logprobs and any(o.token_ids for o in outputs))):
             return None
+        if self.logprobs or first:
+            chunk = self._chunk(index, outputs, text, first)
+            if include_usage:
+                chunk["usage"] = None
+            return b"data: " + _dumps(chunk) + b"\n\n"
+        if self._prefix is None:
+            head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+            self._prefix = _dumps(head)[:-1].decode() + ',"choices":[{"index":'
+        stop = last.stop_reason if finish is not None else None
+        body = (
+            f'"delta":{{"content":{_dumps_str(text)}}}' if self.chat and text
+            else '"delta":{}' if self.chat
+            else f'"text":{_dumps_str(text)}'
+        )  # fmt: skip
+        tail = ',"usage":null}' if include_usage else "}"
+        return (
+            f'data: {self._prefix}{index},{body},"logprobs":null,'
+            f'"finish_reason":{_dumps_str(finish)},"stop_reason":{_dumps_str(stop)}}}]{tail}\n\n'
+        ).encode()
+
+    def _chunk(self, index: int, outputs: list[TextOutput], text: str, first: bool) -> dict:
+        last = outputs[-1]
+        finish = last.finish_reason
         choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant", "content": text} if first else {}
