@@ -14,8 +14,9 @@ over gRPC and over HTTP (streamed /v1/completions, SSE) on the same prompts, int
 (the order alternates per repeat); the table gives each path's median over the repeats
 and HTTP/gRPC. Both clients run in this process, on the machine of the server, so a
 client's CPU time is taken from the server: the HTTP client is aiohttp (its HTTP parser
-is C, as grpc.aio's core is), reading the SSE lines itself; the `openai` client's httpx
-transport is pure Python and measured ~2x slower at concurrency 64 on 2 cores.
+is C, as grpc.aio's core is), reading the SSE lines itself (the `openai` client's httpx
+transport parses HTTP in Python, which would bill client work to the server).
+--cache-dir keeps the JAX compilation cache between runs (default: a new empty one).
 
 Prints one table; writes JSON beside it. Requests are greedy with ignore_eos so every
 request produces exactly --max-tokens tokens on both paths.
@@ -200,6 +201,7 @@ def main() -> None:
     ap.add_argument("--http", action="store_true", help="also measure the OpenAI HTTP API")
     ap.add_argument("--repeats", type=int, default=None, help="runs per path and level (median)")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--cache-dir", help="JAX compilation cache to use (default: a new one)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     repeats = args.repeats or (3 if args.http else 1)
@@ -208,7 +210,7 @@ def main() -> None:
     rows, result = [], {"machine": machine, "load_before": os.getloadavg()}
 
     # Start-up: cold (empty compilation cache) then warm (the same cache, filled).
-    cache = tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
     if not args.skip_cold_start:
         srv = Server(args.model, cache, extra)
         result["startup_cold_s"] = srv.time_to_first_token()

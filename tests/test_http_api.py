@@ -487,6 +487,25 @@ def test_engine_death_ends_streams_and_answers_503(tmp_path):
         srv.kill()
 
 
+def test_sigterm_with_an_open_stream_stops_within_10_s(tmp_path):
+    srv = _mock_server(tmp_path).wait_ready()
+    try:
+        body = {"prompt": "def ", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream(
+            "POST", srv.http_url + "/v1/completions", json=body, timeout=TIMEOUT_S
+        ) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 4:
+                    elapsed = srv.terminate(10)
+                    break
+        assert elapsed < 10
+        assert srv.proc.returncode == 0
+    finally:
+        srv.kill() if srv.proc.poll() is None else None
+
+
 # ---------------------------------------------------------------- the stream chunk fast path
 
 

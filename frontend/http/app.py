@@ -252,10 +252,15 @@ class OpenAIApi:
     def _respond(self, body, generations: list[Generation], writer: ResponseWriter):
         n = generations[0].num_samples
         prompt_tokens = sum(g.prompt_tokens for g in generations)
+
+        def release() -> None:
+            for g in generations:
+                g.release()
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(generations, n, writer, prompt_tokens, include_usage)
-            return EventStreamResponse(events)
+            return EventStreamResponse(events, release)
 
         async def compute() -> dict:
             choices = [Choice(i) for i in range(n * len(generations))]
@@ -268,7 +273,7 @@ class OpenAIApi:
                 raise HttpError(400, str(e)) from None
             return writer.response(choices, prompt_tokens)
 
-        return DeferredJSONResponse(compute)
+        return DeferredJSONResponse(compute, release)
 
     async def _events(
         self,

@@ -77,8 +77,11 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
-    """Run `work` until it ends or the client disconnects (then it is cancelled)."""
+async def _until_disconnect(
+    work: Awaitable[None], receive: Receive, on_close: Callable[[], None] | None
+) -> None:
+    """Run `work` until it ends or the client disconnects (then it is cancelled); then
+    call `on_close` in any case (even when `work` never got to run)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_wait_disconnect(receive))
     try:
@@ -87,19 +90,26 @@ async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
         for t in (task, gone):
             t.cancel()
         await asyncio.gather(task, gone, return_exceptions=True)
+        if on_close is not None:
+            on_close()
     if task.done() and not task.cancelled() and (e := task.exception()) is not None:
         if not isinstance(e, OSError):  # a send to a client that is gone
             logger.error("response failed", exc_info=e)
 
 
 class EventStreamResponse:
-    """200, text/event-stream: each bytes item of `events` is sent as it comes."""
+    """200, text/event-stream: each bytes item of `events` is sent as it comes.
+    on_close: called once the response ended, however (it releases the requests that
+    `events` reads, should `events` never have started)."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+    ) -> None:
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _until_disconnect(self._stream(send), receive)
+        await _until_disconnect(self._stream(send), receive, self._on_close)
 
     async def _stream(self, send: Send) -> None:
         async with contextlib.aclosing(self._events) as events:
@@ -111,13 +121,17 @@ class EventStreamResponse:
 
 class DeferredJSONResponse:
     """A JSON answer computed by `compute()` while the client waits; the client leaving
-    cancels it. An HttpError raised by `compute` is answered in the error shape."""
+    cancels it. An HttpError raised by `compute` is answered in the error shape.
+    on_close: as for EventStreamResponse."""
 
-    def __init__(self, compute: Callable[[], Awaitable[dict]]) -> None:
+    def __init__(
+        self, compute: Callable[[], Awaitable[dict]], on_close: Callable[[], None] | None = None
+    ) -> None:
         self._compute = compute
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _until_disconnect(self._respond(send), receive)
+        await _until_disconnect(self._respond(send), receive, self._on_close)
 
     async def _respond(self, send: Send) -> None:
         try:
