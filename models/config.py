@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Architectures whose router always renormalizes its top-k probabilities (no config flag).
+# Architectures whose MoE gate always renormalizes its top-k probabilities (no config flag).
 _ALWAYS_RENORMALIZE = ("MixtralForCausalLM",)
 
 # Per-family RoPE base when config.json omits it (transformers' `default_theta`).
