@@ -40,7 +40,7 @@ from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 
 logger = logging.getLogger("jaxserve")
 
