@@ -41,7 +41,8 @@ def _configs() -> dict[str, tuple[int, int, int, int]]:
 
 
 def _time(fn, args, repeats_inner: int) -> float:
-    """Seconds per call: the mean of `repeats_inner` back-to-back calls."""
+    """Seconds per call: the mean of `repeats_inner` back-to-back calls (a sample; the
+    table shows the median of the samples)."""
     start = time.perf_counter()
     for _ in range(repeats_inner):
         out = fn(*args)
@@ -102,13 +103,15 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
-            inner = max(1, min(200, 2000 // tokens))
             times: dict[str, list[float]] = {v: [] for v in variants}
-            for fn, _ in variants.values():
+            inner = {}
+            for label, (fn, _) in variants.items():
                 fn(*call).block_until_ready()  # compile
+                # Calls per sample: about 50 ms of them.
+                inner[label] = max(1, min(200, int(0.05 / _time(fn, call, 1))))
             for _ in range(args.repeats):
                 for label, (fn, _) in variants.items():
-                    times[label].append(_time(fn, call, inner))
+                    times[label].append(_time(fn, call, inner[label]))
             dense_ms = statistics.median(times["dense"]) * 1e3
             routed = tokens * top_k * 6 * hidden * inter
             for label, (_, b) in variants.items():
