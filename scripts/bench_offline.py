@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compilation-cache-dir", default=EngineConfig().compilation_cache_dir)
     parser.add_argument("--out", default=None, help="default bench_results/offline[_ab].json")
     parser.add_argument("--ab", action="store_true", help="old vs new attention and sampler")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant with --ab or --moe-ab")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per A/B variant")
     parser.add_argument("--moe-ab", action="store_true", help="dense vs sparse MoE experts")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
