@@ -2,14 +2,15 @@
 
 TLS: `TlsFiles` (--tls-cert, --tls-key, optional --tls-client-ca for mutual TLS, where
 a client must present a certificate signed by that CA) gives gRPC server credentials
-(`grpc_credentials`) and the arguments of prometheus_client's HTTPS server
-(`metrics_kwargs`).
+(`grpc_credentials`), the arguments of prometheus_client's HTTPS server
+(`metrics_kwargs`) and of uvicorn for the OpenAI HTTP port (`uvicorn_kwargs`).
 
 API key: `ApiKeyInterceptor` checks the `authorization: Bearer <key>` metadata (the
 OpenAI convention) of every RPC except the health service (load balancers probe it
 without credentials), comparing in constant time; a missing or wrong key is
-UNAUTHENTICATED. The key comes from --api-key, --api-key-file or the JAXSERVE_API_KEY
-environment variable (`resolve_api_key`).
+UNAUTHENTICATED. On the HTTP port, `ApiKeyMiddleware` checks the same header on every
+path but /health (401 in OpenAI's error shape). The key comes from --api-key,
+--api-key-file or the JAXSERVE_API_KEY environment variable (`resolve_api_key`).
 
 `insecure_bind_warning` says when an address other than loopback is served without TLS
 or without a key.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,16 @@ class TlsFiles:
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
+
+    def uvicorn_kwargs(self) -> dict:
+        """Keyword arguments of uvicorn.Config for HTTPS (the OpenAI HTTP port)."""
+        import ssl  # noqa: PLC0415
+
+        self.read()
+        kwargs = {"ssl_certfile": self.cert, "ssl_keyfile": self.key}
+        if self.client_ca is not None:
+            kwargs |= {"ssl_ca_certs": self.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return kwargs
 
     def metrics_kwargs(self) -> dict:
         """Keyword arguments of prometheus_client.start_http_server for HTTPS."""
@@ -158,3 +170,35 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(deny, des, ser)
     return grpc.unary_unary_rpc_method_handler(deny, des, ser)
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 for every HTTP request but /health without
+    `Authorization: Bearer <key>` (what OpenAI clients send with api_key=...)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self._app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            return await self._app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+                    return await self._app(scope, receive, send)
+                break
+        body = json.dumps(
+            {"error": {"message": _DENIED, "type": "invalid_request_error", "param": None,
+                       "code": "invalid_api_key"}}
+        ).encode()  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"www-authenticate", b"Bearer")],
+            }
+        )  # fmt: skip
+        await send({"type": "http.response.body", "body": body})

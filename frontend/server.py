@@ -7,9 +7,13 @@ with n > 1 sends n engine requests (one per sample, as `jaxserve.LLM` does) and 
 from their merged stream, each response naming its sample in `index`. Status codes:
 INVALID_ARGUMENT for a bad field (the message names it) or for bytes that do not parse
 as the method's request message (e.g. invalid UTF-8 in a string field), UNAVAILABLE while
-the engine starts or after it died, RESOURCE_EXHAUSTED for a message larger than
-`MAX_RECEIVE_MESSAGE_BYTES`. A client that cancels aborts its request (every sample) in
-the engine, and the metrics count it as finished with reason "abort".
+the engine starts, is stalled or after it died, RESOURCE_EXHAUSTED for a message larger
+than `MAX_RECEIVE_MESSAGE_BYTES` or past an admission limit (frontend/admission.py),
+DEADLINE_EXCEEDED, UNAUTHENTICATED without the API key (frontend/auth.py), INTERNAL when
+the sidecar could not detokenize an output. A client that cancels aborts its request
+(every sample) in the engine, and the metrics count it as finished with reason "abort".
+Health and reflection are registered with the same never-raising deserializers
+(frontend/lenient_services.py).
 
 A request_id is the client's: unique among running requests (INVALID_ARGUMENT naming
 request_id otherwise), free again as soon as its stream ends for any reason, and the one
@@ -20,10 +24,10 @@ under an engine id of its own (`engine_client.engine_request_id`, which contains
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,23 +37,18 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflection
 from tokenizers import Tokenizer
 
 from jaxserve.frontend import memory
-from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
-from jaxserve.frontend.auth import ApiKeyInterceptor
-from jaxserve.frontend.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    RequestStream,
-    SampleOutput,
-)
+from jaxserve.frontend.admission import AdmissionController, AdmissionError
+from jaxserve.frontend.auth import ApiKeyInterceptor, ApiKeyMiddleware
+from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.lenient_services import add_lenient_service
 from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.frontend.validation import (
-    ModelLimits,
+from jaxserve.frontend.requests import (
+    EngineUnavailableError,
+    RequestPath,
     RequestValidationError,
-    build_engine_request,
-    split_samples,
+    SampleFailedError,
 )
 from jaxserve.ipc import TextOutput
 from jaxserve.observability.metrics import Metrics
@@ -63,11 +62,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 # `prompt` (32 MiB is millions of tokens, beyond any max_model_len); a larger message is
 # refused by gRPC itself with RESOURCE_EXHAUSTED before it is parsed.
 MAX_RECEIVE_MESSAGE_BYTES = 32 * 1024 * 1024
-
-
-# How long a request waits for its request_id to be released by a call that was just
-# cancelled (the cancel and the new call can race within the server), seconds.
-REQUEST_ID_REUSE_GRACE_S = 0.5
 
 
 def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
@@ -100,186 +94,62 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
     return resp
 
 
-def _error_status(error: str) -> tuple[grpc.StatusCode, str]:
-    """The status of a sample that ended with finish_reason "error": INTERNAL when the
-    sidecar could not detokenize its output (not the client's fault), else
-    INVALID_ARGUMENT (the engine rejected the request)."""
-    if error.startswith("detokenizer:"):
-        return grpc.StatusCode.INTERNAL, error
-    return grpc.StatusCode.INVALID_ARGUMENT, f"engine rejected the request: {error}"
-
-
-def _by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
-    """Outputs grouped by sample index (a stream mixes its samples), each group in
-    arrival order, the groups in order of their first output."""
-    by_index: dict[int, list[TextOutput]] = {}
-    for index, out in outputs:
-        by_index.setdefault(index, []).append(out)
-    return list(by_index.items())
-
-
-class _RequestTiming:
-    """Client-facing latencies of one request, as the frontend sees them (vLLM's definitions):
-    TTFT = first output token - arrival; ITL = gap between token deliveries, per token;
-    TPOT = (last token - first token) / (output tokens - 1); e2e = final output - arrival."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._m = metrics
-        self._start = time.perf_counter()
-        self._first: float | None = None
-        self._last: float | None = None
-        self.num_tokens = 0  # output tokens delivered so far
-
-    def observe(self, outputs: list[TextOutput]) -> None:
-        """Record one batch of consecutive outputs of the request (the last may be final)."""
-        now = time.perf_counter()
-        n_tokens = sum(len(o.token_ids) for o in outputs)
-        self.num_tokens += n_tokens
-        if n_tokens:
-            if self._first is None:
-                self._first = now
-                self._m.ttft.observe(now - self._start)
-            elif self._last is not None:
-                gap = (now - self._last) / n_tokens
-                for _ in range(n_tokens):
-                    self._m.itl.observe(gap)
-            self._last = now
-        last = outputs[-1]
-        if last.finish_reason is not None:
-            self._finish(last.finish_reason, last.prompt_tokens, last.completion_tokens, now)
-
-    def cancelled(self, prompt_tokens: int) -> None:
-        """The client left before the final output: count the request as finished with
-        reason "abort" and the tokens delivered up to now (vLLM counts an aborted request
-        with the tokens it generated). Its final output, which arrives after the stream is
-        detached, is never observed, so this is the request's only count."""
-        self._finish("abort", prompt_tokens, self.num_tokens, time.perf_counter())
-
-    def _finish(
-        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, now: float
-    ) -> None:
-        self._m.request_finished(finish_reason)
-        self._m.e2e.observe(now - self._start)
-        self._m.prompt_tokens.inc(prompt_tokens)
-        self._m.generation_tokens.inc(completion_tokens)
-        if self._first is not None and completion_tokens > 1:
-            self._m.tpot.observe((self._last - self._first) / (completion_tokens - 1))
-
-
 class JaxserveServicer(pb_grpc.JaxserveServicer):
-    """Generate / Abort / GetServerInfo over an AsyncEngineClient."""
+    """Generate / Abort / GetServerInfo over the shared request path (frontend/requests.py)."""
 
     def __init__(
         self,
         engine: AsyncEngineClient,
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
-        admission: AdmissionController | None = None,
+        requests: RequestPath | None = None,
     ) -> None:
         self._engine = engine
-        self._tokenizer = tokenizer
-        self._metrics = metrics or Metrics()
-        self._admission = admission or AdmissionController()
+        self._requests = requests or RequestPath(engine, tokenizer, metrics)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        stream, prompt_tokens, ticket = await self._start(request, context)
-        timings = [_RequestTiming(self._metrics) for _ in range(stream.num_samples)]
-        pending = set(range(stream.num_samples))  # samples whose final was not yielded yet
-        try:
-            while pending:
-                try:
-                    outputs = await stream.next_batch()
-                except EngineDeadError as e:
-                    if self._engine.dead_reason is not None:
-                        pending.clear()  # nothing left to abort
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-                ticket.prompt_done()
-                for index, sample_outputs in _by_sample(outputs):
-                    last = sample_outputs[-1]
-                    finished = last.finish_reason is not None
-                    if finished:
-                        pending.discard(index)
-                    timings[index].observe(sample_outputs)
-                    if last.finish_reason == "error":
-                        await context.abort(*_error_status(last.error or ""))
-                    resp = _response(stream.request_id, sample_outputs, request.return_token_ids)
-                    resp.index = index
-                    if (
-                        finished
-                        or resp.text
-                        or resp.token_ids
-                        or resp.logprobs
-                        or resp.prompt_logprobs
-                    ):
-                        yield resp
-        finally:
-            # The client cancelled, a sample failed, or the server is stopping: each
-            # sample not finished counts once, as an abort.
-            if pending:
-                remaining = context.time_remaining()
-                gone = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
-                self._metrics.request_abandoned(gone)
-            for index in pending:
-                timings[index].cancelled(prompt_tokens)
-            # Aborts the samples the engine still runs and frees the request_id at once.
-            self._engine.release(stream)
-            ticket.release()
-
-    async def _start(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[RequestStream, int, Ticket]:
-        """Admit, validate, tokenize and send the request (its n samples); abort the call
-        with a status if not. Returns the stream of every sample's outputs, the number of
-        prompt tokens and the request's admission ticket (release it at the end)."""
-        engine = self._engine
-        if not engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
-        request_id = request.request_id or uuid.uuid4().hex
-        stats = engine.stats
-        limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline: already passed")
-        ticket, admitted = None, False
-        refusal: tuple[grpc.StatusCode, str] | None = None
+        # The client's deadline travels to the engine, which aborts the request after it.
+        deadline = time.time() + remaining if remaining is not None else None
+        refusal = None
         try:
-            ticket = self._admission.reserve(request.ByteSize())
-            # A client that cancelled a request and reuses its id at once may get here
-            # before that call's cleanup ran: give it a moment to release the id.
-            if engine.is_running(request_id):
-                await engine.wait_released(request_id, REQUEST_ID_REUSE_GRACE_S)
-            # Fail fast on a duplicate id (add_request checks again, after tokenizing).
-            if engine.is_running(request_id):
-                raise RequestValidationError(f"request_id: {request_id!r} is already running")
-            # Tokenizing is CPU work: off the event loop, so other streams keep flowing.
-            engine_request = await asyncio.to_thread(
-                build_engine_request, request, request_id, self._tokenizer, limits
-            )
-            if remaining is not None:  # the engine aborts it at its next step after this
-                engine_request.deadline = time.time() + context.time_remaining()
-            samples = split_samples(engine_request)
-            ticket.admit(len(samples), len(engine_request.prompt_token_ids))
-            stream = engine.add_request(request_id, samples)
-            admitted = True
-            return stream, len(engine_request.prompt_token_ids), ticket
-        # The status is sent outside the except blocks: an abort raised inside one would
-        # chain the error, whose traceback holds the request (megabytes) for as long as
-        # gRPC keeps the call's exception.
-        except AdmissionError as e:
-            self._metrics.request_rejected(e.limit)
-            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (RequestValidationError, ValueError) as e:
-            # ValueError: a duplicate request_id that arrived while this one was tokenized.
+            generation = await self._requests.start(request, deadline=deadline)
+        except RequestValidationError as e:
             refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDeadError as e:
-            refusal = (grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-        finally:
-            if ticket is not None and not admitted:
-                ticket.release()  # refused: nothing stays reserved (idempotent)
-        del request
-        await context.abort(*refusal)
+        except EngineUnavailableError as e:
+            refusal = (grpc.StatusCode.UNAVAILABLE, str(e))
+        except AdmissionError as e:
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if refusal is not None:
+            # Outside the except blocks: an abort raised in one would chain the error,
+            # whose traceback holds the request (megabytes) while gRPC keeps it.
+            await context.abort(*refusal)
+        request_id = generation.request_id
+        # aclosing: a client that cancels (or a status below) releases the request at
+        # once: unfinished samples are aborted and counted as aborts.
+        async with contextlib.aclosing(generation.batches()) as batches:
+            try:
+                async for groups in batches:
+                    for index, sample_outputs in groups:
+                        resp = _response(request_id, sample_outputs, request.return_token_ids)
+                        resp.index = index
+                        if (
+                            resp.finish_reason
+                            or resp.text
+                            or resp.token_ids
+                            or resp.logprobs
+                            or resp.prompt_logprobs
+                        ):
+                            yield resp
+            except EngineUnavailableError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except SampleFailedError as e:
+                code = grpc.StatusCode.INTERNAL if e.internal else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(e))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -292,7 +162,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
         if not self._engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._requests.unavailable_message())
         s = self._engine.stats
         return pb.ServerInfo(
             model=s.model,
@@ -304,11 +174,6 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             num_waiting=s.num_waiting,
             vocab_size=s.vocab_size,
         )
-
-    def _unavailable_message(self) -> str:
-        engine = self._engine
-        reason = engine.dead_reason or engine.stalled_reason or "the engine is starting"
-        return f"engine unavailable: {reason}"
 
 
 def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.Server) -> None:
@@ -337,9 +202,12 @@ def _bind_error(host: str, port: int) -> str:
 
 
 class FrontendServer:
-    """The grpc.aio server with the Jaxserve, health and reflection services.
+    """The grpc.aio server with the Jaxserve, health and reflection services, and, after
+    `start_http`, the OpenAI HTTP API (frontend/http/) on the same event loop; both go
+    through one `RequestPath` (frontend/requests.py).
 
     Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
+    chat_template: the model's (frontend/http/chat_template.py), for /v1/chat/completions.
     options: admission limits, TLS and the API key (`frontend.options`); the defaults
     serve plaintext without authentication.
     """
@@ -349,10 +217,17 @@ class FrontendServer:
         engine: AsyncEngineClient,
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
+        chat_template=None,
         options: FrontendOptions | None = None,
     ) -> None:
         self._engine = engine
         self._options = options = options or FrontendOptions()
+        # After a burst of large requests, freed memory goes back to the OS.
+        self.trimmer = memory.Trimmer()
+        admission = AdmissionController(options.admission, on_drained=self.trimmer.request)
+        self._requests = RequestPath(engine, tokenizer, metrics, admission=admission)
+        self._chat_template = chat_template
+        self._http = None
         interceptors = [ApiKeyInterceptor(options.api_key)] if options.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(
@@ -363,10 +238,7 @@ class FrontendServer:
             ],
         )
         self._health = health.aio.HealthServicer()
-        # After a burst of large requests, freed memory goes back to the OS.
-        self.trimmer = memory.Trimmer()
-        admission = AdmissionController(options.admission, on_drained=self.trimmer.request)
-        servicer = JaxserveServicer(engine, tokenizer, metrics, admission)
+        servicer = JaxserveServicer(engine, tokenizer, requests=self._requests)
         add_servicer_to_server(servicer, self._server)
         # Health and reflection too, with deserializers that never raise: garbage bytes
         # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
@@ -378,6 +250,21 @@ class FrontendServer:
             reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
             self._server,
         )
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API on host:port (0 picks a free port); returns the bound
+        port. Raises RuntimeError("http-port: cannot bind HOST:PORT (reason)")."""
+        from jaxserve.frontend.http.app import OpenAIApi
+        from jaxserve.frontend.http.server import HttpServer
+
+        app = OpenAIApi(self._requests, self._chat_template).app
+        if self._options.api_key:
+            app = ApiKeyMiddleware(app, self._options.api_key)
+        tls = self._options.tls.uvicorn_kwargs() if self._options.tls is not None else None
+        http = HttpServer(app, tls)
+        bound = await http.start(host, port)
+        self._http = http
+        return bound
 
     async def start(self, host: str, port: int) -> int:
         """Bind host:port (port 0 picks a free one) and start; returns the bound port.
@@ -415,4 +302,7 @@ class FrontendServer:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting calls; open calls get `grace_s` seconds, then are cancelled."""
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace_s)
+        if self._http is not None:
+            await asyncio.gather(self._server.stop(grace_s), self._http.stop(grace_s))
+        else:
+            await self._server.stop(grace_s)

@@ -121,6 +121,16 @@ def serve(
     ):
         logger.warning("%s", warning)
     tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
+    chat_template = None
+    if server_config.http_port is not None:
+        from jaxserve.frontend.http.chat_template import load_chat_template
+
+        chat_template = load_chat_template(engine_config.model, server_config.chat_template)
+        if chat_template is None:
+            logger.warning(
+                "the model has no chat template: /v1/chat/completions answers 400 "
+                "(--chat-template FILE gives one)"
+            )
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.
     prometheus_client.disable_created_metrics()
@@ -156,7 +166,9 @@ def serve(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
         )
         return uvloop.run(
-            _run_frontend(addresses, tokenizer, server_config, children, metrics, options)
+            _run_frontend(
+                addresses, tokenizer, server_config, children, metrics, chat_template, options
+            )
         )
     finally:
         _stop_children(children)
@@ -164,7 +176,13 @@ def serve(
 
 
 async def _run_frontend(
-    addresses, tokenizer, server_config: ServerConfig, children, metrics: Metrics, options
+    addresses,
+    tokenizer,
+    server_config: ServerConfig,
+    children,
+    metrics: Metrics,
+    chat_template,
+    options: FrontendOptions,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -174,13 +192,16 @@ async def _run_frontend(
     engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
-    server = FrontendServer(engine, tokenizer, metrics, options)
+    server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     liveness = None
     try:
         port = await server.start(server_config.host, server_config.port)
+        if server_config.http_port is not None:
+            http_port = await server.start_http(server_config.host, server_config.http_port)
+            logger.info("HTTP (OpenAI API) listening on %s:%d", server_config.host, http_port)
         logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():
