@@ -5,10 +5,12 @@ large requests."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -37,7 +39,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    metrics_port = _free_port()
+    metrics_port, http_port = _free_port(), _free_port()
     srv = mock_server(
         model_dir,
         extra_args=(
@@ -46,9 +48,10 @@ def server(model_dir):
             "--max-inflight-request-bytes", "4000",
             "--stall-timeout-s", "60",
             "--metrics-port", str(metrics_port),
+            "--http-port", str(http_port),
         ),
     )  # fmt: skip
-    srv.metrics_port = metrics_port
+    srv.metrics_port, srv.http_port = metrics_port, http_port
     yield srv
     srv.kill()
 
@@ -88,6 +91,18 @@ def test_past_max_pending_requests_is_resource_exhausted_at_once(server, stub):
         assert time.monotonic() - start < 2.0
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-pending-requests" in details and "limit of 4" in details
+        # The HTTP API answers the same limit with 429.
+        models = f"http://127.0.0.1:{server.http_port}/v1/models"
+        model = json.loads(urllib.request.urlopen(models, timeout=10).read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": [81], "max_tokens": 5, "n": 2})
+        http_req = urllib.request.Request(
+            f"http://127.0.0.1:{server.http_port}/v1/completions", data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(http_req, timeout=30)
+        assert e.value.code == 429
+        assert "--max-pending-requests" in json.loads(e.value.read())["error"]["message"]
         # One more sample fits.
         got = list(stub.Generate(generate_request([82], 3), timeout=30))
         assert got[-1].finish_reason == "length"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
+import urllib.error
 import urllib.request
 
 import grpc
@@ -203,3 +204,35 @@ def test_serve_warns_for_a_public_address_without_tls(model_dir):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_http_port_speaks_tls_and_needs_the_key(model_dir, pki):
+    """The OpenAI HTTP port gets the same TLS and API key: /health is open, every other
+    path needs `Authorization: Bearer <key>` (401 otherwise)."""
+    import json
+
+    http_port = _free_port()
+    srv = mock_server(
+        model_dir,
+        extra_args=(
+            "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+            "--api-key", KEY, "--http-port", str(http_port),
+        ),
+    )  # fmt: skip
+    try:
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        base = f"https://127.0.0.1:{http_port}"
+        health = urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10)
+        assert health.status == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            req = urllib.request.Request(f"{base}/v1/models", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, context=ctx, timeout=10)
+            assert e.value.code == 401
+            assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+        req = urllib.request.Request(
+            f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert urllib.request.urlopen(req, context=ctx, timeout=10).status == 200
+    finally:
+        srv.kill()
