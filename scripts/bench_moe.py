@@ -9,7 +9,8 @@ random gate) per (config, tokens), on the CPU, float32. Variants are interleaved
 each repeat (so machine load hits them alike); the table shows medians, the sparse
 block size, and the sparse FLOPs over the routed FLOPs (`sparse_moe_flops`). Configs: the
 demo model (jaxserve/demo_model/config.json) and a Qwen3-MoE-like layer (hidden 512, 32
-experts, top-4, moe_intermediate 256). `--sweep` adds the sparse path at each block size
+experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a top-8 layer
+(hidden 128, 64 experts) at decode sizes. `--sweep` adds the sparse path at each block size
 (ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`;
 `--gather 24,21` the sparse path with other weight-gather chunks (2^24, 2^21 elements),
 the measurement behind `moe_sparse.GATHER_ELEMENTS`.
@@ -39,6 +40,8 @@ def _configs() -> dict[str, tuple[int, int, int, int]]:
             demo["num_experts_per_tok"],
         ),
         "qwen3-moe-like": (512, 256, 32, 4),
+        # Decode with top-8 (Qwen3-30B-A3B's k), narrow so that dense stays measurable.
+        "top8": (128, 128, 64, 8),
     }
 
 
