@@ -8,6 +8,9 @@ empty JAX compilation cache (cold) and with it filled (warm).
 
     python scripts/bench_serve.py [--model DIR] [--max-tokens 64] [--out bench_results/serve.json]
 
+For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
+`jaxserve bench` against a running server; this script's load levels run through it.
+
 Prints one table; writes JSON beside it. Requests are greedy with ignore_eos so every
 request produces exactly --max-tokens tokens on both paths.
 """
@@ -86,39 +89,29 @@ class Server:
 
 
 async def _run_load(target: str, prompts: list[str], concurrency: int, max_tokens: int):
-    """Send every prompt, at most `concurrency` in flight.
+    """Send every prompt, at most `concurrency` in flight, through `jaxserve bench`'s
+    driver (jaxserve/benchmark/client.py, greedy, ignore_eos).
 
     Returns (seconds, output tokens, texts, TTFTs)."""
-    import grpc
+    from jaxserve.benchmark import client
+    from jaxserve.benchmark.backends import GrpcBackend, Sampling
+    from jaxserve.benchmark.datasets import BenchRequest, Session
 
-    from jaxserve.frontend.client import build_generate_request
-    from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-
-    sem = asyncio.Semaphore(concurrency)
-    texts: list[str] = [""] * len(prompts)
-    tokens = [0] * len(prompts)
-    ttfts: list[float] = []
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.JaxserveStub(channel)
-
-        async def one(i: int) -> None:
-            async with sem:
-                req = build_generate_request(
-                    prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True
-                )
-                t0 = time.perf_counter()
-                first = True
-                async for resp in stub.Generate(req):
-                    if first and resp.text:
-                        ttfts.append(time.perf_counter() - t0)
-                        first = False
-                    texts[i] += resp.text
-                    if resp.finish_reason:
-                        tokens[i] = resp.completion_tokens
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        return time.perf_counter() - t0, sum(tokens), texts, ttfts
+    sessions = [Session([BenchRequest(p, 0, max_tokens)]) for p in prompts]
+    async with GrpcBackend(target, timeout_s=600) as backend:
+        run = await client.run(
+            backend, sessions, sampling=Sampling(0.0, ignore_eos=True),
+            max_concurrency=concurrency,
+        )  # fmt: skip
+    if failed := [o.error for o in run.outputs if not o.success]:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    outs = run.outputs
+    return (
+        run.duration,
+        sum(o.output_len for o in outs),
+        [o.text for o in outs],
+        [o.ttft for o in outs],
+    )
 
 
 def _prompts(n: int) -> list[str]:

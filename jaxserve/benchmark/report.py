@@ -149,10 +149,10 @@ def max_in_flight(outputs: list[RequestOutput]) -> int:
 
 
 def timeline(outputs: list[RequestOutput], t0: float, duration: float) -> dict:
-    """Throughput over time: output tokens/s and requests in flight per bin of the run
-    (TIMELINE_BINS bins, at least 0.1 s wide). A chunk's tokens count at its arrival;
-    where the backend does not give tokens per chunk (HTTP) a request's output tokens are
-    spread evenly over its chunks."""
+    """Throughput over time: output tokens/s and the mean (time-weighted) requests in
+    flight per bin of the run (TIMELINE_BINS bins, at least 0.1 s wide). A chunk's tokens
+    count at its arrival; where the backend does not give tokens per chunk (HTTP) a
+    request's output tokens are spread evenly over its chunks."""
     width = max(0.1, duration / TIMELINE_BINS)
     n = max(1, math.ceil(duration / width))
     tokens = np.zeros(n)
@@ -164,8 +164,10 @@ def timeline(outputs: list[RequestOutput], t0: float, duration: float) -> dict:
         per = o.chunk_tokens or [o.output_len / len(o.chunk_times)] * len(o.chunk_times)
         for t, k in zip(o.chunk_times, per, strict=True):
             tokens[min(n - 1, int((start + t) / width))] += k
-        lo, hi = int(start / width), min(n - 1, int((start + o.latency) / width))
-        running[lo : hi + 1] += 1
+        # Mean requests in flight per bin: each request adds its overlap with the bin.
+        a, b = start, start + o.latency
+        edges = np.arange(n + 1) * width
+        running += np.clip(np.minimum(edges[1:], b) - np.maximum(edges[:-1], a), 0, None) / width
     return {
         "bin_s": width,
         "time_s": (np.arange(n) * width + width / 2).tolist(),
