@@ -210,7 +210,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
-        tokenizer = load_tokenizer(_tokenizer_dir(args))
+        tokenizer_dir = _tokenizer_dir(args)
+        tokenizer = load_tokenizer(tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
@@ -249,6 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         doc = {
             "label": args.label,
+            "tokenizer_dir": tokenizer_dir,
             "config": {k: _json_number(v) for k, v in vars(args).items() if k != "func"},
             "machine": {
                 "platform": platform.platform(),
