@@ -3,9 +3,9 @@
     jaxserve bench --server 127.0.0.1:50051 --dataset random --input-len 128 --output-len 64 \
         --num-prompts 200 --request-rate 8 --slo ttft=500,tpot=50 --out b.json --plot b.png
 
-The flags follow `vllm bench serve` where they can (--request-rate, --burstiness,
---max-concurrency, --num-warmups, --percentile-metrics' percentiles, --ignore-eos); the
-dataset length flags are shared by the datasets (--input-len, --output-len, ...). Prints
+The traffic flags are `vllm bench serve`'s (--request-rate, --burstiness,
+--max-concurrency, --num-warmups, --ignore-eos); the length flags are shared by the
+datasets (--input-len, --output-len, ...) where vLLM has one set per dataset. Prints
 the results table (report.py) to stdout, progress and errors to stderr. Exit status: 0,
 1 if the server failed the warm-up or every request, 2 for a bad flag (its name in the
 message).
