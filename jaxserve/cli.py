@@ -120,7 +120,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).
     dist_args = dist.to_arguments() if dist is not None else []
-    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        chat_template=args.chat_template,
+    )
     try:
         return serve(
             config,
@@ -252,11 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve a model over gRPC")
+    s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
     s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
     s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
     s.add_argument("--port", type=PORT, default=ServerConfig().port, help="0 picks a free port")
     s.add_argument("--metrics-port", type=PORT, help="serve Prometheus /metrics on this port")
+    s.add_argument(
+        "--http-port",
+        type=PORT,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "...) on this port; 0 picks a free one",
+    )
+    s.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template (or a JSON file with a chat_template entry) replacing "
+        "the model's, for /v1/chat/completions",
+    )
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--seed", type=int)
     s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")

@@ -1,4 +1,4 @@
-"""Serving throughput: `jaxserve serve` over gRPC against the offline `LLM.generate`.
+"""Serving throughput: `jaxserve serve` over gRPC (and HTTP) against the offline `LLM.generate`.
 
 Starts the server as a subprocess (three processes: frontend, engine, detokenizer) on a
 free loopback port, sends the same prompts at concurrency 1, 16 and 64, then runs the
@@ -7,6 +7,16 @@ of the frontend, the IPC and the sidecar. Also times start-up to the first token
 empty JAX compilation cache (cold) and with it filled (warm).
 
     python scripts/bench_serve.py [--model DIR] [--max-tokens 64] [--out bench_results/serve.json]
+    python scripts/bench_serve.py --http [--repeats 3] [--skip-offline] [--skip-cold-start]
+
+With --http the server also serves the OpenAI API (--http-port), and every level runs
+over gRPC and over HTTP (streamed /v1/completions, SSE) on the same prompts, interleaved
+(the order alternates per repeat); the table gives each path's median over the repeats
+and HTTP/gRPC. Both clients run in this process, on the machine of the server, so a
+client's CPU time is taken from the server: the HTTP client is aiohttp (its HTTP parser
+is C, as grpc.aio's core is), reading the SSE lines itself (the `openai` client's httpx
+transport parses HTTP in Python, which would bill client work to the server).
+--cache-dir keeps the JAX compilation cache between runs (default: a new empty one).
 
 For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
 `jaxserve bench` against a running server; this script's load levels run through it.
@@ -47,9 +57,12 @@ def _free_port() -> int:
 class Server:
     """`jaxserve serve` in a subprocess; records when its first token could be served."""
 
-    def __init__(self, model: str | None, cache_dir: str, extra: list[str]) -> None:
+    def __init__(self, model: str | None, cache_dir: str, extra: list[str], http: bool = False):
         self.port = _free_port()
+        self.http_port = _free_port() if http else None
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port)]
+        if http:
+            cmd += ["--http-port", str(self.http_port)]
         cmd += ["--compilation-cache-dir", cache_dir, *extra]
         if model:
             cmd += ["--model", model]
@@ -88,21 +101,24 @@ class Server:
             self.proc.kill()
 
 
-async def _run_load(target: str, prompts: list[str], concurrency: int, max_tokens: int):
+async def _run_load(
+    backend: str, server: str, prompts: list[str], concurrency: int, max_tokens: int
+):
     """Send every prompt, at most `concurrency` in flight, through `jaxserve bench`'s
-    driver (jaxserve/benchmark/client.py, greedy, ignore_eos).
+    driver (jaxserve/benchmark/), greedy with ignore_eos: backend "grpc" (Generate) or
+    "http" (streamed /v1/completions over aiohttp, one kept-alive connection per request
+    in flight).
 
     Returns (seconds, output tokens, texts, TTFTs)."""
     from jaxserve.benchmark import client
-    from jaxserve.benchmark.backends import GrpcBackend, Sampling
+    from jaxserve.benchmark.backends import Sampling, make_backend
     from jaxserve.benchmark.datasets import BenchRequest, Session
 
     sessions = [Session([BenchRequest(p, 0, max_tokens)]) for p in prompts]
-    async with GrpcBackend(target, timeout_s=600) as backend:
+    async with make_backend(backend, server, timeout_s=600) as b:
         run = await client.run(
-            backend, sessions, sampling=Sampling(0.0, ignore_eos=True),
-            max_concurrency=concurrency,
-        )  # fmt: skip
+            b, sessions, sampling=Sampling(0.0, ignore_eos=True), max_concurrency=concurrency
+        )
     if failed := [o.error for o in run.outputs if not o.success]:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     outs = run.outputs
@@ -112,6 +128,12 @@ async def _run_load(target: str, prompts: list[str], concurrency: int, max_token
         [o.text for o in outs],
         [o.ttft for o in outs],
     )
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def _prompts(n: int) -> list[str]:
@@ -128,49 +150,73 @@ def main() -> None:
     ap.add_argument("--requests-per-level", type=int, default=64, help="requests at each level")
     ap.add_argument("--skip-cold-start", action="store_true")
     ap.add_argument("--out", default="bench_results/serve.json")
+    ap.add_argument("--http", action="store_true", help="also measure the OpenAI HTTP API")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per path and level (median)")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--cache-dir", help="JAX compilation cache to use (default: a new one)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    repeats = args.repeats or (3 if args.http else 1)
     extra = ["--max-num-seqs", str(max(levels))]
     machine = f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}"
-    rows, result = [], {"machine": machine}
+    rows, result = [], {"machine": machine, "load_before": os.getloadavg()}
 
     # Start-up: cold (empty compilation cache) then warm (the same cache, filled).
-    cache = tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
     if not args.skip_cold_start:
         srv = Server(args.model, cache, extra)
         result["startup_cold_s"] = srv.time_to_first_token()
         srv.stop()
-    srv = Server(args.model, cache, extra)
+    srv = Server(args.model, cache, extra, http=args.http)
     result["startup_warm_s"] = srv.time_to_first_token()
     target = f"127.0.0.1:{srv.port}"
+    paths = {"serve (gRPC)": lambda p, c: _run_load("grpc", target, p, c, args.max_tokens)}
+    if args.http:
+        url = f"http://127.0.0.1:{srv.http_port}"
+        paths["serve (HTTP)"] = lambda p, c: _run_load("http", url, p, c, args.max_tokens)
     served: dict[int, list[str]] = {}
     try:
         for c in levels:
             n = max(c, args.requests_per_level if c > 1 else min(8, args.requests_per_level))
-            secs, toks, texts, ttfts = asyncio.run(
-                _run_load(target, _prompts(n), c, args.max_tokens)
-            )
-            served[n] = texts
-            ttfts.sort()
-            rows.append({
-                "path": "serve (gRPC)", "concurrency": c, "requests": n, "seconds": secs,
-                "output_tok_s": toks / secs, "req_s": n / secs,
-                "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            })  # fmt: skip
+            runs: dict[str, list] = {name: [] for name in paths}
+            for rep in range(repeats):
+                order = list(paths) if rep % 2 == 0 else list(paths)[::-1]
+                for name in order:
+                    runs[name].append(asyncio.run(paths[name](_prompts(n), c)))
+            texts_by_path = {}
+            for name, results in runs.items():
+                texts_by_path[name] = results[0][2]
+                p50s = [sorted(r[3])[len(r[3]) // 2] for r in results if r[3]]
+                rows.append({
+                    "path": name, "concurrency": c, "requests": n, "repeats": repeats,
+                    "seconds": _median([r[0] for r in results]),
+                    "output_tok_s": _median([r[1] / r[0] for r in results]),
+                    "req_s": _median([n / r[0] for r in results]),
+                    "ttft_p50_s": _median(p50s) if p50s else None,
+                    "output_tok_s_runs": [r[1] / r[0] for r in results],
+                })  # fmt: skip
+            served[n] = texts_by_path["serve (gRPC)"]
+            if args.http:
+                same = sum(
+                    a == b for a, b in zip(served[n], texts_by_path["serve (HTTP)"], strict=True)
+                )
+                rows[-1]["texts_equal_to_served"] = f"{same}/{n}"
     finally:
         srv.stop()
+    result["load_after"] = os.getloadavg()
 
     # Offline: the same prompts through LLM.generate, all submitted at once.
     from jaxserve import LLM, SamplingParams
 
-    llm = (
-        LLM(model=args.model, max_num_seqs=max(levels))
-        if args.model
-        else LLM(max_num_seqs=max(levels))
-    )
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(_prompts(2), sp)  # warm-up
-    for n in sorted(served):
+    if not args.skip_offline:
+        llm = (
+            LLM(model=args.model, max_num_seqs=max(levels))
+            if args.model
+            else LLM(max_num_seqs=max(levels))
+        )
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(_prompts(2), sp)  # warm-up
+    for n in sorted(served) if not args.skip_offline else ():
         t0 = time.perf_counter()
         outs = llm.generate(_prompts(n), sp)
         secs = time.perf_counter() - t0
@@ -183,16 +229,27 @@ def main() -> None:
         })  # fmt: skip
 
     result["rows"] = rows
+    grpc_rows = {r["concurrency"]: r for r in rows if r["path"] == "serve (gRPC)"}
+    for r in rows:
+        if r["path"] == "serve (HTTP)":
+            g = grpc_rows[r["concurrency"]]
+            r["tok_s_vs_grpc"] = r["output_tok_s"] / g["output_tok_s"]
     print(f"machine: {result['machine']}; max_tokens={args.max_tokens}, greedy, ignore_eos")
+    before, after = (" ".join(f"{x:.2f}" for x in result[k]) for k in ("load_before", "load_after"))
+    print(f"load average (1/5/15 min) before: {before}, after: {after}")
     for key in ("startup_cold_s", "startup_warm_s"):
         if key in result:
             print(f"{key}: {result[key]:.1f}")
-    print(f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}  same text")
+    print(
+        f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
+        f"{'vs gRPC':>9}  same text"
+    )
     for r in rows:
         ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
+        ratio = f"{r['tok_s_vs_grpc']:.2f}x" if "tok_s_vs_grpc" in r else ""
         print(
             f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
-            f"{r['req_s']:>8.2f}{ttft:>10}  {r.get('texts_equal_to_served', '')}"
+            f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}  {r.get('texts_equal_to_served', '')}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
