@@ -338,15 +338,18 @@ def server(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("jax_cache"))
     flags = (
         "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "512",
-        "--num-blocks", "128", "--compilation-cache-dir", cache,
+        "--num-blocks", "128", "--compilation-cache-dir", cache, "--http-port", "0",
     )  # fmt: skip
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
     yield srv
     srv.kill()
 
 
-def _bench(server, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "--server", server.target, *args]
+def _bench(server, *args: str, http: bool = False) -> subprocess.CompletedProcess:
+    target = (
+        ["--backend", "http", "--server", server.http_url] if http else ["--server", server.target]
+    )
+    cmd = [sys.executable, "-m", "jaxserve.cli", "bench", *target, *args]
     return subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
 
 
@@ -392,6 +395,37 @@ def test_bench_random_end_to_end_json_and_png(server, tmp_path):
     assert sum(tl["output_tok_s"]) * tl["bin_s"] == pytest.approx(48)
     width, height = _png_size(png)
     assert (width, height) == (15 * 80, 8 * 80)  # figsize (15, 8) at dpi 80
+
+
+@pytest.mark.slow
+def test_bench_http_backend_end_to_end(server, tmp_path):
+    """The same load over the OpenAI API (streamed /v1/completions): the server's usage
+    counts reach the JSON, and the times are consistent."""
+    assert server.http_url, "the server logged no HTTP port"
+    out = tmp_path / "h.json"
+    r = _bench(
+        server, "--dataset", "text", "--dataset-path", str(_prompt_file(tmp_path)),
+        "--num-prompts", "4", "--output-len", "6", "--ignore-eos", "--max-concurrency", "2",
+        "--out", str(out), "--no-progress", http=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["backend"] == "http"
+    m, reqs = doc["metrics"], doc["requests"]
+    assert m["completed"] == 4 and m["total_output_tokens"] == 24
+    tok = load_tokenizer(DEMO_MODEL_DIR)
+    want = [len(encode_prompt(tok, p)) for p in ("import ", "def ", "import ", "def ")]
+    assert [q["prompt_len"] for q in reqs] == want
+    for q in reqs:
+        assert q["chunk_tokens"] is None and 0 < q["ttft"] <= q["latency"]
+        assert len(q["itl"]) == len(q["chunk_times"]) - 1
+    assert m["max_concurrency_observed"] <= 2
+
+
+def _prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("import \ndef \n")
+    return path
 
 
 @pytest.mark.slow
