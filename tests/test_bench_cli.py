@@ -458,3 +458,50 @@ def test_bench_bad_flags_name_the_flag(server, tmp_path):
     ):
         r = _bench(server, "--no-progress", "--num-prompts", "2", *args)
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr)
+
+
+def test_http_backend_sends_the_key_and_reads_sse():
+    """HttpBackend against a stand-in OpenAI endpoint (aiohttp.web): the Bearer key, the
+    body it posts, the chunks and usage it reads from the event stream."""
+    from aiohttp import web
+
+    from jaxserve.benchmark.backends import HttpBackend
+
+    seen = {}
+
+    async def completions(request):
+        seen["auth"] = request.headers.get("Authorization")
+        seen["body"] = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for text in ("ab", "", "c"):  # an empty chunk is no output
+            chunk = {"choices": [{"index": 0, "text": text}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.01)
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with HttpBackend(f"127.0.0.1:{port}", 30, api_key="k1") as b:
+                return await b.send([1, 2, 3], 3, Sampling(temperature=0.5, ignore_eos=True))
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(go())
+    assert seen["auth"] == "Bearer k1"
+    body = seen["body"]
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 3 and body["stream"] is True
+    assert body["temperature"] == 0.5 and body["ignore_eos"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert out.success and out.text == "abc" and len(out.chunk_times) == 2
+    assert (out.prompt_len, out.output_len) == (5, 3)
+    assert 0 < out.ttft == out.chunk_times[0] < out.chunk_times[1] <= out.latency

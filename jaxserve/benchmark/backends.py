@@ -56,8 +56,9 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, target: str, timeout_s: float) -> None:
+    def __init__(self, target: str, timeout_s: float, api_key: str | None = None) -> None:
         self.target, self.timeout_s = target, timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> GrpcBackend:
@@ -77,7 +78,9 @@ class GrpcBackend:
         text = []
         out.start = time.perf_counter()
         try:
-            async for resp in self._stub.Generate(req, timeout=self.timeout_s):
+            async for resp in self._stub.Generate(
+                req, timeout=self.timeout_s, metadata=self._metadata
+            ):
                 now = time.perf_counter() - out.start
                 if resp.token_ids or resp.text:
                     out.chunk_times.append(now)
@@ -98,10 +101,11 @@ class HttpBackend:
 
     name = "http"
 
-    def __init__(self, base_url: str, timeout_s: float, model: str | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         if "://" not in base_url:
             base_url = f"http://{base_url}"
-        self.base_url, self.timeout_s, self.model = base_url.rstrip("/"), timeout_s, model
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def __aenter__(self) -> HttpBackend:
         try:
@@ -114,6 +118,7 @@ class HttpBackend:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            headers=self._headers,
         )
         return self
 
@@ -126,8 +131,6 @@ class HttpBackend:
             "ignore_eos": sp.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True},
         }  # fmt: skip
-        if self.model:
-            body["model"] = self.model
         out = RequestOutput()
         text = []
         out.start = time.perf_counter()
@@ -164,11 +167,12 @@ def _finish(out: RequestOutput, text: str) -> RequestOutput:
     return out
 
 
-def make_backend(name: str, server: str, timeout_s: float):
+def make_backend(name: str, server: str, timeout_s: float, api_key: str | None = None):
     """The backend called `name` ("grpc" or "http") for `server` (HOST:PORT; for http
-    also a URL). Raises ValueError naming backend for another name."""
+    also a URL); api_key goes in `authorization: Bearer <key>` (the server's --api-key).
+    Raises ValueError naming backend for another name."""
     if name == "grpc":
-        return GrpcBackend(server, timeout_s)
+        return GrpcBackend(server, timeout_s, api_key)
     if name == "http":
-        return HttpBackend(server, timeout_s)
+        return HttpBackend(server, timeout_s, api_key)
     raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {name!r}")

@@ -46,6 +46,11 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         help="HOST:PORT (http: also a base URL); default %(default)s",
     )
     b.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="the server's --api-key (default: $JAXSERVE_API_KEY), sent as a Bearer token",
+    )
+    b.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="model folder whose tokenizer.json builds the prompts (default: the "
@@ -222,7 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")
 
     async def go():
-        async with make_backend(args.backend, args.server, args.timeout) as backend:
+        async with make_backend(args.backend, args.server, args.timeout, args.api_key) as backend:
             return await client.run(
                 backend, sessions,
                 sampling=Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos),
@@ -251,7 +256,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc = {
             "label": args.label,
             "tokenizer_dir": tokenizer_dir,
-            "config": {k: _json_number(v) for k, v in vars(args).items() if k != "func"},
+            "config": {
+                k: _json_number(v) for k, v in vars(args).items() if k not in ("func", "api_key")
+            },
             "machine": {
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
