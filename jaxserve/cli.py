@@ -2,6 +2,7 @@
 
     jaxserve serve [--model DIR] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
+    jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
 
 Each subcommand is a `_cmd_*` function registered in `build_parser`. Imports that pull in
 heavy libraries stay inside the command functions, and none of them imports JAX in this
@@ -15,6 +16,7 @@ import os
 import sys
 
 from jaxserve import convert, distributed
+from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import (
     DEMO_MODEL_DIR,
     CacheConfig,
@@ -398,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
+    bench_cli.add_subparser(sub)  # `jaxserve bench`: the serving benchmark client
     return parser
 
 
