@@ -173,11 +173,14 @@ def _attend(
     num_iters = (total_pairs + per_iter - 1) // per_iter
 
     acc_shape = (num_chunks, num_kv_heads, group, qc)
+    # Under shard_map the loop's outputs vary over the mesh axes its inputs vary over; the
+    # initial accumulators must be marked the same, or while_loop rejects the carry.
+    vary = _varying_like(q_chunks, k_cache, v_cache, metadata.block_tables)
     init = (
         jnp.zeros((), jnp.int32),
-        jnp.full(acc_shape, -jnp.inf, jnp.float32),  # running max
-        jnp.zeros(acc_shape, jnp.float32),  # running sum of exp
-        jnp.zeros((*acc_shape, head_dim), jnp.float32),  # running output
+        vary(jnp.full(acc_shape, -jnp.inf, jnp.float32)),  # running max
+        vary(jnp.zeros(acc_shape, jnp.float32)),  # running sum of exp
+        vary(jnp.zeros((*acc_shape, head_dim), jnp.float32)),  # running output
     )
     key_offsets = jnp.arange(block_size, dtype=jnp.int32)
 
@@ -224,3 +227,12 @@ def _attend(
     gathered = chunk_out[jnp.minimum(chunk_of, num_chunks - 1), :, :, slot_of]  # [T, KVH, G, D]
     out = jnp.where((valid & (chunk_of < num_chunks))[:, None, None, None], gathered, 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _varying_like(*refs: jax.Array):
+    """A function that marks an array as varying over every manual mesh axis (inside
+    `shard_map`) that any of `refs` varies over; the identity outside `shard_map`."""
+    axes = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
+    if not axes:
+        return lambda x: x
+    return lambda x: jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
