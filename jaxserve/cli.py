@@ -17,13 +17,16 @@ import sys
 from jaxserve import convert, distributed
 from jaxserve.config import (
     DEMO_MODEL_DIR,
+    DTYPE_CHOICES,
     CacheConfig,
     EngineConfig,
     EplbConfig,
     MeshConfig,
     SchedulerConfig,
     ServerConfig,
+    resolve_dtype,
 )
+from jaxserve.hub import resolve_model
 from jaxserve.logs import configure_logging
 
 
@@ -43,19 +46,76 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (`jaxserve serve: error: ...`), not the
+    whole usage block of a command with dozens of flags before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 PORT = _int_at_least(0, 65535)
 POSITIVE = _int_at_least(1)
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the serve flags; an unset flag keeps the config default."""
+def _mesh_config(args: argparse.Namespace) -> MeshConfig:
+    """--mesh, or vLLM's --data-parallel-size / --tensor-parallel-size; both forms must
+    agree when both are given. Raises ValueError naming the flags."""
+    mesh = MeshConfig.parse(args.mesh) if args.mesh is not None else MeshConfig()
+    for flag, field, value in (
+        ("--data-parallel-size", "dp", args.data_parallel_size),
+        ("--tensor-parallel-size", "tp", args.tensor_parallel_size),
+    ):
+        if value is None:
+            continue
+        if args.mesh is not None and getattr(mesh, field) != value:
+            raise ValueError(
+                f"{flag} {value} contradicts --mesh {args.mesh} ({field}={getattr(mesh, field)});"
+                " give one of them"
+            )
+        setattr(mesh, field, value)
+    return mesh
+
+
+def _model_argument(args: argparse.Namespace) -> str:
+    """The model the user named: `serve MODEL` or `--model MODEL` (the demo if neither).
+    Raises ValueError when both are given and differ."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(
+            f"model: given twice, as {args.model_tag!r} (positional) and --model {args.model!r}"
+        )
+    return args.model_tag or args.model or str(DEMO_MODEL_DIR)
+
+
+def _engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    """EngineConfig from the serve flags; an unset flag keeps the config default.
+
+    model: the local folder to serve (the resolved Hub snapshot of a model id); by
+    default the model argument as given. --dtype auto is resolved from its config.json.
+    Raises ValueError naming the flag of a bad or contradictory value.
+    """
 
     def given(**kw):
         return {k: v for k, v in kw.items() if v is not None}
 
+    named = _model_argument(args)
+    model = model or named
     cache = CacheConfig(
-        **given(block_size=args.block_size, num_blocks=args.num_blocks),
-        enable_prefix_caching=not args.no_prefix_caching,
+        **given(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            memory_fraction=args.gpu_memory_utilization,
+        ),
+        enable_prefix_caching=args.enable_prefix_caching is not False,
     )
     scheduler = SchedulerConfig(
         **given(
@@ -74,13 +134,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
     )
     eplb.validate()
+    # Reported name (GetServerInfo, metrics): the flag, else the id or folder name typed.
+    served = args.served_model_name or (
+        os.path.basename(os.path.normpath(named)) if os.path.isdir(named) else named
+    )
     config = EngineConfig(
-        model=args.model,
+        model=model,
         cache=cache,
         scheduler=scheduler,
-        mesh=MeshConfig.parse(args.mesh),
+        mesh=_mesh_config(args),
         eplb=eplb,
-        **given(dtype=args.dtype, seed=args.seed),
+        dtype=resolve_dtype(args.dtype, model),
+        served_model_name=served,
+        **given(seed=args.seed),
     )
     if args.no_compilation_cache:
         config.compilation_cache_dir = None
@@ -95,7 +161,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The frontend; a follower process (below) runs its engine steps in this process.
     configure_logging(args.log_level, "frontend")
     try:
-        config = _engine_config(args)
+        config = _engine_config(args, model=resolve_model(_model_argument(args)))
     except ValueError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -201,6 +267,17 @@ def _print_samples(completions) -> None:
         print(c.text)
 
 
+def _fraction_open(text: str) -> float:
+    """An argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """An argparse type: a float in [0, 1)."""
     try:
@@ -217,13 +294,15 @@ def _add_eplb_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--enable-eplb",
         action="store_true",
-        help="re-place MoE experts by their measured load (needs a mesh with dp*tp > 1)",
+        help="re-place MoE experts by their measured load (needs a mesh with dp*tp > 1) "
+        "(default: off)",
     )
     s.add_argument(
         "--num-redundant-experts",
         type=_int_at_least(0),
         metavar="R",
-        help="extra expert slots per MoE layer for replicas (E + R divisible by dp*tp)",
+        help="extra expert slots per MoE layer for replicas (E + R divisible by dp*tp) "
+        f"(default: {EplbConfig().num_redundant_experts})",
     )
     s.add_argument(
         "--eplb-window-size",
@@ -246,37 +325,173 @@ def _add_eplb_arguments(s: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-    s = sub.add_parser("serve", help="serve a model over gRPC")
-    s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
-    s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
-    s.add_argument("--port", type=PORT, default=ServerConfig().port, help="0 picks a free port")
-    s.add_argument("--metrics-port", type=PORT, help="serve Prometheus /metrics on this port")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"])
-    s.add_argument("--seed", type=int)
-    s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
-    s.add_argument(
+
+def _log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}; expected one of {', '.join(_LOG_LEVELS)} (any case)"
+        )
+    return text.upper()
+
+
+def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The flags of `serve`: ours, with vLLM's names beside them where they mean the same.
+    Every help text says the default."""
+    cache, sched, eng = CacheConfig(), SchedulerConfig(), EngineConfig()
+    m = s.add_argument_group("model")
+    m.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="HF model folder, `jaxserve convert` folder or Hugging Face model id "
+        "(org/name[@revision], from the HF cache or downloaded; honours HF_HOME and "
+        "HF_HUB_OFFLINE) (default: the bundled demo model)",
+    )
+    m.add_argument("--model", help="the same as the positional MODEL (default: the demo model)")
+    m.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="model name reported by GetServerInfo and the metrics (default: the model id "
+        "or folder name given)",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="weight and activation dtype; auto takes the checkpoint's config.json dtype "
+        "(float32 stays float32) (default: %(default)s)",
+    )
+    m.add_argument("--seed", type=int, help=f"sampling seed of the engine (default: {eng.seed})")
+
+    srv = s.add_argument_group("server")
+    srv.add_argument(
+        "--host",
+        default=ServerConfig().host,
+        help="bind address, IPv4, IPv6 (::1) or a name (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--port", type=PORT, default=ServerConfig().port, help="gRPC port; 0 picks a free "
+        "port (default: %(default)s)"
+    )  # fmt: skip
+    srv.add_argument(
+        "--metrics-port",
+        type=PORT,
+        help="serve Prometheus /metrics on this port (default: off)",
+    )
+    srv.add_argument(
+        "--log-level",
+        type=_log_level,
+        default="INFO",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL; DEBUG also prints tracebacks of "
+        "start-up errors (default: %(default)s)",
+    )
+
+    kv = s.add_argument_group("KV cache")
+    kv.add_argument(
+        "--block-size",
+        type=POSITIVE,
+        help=f"tokens per KV block (default: {cache.block_size})",
+    )
+    kv.add_argument(
         "--num-blocks",
         type=_int_at_least(2),
         metavar="N",
         help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
-        "usable (default: from memory)",
+        "usable (default: from --gpu-memory-utilization on a GPU; on the CPU enough for "
+        "--max-num-seqs requests of --max-model-len tokens, capped)",
     )
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--max-num-seqs", type=POSITIVE, help="most requests in one step")
-    s.add_argument("--max-num-batched-tokens", type=POSITIVE, help="token budget of one step")
-    s.add_argument("--max-model-len", type=_int_at_least(2), help="most tokens per request")
-    s.add_argument("--mesh", default="dp=1,tp=1", help="device mesh, e.g. dp=2,tp=4")
-    _add_eplb_arguments(s)
-    s.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache")
-    s.add_argument("--no-compilation-cache", action="store_true")
-    s.add_argument("--log-level", default="INFO")
+    kv.add_argument(
+        "--gpu-memory-utilization",
+        "--kv-memory-fraction",
+        type=_fraction_open,
+        metavar="F",
+        help="fraction of the device memory left after the weights that the KV cache takes "
+        f"(default: {cache.memory_fraction})",
+    )
+    kv.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV blocks of shared prompt prefixes (default: on)",
+    )
+    kv.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="the same as --no-enable-prefix-caching",
+    )
+
+    sc = s.add_argument_group("scheduler")
+    sc.add_argument(
+        "--max-num-seqs",
+        type=POSITIVE,
+        help=f"most requests in one step, per dp rank (default: {sched.max_num_seqs})",
+    )
+    sc.add_argument(
+        "--max-num-batched-tokens",
+        type=POSITIVE,
+        help=f"token budget of one step (default: {sched.max_num_batched_tokens})",
+    )
+    sc.add_argument(
+        "--max-model-len",
+        type=_int_at_least(2),
+        help="most tokens (prompt + output) per request (default: the model's "
+        "max_position_embeddings, lowered to what the KV cache holds)",
+    )
+
+    par = s.add_argument_group("parallelism")
+    par.add_argument(
+        "--mesh",
+        help="device mesh dp=D,tp=T: attention data parallel x tensor parallel, experts "
+        "over all D*T devices (default: dp=1,tp=1)",
+    )
+    par.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=POSITIVE,
+        metavar="T",
+        help="the tp of --mesh (default: 1)",
+    )
+    par.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=POSITIVE,
+        metavar="D",
+        help="the dp of --mesh (default: 1)",
+    )
+    par.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="accepted for vLLM compatibility: here MoE experts are always expert parallel "
+        "over all dp*tp devices (default: on, cannot be turned off)",
+    )
+    _add_eplb_arguments(s.add_argument_group("EPLB (expert-parallel load balancing)"))
+
+    comp = s.add_argument_group("compilation")
+    comp.add_argument(
+        "--compilation-cache-dir",
+        help=f"JAX persistent compilation cache (default: {eng.compilation_cache_dir})",
+    )
+    comp.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="do not read or write the persistent compilation cache (default: off)",
+    )
     # module:Class run instead of EngineCore; used by tests to serve a mock engine.
     s.add_argument("--engine-class", help=argparse.SUPPRESS)
     distributed.add_arguments(s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("serve", help="serve a model over gRPC")
+    _add_serve_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a server to the terminal")

@@ -6,11 +6,38 @@ This module only holds plain data; it must not import JAX (the frontend imports 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # The demo model ships inside the package so `jaxserve serve` with no --model serves it.
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+# Weight/activation dtypes the engine runs (EngineConfig.dtype); "auto" (`--dtype auto`,
+# the default of `serve`) is resolved by `resolve_dtype` before the engine starts.
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
+    """The engine dtype for `--dtype`: `dtype` itself, or for "auto" the checkpoint's
+    (`config.json` "dtype", transformers 5.x, or "torch_dtype", 4.x) when it is one of
+    `DTYPES`, else float32. Unlike vLLM's auto, a float32 checkpoint stays float32 (the
+    CPU, where this project tests, has no fast half precision). A missing or unreadable
+    config.json gives float32 here: the model's own checks report it.
+
+    Raises ValueError naming `dtype` when it is not in `DTYPE_CHOICES`.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    found = hf.get("dtype") or hf.get("torch_dtype") if isinstance(hf, dict) else None
+    return found if found in DTYPES else "float32"
 
 
 @dataclass(slots=True)
@@ -127,8 +154,10 @@ class EplbConfig:
 class EngineConfig:
     """Everything the engine process needs to start."""
 
-    model: str = str(DEMO_MODEL_DIR)
-    dtype: str = "float32"  # activation/weight dtype: float32 or bfloat16
+    model: str = str(DEMO_MODEL_DIR)  # a local folder (a Hub id is resolved before)
+    dtype: str = "float32"  # activation/weight dtype, one of DTYPES
+    # The name reported in stats, GetServerInfo and metrics; None: the folder's name.
+    served_model_name: str | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class EngineCore:
@@ -406,7 +406,7 @@ class EngineCore:
         """Engine facts and gauges. Free blocks include cached blocks no request holds."""
         s, bms = self.scheduler, self.block_managers
         return EngineStats(
-            model=Path(self.config.model).name,
+            model=self.config.served_model_name or Path(self.config.model).name,
             max_model_len=self.max_model_len,
             block_size=self.block_manager.block_size,
             num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
