@@ -387,7 +387,10 @@ class FrontendServer:
         metrics port's error."""
         await self.set_serving(False)
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            # An IPv6 literal ("::1") needs brackets in a gRPC address.
+            literal6 = ":" in host and not host.startswith("[")
+            address = f"[{host}]:{port}" if literal6 else f"{host}:{port}"
+            bound = self._server.add_insecure_port(address)
         except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
             bound = 0
         if bound == 0:

@@ -11,6 +11,7 @@ process (the engine process does).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -27,7 +28,7 @@ from jaxserve.config import (
     resolve_dtype,
 )
 from jaxserve.hub import resolve_model
-from jaxserve.logs import configure_logging
+from jaxserve.logs import configure_logging, describe_error
 
 
 def _int_at_least(low: int, high: int | None = None):
@@ -155,21 +156,27 @@ def _engine_config(args: argparse.Namespace, model: str | None = None) -> Engine
     return config
 
 
+def _fail(error: BaseException, code: int) -> int:
+    """`serve`'s end after a start-up error: one line on stderr naming the cause (the
+    traceback too at --log-level debug). Returns `code`."""
+    logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
+    print(f"jaxserve serve: error: {describe_error(error)}", file=sys.stderr)
+    return code
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from jaxserve import preflight
     from jaxserve.launcher import serve
 
     # The frontend; a follower process (below) runs its engine steps in this process.
     configure_logging(args.log_level, "frontend")
     try:
         config = _engine_config(args, model=resolve_model(_model_argument(args)))
-    except ValueError as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 2
-    try:
+        # Mistakes that need no device, found before any process starts (exit code 2).
+        preflight.check_model_folder(config.model, check_model=args.engine_class is None)
         dist = distributed.from_arguments(args)
-    except ValueError as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:
+        return _fail(e, 2)
     if dist is not None and config.eplb.enabled:
         print(
             "jaxserve serve: error: --enable-eplb: not supported with several processes "
@@ -186,6 +193,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     dist_args = dist.to_arguments() if dist is not None else []
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     try:
+        preflight.check_bind("port", server.host, server.port)
+        if server.metrics_port is not None:
+            preflight.check_bind("metrics-port", server.host, server.metrics_port)
+    except ValueError as e:
+        return _fail(e, 1)
+    try:
         return serve(
             config,
             server,
@@ -194,8 +207,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             distributed_args=dist_args,
         )
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(e, 1)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

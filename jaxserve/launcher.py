@@ -40,6 +40,7 @@ from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
+from jaxserve.logs import START_ERROR_FILE_ENV, read_start_failure
 from jaxserve.metrics import Metrics
 
 logger = logging.getLogger("jaxserve")
@@ -59,6 +60,7 @@ EXIT_CHILD_DIED = 1  # `jaxserve serve`'s exit code when a child died (start-up 
 class _Child:
     name: str
     process: subprocess.Popen
+    error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -66,10 +68,16 @@ class _Child:
         return f"the {self.name} process (pid {self.process.pid}) died ({how})"
 
 
-def _spawn(name: str, module: str, args: list[str]) -> _Child:
+class StartupError(RuntimeError):
+    """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`)."""
+
+
+def _spawn(name: str, module: str, args: list[str], error_dir: str) -> _Child:
     # From the main thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
     cmd = [sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args]
-    return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+    error_file = os.path.join(error_dir, f"{name}.start-error")
+    env = {**os.environ, START_ERROR_FILE_ENV: error_file}
+    return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), error_file)
 
 
 def _stop_children(children: list[_Child]) -> None:
@@ -97,7 +105,8 @@ def serve(
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
     detokenizer died, during start-up or while serving (see the module docstring).
     Raises RuntimeError naming the flag ("port: ...", "metrics-port: ...") when an address
-    cannot be bound; no child is left running then.
+    cannot be bound, and StartupError (a RuntimeError) with the child's one-line cause
+    when a child failed to start and said why; no child is left running then.
 
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
@@ -124,7 +133,7 @@ def serve(
         if engine_class:
             engine_args += ["--engine-class", engine_class]
         engine_args += distributed_args or []
-        children.append(_spawn("engine", "jaxserve.engine.process", engine_args))
+        children.append(_spawn("engine", "jaxserve.engine.process", engine_args, socket_dir))
         sidecar_args = [
             "--model", engine_config.model,
             "--detokenizer-input", addresses.detokenizer_input,
@@ -133,7 +142,7 @@ def serve(
             "--log-level", log_level,
         ]  # fmt: skip
         children.append(
-            _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
+            _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, socket_dir)
         )
         return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children, metrics))
     finally:
@@ -175,6 +184,10 @@ async def _run_frontend(
                 await _child_died(server, watch.result(), stopping)
                 return EXIT_CHILD_DIED
         elif watch.done():
+            # The child's own one-line cause, when it gave one, is the last line printed.
+            causes = [c for c in map(read_start_failure, (c.error_file for c in children)) if c]
+            if causes:
+                raise StartupError(causes[0])
             logger.error("start-up failed: %s", watch.result())
             return EXIT_CHILD_DIED
         logger.info("shutting down")

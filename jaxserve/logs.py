@@ -6,6 +6,7 @@ No JAX here: the frontend and the detokenizer import this.
 from __future__ import annotations
 
 import logging
+import os
 
 # Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
 # jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
@@ -27,3 +28,54 @@ def configure_logging(level: str, process_name: str) -> None:
     if logging.getLevelName(level) != logging.DEBUG:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# Set by `jaxserve serve` in each child's environment: the file where a child that fails
+# to start writes its one-line cause, which the parent prints as its last line.
+START_ERROR_FILE_ENV = "JAXSERVE_START_ERROR_FILE"
+
+_PLAIN_ERRORS = (ValueError, RuntimeError, OSError)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an exception: its message's first line (ValueError / RuntimeError /
+    OSError messages, ours among them, name the field; others get their type name first,
+    e.g. "KeyError: 'x'")."""
+    lines = str(error).strip().splitlines()
+    message = lines[0].strip() if lines else ""
+    if not message:
+        return type(error).__name__
+    if isinstance(error, _PLAIN_ERRORS):
+        return message
+    return f"{type(error).__name__}: {message}"
+
+
+def report_start_failure(what: str, error: BaseException, logger: logging.Logger) -> str:
+    """Report that `what` ("engine", "follower 2") failed to start, as one line.
+
+    The line (`what: cause`) goes to the parent's start-error file when the parent set
+    `START_ERROR_FILE_ENV` (it prints the line last, once), else to `logger` at ERROR.
+    The traceback is logged only at DEBUG (`--log-level debug`). Returns the line.
+    """
+    line = f"{what} failed to start: {describe_error(error)}"
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s failed to start", what, exc_info=error)
+    path = os.environ.get(START_ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(line)
+            return line
+        except OSError:
+            pass  # the parent's folder is gone: log it here instead
+    logger.error("%s", line)
+    return line
+
+
+def read_start_failure(path: str) -> str | None:
+    """The line a child wrote with `report_start_failure`, or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

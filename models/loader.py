@@ -48,13 +48,27 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found (is {model_dir} a HF model folder?)")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    config = ModelConfig.from_hf(_read_json(config_path))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        extra = normalize_token_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        extra = normalize_token_ids(_read_json(gen_path).get("eos_token_id"))
         eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
         config = dataclasses.replace(config, eos_token_ids=eos)
     return config
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file; ValueError naming the file (and the line and column of a
+    syntax error) otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def default_sharding_fn(mesh: jax.sharding.Mesh | None = None) -> ShardingFn:

@@ -49,7 +49,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
-from jaxserve.logs import configure_logging
+from jaxserve.logs import configure_logging, report_start_failure
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -213,8 +213,8 @@ def run_engine_process(
                     on_follower_lost=exit_on_lost_peer(dist),
                 )
                 core.lead(publisher)
-        except Exception:
-            logger.exception("engine failed to start")
+        except Exception as e:
+            report_start_failure("engine", e, logger)  # one line; traceback at DEBUG
             return EXIT_START_FAILED
         try:
             EngineLoop(core, input_socket, output_socket).run()
@@ -257,8 +257,8 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
         channel = StepSubscriber(
             dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
         )
-    except Exception:
-        logger.exception("follower %d failed to start", dist.process_id)
+    except Exception as e:
+        report_start_failure(f"follower {dist.process_id}", e, logger)
         exit_now(EXIT_START_FAILED)
     try:
         steps = core.follow(channel)
