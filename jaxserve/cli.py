@@ -191,7 +191,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).
     dist_args = dist.to_arguments() if dist is not None else []
-    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        stats_log_interval_s=0.0 if args.disable_log_stats else args.stats_log_interval,
+    )
     try:
         preflight.check_bind("port", server.host, server.port)
         if server.metrics_port is not None:
@@ -277,6 +282,17 @@ def _print_samples(completions) -> None:
     for c in completions:
         print(f"--- sample {c.index} (finish_reason={c.finish_reason}) ---")
         print(c.text)
+
+
+def _non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def _fraction_open(text: str) -> float:
@@ -392,6 +408,19 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=PORT,
         help="serve Prometheus /metrics on this port (default: off)",
+    )
+    srv.add_argument(
+        "--stats-log-interval",
+        type=_non_negative_float,
+        metavar="SECONDS",
+        default=ServerConfig().stats_log_interval_s,
+        help="seconds between the stats log lines while serving (throughput, requests, KV "
+        "usage, prefix-cache hits, preemptions); 0 turns them off (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats log lines, as --stats-log-interval 0 (default: off)",
     )
     srv.add_argument(
         "--log-level",

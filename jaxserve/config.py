@@ -189,3 +189,5 @@ class ServerConfig:
     port: int = 50051
     # Prometheus /metrics over HTTP on host:metrics_port; None disables it.
     metrics_port: int | None = None
+    # Seconds between the stats log lines while serving (jaxserve.serve_log); 0 disables.
+    stats_log_interval_s: float = 10.0

@@ -42,6 +42,7 @@ from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
 from jaxserve.logs import START_ERROR_FILE_ENV, read_start_failure
 from jaxserve.metrics import Metrics
+from jaxserve.serve_log import StatsLogger, config_block
 
 logger = logging.getLogger("jaxserve")
 
@@ -144,14 +145,21 @@ def serve(
         children.append(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, socket_dir)
         )
-        return uvloop.run(_run_frontend(addresses, tokenizer, server_config, children, metrics))
+        return uvloop.run(
+            _run_frontend(addresses, tokenizer, engine_config, server_config, children, metrics)
+        )
     finally:
         _stop_children(children)
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 async def _run_frontend(
-    addresses, tokenizer, server_config: ServerConfig, children, metrics: Metrics
+    addresses,
+    tokenizer,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    children,
+    metrics: Metrics,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -161,6 +169,9 @@ async def _run_frontend(
     engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
+    stats_log = StatsLogger()
+    engine.add_stats_listener(stats_log.update)
+    stats_task = None
     server = FrontendServer(engine, tokenizer, metrics)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
@@ -179,6 +190,11 @@ async def _run_frontend(
                 stats.model, server_config.host, port,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
+            logger.info(
+                "configuration:\n%s", config_block(engine_config, server_config, stats, port)
+            )
+            if server_config.stats_log_interval_s > 0:
+                stats_task = asyncio.create_task(stats_log.run(server_config.stats_log_interval_s))
             await asyncio.wait({watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if watch.done():
                 await _child_died(server, watch.result(), stopping)
@@ -193,8 +209,9 @@ async def _run_frontend(
         logger.info("shutting down")
         return 0
     finally:
-        for task in (ready, watch, stopping):
-            task.cancel()
+        for task in (ready, watch, stopping, stats_task):
+            if task is not None:
+                task.cancel()
         await server.stop(GRPC_GRACE_S)
         await engine.close()
 
