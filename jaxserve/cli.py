@@ -156,12 +156,29 @@ def _engine_config(args: argparse.Namespace, model: str | None = None) -> Engine
     return config
 
 
-def _fail(error: BaseException, code: int) -> int:
+def _fail(error: BaseException, code: int, dist=None) -> int:
     """`serve`'s end after a start-up error: one line on stderr naming the cause (the
-    traceback too at --log-level debug). Returns `code`."""
+    traceback too at --log-level debug). Process 0 of a multi-process run then tells its
+    followers (`jaxserve.start_status`), so that they end too. Returns `code`."""
     logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
-    print(f"jaxserve serve: error: {describe_error(error)}", file=sys.stderr)
+    line = describe_error(error)
+    print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
+    if dist is not None and dist.is_leader:
+        from jaxserve.start_status import announce_failure
+
+        announce_failure(dist, line)
     return code
+
+
+def _leader_failed(cause: str) -> None:
+    """A follower's end when process 0 announced that its start failed."""
+    print(
+        f"jaxserve serve: error: process 0 (the leader) failed to start: {cause}",
+        file=sys.stderr,
+        flush=True,
+    )
+    logging.shutdown()
+    os._exit(2)  # now, from the watcher thread: the main thread may be inside JAX
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -171,19 +188,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The frontend; a follower process (below) runs its engine steps in this process.
     configure_logging(args.log_level, "frontend")
     try:
+        dist = distributed.from_arguments(args)
+    except ValueError as e:
+        return _fail(e, 2)
+    if dist is not None and not dist.is_leader:
+        from jaxserve.start_status import watch_leader
+
+        watch_leader(dist, _leader_failed)
+    try:
         config = _engine_config(args, model=resolve_model(_model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
         preflight.check_model_folder(config.model, check_model=args.engine_class is None)
-        dist = distributed.from_arguments(args)
+        if dist is not None and config.eplb.enabled:
+            raise ValueError(
+                "--enable-eplb: not supported with several processes yet (the followers "
+                "would need every new expert placement)"
+            )
     except (ValueError, OSError) as e:
-        return _fail(e, 2)
-    if dist is not None and config.eplb.enabled:
-        print(
-            "jaxserve serve: error: --enable-eplb: not supported with several processes "
-            "yet (the followers would need every new expert placement)",
-            file=sys.stderr,
-        )
-        return 2
+        return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
         from jaxserve.engine.process import run_follower
@@ -201,9 +223,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         preflight.check_bind("port", server.host, server.port)
         if server.metrics_port is not None:
             preflight.check_bind("metrics-port", server.host, server.metrics_port)
-    except ValueError as e:
-        return _fail(e, 1)
-    try:
         return serve(
             config,
             server,
@@ -212,7 +231,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             distributed_args=dist_args,
         )
     except (OSError, ValueError, RuntimeError) as e:
-        return _fail(e, 1)
+        return _fail(e, 1, dist)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -171,3 +171,49 @@ def test_engine_error_at_info_ends_with_the_cause_and_debug_shows_the_traceback(
     code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "debug", env=MESH_ENV, timeout=120)
     assert code == 1 and any("Traceback" in line for line in lines)
     assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
+
+
+# ----- several processes ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy):
+    """Process 0 fails at start (its gRPC port is busy: a failure only it sees); process
+    1, already waiting in jax.distributed.initialize (300 s timeout), ends within
+    seconds with one line naming the leader's cause."""
+    import time
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    run = ("--num-processes", "2", "--coordinator-address", coordinator, "--log-level", "warning")
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", str(model_copy), *run]
+    follower = subprocess.Popen(
+        [*cmd, "--process-id", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, cwd=REPO_DIR, env=env,
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # the follower is waiting for the coordinator
+        assert follower.poll() is None
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            start = time.monotonic()
+            leader = subprocess.run(
+                [*cmd, "--process-id", "0", "--port", str(port)],
+                capture_output=True, text=True, timeout=60, cwd=REPO_DIR, env=env,
+            )  # fmt: skip
+        assert leader.returncode == 1
+        assert "port: cannot bind" in one_error_line(leader.stderr.splitlines())
+        _, stderr = follower.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        follower.kill()
+    assert follower.returncode == 2 and took < 15, (took, stderr)
+    line = one_error_line(stderr.splitlines())
+    assert "process 0 (the leader) failed to start: port: cannot bind" in line
