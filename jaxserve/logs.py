@@ -79,3 +79,47 @@ def read_start_failure(path: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+class ProgressLog:
+    """A progress bar's logging equivalent (it reads the same in a terminal, a pipe and a
+    log collector): `what: k/N unit (p%, t s)` lines at 0, then at each quarter of the
+    total and at least every `interval_s` seconds between them. Thread-safe `advance`.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        total: int,
+        unit: str = "",
+        interval_s: float = 10.0,
+    ) -> None:
+        import threading
+        import time
+
+        self._time = time.monotonic
+        self._lock = threading.Lock()
+        self._logger, self._what, self._total, self._unit = logger, what, total, unit
+        self._interval_s = interval_s
+        self._done = 0
+        self._start = self._last = self._time()
+        self._quarters = 0  # quarters of the total reached at the last line
+        self._emit()
+
+    def advance(self, n: int = 1) -> None:
+        with self._lock:
+            self._done = min(self._done + n, self._total)
+            now = self._time()
+            quarters = 4 * self._done // self._total if self._total else 4
+            if quarters > self._quarters or now - self._last >= self._interval_s:
+                self._quarters, self._last = quarters, now
+                self._emit()
+
+    def _emit(self) -> None:
+        pct = 100.0 * self._done / self._total if self._total else 100.0
+        unit = f" {self._unit}" if self._unit else ""
+        self._logger.info(
+            "%s: %d/%d%s (%.0f%%, %.1f s)",
+            self._what, self._done, self._total, unit, pct, self._time() - self._start,
+        )  # fmt: skip

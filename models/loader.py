@@ -22,6 +22,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxserve.logs import ProgressLog
 from jaxserve.models.checkpoint import is_orbax_checkpoint, restore_params
 from jaxserve.models.config import ModelConfig, normalize_token_ids
 from jaxserve.models.decoder import DecoderOnlyLM
@@ -161,8 +162,10 @@ def _read_safetensors(
     slot) are [E, ...] in the checkpoint and [S, ...] in the model: slot s gets a copy
     of expert slot_experts[s]."""
     slot_experts = slot_experts or {}
+    progress = ProgressLog(logger, f"loading weights of {model_dir.name}", len(specs), "tensors")
     with _CheckpointReader(model_dir) as checkpoint:
         for spec in specs:
+            progress.advance()
             var = variables[spec.path]
             layout = _pick_layout(spec, checkpoint)
             value = layout.to_param(

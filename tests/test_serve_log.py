@@ -106,3 +106,14 @@ def test_stats_lines_can_be_turned_off(flag):
 
     args = build_parser().parse_args(["serve", *flag])
     assert (0.0 if args.disable_log_stats else args.stats_log_interval) == 0.0
+
+
+def test_progress_log_reports_each_quarter(caplog):
+    from jaxserve.logs import ProgressLog
+
+    with caplog.at_level(logging.INFO, logger="jaxserve.test"):
+        progress = ProgressLog(logging.getLogger("jaxserve.test"), "compiling", 8, "shapes")
+        for _ in range(8):
+            progress.advance()
+    counts = [r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records]
+    assert counts == ["0/8", "2/8", "4/8", "6/8", "8/8"]
