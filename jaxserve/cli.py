@@ -17,6 +17,7 @@ import sys
 
 from jaxserve import convert, distributed
 from jaxserve.config import (
+    DEFAULT_MEMORY_FRACTION,
     DEMO_MODEL_DIR,
     DTYPE_CHOICES,
     CacheConfig,
@@ -460,16 +461,17 @@ def _add_serve_arguments(s: argparse.ArgumentParser) -> None:
         type=_int_at_least(2),
         metavar="N",
         help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
-        "usable (default: from --gpu-memory-utilization on a GPU; on the CPU enough for "
-        "--max-num-seqs requests of --max-model-len tokens, capped)",
+        "usable (default: from --gpu-memory-utilization; on the CPU without it, enough for "
+        "--max-num-seqs requests of --max-model-len tokens, capped at 256 MiB)",
     )
     kv.add_argument(
         "--gpu-memory-utilization",
         "--kv-memory-fraction",
         type=_fraction_open,
         metavar="F",
-        help="fraction of the device memory left after the weights that the KV cache takes "
-        f"(default: {cache.memory_fraction})",
+        help="fraction of the memory left after the weights that the KV cache takes: the "
+        "device's on a GPU, the host's available memory on the CPU (default: "
+        f"{DEFAULT_MEMORY_FRACTION} on a GPU; on the CPU see --num-blocks)",
     )
     kv.add_argument(
         "--enable-prefix-caching",

@@ -40,19 +40,27 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
     return found if found in DTYPES else "float32"
 
 
+# The KV cache's share of the memory left after the weights on a GPU, by default.
+DEFAULT_MEMORY_FRACTION = 0.85
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache.
 
     block_size: tokens per KV block.
-    num_blocks: total KV blocks per dp rank; None means size from `memory_fraction`
-        of the device memory left after the weights (on the CPU: a fixed default).
+    num_blocks: total KV blocks per dp rank; None means size from `memory_fraction`.
+    memory_fraction: the fraction of the memory left after the weights that the KV cache
+        takes (`--gpu-memory-utilization`), on every backend: the device's memory on a
+        GPU, the host's available memory on the CPU. None: DEFAULT_MEMORY_FRACTION on a
+        GPU; on the CPU enough for max_num_seqs requests of max_model_len tokens, capped
+        (`model_runner.num_kv_blocks`).
     enable_prefix_caching: reuse full blocks named by their chained hash.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_fraction: float = 0.85
+    memory_fraction: float | None = None
     enable_prefix_caching: bool = True
 
 

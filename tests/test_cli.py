@@ -189,3 +189,25 @@ def test_serve_a_model_id_from_the_cache(offline_hub):
             assert client.complete([5, 6], max_tokens=3)[0].completion_tokens == 3
     finally:
         srv.terminate(15)
+
+
+def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
+    """--gpu-memory-utilization works on the CPU too: that fraction of the host's available
+    memory, in whole blocks; without it the CPU default (requests x length) stays."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jaxserve.engine import model_runner
+    from jaxserve.models.config import ModelConfig
+
+    hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    pages, page = 1_000_000, 4096
+    real_sysconf = os.sysconf
+    fake = {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page}
+    monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
+    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
+    got = model_runner.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
+    assert got == int(pages * page * 0.25) // block_bytes
+    assert model_runner.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1
