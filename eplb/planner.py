@@ -15,10 +15,14 @@ eplb.py; vendored by vLLM as vllm/distributed/eplb/rebalance_algo.py):
 3. pack the replicas onto devices, heaviest first, each onto the lightest device that
    still has a free slot (`balanced_packing`), so every device gets exactly S / ep slots.
 
-Two additions of ours, both optional: a 2-exchange local search after step 3
-(`refine_packing`), and, given the placement in use, keeping it for a layer where the
-plan is not better (by `min_improvement`). `minimize_movement` then reorders a plan so
-that the fewest slots change expert.
+`refine=False` is that algorithm as published, one layer at a time. The default adds,
+vectorised over all layers (and nodes) at once (eplb/planner_refine.py): no device
+holds two copies of one expert and no expert has more copies than devices (of its node),
+whenever S / ep <= E (of a node) makes that possible; pairwise swap sweeps and a
+2-exchange local search after the packing; and, given the placement in use and a
+`tolerance`, a re-plan that changes few slots (`replan_rows`). Given the placement in
+use, a layer also keeps it where the plan is not better (by `min_improvement`).
+`minimize_movement` reorders a plan so that the fewest slots change expert.
 
 Slot layout (sharding/placement.py): device d holds slots [d * S/ep, (d + 1) * S/ep); a
 token of expert e picks one of its replicas evenly, so a slot's expected load is
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import linear_sum_assignment
+
+from jaxserve.eplb import planner_refine
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,9 @@ def plan_placement(
     refine: bool = True,
     current: ArrayLike | None = None,
     min_improvement: float = 0.0,
+    tolerance: float | None = None,
 ) -> PlacementPlan:
-    """Plan the slots of every layer from its expert load (DeepSeek EPLB).
+    """Plan the slots of every layer from its expert load (DeepSeek EPLB + our additions).
 
     Args:
         expert_load: [L, E] float or int >= 0, tokens routed to each logical expert of
@@ -75,9 +82,12 @@ def plan_placement(
         num_groups: expert groups of group-limited routing (DeepSeek-V3: contiguous
             blocks of E / num_groups experts); required when num_nodes > 1, and must be
             a multiple of num_nodes.
-        refine: after DeepSeek's greedy packing, swap slots between the most loaded
-            device and another (of the same node) while that lowers the larger of the
-            two loads (`refine_packing`). False gives DeepSeek's plan exactly.
+        refine: True (default): the project's planner. Whenever S / ep <= E / num_nodes
+            no device holds an expert twice and no expert has more than ep / num_nodes
+            copies; the packing is improved by swaps (`planner_refine`). With more slots
+            per device than experts (of a node) duplicates cannot be avoided; the plan
+            is then DeepSeek's greedy improved by `refine_packing`. False gives
+            DeepSeek's plan exactly, duplicates included.
         current: [L, S] ints, the placement in use. A layer whose plan does not lower
             the max device load below the current placement's (under expert_load) keeps
             the current placement, so a replan never makes a layer worse (the greedy
@@ -87,6 +97,13 @@ def plan_placement(
             the max device load by more than this fraction (e.g. 0.05): load windows are
             noisy, and a fresh plan of a similar load can move most slots for a small
             gain. In [0, 1).
+        tolerance: with current (and refine, when duplicates can be avoided): instead
+            of a fresh plan, a layer gets its current placement changed by as few slots
+            as the local search needs (`planner_refine.replan_rows`) to reach a
+            balancedness within this fraction of the fresh plan's (e.g. 0.005), unchanged
+            slots in place; a layer where that fails (its load shifted too much) gets
+            the fresh plan, reordered by `minimize_movement`. In [0, 1). None (default):
+            every layer gets the fresh plan.
 
     Returns:
         The plan; deterministic (the same input gives the same plan).
@@ -95,23 +112,32 @@ def plan_placement(
         ValueError: a bad shape or value, naming the argument.
     """
     load = _check_load(expert_load)
-    num_experts = load.shape[1]
+    num_layers, num_experts = load.shape
     if not 0.0 <= min_improvement < 1.0:
         raise ValueError(f"min_improvement: must be in [0, 1), got {min_improvement}")
+    if tolerance is not None and not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance: must be in [0, 1), got {tolerance}")
     _check_sizes(num_experts, num_slots, ep, num_nodes, num_groups)
-    p2l = np.stack(
-        [_plan_layer(row, num_slots, ep, num_nodes, num_groups or 1, refine) for row in load]
-    )
-    if current is not None:
-        cur = _check_current(current, load.shape[0], num_slots, num_experts)
+    cur = None if current is None else _check_current(current, num_layers, num_slots, num_experts)
+    groups = num_groups or 1
+    no_duplicates = refine and num_slots // ep <= num_experts // num_nodes
+    if no_duplicates:
+        node_experts = _node_experts(load, num_nodes, groups)
+        p2l = _plan_rows(load, node_experts, num_slots, ep)
+    else:
+        p2l = np.stack([_plan_layer(row, num_slots, ep, num_nodes, groups, refine) for row in load])
+    if cur is not None:
+        if tolerance is not None and no_duplicates:
+            p2l = _replan(load, cur, p2l, ep, num_nodes, groups, tolerance)
         cur_peak = device_load(load, cur, ep).max(-1)
         worse = device_load(load, p2l, ep).max(-1) >= cur_peak * (1.0 - min_improvement)
         p2l[worse] = cur[worse]
     p2l = p2l.astype(np.int32)
-    counts = np.stack([np.bincount(row, minlength=num_experts) for row in p2l])
+    rows = p2l.astype(np.int64) + np.arange(num_layers)[:, None] * num_experts
+    counts = np.bincount(rows.ravel(), minlength=num_layers * num_experts)
     return PlacementPlan(
         physical_to_logical=p2l,
-        replica_counts=counts.astype(np.int32),
+        replica_counts=counts.reshape(num_layers, num_experts).astype(np.int32),
         device_load=device_load(load, p2l, ep),
     )
 
@@ -263,6 +289,127 @@ def minimize_movement(
     out = np.stack([_keep_in_place(c, p) for c, p in zip(cur_dev, plan_dev, strict=True)])
     out = out.reshape(-1)
     return out.astype(np.int32), int((out != cur).sum())
+
+
+def _node_experts(load: np.ndarray, num_nodes: int, num_groups: int) -> np.ndarray:
+    """[L, N, E / N] int64: the experts of each node of each layer, in increasing id:
+    groups packed onto nodes (DeepSeek's `balanced_packing` of the group loads, all
+    layers at once)."""
+    num_layers, num_experts = load.shape
+    if num_nodes == 1:
+        return np.broadcast_to(np.arange(num_experts), (num_layers, 1, num_experts))
+    group_size = num_experts // num_groups
+    group_load = load.reshape(num_layers, num_groups, group_size).sum(-1)
+    capacity = num_groups // num_nodes
+    index = np.arange(num_layers)
+    node_of_group = np.empty((num_layers, num_groups), np.int64)
+    node_load = np.zeros((num_layers, num_nodes))
+    node_size = np.zeros((num_layers, num_nodes), np.int64)
+    for group in np.argsort(-group_load, axis=1, kind="stable").T:
+        node = np.argmin(np.where(node_size < capacity, node_load, np.inf), axis=1)
+        node_of_group[index, group] = node
+        node_load[index, node] += group_load[index, group]
+        node_size[index, node] += 1
+    return _experts_of_nodes(node_of_group, num_nodes, group_size)
+
+
+def _experts_of_nodes(node_of_group: np.ndarray, num_nodes: int, group_size: int) -> np.ndarray:
+    """[L, N, E / N] experts of each node, increasing, from [L, G] node of each group."""
+    num_layers, num_groups = node_of_group.shape
+    groups = np.argsort(node_of_group, axis=1, kind="stable")  # by node, then by id
+    experts = groups[..., None] * group_size + np.arange(group_size)
+    return experts.reshape(num_layers, num_nodes, -1)
+
+
+def _plan_rows(load: np.ndarray, node_experts: np.ndarray, num_slots: int, ep: int) -> np.ndarray:
+    """[L, S] fresh no-duplicate plan: one `planner_refine.plan_rows` row per (layer,
+    node), node n's slots holding its experts."""
+    num_layers, num_nodes, per_node = node_experts.shape
+    rows = node_experts.reshape(num_layers * num_nodes, per_node)
+    row_load = np.take_along_axis(np.repeat(load, num_nodes, axis=0), rows, 1)
+    local = planner_refine.plan_rows(row_load, num_slots // num_nodes, ep // num_nodes)
+    experts = np.take_along_axis(rows, local.reshape(rows.shape[0], -1), 1)
+    return experts.reshape(num_layers, num_slots)
+
+
+def _replan(
+    load: np.ndarray,
+    current: np.ndarray,
+    fresh: np.ndarray,
+    ep: int,
+    num_nodes: int,
+    num_groups: int,
+    tolerance: float,
+) -> np.ndarray:
+    """[L, S]: each layer's current placement changed by few slots to within tolerance
+    of the fresh plan's balancedness (`planner_refine.replan_rows`, with the current
+    placement's groups per node), or the fresh plan reordered by `minimize_movement`
+    where that fails or the current placement does not keep groups on nodes."""
+    num_layers, num_slots = current.shape
+    num_experts = load.shape[1]
+    target = device_load(load, fresh, ep).max(-1) / (1.0 - tolerance)
+    node_experts, valid = _current_nodes(current, num_experts, num_nodes, num_groups)
+    out = fresh.copy()
+    layers = np.flatnonzero(valid)
+    if layers.size:
+        experts = node_experts[layers]
+        per_node = experts.shape[2]
+        rows = experts.reshape(-1, per_node)
+        row_load = np.take_along_axis(np.repeat(load[layers], num_nodes, axis=0), rows, 1)
+        # Local id of every expert within its node's list.
+        local_of = np.empty((layers.size, num_experts), np.int64)
+        np.put_along_axis(
+            local_of,
+            experts.reshape(layers.size, -1),
+            np.tile(np.arange(per_node), num_nodes)[None],
+            1,
+        )
+        cur_local = np.take_along_axis(local_of, current[layers], 1)
+        devices = ep // num_nodes
+        cur_rows = cur_local.reshape(-1, devices, num_slots // ep)
+        row_target = np.repeat(target[layers], num_nodes)
+        slots, ok = planner_refine.replan_rows(row_load, cur_rows, row_target)
+        # A (layer, node) the local search could not bring to the target: a fresh plan of
+        # that node's experts, reordered to keep what it can of the current slots.
+        for row in np.flatnonzero(~ok):
+            plan = planner_refine.plan_rows(
+                row_load[row : row + 1], num_slots // num_nodes, devices
+            )
+            slots[row] = minimize_movement(cur_rows[row].ravel(), plan.ravel(), devices)[0].reshape(
+                devices, -1
+            )
+        peak = device_load(row_load, slots.reshape(rows.shape[0], -1), devices).max(-1)
+        ok = (peak <= row_target * (1 + 1e-12)).reshape(layers.size, num_nodes).all(1)
+        planned = np.take_along_axis(rows, slots.reshape(rows.shape[0], -1), 1)
+        out[layers[ok]] = planned.reshape(layers.size, num_slots)[ok]
+        valid[layers[~ok]] = False
+    for layer in np.flatnonzero(~valid):
+        out[layer] = minimize_movement(current[layer], fresh[layer], ep, num_nodes=num_nodes)[0]
+    return out
+
+
+def _current_nodes(
+    current: np.ndarray, num_experts: int, num_nodes: int, num_groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([L, N, E / N] experts of each node in the current placement, [L] bool: the
+    layer's current placement keeps each group on one node, num_groups / num_nodes
+    groups per node)."""
+    num_layers, num_slots = current.shape
+    if num_nodes == 1:
+        experts = np.broadcast_to(np.arange(num_experts), (num_layers, 1, num_experts))
+        return experts, np.ones(num_layers, bool)
+    group_size = num_experts // num_groups
+    node_of_slot = np.arange(num_slots) // (num_slots // num_nodes)
+    index = np.broadcast_to(np.arange(num_layers)[:, None], current.shape)
+    lowest = np.full((num_layers, num_groups), num_nodes)
+    highest = np.full((num_layers, num_groups), -1)
+    group = current // group_size
+    np.minimum.at(lowest, (index, group), np.broadcast_to(node_of_slot, current.shape))
+    np.maximum.at(highest, (index, group), np.broadcast_to(node_of_slot, current.shape))
+    node_of_group = np.minimum(lowest, num_nodes - 1)
+    per_node = np.stack([(node_of_group == n).sum(1) for n in range(num_nodes)], 1)
+    valid = (lowest == highest).all(1) & (per_node == num_groups // num_nodes).all(1)
+    return _experts_of_nodes(node_of_group, num_nodes, group_size), valid
 
 
 def _plan_layer(

@@ -44,12 +44,12 @@ def _version() -> str:
 def _fail(error: BaseException, code: int, dist=None) -> int:
     """`serve`'s end after a start-up error: one line on stderr naming the cause (the
     traceback too at --log-level debug). Process 0 of a multi-process run then tells its
-    followers (`jaxserve.start_status`), so that they end too. Returns `code`."""
+    followers (`jaxserve.distributed.start_status`), so that they end too. Returns `code`."""
     logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
     line = describe_error(error)
     print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
     if dist is not None and dist.is_leader:
-        from jaxserve.start_status import announce_failure
+        from jaxserve.distributed.start_status import announce_failure
 
         announce_failure(dist, line)
     return code
@@ -77,7 +77,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e, 2)
     if dist is not None and not dist.is_leader:
-        from jaxserve.start_status import watch_leader
+        from jaxserve.distributed.start_status import watch_leader
 
         watch_leader(dist, _leader_failed)
     try:

@@ -24,6 +24,8 @@ import msgpack
 import numpy as np
 import zmq
 
+from jaxserve.observability.stats import EngineCounters
+
 _NDARRAY_EXT = 1
 
 
@@ -114,6 +116,7 @@ class TextOutputs:
 class EngineStats:
     """Engine facts and gauges, sent at start-up (ready=True) and after steps that change them.
 
+    counters: the engine core's counters and last-step timings (`EngineCounters`).
     Expert load (MoE models only; empty / 0 otherwise), from the engine's
     `eplb.recorder.ExpertLoadRecorder`:
     expert_layers: decoder-layer index of each MoE layer.
@@ -132,7 +135,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     ready: bool = False
-    extra: dict = field(default_factory=dict)
+    counters: EngineCounters = field(default_factory=EngineCounters)
     expert_layers: list[int] = field(default_factory=list)
     expert_balancedness: list[float] = field(default_factory=list)
     expert_routed_tokens: int = 0
@@ -153,6 +156,7 @@ _TYPES = {
         TextOutput,
         TextOutputs,
         EngineStats,
+        EngineCounters,
         Shutdown,
     )
 }

@@ -41,7 +41,7 @@ from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
 from jaxserve.logs import START_ERROR_FILE_ENV, read_start_failure
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 from jaxserve.serve_log import StatsLogger, config_block
 
 logger = logging.getLogger("jaxserve")

@@ -7,7 +7,8 @@ once the engine is ready, then a periodic stats line, as vLLM's LoggingStatLogge
 
 Both are built from what the frontend already has: the configs it started the engine
 with and the `ipc.EngineStats` messages the engine sends (`StatsLogger.update` is an
-`AsyncEngineClient` stats listener). Throughputs are the change of the engine's
+`AsyncEngineClient` stats listener; its `counters` are `observability.stats.EngineCounters`).
+Throughputs are the change of the engine's
 cumulative token counters over the interval: prompt tokens are the prefill tokens the
 engine computed (prefix-cache hits excluded), generation tokens the decode tokens it
 computed. The hit rate is over the prompt tokens looked up in the interval (the rate
@@ -52,7 +53,7 @@ class StatsLogger:
         self._stats = stats
         if not self._last_counts:  # the ready handshake: the base of the first interval
             self._last_counts = _counts(stats)
-            self._last_preemptions = float((stats.extra or {}).get("num_preemptions") or 0)
+            self._last_preemptions = float(stats.counters.num_preemptions)
 
     def line(self, now: float | None = None) -> str | None:
         """The stats line of the interval ending `now` (seconds of `clock`), or None."""
@@ -63,7 +64,7 @@ class StatsLogger:
         elapsed = max(now - self._last_time, 1e-9)
         counts = _counts(stats)
         delta = {k: counts[k] - self._last_counts.get(k, 0.0) for k in _COUNTERS}
-        preemptions = float((stats.extra or {}).get("num_preemptions") or 0)
+        preemptions = float(stats.counters.num_preemptions)
         new_preemptions = int(preemptions - self._last_preemptions)
         self._last_counts, self._last_preemptions, self._last_time = counts, preemptions, now
 
@@ -109,8 +110,7 @@ class StatsLogger:
 
 
 def _counts(stats) -> dict[str, float]:
-    extra = stats.extra or {}
-    return {k: float(extra.get(k) or 0) for k in _COUNTERS}
+    return {k: float(getattr(stats.counters, k)) for k in _COUNTERS}
 
 
 def config_block(engine: EngineConfig, server: ServerConfig, stats, grpc_port: int) -> str:

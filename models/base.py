@@ -70,6 +70,44 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> [N, vocab] float32
         ...
 
+    def forward_with_expert_counts(
+        self,
+        tokens: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
+        """`__call__` plus the expert load: (hidden [T, H], cache, counts [M, S] int32),
+        counts[m, s] = (token, top-k choice) pairs of MoE layer moe_layers()[m] sent to
+        expert slot s, real tokens only (seq_lens > 0); [0, 0] for a dense model. What
+        the engine's step calls (the counts feed EPLB and the balancedness metrics)."""
+        ...
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder-layer indices of the MoE layers, ascending (M = their count)."""
+        ...
+
+    @property
+    def num_expert_slots(self) -> int:
+        """S: physical expert slots per MoE layer (experts + redundant replicas; 0 dense)."""
+        ...
+
+
+# Expert-weight access (EPLB). The slot-indexed expert weights of MoE layer `layer`, in
+# the order EPLB moves them, are the NNX state leaves at `expert_param_path(layer, name)`
+# for name in EXPERT_WEIGHTS: w_gate [S, H, I], w_up [S, H, I], w_down [S, I, H]; its
+# placement tables (models.layers.PLACEMENT_FIELDS, present on an expert-parallel mesh)
+# are at expert_param_path(layer, field). A model family that lays out its MoE block
+# elsewhere overrides nothing here: it must keep these paths (the engine swaps arrays at
+# them between steps, without recompiling).
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def expert_param_path(layer: int, name: str) -> tuple:
+    """The NNX state path of MoE layer `layer`'s expert weight or placement table `name`
+    (e.g. ("layers", 3, "mlp", "w_gate")): the model contract's expert-weight access."""
+    return ("layers", layer, "mlp", name)
+
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
     """Shape of one layer's K (or V) cache array."""

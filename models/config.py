@@ -20,7 +20,7 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 # Families whose q/k/v projections always carry a bias (no config flag; HF Qwen2Attention).
 _QKV_BIAS = ("Qwen2ForCausalLM",)
 
-# Architectures whose router always renormalizes its top-k probabilities (no config flag).
+# Architectures whose MoE gate always renormalizes its top-k probabilities (no config flag).
 _ALWAYS_RENORMALIZE = ("MixtralForCausalLM",)
 
 # Per-family RoPE base when config.json omits it (transformers' `default_theta`).

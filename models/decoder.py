@@ -182,7 +182,7 @@ class DecoderOnlyLM(nnx.Module):
         and it rebuilds the module from flat parameters on every call; a return value
         threads through scan, jit and shard_map like any array, and callers that drop it
         (`__call__`) leave dead code that XLA removes. The logits are unchanged: the
-        counts only read the router's top-k ids.
+        counts only read the gate's top-k ids.
         """
         if (kv_cache is None) != (metadata is None):
             raise ValueError("kv_cache and metadata must be both given or both None")
@@ -304,14 +304,15 @@ def moe_block_specs(
     config: ModelConfig,
     layer: int,
     *,
-    router_names: tuple[str, ...],
+    gate_names: tuple[str, ...],
     experts_prefix: str,
     expert_names: tuple[str, str, str],
     fused_prefix: str,
 ) -> list[WeightSpec]:
     """Specs of one `MoeBlock` (decoder layer `layer`).
 
-    router_names: candidate names of the router weight [E, embed] (first present wins).
+    gate_names: candidate names of the gate (the top-k layer) weight [E, embed] (first
+        present wins).
     experts_prefix / expert_names: per-expert layout, tensors
         f"{experts_prefix}.{e}.{name}.weight" for name in (gate, up, down) — the layout of
         checkpoints on the Hub and of transformers' `save_pretrained`; written on export.
@@ -327,9 +328,9 @@ def moe_block_specs(
         names = [f"{experts_prefix}.{x}.{name}.weight" for x in range(e)]
         return stacked_experts(names, out_features, in_features)
 
-    router = tuple(linear(n, e, h, (h, e)) for n in router_names)
+    gate_sources = tuple(linear(n, e, h, (h, e)) for n in gate_names)
     return [
-        WeightSpec((*ours, "router"), router),
+        WeightSpec((*ours, "gate"), gate_sources),
         WeightSpec(
             (*ours, "w_gate"),
             (per_expert(gate, i, h), fused_gate_up(f"{fused_prefix}.gate_up_proj", e, i, h, 0)),

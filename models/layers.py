@@ -5,14 +5,14 @@ Every weight is declared once, here, with its shape, dtype and *logical* axes (m
 `out_sharding`, read by `nnx.get_partition_spec`); the sharding rules table that maps
 logical axes to mesh axes lives in `jaxserve.sharding`, not here. Logical axis names:
 "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp"; None
-marks a dimension that is never sharded (the router's expert columns, as in MaxText).
+marks a dimension that is never sharded (the gate's expert columns, as in MaxText).
 
 On a device mesh, a model is built with `parallel=` (a `Parallelism`, implemented by
 `jaxserve.sharding.parallel.MeshParallelism`): the paged attention and the MoE experts
 then call it; with parallel=None (one device) they run the plain functions here.
 
 Numerics follow HF transformers (Qwen3-MoE / Mixtral): RMSNorm and RoPE in float32,
-router softmax in float32, attention softmax in float32.
+gate softmax in float32, attention softmax in float32.
 """
 
 from __future__ import annotations
@@ -285,15 +285,15 @@ class MLP(nnx.Module):
 
 
 def route(
-    x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
+    x: jax.Array, gate: jax.Array, top_k: int, norm_topk_prob: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """Top-k softmax router (Shazeer et al. 2017; HF Qwen3-MoE / Mixtral order: softmax over
+    """Top-k softmax gate (Shazeer et al. 2017; HF Qwen3-MoE / Mixtral order: softmax over
     all experts in float32, then top-k, then optional renormalization).
 
-    x: [T, embed]; router: [embed, experts].
+    x: [T, embed]; gate: [embed, experts].
     Returns (topk_weights [T, k] in x.dtype, topk_ids [T, k] int32).
     """
-    logits = x @ router
+    logits = x @ gate
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -361,9 +361,9 @@ def moe_experts_local(*args) -> jax.Array:
 
 
 class MoeBlock(nnx.Module):
-    """Sparse MoE block: router -> top-k -> SwiGLU experts -> weighted sum.
+    """Sparse MoE block: gate -> top-k -> SwiGLU experts -> weighted sum.
 
-    Weights: router [embed, experts] (replicated: every device routes its own tokens);
+    Weights: gate [embed, experts] (replicated: every device routes its own tokens);
     w_gate, w_up [experts, embed, expert_mlp]; w_down [experts, expert_mlp, embed].
 
     With `parallel` (a device mesh) the experts run expert-parallel, and the expert
@@ -397,7 +397,7 @@ class MoeBlock(nnx.Module):
         e, h, i = num_experts, hidden_size, moe_intermediate_size
         # Physical expert slots: E on one device, E + redundant slots on a mesh.
         s = e if parallel is None else parallel.num_expert_slots(e)
-        self.router = param(rngs, (h, e), ("embed", None), dtype)
+        self.gate = param(rngs, (h, e), ("embed", None), dtype)
         self.w_gate = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_up = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_down = param(rngs, (s, i, h), ("experts", "expert_mlp", "embed"), dtype)
@@ -422,7 +422,7 @@ class MoeBlock(nnx.Module):
         on a mesh the slot each pair is dispatched to, replicas included), the expert load
         that EPLB records (`jaxserve.eplb.recorder`).
         """
-        weights, ids = route(x, self.router[...], self.top_k, self.norm_topk_prob)
+        weights, ids = route(x, self.gate[...], self.top_k, self.norm_topk_prob)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         num_slots = self.w_gate.shape[0]
         if self.parallel is None:

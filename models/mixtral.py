@@ -22,7 +22,7 @@ class MixtralForCausalLM(DecoderOnlyLM):
         return moe_block_specs(
             self.config,
             layer,
-            router_names=(f"{hf}.block_sparse_moe.gate.weight", f"{hf}.mlp.gate.weight"),
+            gate_names=(f"{hf}.block_sparse_moe.gate.weight", f"{hf}.mlp.gate.weight"),
             # w1 = gate, w3 = up, w2 = down (Mistral's naming).
             experts_prefix=f"{hf}.block_sparse_moe.experts",
             expert_names=("w1", "w3", "w2"),

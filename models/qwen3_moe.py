@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen team 2025; HF `Qwen3MoeForCausalLM`).
 
-Llama-style decoder with per-head q/k RMSNorm, a softmax top-k router (renormalized only
+Llama-style decoder with per-head q/k RMSNorm, a softmax top-k gate (renormalized only
 if `norm_topk_prob`), and dense SwiGLU layers where `decoder_sparse_step` /
 `mlp_only_layers` say so. The forward is `DecoderOnlyLM`'s; this file holds what is
 Qwen3-specific: q/k norm and the HF weight names of the MoE block.
@@ -22,7 +22,7 @@ class Qwen3MoeForCausalLM(DecoderOnlyLM):
         return moe_block_specs(
             self.config,
             layer,
-            router_names=(f"{hf}.gate.weight",),
+            gate_names=(f"{hf}.gate.weight",),
             experts_prefix=f"{hf}.experts",
             expert_names=("gate_proj", "up_proj", "down_proj"),
             fused_prefix=f"{hf}.experts",

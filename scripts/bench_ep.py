@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_ep.py                 # both parts
     .venv/bin/python scripts/bench_ep.py --part moe      # MoE layer vs number of devices
     .venv/bin/python scripts/bench_ep.py --part coordination
+    .venv/bin/python scripts/bench_ep.py --simulate       # analytical dispatch bytes only
 
 Part "moe": one MoE layer (both paths of `jaxserve.sharding.moe_ep`) on a mesh of
 dp = D emulated CPU devices, D = 1..8, at a decode-sized and a prefill-sized step:
@@ -19,6 +20,30 @@ layer that depends on them, fetch a small replicated output) runs with 1 process
 devices and with 2 processes x 4 devices (jax.distributed on loopback); reported per
 step: the leader's publish time, the follower's transit time (leader send -> follower
 has the arrays) and the whole step time.
+
+--simulate (no devices, nothing timed): bytes one device sends per MoE layer step
+(dispatch rows with their int32 expert ids, then the results back; its own rows stay
+local) for Qwen3-30B-A3B (H = 2048, 128 experts, top-8) at ep 8/16/32/64 and DeepSeek-V3
+(H = 7168, 256 routed experts, top-8) at ep 32/64/128/256, bf16, 16/256/4096 tokens per
+device, three ways:
+
+- today: the static worst-case buffers of the all_to_all path, (ep - 1) x tokens x
+  min(top_k, slots per device) rows (`sharding.moe_ep.all_to_all_bytes_per_device`);
+- ideal: the rows really routed off-device in the step;
+- proposed: a routing-sized dispatch: a main round of C rows per peer, C = the expected
+  rows to the busiest peer under the placement plus z Poisson standard deviations,
+  z = sqrt(2 ln(ep (ep - 1))) (about the expected max over the device pairs), and a
+  drop-free overflow round whose size every device agrees on (the largest per-peer
+  excess of the step, all-reduced, rounded up to a power of two: a few compiled sizes),
+  skipped when no device overflows; both together never above today's buffers.
+
+Routing: each layer's expert popularity is Zipf (1 / rank^s, --sim-zipf, default 1.0);
+a step's rows from one device to each peer are multinomial over the devices' shares of
+the load (a token's top-k choices drawn independently; a choice picks one copy of its
+expert evenly). "eplb": the placement `plan_placement` makes from the popularity, S = E
++ ep slots; "zipf": the checkpoint placement (expert e on device e // (E / ep), S = E),
+no EPLB. Mean over --sim-steps steps. This is the accounting of a proposed dispatch
+only: the step still runs today's buffers.
 """
 
 from __future__ import annotations
@@ -113,6 +138,105 @@ def bench_moe(token_counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+# ----- --simulate: analytical bytes per device per MoE layer step ------------------------
+
+# (name, hidden, experts, top_k, ep values): the models' Hugging Face configs.
+SIM_MODELS = [
+    ("Qwen3-30B-A3B", 2048, 128, 8, (8, 16, 32, 64)),
+    ("DeepSeek-V3", 7168, 256, 8, (32, 64, 128, 256)),
+]
+SIM_TOKENS = (16, 256, 4096)
+BF16 = 2
+
+
+def _device_shares(popularity, placement: str, num_experts: int, ep: int):
+    """[ep] share of the routed rows each device receives, and the slots per layer."""
+    import numpy as np
+
+    from jaxserve.eplb.planner import device_load, plan_placement
+
+    if placement == "zipf":
+        slots = num_experts
+        load = device_load(popularity, np.arange(num_experts), ep)
+    else:
+        slots = num_experts + ep
+        load = plan_placement(popularity[None] * 1e9, slots, ep).device_load[0]
+    return load / load.sum(), slots
+
+
+def simulate(zipf: float, steps: int) -> list[dict]:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jaxserve.sharding import moe_ep
+    from jaxserve.sharding.rules import DP, TP
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, hidden, num_experts, top_k, eps in SIM_MODELS:
+        weight = 1.0 / np.arange(1, num_experts + 1) ** zipf
+        popularity = rng.permutation(weight / weight.sum())
+        row_bytes = 2 * hidden * BF16 + 4  # dispatch row + int32 id, result row back
+        for ep in eps:
+            # The formula needs only the mesh's size and dp/tp extents.
+            mesh = SimpleNamespace(size=ep, shape={DP: ep, TP: 1})
+            for placement in ("eplb", "zipf"):
+                share, slots = _device_shares(popularity, placement, num_experts, ep)
+                for tokens in SIM_TOKENS:
+                    today = moe_ep.all_to_all_bytes_per_device(
+                        tokens * ep, hidden, top_k, mesh, slots, BF16
+                    )
+                    worst_rows = moe_ep.capacity(tokens, top_k, slots // ep)
+                    expected = tokens * top_k * share.max()
+                    # z: about the expected max of ep * (ep - 1) standard normals.
+                    z = math.sqrt(2 * math.log(ep * (ep - 1)))
+                    main = min(worst_rows, math.ceil(expected + z * math.sqrt(expected)))
+                    ideal, proposed, overflowed = [], [], 0
+                    for _ in range(steps):
+                        # sent[i, j]: rows device i routes to device j this step.
+                        sent = rng.multinomial(tokens * top_k, share, size=ep)
+                        off = sent.sum(1) - np.diag(sent)
+                        ideal.append(off.mean() * row_bytes)
+                        excess = np.where(np.eye(ep, dtype=bool), 0, sent - main).max()
+                        extra = 0 if excess <= 0 else 1 << int(math.ceil(math.log2(excess)))
+                        overflowed += excess > 0
+                        # Never more than today's buffers: at worst, main + overflow are
+                        # the worst-case capacity.
+                        proposed.append((ep - 1) * min(main + extra, worst_rows) * row_bytes)
+                    row = {
+                        "model": name,
+                        "ep": ep,
+                        "routing": placement,
+                        "slots": slots,
+                        "tokens_per_device": tokens,
+                        "today_bytes": today,
+                        "ideal_bytes": statistics.mean(ideal),
+                        "proposed_bytes": statistics.mean(proposed),
+                        "main_rows_per_peer": main,
+                        "overflow_steps": overflowed / steps,
+                        "max_device_share_x_ep": float(share.max() * ep),
+                    }
+                    rows.append(row)
+    return rows
+
+
+def print_simulation(rows: list[dict]) -> None:
+    print(
+        "\n| model | ep | routing | tokens/dev | today MiB | ideal MiB | proposed MiB "
+        "| today/ideal | proposed/ideal | overflow steps | busiest device x mean |"
+    )
+    print("|---" * 11 + "|")
+    for r in rows:
+        mib = [r[k] / 2**20 for k in ("today_bytes", "ideal_bytes", "proposed_bytes")]
+        print(
+            f"| {r['model']} | {r['ep']} | {r['routing']} | {r['tokens_per_device']} "
+            f"| {mib[0]:.3f} | {mib[1]:.3f} | {mib[2]:.3f} | {mib[0] / mib[1]:.1f}x "
+            f"| {mib[2] / mib[1]:.2f}x | {r['overflow_steps']:.0%} "
+            f"| {r['max_device_share_x_ep']:.2f} |"
+        )
+
+
 # ----- part 2: per-step coordination, 1 process vs 2 --------------------------------------
 
 
@@ -143,11 +267,11 @@ def coordination_worker(steps: int, out: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
     from jaxserve.sharding import moe_ep
     from jaxserve.sharding.mesh import build_mesh
     from jaxserve.sharding.placement import identity_placement
     from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
-    from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
 
     mesh = build_mesh(2, 4)
     rng = np.random.default_rng(0)
@@ -253,11 +377,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--simulate", action="store_true", help="analytical bytes only")
+    parser.add_argument("--sim-zipf", type=float, default=1.0)
+    parser.add_argument("--sim-steps", type=int, default=20)
+    parser.add_argument("--json", default="bench_results/ep_simulate.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         coordination_worker(args.steps, args.out)
+        return
+    if args.simulate:
+        _setup_cpu(1)
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(f"uptime: {uptime}")
+        rows = simulate(args.sim_zipf, args.sim_steps)
+        print_simulation(rows)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"zipf": args.sim_zipf, "rows": rows}, indent=1))
+        print(f"wrote {path}")
         return
     if args.part in ("moe", "all"):
         rows = bench_moe(args.tokens, args.repeats)

@@ -17,6 +17,7 @@ warm-up (must be 0) and the start-up time.
 
     python scripts/bench_offline.py [--model DIR] [--max-tokens 32] [--prompt-len 64]
         [--batches 1,8,32,128] [--out bench_results/offline.json]
+    python scripts/bench_offline.py --compare-hf [...]   # against transformers: compare_hf.py
 
 Prints a table; writes JSON. Requests are greedy with ignore_eos, so every request
 produces exactly --max-tokens tokens.
@@ -144,9 +145,9 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, one_at_a_time: 
     return (
         tokens,
         seconds,
-        c1["num_steps"] - c0["num_steps"],
-        c1["host_time_s"] - c0["host_time_s"],
-        c1["device_time_s"] - c0["device_time_s"],
+        c1.num_steps - c0.num_steps,
+        c1.host_time_s - c0.host_time_s,
+        c1.device_time_s - c0.device_time_s,
     )
 
 
@@ -222,6 +223,13 @@ def print_row(r: Run, flush: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compare-hf" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from compare_hf import main as compare_main
+
+        compare_main([a for a in argv if a != "--compare-hf"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="demo-sized model folder (default: demo)")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -34,11 +34,15 @@ fi
 
 extras=""
 [ $# -gt 0 ] && extras="[$(IFS=,; echo "$*")]"
-# Reinstall only when pyproject.toml or the extras changed (the install is editable, so
-# code changes need none); keeps repeated runs of demo.sh and test.sh fast and quiet.
+# A strict editable install: build/__editable__.*/ mirrors the package tree in links and
+# is one static path entry, which IDEs and type checkers follow (no import hook). Code
+# changes need no reinstall; a new or removed file does (the link tree lists files), so
+# reinstall when pyproject.toml, the extras or the package files changed. Run from the
+# repository root (tests, `python -m jaxserve...`), the tree itself is imported anyway.
 stamp="$venv/.jaxserve-install"
-want="$(sha256sum pyproject.toml | cut -c1-64) $extras"
+files="$(find jaxserve/ models/ sharding/ eplb/ frontend/ -type f -not -path '*/__pycache__/*' | sort | sha256sum | cut -c1-64)"
+want="$(sha256sum pyproject.toml | cut -c1-64) $files $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$venv/bin/python" -m pip install -q -e ".$extras"
+  "$venv/bin/python" -m pip install -q -e ".$extras" --config-settings editable_mode=strict
   echo "$want" > "$stamp"
 fi

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up the test environment and run the whole CPU test suite.
+# Set up the test environment, lint the tree and run the whole CPU test suite.
 #   bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
 venv="${JAXSERVE_VENV:-.venv}"
+# Lint first: the whole tree, as ruff is configured in pyproject.toml.
+"$venv/bin/ruff" check .
 # Tests that need several devices get them from emulated CPU devices (see tests/conftest.py).
 # `gpu`-marked tests need an NVIDIA GPU; run them there with `pytest -m gpu`.
 exec "$venv/bin/python" -m pytest -q -m "not gpu" "$@"

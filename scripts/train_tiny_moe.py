@@ -21,9 +21,9 @@ What it does, deterministically (same machine + same command -> same bytes):
    vmapped over the batch, initialised like HF (`normal(0, initializer_range)` for
    matrices, ones for RMSNorm weights) from `--seed`.
 5. Optimiser: optax AdamW with linear warm-up then cosine decay, global-norm clipping.
-   Loss: next-token cross-entropy only. No router load-balancing loss (Switch
+   Loss: next-token cross-entropy only. No gate load-balancing loss (Switch
    Transformer, Fedus et al. 2021): the model's cache-less forward returns hidden states
-   and does not expose router logits, and the demo does not need balanced experts.
+   and does not expose gate logits, and the demo does not need balanced experts.
 6. Output: a Hugging Face folder (config.json, model.safetensors, tokenizer.json,
    tokenizer_config.json, generation_config.json) that both `jaxserve` and
    `transformers.AutoModelForCausalLM` load.

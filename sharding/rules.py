@@ -45,7 +45,6 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
 
 # Logical axes of the arrays that are not weights.
 KV_CACHE_AXES = ("kv_blocks", "kv_block_slots", "kv_heads", "head_dim")
-TOKEN_AXES = ("tokens",)
 HIDDEN_AXES = ("tokens", "embed")
 
 

@@ -3,7 +3,7 @@
     python multihost_engine_worker.py MODEL_DIR DP TP OUT_JSON
 
 The run's place comes from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-JAX_PROCESS_ID). Every process builds the same EngineCore on the dp x tp mesh that spans
+JAX_PROCESS_ID). Every process builds the same engine on the dp x tp mesh that spans
 all of them. Process 0 leads: it schedules REQUESTS and publishes each step on the step
 channel before dispatching it, then writes {"tokens": {id: [...]}, "counters": {...}} to
 OUT_JSON. The others follow its steps until it stops them.
@@ -11,6 +11,7 @@ OUT_JSON. The others follow its steps until it stops them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -48,23 +49,31 @@ def main(model_dir: str, dp: int, tp: int, out_json: str) -> None:
 
     from engine_helpers import run_engine  # noqa: PLC0415 -- after jax.distributed
 
+    from jaxserve.distributed.executor import LeaderExecutor, follow  # noqa: PLC0415
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber  # noqa: PLC0415
+    from jaxserve.engine.builder import build_engine  # noqa: PLC0415
     from jaxserve.engine.core import EngineCore  # noqa: PLC0415
-    from jaxserve.step_channel import StepPublisher, StepSubscriber  # noqa: PLC0415
 
-    engine = EngineCore(engine_config(model_dir, dp, tp))
     port = config.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
     if config.is_leader:
-        engine.lead(StepPublisher(config.coordinator_host, port, config.num_processes - 1))
+
+        def lead(runner):
+            publisher = StepPublisher(config.coordinator_host, port, config.num_processes - 1)
+            return LeaderExecutor(runner, publisher)
+
+        engine = EngineCore(engine_config(model_dir, dp, tp), executor=lead)
         try:
             results = run_engine(engine, requests())
         finally:
             engine.close()
         tokens = {rid: r.tokens for rid, r in results.items()}
         with open(out_json, "w") as f:
-            json.dump({"tokens": tokens, "counters": engine.counters()}, f)
+            counters = dataclasses.asdict(engine.counters())
+            json.dump({"tokens": tokens, "counters": counters}, f)
     else:
+        runner = build_engine(engine_config(model_dir, dp, tp)).runner
         channel = StepSubscriber(config.coordinator_host, port, config.process_id)
-        engine.follow(channel, timeout_s=300)
+        follow(runner, channel, timeout_s=300)
         channel.close()
 
 

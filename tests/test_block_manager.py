@@ -14,14 +14,14 @@ import pytest
 
 from jaxserve.engine.block_hash import ROOT_HASH, hash_block, hash_token_blocks
 from jaxserve.engine.block_manager import NULL_BLOCK, BlockManager
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.request import Request
 from jaxserve.sampling_params import SamplingParams
 
 BS = 4
 
 
-def make_seq(tokens, rid="r", **fields) -> Sequence:
-    return Sequence(
+def make_seq(tokens, rid="r", **fields) -> Request:
+    return Request(
         request_id=rid,
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
@@ -31,7 +31,7 @@ def make_seq(tokens, rid="r", **fields) -> Sequence:
     )
 
 
-def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+def check_invariants(bm: BlockManager, live: list[Request]) -> None:
     """Ref counts equal table occurrences; free <=> unreferenced; block 0 never used."""
     counts = [0] * bm.num_blocks
     for seq in live:
@@ -199,7 +199,7 @@ def test_eviction_never_frees_a_block_in_use_random():
     rng = random.Random(0)
     bm = BlockManager(num_blocks=12, block_size=BS)
     content: dict[int, tuple] = {}  # block -> token prefix whose K/V it physically holds
-    live: list[Sequence] = []
+    live: list[Request] = []
     for step in range(3000):
         if live and (rng.random() < 0.45 or bm.num_free_blocks < 3):
             seq = live.pop(rng.randrange(len(live)))

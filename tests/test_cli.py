@@ -198,7 +198,7 @@ def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
 
     import jax.numpy as jnp
 
-    from jaxserve.engine import model_runner
+    from jaxserve.engine import kv_sizing
     from jaxserve.models.config import ModelConfig
 
     hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
@@ -208,6 +208,6 @@ def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
     fake = {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page}
     monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
     block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
-    got = model_runner.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
+    got = kv_sizing.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
     assert got == int(pages * page * 0.25) // block_bytes
-    assert model_runner.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1
+    assert kv_sizing.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1

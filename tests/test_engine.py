@@ -375,8 +375,8 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
     from model_utils import StepRequest, build_step
 
     from jaxserve.engine.model_runner import ModelRunner
+    from jaxserve.engine.request import Request
     from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-    from jaxserve.engine.sequence import Sequence
     from jaxserve.sampling_params import SamplingParams
 
     src = tiny_engine.runner
@@ -402,7 +402,7 @@ def test_runner_prepare_matches_reference_layout_and_buckets(tiny_engine):
             table = [free_blocks.pop() for _ in range(-(-(start + n) // 8))]
             prompt = [rng.randrange(100) for _ in range(start + n)]
             params = SamplingParams(repetition_penalty=1.2 if rng.random() < 0.05 else 1.0)
-            seq = Sequence(f"s{len(reqs)}", prompt, len(prompt), params, seed=0)
+            seq = Request(f"s{len(reqs)}", prompt, len(prompt), params, seed=0)
             seq.block_table = table
             reqs.append(ScheduledRequest(seq, start, n, True))
             budget -= n

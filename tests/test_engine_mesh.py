@@ -177,8 +177,8 @@ def test_dp_scheduler_assigns_prefix_hits_else_least_loaded():
 
     from jaxserve.engine.block_manager import BlockManager
     from jaxserve.engine.outputs import StepSamples
+    from jaxserve.engine.request import Request
     from jaxserve.engine.scheduler import Scheduler
-    from jaxserve.engine.sequence import Sequence
     from jaxserve.sampling_params import SamplingParams
 
     ranks = [Scheduler(BlockManager(32, 4, True), 4, 32, 64) for _ in range(2)]
@@ -186,7 +186,7 @@ def test_dp_scheduler_assigns_prefix_hits_else_least_loaded():
 
     def add(rid: str, prompt: list[int]) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=4)
-        dp.add(Sequence(rid, list(prompt), len(prompt), params, seed=0))
+        dp.add(Request(rid, list(prompt), len(prompt), params, seed=0))
         return next(k for k, s in enumerate(ranks) if rid in s.requests)
 
     shared = list(range(100, 112))  # three full blocks

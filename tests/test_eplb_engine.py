@@ -25,9 +25,9 @@ from prometheus_client import generate_latest
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.config import CacheConfig, EngineConfig, EplbConfig, MeshConfig, SchedulerConfig
-from jaxserve.engine import core as core_lib
+from jaxserve.engine import builder
 from jaxserve.engine.core import EngineCore
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 
 MAX_LEN = 40
 BLOCK_SIZE = 4
@@ -131,8 +131,8 @@ def test_eplb_engine_rebalances_with_same_outputs(
     assert engine.num_compilations == 0
     assert controller.executor.num_compilations == 1
     stats = engine.stats()
-    assert stats.extra["eplb_rebalances"] == controller.num_rebalances
-    assert stats.extra["eplb_rebalance_s"] > 0
+    assert stats.counters.eplb_rebalances == controller.num_rebalances
+    assert stats.counters.eplb_rebalance_s > 0
     metrics = Metrics(model="m")
     metrics.update_from_engine(stats)
     exposition = generate_latest(metrics.registry).decode()
@@ -167,10 +167,10 @@ def test_redundant_slots_must_divide_ep(model_dir):
 
 
 def test_eplb_refused_with_several_processes(monkeypatch):
-    monkeypatch.setattr(core_lib.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(builder.jax, "process_count", lambda: 2)
     config = EngineConfig(mesh=MeshConfig(2, 4), eplb=EplbConfig(enabled=True))
     with pytest.raises(ValueError, match="enable-eplb"):
-        core_lib._check_eplb(config)
+        builder.check_eplb(config)
 
 
 @pytest.mark.parametrize(

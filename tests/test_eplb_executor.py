@@ -109,7 +109,7 @@ def test_source_slots_errors_name_the_argument():
 
 @functools.cache
 def _logical_weights():
-    """[L] layers of (w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H]) and routers."""
+    """[L] layers of (w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H]) and gates."""
     rng = np.random.default_rng(0)
     layers = []
     for _ in range(NUM_LAYERS):
@@ -123,8 +123,8 @@ def _logical_weights():
                 )
             )
         )
-    routers = rng.standard_normal((NUM_LAYERS, HIDDEN, NUM_EXPERTS)).astype(np.float32)
-    return layers, routers
+    gates = rng.standard_normal((NUM_LAYERS, HIDDEN, NUM_EXPERTS)).astype(np.float32)
+    return layers, gates
 
 
 def _skewed_load(seed: int) -> np.ndarray:
@@ -142,11 +142,11 @@ def _ep_moe(mesh):
 def _check_moe_output(mesh, weights, tables, seed: int) -> None:
     """The EP MoE of each layer's slot weights and tables == the dense MoE on the
     logical weights."""
-    logical, routers = _logical_weights()
+    logical, gates = _logical_weights()
     dp = mesh.shape["dp"]
     x = np.random.default_rng(seed).standard_normal((6 * dp, HIDDEN)).astype(np.float32)
     for layer in range(NUM_LAYERS):
-        topk_w, topk_ids = route(jnp.asarray(x), jnp.asarray(routers[layer]), TOP_K, True)
+        topk_w, topk_ids = route(jnp.asarray(x), jnp.asarray(gates[layer]), TOP_K, True)
         want = moe_experts_dense(jnp.asarray(x), topk_w, topk_ids, *logical[layer])
         args = [jax.device_put(a, batch_sharding(mesh, 2)) for a in (x, topk_w, topk_ids)]
         got = _ep_moe(mesh)(*args, *weights[layer], tables[layer])

@@ -1,9 +1,10 @@
 """EPLB's expert-load recording: the counts the model's step returns, and the host-side
 `ExpertLoadRecorder` window.
 
-Oracles: HF transformers' router logits on the same checkpoint and tokens (top-k,
-bincount) for the counts, real tokens only; the single-device model for the counts on a
-(dp, tp) mesh; brute-force loops for the recorder's window, rank loads and balancedness.
+Oracles: HF transformers' gate logits (its `router_logits`) on the same checkpoint and
+tokens (top-k, bincount) for the counts, real tokens only; the single-device model for
+the counts on a (dp, tp) mesh; brute-force loops for the recorder's window, rank loads
+and balancedness.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ METADATA_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"
 
 
 def hf_expert_counts(hf_model, sequences: list[list[int]]) -> np.ndarray:
-    """[MoE layers, E] int64: top-k of HF's router logits of every token of every
+    """[MoE layers, E] int64: top-k of HF's gate logits of every token of every
     sequence (each run alone, unpadded), counted per expert."""
     import torch
 
@@ -77,7 +78,7 @@ def single_step_run(tiny_engine, engine_requests):
     return _engine_run(tiny_engine, engine_requests, async_scheduling=False, num_decode_steps=1)
 
 
-def test_engine_counts_equal_hf_router_recount(
+def test_engine_counts_equal_hf_gate_recount(
     tiny_engine, hf_model, engine_requests, single_step_run
 ):
     """Over a run of prefills and decodes (padded to token buckets), the recorded counts

@@ -30,7 +30,7 @@ from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
-from jaxserve.step_channel import STOP, StepPublisher, StepSubscriber
+from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -222,7 +222,7 @@ _CHANNEL_END = """
 import logging, sys, time
 from jaxserve.distributed import DistributedConfig
 from jaxserve.engine.process import exit_on_lost_peer
-from jaxserve.step_channel import StepPublisher, StepSubscriber
+from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
 logging.basicConfig(level="INFO")
 port, role = int(sys.argv[1]), sys.argv[2]
 if role == "leader":

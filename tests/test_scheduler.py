@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.block_manager import NULL_BLOCK, BlockManager
+from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, StepSamples
-from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -74,7 +74,7 @@ class FakeDevice:
         return StepSamples(token_ids=token_ids)
 
     @staticmethod
-    def _input_token(seq: Sequence, pos: int, prev) -> int:
+    def _input_token(seq: Request, pos: int, prev) -> int:
         if pos < seq.num_tokens:
             return seq.token_ids[pos]
         rows, prev_tokens = prev  # sampled by the previous step, not yet appended
@@ -86,8 +86,8 @@ def make_scheduler(num_blocks=64, max_seqs=8, budget=32, max_model_len=256, **kw
     return Scheduler(bm, max_seqs, budget, max_model_len, **kw), FakeDevice(num_blocks)
 
 
-def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Sequence:
-    seq = Sequence(
+def add(sched: Scheduler, rid: str, prompt: list[int], **params) -> Request:
+    seq = Request(
         request_id=rid,
         token_ids=list(prompt),
         num_prompt_tokens=len(prompt),
@@ -316,7 +316,7 @@ def test_preemption_picks_newest_running():
         if out.num_preempted:
             preempted.append(new.status)
         sched.update(out, dev.step(out))
-    assert preempted and preempted[0] is SequenceStatus.WAITING
+    assert preempted and preempted[0] is RequestStatus.WAITING
     assert old.num_preemptions == 0 and new.num_preemptions > 0
 
 

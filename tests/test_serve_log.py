@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, MeshConfig, ServerConfig
 from jaxserve.ipc import EngineStats
+from jaxserve.observability.stats import EngineCounters
 from jaxserve.serve_log import StatsLogger, config_block
 
 
@@ -18,11 +19,10 @@ def _stats(prefill=0, decode=0, queries=0, hits=0, preemptions=0, running=0, wai
     return EngineStats(
         model="m", max_model_len=64, block_size=16, num_blocks_total=100, num_blocks_free=free,
         num_running=running, num_waiting=waiting, ready=True,
-        extra={
-            "prefill_tokens": prefill, "decode_tokens": decode,
-            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "num_preemptions": preemptions,
-        },
+        counters=EngineCounters(
+            prefill_tokens=prefill, decode_tokens=decode, prefix_cache_queries=queries,
+            prefix_cache_hits=hits, num_preemptions=preemptions,
+        ),
     )  # fmt: skip
 
 

@@ -107,7 +107,7 @@ HIDDEN, INTER, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 def moe_weights():
     rng = np.random.default_rng(0)
     return {
-        "router": rng.standard_normal((HIDDEN, NUM_EXPERTS)).astype(np.float32),
+        "gate": rng.standard_normal((HIDDEN, NUM_EXPERTS)).astype(np.float32),
         "w_gate": (rng.standard_normal((NUM_EXPERTS, HIDDEN, INTER)) * 0.3).astype(np.float32),
         "w_up": (rng.standard_normal((NUM_EXPERTS, HIDDEN, INTER)) * 0.3).astype(np.float32),
         "w_down": (rng.standard_normal((NUM_EXPERTS, INTER, HIDDEN)) * 0.3).astype(np.float32),
@@ -116,7 +116,7 @@ def moe_weights():
 
 def _routing(weights, num_tokens: int, skewed: bool, seed: int = 1):
     x = np.random.default_rng(seed).standard_normal((num_tokens, HIDDEN)).astype(np.float32)
-    topk_w, topk_ids = route(jnp.asarray(x), jnp.asarray(weights["router"]), TOP_K, True)
+    topk_w, topk_ids = route(jnp.asarray(x), jnp.asarray(weights["gate"]), TOP_K, True)
     if skewed:  # every token picks experts 5 and 2: all rows go to one or two devices
         topk_ids = jnp.tile(jnp.asarray([[5, 2]], jnp.int32), (num_tokens, 1))
     return x, topk_w, topk_ids

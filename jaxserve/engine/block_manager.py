@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from jaxserve.engine.block_hash import BlockHash, hash_block
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.request import Request
 
 NULL_BLOCK = 0
 
@@ -81,11 +81,11 @@ class BlockManager:
 
     # ----- prefix cache ------------------------------------------------------------------
 
-    def caches(self, seq: Sequence) -> bool:
+    def caches(self, seq: Request) -> bool:
         """Whether seq's full blocks are named and looked up (globally, or in its group)."""
         return self.enable_prefix_caching or seq.cache_group is not None
 
-    def full_block_hashes(self, seq: Sequence) -> list[BlockHash]:
+    def full_block_hashes(self, seq: Request) -> list[BlockHash]:
         """The chained hashes of every full block of seq.token_ids (cached on the sequence).
 
         Pending tokens (not yet sampled) are not part of token_ids, so their blocks are
@@ -99,7 +99,7 @@ class BlockManager:
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
         return hashes
 
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
+    def lookup_prefix(self, seq: Request) -> list[int]:
         """Block ids holding the longest cached prefix of seq.token_ids.
 
         At least one token is always left uncached: the step needs a query token to
@@ -118,7 +118,7 @@ class BlockManager:
             hit.append(block)
         return hit
 
-    def register_computed(self, seq: Sequence) -> None:
+    def register_computed(self, seq: Request) -> None:
         """Name the sequence's full blocks whose K/V are computed by dispatched steps and
         whose tokens are known (see the module docstring).
 
@@ -149,14 +149,14 @@ class BlockManager:
 
     # ----- allocation --------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Request, num_tokens: int, cached: list[int] = ()) -> bool:
         """Whether `allocate(seq, num_tokens, cached)` would succeed."""
         need = self.blocks_for(num_tokens) - len(seq.block_table) - len(cached)
         # Cached hits that sit in the free queue stop being free once taken.
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
         return max(need, 0) + revived <= len(self.free_queue)
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate(self, seq: Request, num_tokens: int, cached: list[int] = ()) -> bool:
         """Grow seq.block_table to hold its first `num_tokens` tokens.
 
         Args:
@@ -186,7 +186,7 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Request) -> None:
         """Release all of seq's blocks (tail first, so tails are evicted first)."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1

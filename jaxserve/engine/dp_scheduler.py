@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.sequence import Sequence
 from jaxserve.ipc import RequestOutput
 
 
@@ -61,11 +61,11 @@ class DPScheduler:
     # ----- requests ----------------------------------------------------------------------
 
     @property
-    def requests(self) -> ChainMap[str, Sequence]:
+    def requests(self) -> ChainMap[str, Request]:
         """Live requests of every rank by id (a read-only view)."""
         return ChainMap(*(s.requests for s in self.ranks))
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Assign seq to a rank (see the module doc) and queue it there.
 
         Raises:
@@ -77,7 +77,7 @@ class DPScheduler:
         self.num_assigned[rank] += 1
         self.ranks[rank].add(seq)
 
-    def pick_rank(self, seq: Sequence) -> int:
+    def pick_rank(self, seq: Request) -> int:
         """The rank with the longest cached prefix of seq, ties and misses to the least
         loaded (then the lowest index)."""
 

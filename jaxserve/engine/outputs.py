@@ -1,16 +1,22 @@
 """What a step produced, on the host: the sampled tokens (`StepSamples`) and the
 `ipc.RequestOutput`s built from them (token ids, finish state, log-probs, the prompt's
-log-probs, the first output's header). Plain data: no JAX, no scheduling decisions.
+log-probs, the first output's header). Plain data: no JAX, no scheduling decisions
+(`samples_arrays` / `step_samples` take the device-to-host copy as a function).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.request import Request
 from jaxserve.ipc import RequestOutput
+
+if TYPE_CHECKING:
+    from jaxserve.engine.step_fn import StepOutput
+    from jaxserve.engine.step_inputs import StepInputs
 
 
 @dataclass(slots=True)
@@ -39,7 +45,7 @@ class StepSamples:
 
 
 def request_output(
-    seq: Sequence, new_token_ids: list[int], logprobs: list | None = None
+    seq: Request, new_token_ids: list[int], logprobs: list | None = None
 ) -> RequestOutput:
     """The RequestOutput of `seq` after it got `new_token_ids` (or finished): carries the
     `first` header on seq's first output and the prompt log-probs with its first tokens."""
@@ -71,7 +77,7 @@ def request_output(
     )
 
 
-def row_logprobs(seq: Sequence, samples: StepSamples, row: int, num_tokens: int) -> list | None:
+def row_logprobs(seq: Request, samples: StepSamples, row: int, num_tokens: int) -> list | None:
     """The ipc.RequestOutput.logprobs entries of a row's first `num_tokens` new tokens:
     [[logprob, [[top_token_id, top_logprob], ...]], ...] with the top-N the request asked for."""
     k = seq.params.logprobs
@@ -88,7 +94,7 @@ def row_logprobs(seq: Sequence, samples: StepSamples, row: int, num_tokens: int)
     return entries
 
 
-def add_prompt_logprobs(seq: Sequence, computed: tuple[int, list] | None) -> None:
+def add_prompt_logprobs(seq: Request, computed: tuple[int, list] | None) -> None:
     """Append a step's prompt log-prob entries (first position, entries) to seq, skipping
     positions it already has (a recompute after preemption)."""
     if computed is None or seq.prompt_logprobs is None:
@@ -97,3 +103,52 @@ def add_prompt_logprobs(seq: Sequence, computed: tuple[int, list] | None) -> Non
     have = len(seq.prompt_logprobs)
     if first <= have < first + len(entries):
         seq.prompt_logprobs.extend(entries[have - first :])
+
+
+def samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
+    """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
+    prompt top logprobs, expert counts) on the host, in one transfer; None for what the
+    step does not need."""
+    wanted = (out.token_ids,)
+    wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
+    prompt = out.prompt_logprobs.shape[0] > 0
+    wanted += (
+        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
+        if prompt
+        else (None,) * 3
+    )
+    return get((*wanted, out.expert_counts))
+
+
+def step_samples(out: StepOutput, x: StepInputs, get) -> tuple[StepSamples, np.ndarray]:
+    """(StepSamples, expert counts [M, S]) of a one-rank step's `step_fn.StepOutput` (device arrays
+    with get=jax.device_get, host arrays with get=identity). The counts come back in the
+    same transfer as the tokens."""
+    n = x.num_rows
+    if x.logprob_rows:
+        token_ids, logprobs, top_ids, top_lps, counts = get(
+            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs, out.expert_counts)
+        )
+        samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
+    else:
+        token_ids, counts = get((out.token_ids, out.expert_counts))
+        samples = StepSamples(np.asarray(token_ids)[:, :n])
+    if x.prompt_spans:
+        samples.prompt_logprobs = _prompt_entries(
+            x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
+        )
+    return samples, np.asarray(counts)
+
+
+def _prompt_entries(
+    x: StepInputs, logprobs: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
+) -> dict[int, tuple[int, list]]:
+    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...])."""
+    entries = {}
+    for span in x.prompt_spans:
+        rows = []
+        for t in range(span.flat_start, span.flat_start + span.count):
+            ids, lps = top_ids[t, : span.k].tolist(), top_lps[t, : span.k].tolist()
+            rows.append([float(logprobs[t]), [[i, lp] for i, lp in zip(ids, lps, strict=True)]])
+        entries[span.row] = (span.first_position, rows)
+    return entries

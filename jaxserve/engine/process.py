@@ -12,9 +12,10 @@ travel on the outputs socket so they stay ordered with outputs.
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
 
-Several processes (`jaxserve.distributed`): this process leads, `run_follower` runs in
-the others. No process can go on without the others, so when one is gone (its step
-channel connection closed: `jaxserve.step_channel`) or a step fails, every process exits
+Several processes (`jaxserve.distributed`): this process leads (its core's executor is
+a `distributed.executor.LeaderExecutor`), `run_follower` runs in the others. No process
+can go on without the others, so when one is gone (its step channel connection closed:
+`jaxserve.distributed.step_channel`) or a step fails, every process exits
 at once with a non-zero code and a log line that says why, and never waits at
 jax.distributed's shutdown barrier, which a dead process never reaches (measured: the
 survivor hung there until the heartbeat timeout, then JAX aborted it).
@@ -201,18 +202,11 @@ def run_engine_process(
     core = None
     try:
         try:
-            core = load_engine_class(engine_class)(config)
+            cls = load_engine_class(engine_class)
             if dist is not None and dist.num_processes > 1:
-                from jaxserve.step_channel import StepPublisher  # noqa: PLC0415
-
-                port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
-                publisher = StepPublisher(
-                    dist.coordinator_host,
-                    port,
-                    dist.num_processes - 1,
-                    on_follower_lost=exit_on_lost_peer(dist),
-                )
-                core.lead(publisher)
+                core = cls(config, executor=_leader_executor(dist))
+            else:
+                core = cls(config)
         except Exception as e:
             report_start_failure("engine", e, logger)  # one line; traceback at DEBUG
             return EXIT_START_FAILED
@@ -244,15 +238,16 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
         leader is gone.
     """
     distributed.initialize(dist)  # before any other JAX call
-    from jaxserve.engine.core import EngineCore  # noqa: PLC0415
-    from jaxserve.step_channel import StepSubscriber  # noqa: PLC0415
+    from jaxserve.distributed.executor import follow  # noqa: PLC0415
+    from jaxserve.distributed.step_channel import StepSubscriber  # noqa: PLC0415
+    from jaxserve.engine.builder import build_engine  # noqa: PLC0415
 
     # jax.distributed's preemption notifier takes SIGTERM over and the process would run on
     # (measured): take it back, so that stopping a follower (e.g. deleting its pod) ends
     # it, and with it the run (the leader sees it gone).
     signal.signal(signal.SIGTERM, lambda *_: _leave_on_sigterm(dist.process_id))
     try:
-        core = EngineCore(config)
+        runner = build_engine(config).runner
         port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
         channel = StepSubscriber(
             dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
@@ -261,7 +256,7 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
         report_start_failure(f"follower {dist.process_id}", e, logger)
         exit_now(EXIT_START_FAILED)
     try:
-        steps = core.follow(channel)
+        steps = follow(runner, channel)
     except Exception:
         logger.exception("follower %d: a step failed; the process exits", dist.process_id)
         time.sleep(_PEER_LOSS_GRACE_S)  # a dead leader: let the watcher name it
@@ -269,6 +264,26 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
     channel.close()
     logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
     return 0
+
+
+def _leader_executor(dist: distributed.DistributedConfig):
+    """The executor factory of process 0: publish every step to the followers (once they
+    all joined the step channel), exiting at once should one be gone."""
+
+    def make(runner):
+        from jaxserve.distributed.executor import LeaderExecutor  # noqa: PLC0415
+        from jaxserve.distributed.step_channel import StepPublisher  # noqa: PLC0415
+
+        port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
+        publisher = StepPublisher(
+            dist.coordinator_host,
+            port,
+            dist.num_processes - 1,
+            on_follower_lost=exit_on_lost_peer(dist),
+        )
+        return LeaderExecutor(runner, publisher)
+
+    return make
 
 
 def _leave_on_sigterm(process_id: int) -> NoReturn:

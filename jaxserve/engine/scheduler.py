@@ -18,7 +18,7 @@ of tokens each sequence still has to compute. One step:
    waits a step and then reuses it, so identical prompts arriving together share KV.
 
 4. A step is committed when it is scheduled: each row's `num_computed_tokens` advances
-   and the tokens it will sample count as pending (sequence.py), so the engine can
+   and the tokens it will sample count as pending (request.py), so the engine can
    schedule step N+1 while the device runs step N. A sequence whose pending tokens
    already reach max_tokens or max_model_len is not scheduled again.
 5. Multi-step decode: when every running sequence is decoding and nothing waiting could
@@ -47,7 +47,7 @@ from jaxserve.engine.outputs import (
     request_output,
     row_logprobs,
 )
-from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.ipc import RequestOutput
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "StepSamples"]
@@ -61,7 +61,7 @@ class ScheduledRequest:
         last token give the sequence's next token (False for a partial prefill chunk).
     """
 
-    seq: Sequence
+    seq: Request
     start: int
     num_tokens: int
     samples: bool
@@ -129,9 +129,9 @@ class Scheduler:
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
         self.num_decode_steps = num_decode_steps
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.requests: dict[str, Sequence] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
         self._finished: list[RequestOutput] = []
         self._arrivals = itertools.count()
         # Counters for the metrics layer (monotonic).
@@ -159,7 +159,7 @@ class Scheduler:
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
         return self.bm.blocks_for(longest - 1)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue a sequence; one that can never be served is finished with an error output.
 
         Raises:
@@ -168,17 +168,17 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise ValueError(f"request_id: {seq.request_id!r} is already running")
         seq.arrival_seq = next(self._arrivals)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         error = self._unservable(seq)
         if error is not None:
-            seq.status = SequenceStatus.FINISHED
+            seq.status = RequestStatus.FINISHED
             seq.finish_reason, seq.error = "error", error
             self._finished.append(request_output(seq, []))
             return
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def _unservable(self, seq: Sequence) -> str | None:
+    def _unservable(self, seq: Request) -> str | None:
         if seq.num_prompt_tokens >= self.max_model_len:
             return (
                 f"prompt: {seq.num_prompt_tokens} tokens leave no room for output within "
@@ -204,7 +204,7 @@ class Scheduler:
             seq = self.requests.get(request_id)
             if seq is None:
                 continue
-            if seq.status is SequenceStatus.WAITING:
+            if seq.status is RequestStatus.WAITING:
                 self.waiting.remove(seq)
             else:
                 self.running.remove(seq)
@@ -231,7 +231,7 @@ class Scheduler:
         if num_steps is None:
             num_steps = self._num_decode_steps()
         out = SchedulerOutput(num_steps=num_steps)
-        chunks: dict[Sequence, int] = {}
+        chunks: dict[Request, int] = {}
         budget = self._schedule_running(chunks, out)
         if out.num_preempted == 0 and out.num_steps == 1:
             inflight: set[BlockHash] = set()
@@ -287,21 +287,21 @@ class Scheduler:
                 return 1
         return k
 
-    def _pending_reach_limit(self, seq: Sequence) -> bool:
+    def _pending_reach_limit(self, seq: Request) -> bool:
         """Whether the tokens already scheduled end seq by max_tokens or max_model_len."""
         return seq.num_pending_tokens > 0 and (
             seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens
             or seq.num_total_tokens >= self.max_model_len
         )
 
-    def _schedule_running(self, chunks: dict[Sequence, int], out: SchedulerOutput) -> int:
+    def _schedule_running(self, chunks: dict[Request, int], out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
         # Decodes (1 missing token) before prefill chunks; oldest first within each.
         order = sorted(self.running, key=lambda s: (s.num_missing_tokens > 1, s.arrival_seq))
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or self._pending_reach_limit(seq):
+            if seq.status is not RequestStatus.RUNNING or self._pending_reach_limit(seq):
                 continue  # preempted earlier in this loop, or nothing left to compute
             n = min(seq.num_missing_tokens, budget)
             # A multi-step decode writes the K/V of num_steps tokens (n == 1 there).
@@ -319,7 +319,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(
-        self, chunks: dict[Sequence, int], budget: int, inflight: set[BlockHash]
+        self, chunks: dict[Request, int], budget: int, inflight: set[BlockHash]
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -335,7 +335,7 @@ class Scheduler:
             if not self.bm.allocate(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += num_cached
@@ -344,7 +344,7 @@ class Scheduler:
             budget -= n
             self._add_inflight(inflight, seq, num_cached, n)
 
-    def _add_inflight(self, inflight: set[BlockHash], seq: Sequence, start: int, n: int) -> None:
+    def _add_inflight(self, inflight: set[BlockHash], seq: Request, start: int, n: int) -> None:
         """Add the names of the full blocks that computing tokens [start, start + n) completes."""
         if not self.bm.caches(seq):
             return
@@ -352,7 +352,7 @@ class Scheduler:
         hashes = self.bm.full_block_hashes(seq)
         inflight.update(hashes[start // bs : (start + n) // bs])
 
-    def _next_block_inflight(self, seq: Sequence, num_hit: int, inflight: set[BlockHash]) -> bool:
+    def _next_block_inflight(self, seq: Request, num_hit: int, inflight: set[BlockHash]) -> bool:
         """Whether seq's first uncached block is being computed by another row this step.
 
         Identical prompts that arrive together (n > 1 samples, a shared system prompt)
@@ -363,10 +363,10 @@ class Scheduler:
             return False
         return self.bm.full_block_hashes(seq)[num_hit] in inflight
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         seq.num_computed_tokens = 0
         # A token still in flight for it is dropped: recomputing gives the same one (its
         # RNG step is the number of output tokens before it).
@@ -389,7 +389,7 @@ class Scheduler:
         outputs = self.drain_finished()
         for row, item in enumerate(sched.requests):
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted after this step was scheduled
             add_prompt_logprobs(seq, samples.prompt_logprobs.get(row))
             if not item.samples:
@@ -414,7 +414,7 @@ class Scheduler:
 
     # ----- finishing ---------------------------------------------------------------------
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Request, token: int) -> None:
         """Set finish_reason/stop_reason: stop tokens win over length limits."""
         params = seq.params
         if token in params.stop_token_ids:
@@ -424,9 +424,9 @@ class Scheduler:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Request, reason: str) -> None:
         self.bm.free(seq)
         seq.num_pending_tokens = 0
-        seq.status = SequenceStatus.FINISHED
+        seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)

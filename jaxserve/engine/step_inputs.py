@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.sequence import Sequence
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 
 # Fewest rows of a multi-step decode call (T = R = 1 runs slower than 4 on the CPU).
@@ -282,7 +282,7 @@ class InputBuilder:
     def build(
         self,
         sched: SchedulerOutput,
-        prev_rows: dict[Sequence, int],
+        prev_rows: dict[Request, int],
         shape: StepShape | None = None,
     ) -> StepInputs:
         """Pack a decision (already committed by the scheduler) into padded arrays.
@@ -337,7 +337,7 @@ class InputBuilder:
         x.logprob_rows = any(r.seq.params.logprobs is not None for r in reqs)
         return x
 
-    def _prompt_span(self, row: int, seq: Sequence, start: int, n: int) -> PromptSpan | None:
+    def _prompt_span(self, row: int, seq: Request, start: int, n: int) -> PromptSpan | None:
         """The prompt positions of chunk [start, start + n) whose log-probs seq still needs:
         position p predicts prompt token p + 1, so p < num_prompt_tokens - 1."""
         if seq.num_prompt_logprobs_missing <= 0:
@@ -349,7 +349,7 @@ class InputBuilder:
         return PromptSpan(row, -1, first, end - first, seq.params.prompt_logprobs)
 
     def _fill_sampling(
-        self, x: StepInputs, sched: SchedulerOutput, prev_rows: dict[Sequence, int]
+        self, x: StepInputs, sched: SchedulerOutput, prev_rows: dict[Request, int]
     ) -> None:
         reqs = sched.requests
         rows = [

@@ -1,6 +1,6 @@
-"""`Sequence`: the engine's record of one request, from arrival to its final status.
+"""`Request`: the engine's record of one request, from arrival to its final status.
 
-A sequence is a token list (prompt, then sampled outputs) plus how much of it has its
+A request (a sequence) is a token list (prompt, then sampled outputs) plus how much of it has its
 K/V in the cache (`num_computed_tokens`) and where (`block_table`). The scheduler moves
 it between WAITING and RUNNING and finishes it; the block manager fills its block table.
 Plain data: no JAX, no scheduling decisions here.
@@ -26,14 +26,14 @@ from jaxserve.engine.block_hash import BlockHash
 from jaxserve.sampling_params import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class Request:
     """One request inside the engine. Identity (not value) equality: usable as a dict key.
 
     request_id: the caller's id, unique among live requests.
@@ -65,7 +65,7 @@ class Sequence:
     seed: int
     arrival_seq: int = 0
     arrival_time: float = 0.0
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -120,7 +120,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -14,13 +14,14 @@ come from, first match wins:
 
 None of them: a single process, and `initialize` does nothing. Process 0 hosts the
 coordinator (JAX's rule) and, in jaxserve, schedules every step
-(`jaxserve.step_channel`).
+(`jaxserve.distributed.step_channel`).
 
 Failure detection. A run cannot go on without any of its processes: every step's
 collectives need all of them. Two mechanisms bound how long a survivor waits:
 
-- the step channel's membership connections (`jaxserve.step_channel`): a process that
-  dies closes them (the kernel does, even on SIGKILL), and the others learn it at once;
+- the step channel's membership connections (`jaxserve.distributed.step_channel`): a
+  process that dies closes them (the kernel does, even on SIGKILL), and the others
+  learn it at once;
 - JAX's coordination service heartbeats, for what closes no connection (a host that
   loses power or network): a process silent for `heartbeat_timeout_s` is declared dead
   and the service makes every other process terminate (JAX's default is 100 s; jaxserve's

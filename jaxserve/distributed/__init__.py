@@ -1,0 +1,36 @@
+"""Several processes (multi-host): everything that exists only because a run spans processes.
+
+- `settings`: where a process's place in the run comes from (flags, JAX, SLURM,
+  Kubernetes) and `jax.distributed.initialize` (re-exported here; no JAX import);
+- `step_channel`: process 0 publishes each step's packed inputs, the others receive them;
+- `executor`: the engine's executor for process 0 (publish, then dispatch) and the
+  followers' step loop;
+- `arrays`: host buffers onto a mesh whose devices span processes, and replicated
+  outputs back to the host.
+
+The engine core knows none of this: it talks to an `engine.executor.Executor`.
+"""
+
+from jaxserve.distributed.settings import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HEARTBEAT_TIMEOUT_ENV,
+    STEP_CHANNEL_PORT_OFFSET,
+    DistributedConfig,
+    add_arguments,
+    first_slurm_host,
+    from_arguments,
+    initialize,
+    resolve,
+)
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "HEARTBEAT_TIMEOUT_ENV",
+    "STEP_CHANNEL_PORT_OFFSET",
+    "DistributedConfig",
+    "add_arguments",
+    "first_slurm_host",
+    "from_arguments",
+    "initialize",
+    "resolve",
+]

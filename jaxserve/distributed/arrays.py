@@ -1,0 +1,41 @@
+"""Arrays on a mesh whose devices may span several processes.
+
+`put_on_mesh` places a step's host buffers (every process holds the same, whole ones);
+`replicated_to_host` reads a replicated output back. In one process they are plain
+`jax.device_put` / `jax.device_get`; with several, each process touches only its own
+devices' shards.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def put_on_mesh(
+    buffers: tuple[np.ndarray, ...], sharding: jax.sharding.Sharding
+) -> list[jax.Array] | tuple[jax.Array, ...]:
+    """Host buffers onto `sharding`. With several processes each puts only its own
+    devices' shards (`jax.device_put` of a global host array would compile a transfer per
+    shape on the first step, and break the zero-compilations-after-warm-up rule)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tuple(buffers), sharding)
+    return [
+        jax.make_array_from_callback(b.shape, sharding, lambda index, b=b: b[index])
+        for b in buffers
+    ]
+
+
+def replicated_to_host(tree):
+    """Replicated device arrays (a pytree; None leaves kept) as NumPy, also when other
+    processes hold some of the devices (then this process's first shard is the whole
+    array)."""
+
+    def one(a):
+        if a is None:
+            return None
+        if a.is_fully_addressable:
+            return np.asarray(jax.device_get(a))
+        return np.asarray(a.addressable_data(0))
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: a is None)

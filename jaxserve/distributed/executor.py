@@ -1,0 +1,68 @@
+"""The engine's executor across processes: process 0 leads, the others follow.
+
+Every process builds the same engine (same mesh, same executables in the same order,
+same KV cache layout: `engine.builder.build_engine` of the same `EngineConfig`).
+Process 0's `EngineCore` schedules; its `LeaderExecutor` publishes each step's packed
+host buffers on the step channel before dispatching the step itself, and the other
+processes `follow`: they dispatch the same executable on the same buffers, so the
+collectives inside the step meet. Their outputs are not read: the leader's replicated
+copy is the result.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+from jaxserve.engine.executor import Executor
+from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.step_inputs import DPStepInputs, StepInputs, StepShape
+
+
+class LeaderExecutor(Executor):
+    """Process 0's executor: publish each step on `publisher`, then dispatch it.
+
+    Args:
+        runner: this process's compiled runner.
+        publisher: the step channel to the followers (closed by `close`, which stops them).
+
+    Its time per step (publishing) is the `coordination_time_s` counter.
+    """
+
+    def __init__(self, runner: ModelRunner, publisher: StepPublisher) -> None:
+        super().__init__(runner)
+        self._publisher: StepPublisher | None = publisher
+
+    def dispatch(self, x: StepInputs | DPStepInputs) -> StepHandle:
+        if self._publisher is not None:
+            self._publisher.publish(x.buffers, meta={"shape": list(x.shape)})
+            self.last_coordination_s = self._publisher.stats.last_s
+            self.coordination_time_s += self.last_coordination_s
+        return super().dispatch(x)
+
+    def close(self) -> None:
+        """Stop the followers (idempotent)."""
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+
+def follow(runner: ModelRunner, subscriber: StepSubscriber, timeout_s: float | None = None) -> int:
+    """Run the leader's steps on `runner` until it sends STOP (processes 1..N-1 of a run).
+
+    Returns:
+        The number of steps run.
+
+    Raises:
+        TimeoutError: no message from the leader within timeout_s.
+    """
+    steps = 0
+    pending = None
+    while (msg := subscriber.receive(timeout_s)).kind != STOP:
+        out = runner.run_buffers(StepShape(*msg.meta["shape"]), msg.arrays)
+        steps += 1
+        # Bound the device queue (and the host buffers it holds) to one step.
+        if pending is not None:
+            jax.block_until_ready(pending)
+        pending = out.token_ids
+    return steps

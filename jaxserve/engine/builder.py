@@ -1,0 +1,320 @@
+"""Building an engine: load the model (on its mesh), size the KV cache, build the
+schedulers, the runner and EPLB, compile every step shape.
+
+`build_engine(config)` returns the parts `EngineCore` serves with (`EngineParts`); a
+multi-process follower builds the same parts and uses only the runner, so that every
+process holds the same executables and KV cache layout. Also here: the process-wide
+compilation counter and JAX's persistent compilation cache.
+
+Must not: run steps or hold requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, EplbConfig
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.dp_scheduler import DPScheduler
+from jaxserve.engine.kv_sizing import check_max_model_len, fit_kv_cache, num_kv_blocks
+from jaxserve.engine.model_runner import MIN_TOKEN_BUCKET, ModelRunner
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import load_config, load_model
+
+if TYPE_CHECKING:
+    from jaxserve.eplb.controller import EplbController
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CompileCounter:
+    """Counts XLA executables built in this process (persistent-cache hits included),
+    through JAX's monitoring events. One listener for the process, installed once."""
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._installed = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            cls.count += 1
+
+
+# The event JAX records around every backend compilation (jax/_src/dispatch.py).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Turn on JAX's persistent compilation cache in `cache_dir` (None: leave it off).
+
+    Every executable is cached, however fast it compiled: start-up compiles dozens of
+    small buckets and a warm restart should load all of them.
+    """
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What `build_engine` built, ready to serve.
+
+    model_config: the model's config; mesh: its mesh (None: one device).
+    max_model_len: the effective limit (one sequence fits in one dp rank's KV pool).
+    num_blocks: KV blocks of one dp rank, its null block included.
+    block_managers: one per dp rank; scheduler: a `Scheduler` (dp = 1) or a
+        `DPScheduler` over one per rank.
+    runner: the compiled `ModelRunner`.
+    eplb_config: the EPLB settings in force (`check_eplb`); eplb: the controller, or
+        None when EPLB is off.
+    compile_time_s / startup_time_s: seconds compiling the steps / building it all.
+    compiles_at_ready: `CompileCounter.count` once built (the base of the engine's
+        num_compilations).
+    """
+
+    model_config: ModelConfig
+    mesh: jax.sharding.Mesh | None
+    max_model_len: int
+    num_blocks: int
+    block_managers: list[BlockManager]
+    scheduler: Scheduler | DPScheduler
+    runner: ModelRunner
+    eplb_config: EplbConfig
+    eplb: EplbController | None
+    compile_time_s: float
+    startup_time_s: float
+    compiles_at_ready: int
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Load, size, build and compile an engine for `config`.
+
+    On a mesh (config.mesh larger than dp=1,tp=1) the model is sharded over it
+    (`sharding.load`) with the MoE replicated-token threshold measured at the engine's
+    step sizes; each dp rank gets its own scheduler and KV pool (`DPScheduler`;
+    cache.num_blocks counts one rank's pool).
+
+    Raises:
+        ValueError: a config field is out of range (named in the message), e.g. dtype,
+            max_model_len above the model's max_position_embeddings, or a max_model_len
+            given explicitly that one dp rank's KV pool cannot hold (`fit_kv_cache`).
+        MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
+        ValueError: eplb.num_redundant_experts makes the expert slots not divisible by
+            dp * tp, or EPLB with several processes.
+    """
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {config.dtype!r}")
+    enable_compilation_cache(config.compilation_cache_dir)
+    CompileCounter.install()
+    start = time.perf_counter()
+
+    dtype = DTYPES[config.dtype]
+    sc, cc = config.scheduler, config.cache
+    eplb_config = check_eplb(config)
+    if sc.max_model_len is not None and cc.num_blocks is not None:
+        # Both given: fail before loading the weights.
+        fit_kv_cache(sc.max_model_len, True, cc.num_blocks, cc.block_size)
+    mesh = None
+    if config.mesh.size == 1:
+        model, mc = load_model(config.model, dtype)
+    else:
+        model, mc, mesh = _load_on_mesh(config, dtype)
+    dp = config.mesh.dp
+    max_model_len = check_max_model_len(sc.max_model_len, mc.max_position_embeddings)
+    # Blocks per dp rank (each rank's pool has its own null block 0).
+    num_blocks = cc.num_blocks or num_kv_blocks(
+        mc,
+        cc.block_size,
+        dtype,
+        cc.memory_fraction,
+        sc.max_num_seqs,
+        max_model_len,
+        kv_head_shards=config.mesh.tp,
+    )
+    max_model_len = fit_kv_cache(
+        max_model_len, sc.max_model_len is not None, num_blocks, cc.block_size
+    )
+    block_managers = [
+        BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching) for _ in range(dp)
+    ]
+    ranks = [
+        Scheduler(
+            bm,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            eos_token_ids=mc.eos_token_ids,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            num_decode_steps=sc.num_decode_steps,
+        )
+        for bm in block_managers
+    ]
+    runner = ModelRunner(
+        model,
+        mc,
+        mesh=mesh,
+        num_blocks=dp * num_blocks,
+        block_size=cc.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        kv_dtype=dtype,
+        num_decode_steps=sc.num_decode_steps,
+        expert_load_window=eplb_config.window_size,
+    )
+    # Built (its move compiled) before the start-up compilations are counted.
+    eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
+    compile_time_s = runner.compile_all()
+    parts = EngineParts(
+        model_config=mc,
+        mesh=mesh,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_managers=block_managers,
+        scheduler=ranks[0] if dp == 1 else DPScheduler(ranks),
+        runner=runner,
+        eplb_config=eplb_config,
+        eplb=eplb,
+        compile_time_s=compile_time_s,
+        startup_time_s=time.perf_counter() - start,
+        compiles_at_ready=CompileCounter.count,
+    )
+    logger.info(
+        "engine ready in %.1f s: %s, %d usable KV blocks of %d tokens (per dp rank; "
+        "one more is the null block), max_model_len %d",
+        parts.startup_time_s,
+        config.model,
+        num_blocks - 1,
+        cc.block_size,
+        max_model_len,
+    )
+    return parts
+
+
+def _build_eplb(
+    config: EngineConfig,
+    ec: EplbConfig,
+    runner: ModelRunner,
+    mesh: jax.sharding.Mesh | None,
+    mc: ModelConfig,
+) -> EplbController | None:
+    """The `EplbController` when EPLB is on and the model has MoE layers, else None."""
+    if not ec.enabled:
+        return None
+    if runner.expert_load is None:
+        logger.warning("--enable-eplb: %s has no MoE layers; EPLB is off", config.model)
+        return None
+    from jaxserve.eplb.controller import EplbController  # noqa: PLC0415
+
+    controller = EplbController(
+        runner,
+        mesh,
+        mc.num_experts,
+        ec.num_redundant_experts + 1,
+        step_interval=ec.step_interval,
+        min_improvement=ec.min_improvement,
+    )
+    logger.info(
+        "EPLB on: %d expert slots per MoE layer (%d redundant), re-plan every %d steps "
+        "from a %d-step load window; placement move compiled in %.1f s",
+        controller.executor.num_slots,
+        ec.num_redundant_experts,
+        ec.step_interval,
+        ec.window_size,
+        controller.executor.compile_seconds,
+    )
+    return controller
+
+
+def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
+    """(model, model config, mesh): the model sharded on config.mesh, with the MoE
+    replicated-token threshold measured at the engine's step sizes (dp x each token
+    bucket).
+
+    Raises:
+        MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
+    """
+    from jaxserve.sharding.ep_calibration import measure_replicated_max_tokens  # noqa: PLC0415
+    from jaxserve.sharding.load import load_sharded_model  # noqa: PLC0415
+    from jaxserve.sharding.mesh import build_mesh_from_config, check_model_fits  # noqa: PLC0415
+
+    mesh = build_mesh_from_config(config.mesh)
+    mc = load_config(config.model)
+    redundant = config.eplb.num_redundant_experts if mc.num_experts > 0 else 0
+    if redundant and (mc.num_experts + redundant) % config.mesh.size:
+        raise ValueError(
+            f"num_redundant_experts (--num-redundant-experts): {mc.num_experts} experts + "
+            f"{redundant} redundant slots = {mc.num_experts + redundant} is not divisible by "
+            f"ep = dp*tp = {config.mesh.size}"
+        )
+    # Before timing anything: a clear error at start-up.
+    check_model_fits(
+        mc, mesh, num_physical_experts=mc.num_experts + redundant if redundant else None
+    )
+    threshold = 0
+    if mc.num_experts > 0:
+        sc = config.scheduler
+        buckets = pow2_buckets(MIN_TOKEN_BUCKET, sc.max_num_batched_tokens)
+        buckets += pow2_buckets(MIN_DECODE_ROWS, sc.max_num_seqs)
+        threshold = measure_replicated_max_tokens(
+            mesh,
+            sorted({config.mesh.dp * t for t in buckets}),
+            mc.hidden_size,
+            mc.moe_intermediate_size,
+            mc.num_experts + redundant,
+            mc.num_experts_per_tok,
+            dtype,
+        )
+    model, mc = load_sharded_model(
+        config.model,
+        mesh,
+        dtype,
+        replicated_max_tokens=threshold,
+        num_redundant_experts=redundant,
+    )
+    return model, mc, mesh
+
+
+def check_eplb(config: EngineConfig) -> EplbConfig:
+    """The EPLB settings the engine runs with: config.eplb, validated; turned off (with
+    a warning) on one device, where there is no expert parallelism to balance.
+
+    Raises:
+        ValueError: an out-of-range field (named), or EPLB with several processes (the
+            followers would need every new placement: not supported yet).
+    """
+    ec = config.eplb
+    ec.validate()
+    if config.mesh.size == 1 and (ec.enabled or ec.num_redundant_experts):
+        logger.warning(
+            "--enable-eplb / --num-redundant-experts: need an expert-parallel mesh "
+            "(dp*tp > 1), got dp=1,tp=1; running without EPLB and redundant experts"
+        )
+        return dataclasses.replace(ec, enabled=False, num_redundant_experts=0)
+    if ec.enabled and jax.process_count() > 1:
+        raise ValueError(
+            "enable_eplb (--enable-eplb): not supported with several processes yet (the "
+            "followers would need every new expert placement)"
+        )
+    return ec

@@ -1,0 +1,43 @@
+"""The executor seam: how the engine core reaches "the devices".
+
+`EngineCore` dispatches every step and fetches its results through an `Executor`; it
+never knows how many processes run the step. `Executor` is the one-process
+implementation (the runner's own dispatch and fetch). Several processes:
+`jaxserve.distributed.executor.LeaderExecutor` publishes each step's buffers to the
+other processes before dispatching it, and `jaxserve.distributed.executor.follow` runs
+them there.
+"""
+
+from __future__ import annotations
+
+from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
+
+
+class Executor:
+    """Runs packed steps on this process's devices (one process: all of them).
+
+    Args:
+        runner: the compiled `ModelRunner` the steps run on.
+
+    Attributes:
+        coordination_time_s / last_coordination_s: seconds spent agreeing on steps with
+            other processes, since start-up / in the last step (0 in one process).
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.coordination_time_s = 0.0
+        self.last_coordination_s = 0.0
+
+    def dispatch(self, x: StepInputs | DPStepInputs) -> StepHandle:
+        """Queue one step and return at once (see `ModelRunner.dispatch`)."""
+        return self.runner.dispatch(x)
+
+    def fetch(self, handle: StepHandle) -> StepSamples | list[StepSamples]:
+        """Wait for a dispatched step's samples (see `ModelRunner.fetch`)."""
+        return self.runner.fetch(handle)
+
+    def close(self) -> None:
+        """Release what the executor holds besides the runner (idempotent)."""

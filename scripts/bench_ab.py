@@ -1,0 +1,93 @@
+"""A/B: one benchmark script of two source trees, interleaved in one run, medians.
+
+    python scripts/bench_ab.py --old /tmp/old [--rounds 3] [--bench offline|serve] \
+        [-- ARGS for the benchmark script]
+
+Runs `scripts/bench_<bench>.py` of the old tree and of this one alternately (old, new,
+old, new, ...), each in its own process with PYTHONPATH set to its tree and its own
+`--out` JSON, so that machine load drifts over both alike. The old tree must import as a
+whole package from its root: for a commit before the jaxserve/models symlinks, add them
+there first (`ln -s ../models /tmp/old/jaxserve/models`, and sharding, eplb, frontend).
+
+Prints, per row of the benchmark (offline: model/kind/batch/async/k/cache; serve:
+path/concurrency), the median tokens/s of each tree over the rounds and new/old, with
+the load average (`os.getloadavg`, 1 min) before each run; writes
+bench_results/ab_<bench>.json with every round's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(bench: str, result: dict) -> dict[str, float]:
+    """Row key -> output tokens/s of one benchmark JSON."""
+    if bench == "offline":
+        return {
+            f"{r['model']} {r['kind']} b={r['batch']} async={int(r['async_scheduling'])} "
+            f"k={r['decode_steps']} cache={int(r['prefix_caching'])}": r["tokens_per_s"]
+            for r in result["runs"]
+        }
+    return {f"{r['path']} c={r['concurrency']}": r["output_tok_s"] for r in result["rows"]}
+
+
+def _run(tree: Path, bench: str, args: list[str], out: Path) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(tree / "scripts" / f"bench_{bench}.py"), *args, "--out", str(out)]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    return _rows(bench, json.loads(out.read_text()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", required=True, help="root of the old tree (a git worktree)")
+    ap.add_argument("--bench", choices=["offline", "serve"], default="offline")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="default bench_results/ab_<bench>.json")
+    ap.add_argument("bench_args", nargs="*", help="after --: arguments of the benchmark")
+    args = ap.parse_args()
+    trees = {"old": Path(args.old).resolve(), "new": ROOT}
+    tmp = Path(tempfile.mkdtemp(prefix="jaxserve_ab_"))
+    values: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+    loads: dict[str, list[float]] = {"old": [], "new": []}
+    for i in range(args.rounds):
+        for name, tree in trees.items():
+            loads[name].append(os.getloadavg()[0])
+            rows = _run(tree, args.bench, args.bench_args, tmp / f"{name}{i}.json")
+            for key, value in rows.items():
+                values[name].setdefault(key, []).append(value)
+            print(f"# round {i + 1}/{args.rounds} {name} done", flush=True)
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"# {uptime}")
+    print(f"# load avg (1 min) before each run: old {loads['old']}, new {loads['new']}")
+    print(f"{'row':<52}{'old tok/s':>11}{'new tok/s':>11}{'new/old':>9}")
+    table = []
+    for key, old in values["old"].items():
+        new = values["new"].get(key)
+        if not new:
+            continue
+        a, b = statistics.median(old), statistics.median(new)
+        table.append({"row": key, "old": old, "new": new, "old_median": a, "new_median": b})
+        print(f"{key:<52}{a:>11.1f}{b:>11.1f}{b / a:>9.3f}")
+    ratios = [t["new_median"] / t["old_median"] for t in table]
+    if ratios:
+        print(f"# median new/old over rows: {statistics.median(ratios):.3f}")
+    out = Path(args.out or ROOT / "bench_results" / f"ab_{args.bench}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"uptime": uptime, "loads": loads, "args": vars(args), "rows": table}, indent=1)
+    )
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

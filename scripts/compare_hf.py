@@ -1,0 +1,338 @@
+"""jaxserve's offline `LLM.generate` against Hugging Face transformers' batched `generate`
+on the same checkpoint, on the CPU (`bench_offline.py --compare-hf` runs this).
+
+Two models: the bundled demo model and a random-weight Qwen3-MoE (hidden 512, 8 layers,
+32 experts, top-4, float32). For each batch size, both sides generate `--max-tokens`
+greedy tokens (EOS ignored) for the same fresh random prompts, alternating A, B, A, B
+for `--repeats` rounds; the table shows median tok/s, the ratio, the share of greedy
+tokens on which the two sides agree, the load average when the row was taken, and each
+side's FLOP utilisation against the f32 matmul ceiling measured in this run.
+
+Each side runs in its own worker process (this file with `--worker`), the other idle
+meanwhile; the torch worker runs with OMP_WAIT_POLICY=PASSIVE, since spin-waiting OpenMP
+threads collapse on an oversubscribed CPU and would make the comparison say nothing.
+Prompts are new every repetition, so jaxserve's prefix cache does not serve repeats.
+
+    python scripts/bench_offline.py --compare-hf [--batches 1,8,32,128] [--max-tokens 64]
+        [--prompt-len 32] [--repeats 3] [--models demo,qwen3moe]
+        [--baseline-python OLD_VENV/bin/python] [--out bench_results/compare_hf.json]
+
+llama.cpp (llama-cpp-python) is not compared: it needs a GGUF of the checkpoint, made by
+llama.cpp's own converter, which is not a dependency of this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# The random Qwen3-MoE of the comparison (the issue's "hidden 512, 8 layers, 32 experts,
+# top-4"); vocab 4096 so that the demo model's tokenizer can detokenize its ids.
+QWEN3MOE_SHAPE = dict(
+    vocab_size=4096, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+    num_experts_per_tok=4,
+)  # fmt: skip
+
+
+def flops_per_token(cfg: dict, context: float) -> float:
+    """Forward FLOPs of one token (2 per multiply-add): the weights a token uses (attention
+    projections, the gate, its top-k experts, the LM head) plus attention over `context`
+    positions (QK^T and PV)."""
+    h = cfg["hidden_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + h * cfg["num_experts"] + experts
+    weights = cfg["num_hidden_layers"] * per_layer + h * cfg["vocab_size"]
+    attention = cfg["num_hidden_layers"] * 2 * q * context
+    return 2.0 * (weights + attention)
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _matmul_ceiling_jax(n: int = 1024, reps: int = 10) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = min(_timed(lambda: f(a, a).block_until_ready()) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+def _matmul_ceiling_torch(n: int = 1024, reps: int = 10) -> float:
+    import torch
+
+    a = torch.ones((n, n), dtype=torch.float32)
+    a @ a
+    best = min(_timed(lambda: a @ a) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class JaxserveSide:
+    def __init__(self, model: str, max_batch: int, max_model_len: int):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from jaxserve import LLM
+        from jaxserve.config import DEMO_MODEL_DIR
+
+        self.llm = LLM(
+            model=model,
+            tokenizer=DEMO_MODEL_DIR,
+            max_num_seqs=max_batch,
+            max_model_len=max_model_len,
+        )
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from jaxserve import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.token_ids for o in self.llm.generate(prompts, params)]
+
+    ceiling = staticmethod(_matmul_ceiling_jax)
+
+
+class TransformersSide:
+    def __init__(self, model: str, max_batch: int, max_model_len: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        torch = self.torch
+        ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[:, ids.shape[1] :].tolist()
+
+    ceiling = staticmethod(_matmul_ceiling_torch)
+
+
+def worker_main(side: str, model: str, max_batch: int, max_model_len: int) -> None:
+    """Answer one JSON command per stdin line with one JSON line on stdout."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
+    cls = {"jaxserve": JaxserveSide, "transformers": TransformersSide}[side]
+    impl = cls(model, max_batch, max_model_len)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "ceiling":
+            result = {"flops_per_s": impl.ceiling()}
+        else:
+            start = time.perf_counter()
+            tokens = impl.generate(cmd["prompts"], cmd["max_tokens"])
+            result = {"seconds": time.perf_counter() - start, "tokens": tokens}
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+
+
+class Worker:
+    """A worker process driven over its stdin/stdout."""
+
+    def __init__(
+        self, side: str, model: str, max_batch: int, max_model_len: int, python: str | None = None
+    ):
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu")
+        cmd = [python or sys.executable, __file__, "--worker", side, "--worker-model", model]
+        cmd += ["--worker-max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self._read()
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.proc.args[3]} died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where both sides' greedy tokens agree, counting each sample up
+    to its first disagreement (after it, the continuations differ by construction)."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
+        same += n
+        total += len(x)
+    return same / max(total, 1)
+
+
+def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
+    max_batch = max(args.batches)
+    sides = {
+        "jaxserve": Worker("jaxserve", model, max_batch, args.max_model_len),
+        "transformers": Worker("transformers", model, max_batch, args.max_model_len),
+    }
+    if args.baseline_python:  # the same jaxserve side, from another install (an old commit)
+        sides["baseline"] = Worker(
+            "jaxserve", model, max_batch, args.max_model_len, python=args.baseline_python
+        )
+    try:
+        ceiling = max(w.call(op="ceiling")["flops_per_s"] for w in sides.values())
+        # Warm-up: one small batch each (jaxserve compiled at start; torch's first call).
+        for w in sides.values():
+            w.call(op="generate", prompts=_prompts(2, args.prompt_len, cfg["vocab_size"], 1),
+                   max_tokens=4)  # fmt: skip
+        rows = []
+        context = args.prompt_len + args.max_tokens / 2
+        for batch in args.batches:
+            tps = {s: [] for s in sides}
+            agree = []
+            for rep in range(args.repeats):
+                prompts = _prompts(batch, args.prompt_len, cfg["vocab_size"], 1000 * batch + rep)
+                got = {}
+                order = list(sides) if rep % 2 == 0 else list(reversed(sides))  # interleaved
+                for s in order:
+                    r = sides[s].call(op="generate", prompts=prompts, max_tokens=args.max_tokens)
+                    got[s] = r["tokens"]
+                    tps[s].append(batch * args.max_tokens / r["seconds"])
+                agree.append(_agreement(got["jaxserve"], got["transformers"]))
+            med = {s: statistics.median(v) for s, v in tps.items()}
+            # FLOPs of the run: prompt tokens (prefill) + generated tokens, per token.
+            tokens_per_gen = (args.prompt_len + args.max_tokens) / args.max_tokens
+            mfu = {s: med[s] * tokens_per_gen * flops_per_token(cfg, context) / ceiling
+                   for s in sides}  # fmt: skip
+            row = dict(
+                model=name, batch=batch, jaxserve_tok_s=med["jaxserve"],
+                hf_tok_s=med["transformers"], ratio=med["jaxserve"] / med["transformers"],
+                agreement=min(agree), jaxserve_mfu=mfu["jaxserve"], hf_mfu=mfu["transformers"],
+                ceiling_gflop_s=ceiling / 1e9, load_avg=os.getloadavg()[0],
+                jaxserve_runs=tps["jaxserve"], hf_runs=tps["transformers"],
+            )  # fmt: skip
+            if "baseline" in sides:
+                row.update(baseline_tok_s=med["baseline"], baseline_runs=tps["baseline"],
+                           speedup_vs_baseline=med["jaxserve"] / med["baseline"])  # fmt: skip
+            rows.append(row)
+            print_row(row)
+        return rows
+    finally:
+        for w in sides.values():
+            w.close()
+
+
+HEADER = (
+    f"{'model':<9} {'batch':>5} {'jaxserve tok/s':>14} {'HF tok/s':>9} {'ratio':>6} "
+    f"{'agree':>6} {'jax MFU':>8} {'HF MFU':>7} {'ceiling GF/s':>12} {'load':>5}"
+)
+
+
+def print_row(r: dict) -> None:
+    base = ""
+    if "baseline_tok_s" in r:
+        base = f"  baseline {r['baseline_tok_s']:.1f} tok/s (x{r['speedup_vs_baseline']:.2f})"
+    print(
+        f"{r['model']:<9} {r['batch']:>5} {r['jaxserve_tok_s']:>14.1f} {r['hf_tok_s']:>9.1f} "
+        f"{r['ratio']:>6.2f} {100 * r['agreement']:>5.1f}% {100 * r['jaxserve_mfu']:>7.1f}% "
+        f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}{base}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="demo,qwen3moe")
+    parser.add_argument("--out", default="bench_results/compare_hf.json")
+    parser.add_argument(
+        "--baseline-python",
+        help="also run jaxserve from this interpreter's install (e.g. an old commit's venv), "
+        "interleaved with the others: before/after in one run",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-model", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-max-batch", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.worker_model, args.worker_max_batch, args.max_model_len)
+        return
+    args.batches = [int(b) for b in args.batches.split(",")]
+
+    sys.path.insert(0, str(HERE))
+    from bench_offline import write_random_checkpoint
+
+    from jaxserve.config import DEMO_MODEL_DIR
+
+    models = {}
+    with tempfile.TemporaryDirectory(prefix="jaxserve_compare_") as tmp:
+        for name in args.models.split(","):
+            if name == "demo":
+                models[name] = str(DEMO_MODEL_DIR)
+            elif name == "qwen3moe":
+                models[name] = str(write_random_checkpoint(Path(tmp) / name, QWEN3MOE_SHAPE, 2048))
+            else:
+                parser.error(f"--models: unknown model {name!r} (demo, qwen3moe)")
+        print(f"# {platform.node()}: {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+        print(
+            f"# greedy, {args.max_tokens} output tokens, prompts of {args.prompt_len} random "
+            f"tokens (new each repetition), {args.repeats} interleaved repetitions, medians"
+        )
+        print(HEADER, flush=True)
+        rows = []
+        for name, path in models.items():
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            rows += compare_model(name, path, cfg, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": sys.version},
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`jaxserve generate` (the CLI client) against the mock-engine server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from frontend_helpers import (
+    REPO_DIR,
+    _expected_ids,
+)
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_generate_streams_text_and_a_final_newline(server, tok, vocab):
+    prompt = "import "
+    expected = tok.decode(_expected_ids(tok, vocab, prompt, 12))
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--max-tokens", "12", "--temperature", "0", "-v", prompt],
+        capture_output=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    # The text, then one newline (a pipe too, as `llm` does); -v's summary goes to stderr.
+    assert out.stdout.decode() == expected + "\n"
+    prompt_tokens = len(tok.encode(prompt).ids)
+    assert out.stderr.decode().splitlines() == [
+        f"[finish_reason=length stop_reason=None prompt_tokens={prompt_tokens} "
+        "completion_tokens=12]"
+    ]
+
+
+def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
+    prompt = "import "
+    texts = [tok.decode(_expected_ids(tok, vocab, prompt, 8, seed=5 + i)) for i in range(2)]
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--max-tokens", "8", "--seed", "5", "-n", "2", "-v", prompt],
+        capture_output=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == "".join(
+        f"--- sample {i} (finish_reason=length) ---\n{text}\n" for i, text in enumerate(texts)
+    )
+    # -v: each sample's finish and token counts, as the help says.
+    prompt_tokens = len(tok.encode(prompt).ids)
+    assert out.stderr.decode().splitlines() == [
+        f"[sample={i} finish_reason=length stop_reason=None prompt_tokens={prompt_tokens} "
+        "completion_tokens=8]"
+        for i in range(2)
+    ]
+
+
+def test_cli_generate_reports_bad_input(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--top-p", "2", "hi"],
+        capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: top_p:" in out.stderr
