@@ -117,7 +117,11 @@ def serve(
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.
     prometheus_client.disable_created_metrics()
-    metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
+    # The metrics' model label: --served-model-name (or the id typed), as GetServerInfo's.
+    name = engine_config.served_model_name or os.path.basename(
+        os.path.normpath(engine_config.model)
+    )
+    metrics = Metrics(model=name)
     if server_config.metrics_port is not None:
         # Bound before any child starts: a busy port leaves nothing to clean up.
         metrics.serve(server_config.metrics_port, server_config.host)
