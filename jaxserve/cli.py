@@ -19,7 +19,7 @@ import sys
 from jaxserve import convert, distributed
 from jaxserve.config import ServerConfig
 from jaxserve.hub import resolve_model
-from jaxserve.logs import configure_logging, describe_error
+from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
 from jaxserve.serve_args import add_serve_arguments, model_argument, server_config
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
@@ -39,6 +39,10 @@ def _version() -> str:
         return version("jaxserve")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+# A follower whose start failed asks process 0 this long whether it failed first.
+LEADER_ASK_S = 3.0
 
 
 def _fail(error: BaseException, code: int, dist=None) -> int:
@@ -68,7 +72,7 @@ def _leader_failed(cause: str) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve import preflight
-    from jaxserve.launcher import serve
+    from jaxserve.launcher import StartupError, serve
 
     # The frontend; a follower process (below) runs its engine steps in this process.
     configure_logging(args.log_level, "frontend")
@@ -77,9 +81,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e, 2)
     if dist is not None and not dist.is_leader:
-        from jaxserve.distributed.start_status import watch_leader
+        from jaxserve.distributed.start_status import leader_failure, watch_leader
 
         watch_leader(dist, _leader_failed)
+        add_start_failure_explainer(
+            lambda: (
+                f"process 0 (the leader) failed to start: {cause}"
+                if (cause := leader_failure(dist, LEADER_ASK_S))
+                else None
+            )
+        )
     try:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
@@ -110,6 +121,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             distributed_args=dist_args,
         )
+    except StartupError as e:  # a child's cause; the engine told the followers itself
+        return _fail(e, 1)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(e, 1, dist)
 

@@ -50,6 +50,18 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}"
 
 
+# Callables that may explain a start-up failure better than the exception does (a
+# follower asks whether process 0 failed first: `add_start_failure_explainer`).
+_EXPLAINERS: list = []
+
+
+def add_start_failure_explainer(explain) -> None:
+    """Register `explain() -> str | None`: a better one-line cause of a start-up failure
+    in this process (e.g. "process 0 (the leader) failed to start: ..." where the
+    exception only says that a collective lost its peer); None when it has none."""
+    _EXPLAINERS.append(explain)
+
+
 def report_start_failure(what: str, error: BaseException, logger: logging.Logger) -> str:
     """Report that `what` ("engine", "follower 2") failed to start, as one line.
 
@@ -58,6 +70,11 @@ def report_start_failure(what: str, error: BaseException, logger: logging.Logger
     The traceback is logged only at DEBUG (`--log-level debug`). Returns the line.
     """
     line = f"{what} failed to start: {describe_error(error)}"
+    for explain in _EXPLAINERS:
+        better = explain()
+        if better:
+            line = better
+            break
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s failed to start", what, exc_info=error)
     path = os.environ.get(START_ERROR_FILE_ENV)

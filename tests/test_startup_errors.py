@@ -217,3 +217,46 @@ def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy)
     assert follower.returncode == 2 and took < 15, (took, stderr)
     line = one_error_line(stderr.splitlines())
     assert "process 0 (the leader) failed to start: port: cannot bind" in line
+
+
+def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
+    """Process 0's engine fails after jax.distributed.initialize (its checkpoint lacks a
+    tensor; the follower's is whole): the follower, already in the run's start-up, ends
+    within seconds naming the leader's cause, not by JAX's heartbeat with a C++ trace."""
+    import time
+
+    from safetensors.numpy import load_file, save_file
+
+    weights = model_copy / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.norm.weight"]
+    weights.unlink()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    coordinator = f"127.0.0.1:{_free_port()}"
+    flags = ["--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+             "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning"]  # fmt: skip
+    env = {
+        **os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": "2",
+    }  # fmt: skip
+    serve_cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0"]
+    follower = subprocess.Popen(
+        [*serve_cmd, str(DEMO_MODEL_DIR), *flags], stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True, cwd=REPO_DIR, env={**env, "JAX_PROCESS_ID": "1"},
+    )  # fmt: skip
+    try:
+        leader = subprocess.run(
+            [*serve_cmd, str(model_copy), *flags], capture_output=True, text=True, timeout=300,
+            cwd=REPO_DIR, env={**env, "JAX_PROCESS_ID": "0"},
+        )  # fmt: skip
+        left = time.monotonic()
+        assert leader.returncode == 1, leader.stderr
+        assert "missing tensor 'model.norm.weight'" in leader.stderr.splitlines()[-1]
+        _, stderr = follower.communicate(timeout=60)
+        took = time.monotonic() - left
+    finally:
+        follower.kill()
+    assert follower.returncode == 2 and took < 15, (took, stderr)
+    last = stderr.splitlines()[-1]
+    assert "process 0 (the leader) failed to start" in last and "model.norm.weight" in last

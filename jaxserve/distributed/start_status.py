@@ -7,7 +7,9 @@ engine process), listens for a few seconds on the coordinator's port +
 `START_STATUS_PORT_OFFSET` (the step channel has +1 and +2, `jaxserve.step_channel`) and
 tells each follower that connects the one-line cause. Each follower polls that port from
 a daemon thread (`watch_leader`) while it runs; a refused connection (the normal case,
-nothing listens there) costs nothing. No JAX here.
+nothing listens there) costs nothing. A follower whose own start fails first (a
+collective that lost the leader) asks the port for a few seconds (`leader_failure`)
+and reports the leader's cause instead of its collective's. No JAX here.
 """
 
 from __future__ import annotations
@@ -85,6 +87,19 @@ def watch_leader(
     thread = threading.Thread(target=poll, name="leader-start-watch", daemon=True)
     thread.start()
     return thread
+
+
+def leader_failure(dist: DistributedConfig, wait_s: float) -> str | None:
+    """The cause process 0 announced for its failed start, asked for up to `wait_s`
+    seconds (a follower whose own start just failed: was the leader first?); None if it
+    announced nothing."""
+    address = (dist.coordinator_host, status_port(dist))
+    deadline = time.monotonic() + wait_s
+    while True:
+        cause = _ask(address, POLL_INTERVAL_S)
+        if cause is not None or time.monotonic() >= deadline:
+            return cause
+        time.sleep(POLL_INTERVAL_S / 2)
 
 
 def _ask(address: tuple[str, int], timeout_s: float) -> str | None:

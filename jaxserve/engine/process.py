@@ -50,7 +50,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
-from jaxserve.logs import configure_logging, report_start_failure
+from jaxserve.logs import configure_logging, describe_error, report_start_failure
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -209,6 +209,12 @@ def run_engine_process(
                 core = cls(config)
         except Exception as e:
             report_start_failure("engine", e, logger)  # one line; traceback at DEBUG
+            if dist is not None and dist.num_processes > 1:
+                # Tell the followers while this process (the coordinator) still lives:
+                # once it exits, JAX aborts them with a C++ trace.
+                from jaxserve.distributed.start_status import announce_failure  # noqa: PLC0415
+
+                announce_failure(dist, describe_error(e))
             return EXIT_START_FAILED
         try:
             EngineLoop(core, input_socket, output_socket).run()
