@@ -19,6 +19,12 @@ warm-up (must be 0) and the start-up time.
         [--batches 1,8,32,128] [--out bench_results/offline.json]
     python scripts/bench_offline.py --compare-hf [...]   # against transformers: compare_hf.py
 
+With --ab, it instead builds two engines of the demo model, "old" (the gather-everything
+reference attention, JAXSERVE_CPU_ATTENTION=reference, and the sampler's full path,
+JAXSERVE_SAMPLER=full, both read when the steps are traced) and "new" (the defaults),
+and runs each batch --repeats times on each, interleaved (old, new, old, new, ...), in
+the default scheduling mode with prefix caching on; it prints medians.
+
 Prints a table; writes JSON. Requests are greedy with ignore_eos, so every request
 produces exactly --max-tokens tokens.
 """
@@ -222,6 +228,90 @@ def print_row(r: Run, flush: bool = False) -> None:
     )
 
 
+AB_ENV = {"JAXSERVE_CPU_ATTENTION": "reference", "JAXSERVE_SAMPLER": "full"}
+
+
+def bench_ab(model_dir: str, args) -> dict:
+    """Interleaved old/new runs (see the module docstring); returns the JSON record."""
+    import statistics
+
+    from jaxserve.engine.core import EngineCore
+
+    config = EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64, max_num_batched_tokens=512, max_model_len=args.max_model_len
+        ),
+        compilation_cache_dir=args.compilation_cache_dir,
+    )
+    engines, info = {}, {}
+    for variant in ("old", "new"):
+        saved = {k: os.environ.get(k) for k in AB_ENV}
+        if variant == "old":
+            os.environ.update(AB_ENV)
+        else:
+            for k in AB_ENV:
+                os.environ.pop(k, None)
+        try:
+            start = time.perf_counter()
+            engine = EngineCore(config)
+            info[variant] = {
+                "startup_s": time.perf_counter() - start,
+                "num_executables": len(engine.runner.buckets()),
+            }
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        vocab = engine.model_config.vocab_size
+        configure(engine, True, 4, True)
+        run_batch(engine, shared_prefix_prompts(8, args.prompt_len, vocab, 0), 8, False)
+        engines[variant] = engine
+    mode = (config.scheduler.async_scheduling, config.scheduler.num_decode_steps)
+    print(
+        f"{'batch':>5} {'variant':>7} {'tok/s':>8} {'device ms/step':>14} {'host ms/step':>12} "
+        f"{'steps':>6}  uptime"
+    )
+    rows = []
+    for batch in args.batches:
+        prompts = shared_prefix_prompts(batch, args.prompt_len, vocab, seed=batch)
+        samples = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for variant, engine in engines.items():
+                configure(engine, mode[0], mode[1], True)
+                tokens, seconds, steps, host, device = run_batch(
+                    engine, prompts, args.max_tokens, False
+                )
+                samples[variant].append(
+                    (tokens / seconds, 1e3 * device / steps, 1e3 * host / steps, steps)
+                )
+        load = os.getloadavg()[0]
+        for variant, runs in samples.items():
+            tok_s, dev, host = (statistics.median(r[i] for r in runs) for i in range(3))
+            rows.append(
+                dict(batch=batch, variant=variant, tokens_per_s=tok_s, device_ms_per_step=dev,
+                     host_ms_per_step=host, steps=runs[0][3], load1=load, runs=runs)
+            )  # fmt: skip
+            print(
+                f"{batch:>5} {variant:>7} {tok_s:>8.1f} {dev:>14.2f} {host:>12.2f} "
+                f"{runs[0][3]:>6}  load {load:.2f}",
+                flush=True,
+            )
+        old, new = rows[-2]["tokens_per_s"], rows[-1]["tokens_per_s"]
+        print(f"{batch:>5} {'new/old':>7} {new / old:>8.2f}x", flush=True)
+    for variant, engine in engines.items():
+        info[variant]["compilations_after_warmup"] = engine.num_compilations
+        print(
+            f"# {variant}: {info[variant]['num_executables']} executables, start-up "
+            f"{info[variant]['startup_s']:.1f} s, compilations after warm-up: "
+            f"{engine.num_compilations}"
+        )
+    return {"info": info, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--compare-hf" in argv:
@@ -238,9 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--models", default="demo,large", help="which of demo,large to run")
     parser.add_argument("--compilation-cache-dir", default=EngineConfig().compilation_cache_dir)
-    parser.add_argument("--out", default="bench_results/offline.json")
+    parser.add_argument("--out", default=None, help="default bench_results/offline[_ab].json")
+    parser.add_argument("--ab", action="store_true", help="old vs new attention and sampler")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant with --ab")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.out = args.out or (
+        "bench_results/offline_ab.json" if args.ab else "bench_results/offline.json"
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="jaxserve_bench_"))
     models = {}
@@ -250,12 +345,22 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"# {demo} has no model: using a random checkpoint of the demo's shape", flush=True)
         models["demo"] = str(write_random_checkpoint(tmp / "demo", DEMO_SHAPE, 1024))
-    models["large"] = str(write_random_checkpoint(tmp / "large", LARGE_SHAPE, 2048))
-
     print(
         f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
     print(f"# load average at start: {os.getloadavg()}")
+    if args.ab:
+        result = {
+            "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": sys.version},
+            "args": {k: v for k, v in vars(args).items()},
+            **bench_ab(models["demo"], args),
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"# wrote {out}")
+        return
+    models["large"] = str(write_random_checkpoint(tmp / "large", LARGE_SHAPE, 2048))
     print(HEADER, flush=True)
     all_runs, infos = [], {}
     for name in args.models.split(","):

@@ -401,3 +401,110 @@ def test_unpackable_row_is_reported_and_left_as_padding(mixed_batch):
     ):
         np.testing.assert_array_equal(leaf[[0, 2, 3]], good_leaf[[0, 2, 3]], err_msg=name)
         np.testing.assert_array_equal(leaf[1], pad_leaf[1], err_msg=name)
+
+
+# ----- work skipped at run time (lax.cond on flags read off the metadata) ---------------
+
+
+def _counting_sampler(monkeypatch, skip_unwanted_logprobs=True):
+    """A freshly traced `sample` whose draw (the full path: filters' threshold searches,
+    Gumbel noise) and log-prob pass count their executions; returns (function, counts).
+    The wrappers are new functions, so `lax.cond` traces them afresh."""
+    counts = {"draw": 0, "logprobs": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(sampler, "_draw", counted("draw", sampler._draw))
+    monkeypatch.setattr(sampler, "_logprobs", counted("logprobs", sampler._logprobs))
+    jitted = jax.jit(
+        lambda logits, md: sampler.sample(
+            logits, md, sampler.K_MAX, skip_unwanted_logprobs=skip_unwanted_logprobs
+        )
+    )
+
+    def fn(logits, md):
+        counts.update(draw=0, logprobs=0)  # this call's executions only
+        out = jax.block_until_ready(jitted(logits, md))
+        jax.effects_barrier()  # the callbacks have run once this returns
+        return out
+
+    return fn, counts
+
+
+def _full_path_tokens(monkeypatch, logits, md):
+    """Tokens of the sampler with nothing skipped (JAXSERVE_SAMPLER=full)."""
+    monkeypatch.setenv(sampler.SAMPLER_ENV_VAR, "full")
+    tokens = np.asarray(jax.jit(lambda x, m: sampler.sample(x, m).token_ids)(logits, md))
+    monkeypatch.delenv(sampler.SAMPLER_ENV_VAR)
+    return tokens
+
+
+def _greedy(rows):
+    return [
+        SamplingRow(
+            SamplingParams(temperature=0.0, **kw), r.prompt_token_ids, r.output_token_ids, r.seed
+        )
+        for r, kw in zip(rows, [{}, {"logit_bias": {5: 9.0}}] + [{}] * len(rows), strict=False)
+    ]
+
+
+def test_all_greedy_step_costs_an_argmax_and_gives_the_same_tokens(mixed_batch, monkeypatch):
+    """Every row greedy, no log-probs: neither the draw nor the log-prob pass runs, and the
+    tokens are the full path's (argmax of the penalized logits, logit_bias included)."""
+    logits, rows = mixed_batch
+    fn, counts = _counting_sampler(monkeypatch)
+    greedy_rows = _greedy(rows[:20])
+    md = prepare_sampling_metadata(greedy_rows, ROWS, VOCAB, 0)
+    out = fn(logits, md)
+    tokens = np.asarray(out.token_ids)
+    assert counts == {"draw": 0, "logprobs": 0}
+    np.testing.assert_array_equal(tokens, _full_path_tokens(monkeypatch, logits, md))
+    expected = reference_penalized(logits[:20], greedy_rows).argmax(axis=-1)
+    np.testing.assert_array_equal(tokens[:20], expected)
+    np.testing.assert_array_equal(tokens[20:], logits[20:].argmax(axis=-1))
+    assert not np.any(np.asarray(out.top_logprobs)) and not np.any(np.asarray(out.logprobs))
+
+
+def test_mixed_batch_takes_the_full_path(mixed_batch, monkeypatch):
+    """One sampled row among greedy ones (or one row asking for log-probs): the
+    draw (resp. the log-prob pass) runs, and the tokens are the full path's."""
+    logits, rows = mixed_batch
+    fn, counts = _counting_sampler(monkeypatch)
+    sampled = SamplingRow(
+        SamplingParams(temperature=0.9, top_p=0.8), rows[0].prompt_token_ids, [], 7
+    )
+    mix = _greedy(rows[:10]) + [sampled]
+    md = prepare_sampling_metadata(mix, ROWS, VOCAB, HISTORY)
+    tokens = np.asarray(fn(logits, md).token_ids)
+    assert counts == {"draw": 1, "logprobs": 0}
+    np.testing.assert_array_equal(tokens, _full_path_tokens(monkeypatch, logits, md))
+    # The sampled row draws what it draws alone (its own seed), not an argmax.
+    alone = prepare_sampling_metadata([sampled], ROWS, VOCAB, 0)
+    assert tokens[10] == np.asarray(fn(logits[[10] * ROWS], alone).token_ids)[0]
+
+    wants = SamplingRow(
+        SamplingParams(temperature=0.0, logprobs=2), rows[1].prompt_token_ids, [], 1
+    )
+    md = prepare_sampling_metadata(_greedy(rows[:10]) + [wants], ROWS, VOCAB, 0)
+    out = fn(logits, md)
+    assert counts == {"draw": 0, "logprobs": 1}
+    expected = ref.log_softmax(logits)[np.arange(ROWS), np.asarray(out.token_ids)]
+    np.testing.assert_allclose(np.asarray(out.logprobs), expected, atol=1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(out.token_ids), _full_path_tokens(monkeypatch, logits, md)
+    )
+
+
+def test_whole_mixed_batch_tokens_do_not_depend_on_skipping(mixed_batch, monkeypatch):
+    """The random mix of every feature: same tokens with and without run-time skipping."""
+    logits, rows = mixed_batch
+    md = prepare_sampling_metadata(rows, ROWS, VOCAB, HISTORY)
+    fn, _ = _counting_sampler(monkeypatch)
+    np.testing.assert_array_equal(
+        np.asarray(fn(logits, md).token_ids), _full_path_tokens(monkeypatch, logits, md)
+    )

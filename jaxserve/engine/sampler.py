@@ -7,6 +7,14 @@ Owns two halves of one noun:
   parameter is data and every per-row choice is a `jnp.where`, so one compiled function
   serves every mix of greedy and sampled rows, filters and penalties in a batch.
 
+Work nobody asked for is skipped at run time, not by compiling more shapes: `lax.cond`s
+on flags the device reads off the metadata (any logit_bias or penalty; any sampled row;
+with `skip_unwanted_logprobs`, any row that asked for log-probs) skip the penalties, the
+filters' threshold searches and the Gumbel noise, and the log-prob pass. An all-greedy
+step without penalties or log-probs costs an argmax, and gives the tokens the full path
+gives. `JAXSERVE_SAMPLER=full` (read at trace time) compiles the full path alone, for
+A/B benchmarks.
+
 Order of operations, as in vLLM's sampler (vllm/v1/sample/sampler.py and the v0
 vllm/model_executor/layers/sampler.py): log-probs of the raw logits (vLLM's default
 `raw_logprobs`); logit_bias; repetition, frequency and presence penalties; greedy rows
@@ -19,6 +27,7 @@ This module must not import the engine or a model: it sees logits and metadata o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +44,8 @@ K_MAX = MAX_LOGPROBS  # top log-probs computed per row
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 Array = jax.Array | np.ndarray
+
+SAMPLER_ENV_VAR = "JAXSERVE_SAMPLER"  # "full": no run-time skipping (A/B benchmarks)
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ class SamplingMetadata:
     num_prompt_tokens: Array  # [R] int32: how many leading history entries are prompt
     seeds: Array  # [R, 2] uint32: (high, low) 32-bit halves of the 64-bit seed
     num_output_tokens: Array  # [R] int32: tokens generated so far (the RNG step)
+    wants_logprobs: Array  # [R] int32: 1 if the row asked for sampled-token log-probs
 
 
 @jax.tree_util.register_dataclass
@@ -182,6 +194,7 @@ def _padding(num_rows: int, vocab_size: int, max_len: int) -> SamplingMetadata:
         num_prompt_tokens=np.zeros(num_rows, np.int32),
         seeds=np.zeros((num_rows, 2), np.uint32),
         num_output_tokens=np.zeros(num_rows, np.int32),
+        wants_logprobs=np.zeros(num_rows, np.int32),
     )
 
 
@@ -208,6 +221,7 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, vocab_size: int) -
     seed = int(row.seed) % 2**64  # int(): a NumPy integer seed would overflow here
     md.seeds[i] = (seed >> 32, seed & 0xFFFFFFFF)
     md.num_output_tokens[i] = len(row.output_token_ids)
+    md.wants_logprobs[i] = p.logprobs is not None
 
 
 def _fill_logit_bias(
@@ -385,31 +399,86 @@ def row_keys(md: SamplingMetadata) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(base, md.num_output_tokens.astype(jnp.uint32))
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = K_MAX) -> SamplerOutput:
-    """Choose one token per row. Jittable; `num_top_logprobs` must be static.
+def sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    num_top_logprobs: int = K_MAX,
+    *,
+    skip_unwanted_logprobs: bool = False,
+) -> SamplerOutput:
+    """Choose one token per row. Jittable; `num_top_logprobs` and
+    `skip_unwanted_logprobs` must be static.
 
     Args:
       logits: [R, V] float32 (other float dtypes are upcast) raw model logits.
       md: SamplingMetadata for R rows.
       num_top_logprobs: K, how many top alternatives to return per row (0 allowed; more
         than V gives V).
+      skip_unwanted_logprobs: when no row has `wants_logprobs`, skip the log-prob pass
+        and return zeros in logprobs, ranks, top_logprobs and top_token_ids (the engine,
+        which reads them only for such rows); False always computes them.
 
     Returns:
       SamplerOutput. Greedy rows take the argmax of the penalized logits (first index on
       ties); sampled rows draw from softmax(apply_filters(...)) by the Gumbel-max trick
-      with noise from `row_keys(md)`.
+      with noise from `row_keys(md)`. The tokens do not depend on which work was skipped.
     """
     logits = logits.astype(jnp.float32)
-    processed = apply_penalties(logits, md)
+    if os.environ.get(SAMPLER_ENV_VAR, "").strip().lower() == "full":
+        token_ids = _draw(apply_penalties(logits, md), md)
+        return SamplerOutput(token_ids, *_logprobs(logits, token_ids, num_top_logprobs))
+    processed = jax.lax.cond(_any_penalty(md), apply_penalties, lambda x, _: x, logits, md)
+    token_ids = jax.lax.cond(
+        jnp.all(md.temperature == 0.0),
+        lambda x, _: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        _draw,
+        processed,
+        md,
+    )
+    if not skip_unwanted_logprobs:
+        return SamplerOutput(token_ids, *_logprobs(logits, token_ids, num_top_logprobs))
+    k = min(num_top_logprobs, logits.shape[-1])
+
+    def nothing(_logits, ids):
+        rows = ids.shape[0]
+        return (
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows, jnp.int32),
+            jnp.zeros((rows, k), jnp.float32),
+            jnp.zeros((rows, k), jnp.int32),
+        )
+
+    wanted = jnp.any(md.wants_logprobs != 0)
+    lp = jax.lax.cond(
+        wanted, lambda x, ids: _logprobs(x, ids, num_top_logprobs), nothing, logits, token_ids
+    )
+    return SamplerOutput(token_ids, *lp)
+
+
+def _any_penalty(md: SamplingMetadata) -> jax.Array:
+    """[] bool: whether `apply_penalties` changes any logit (a logit_bias entry, or,
+    with a token history, a penalty off its neutral value)."""
+    any_bias = jnp.any(md.logit_bias_ids >= 0)
+    if md.token_history.shape[1] == 0:  # static: apply_penalties adds the bias only
+        return any_bias
+    return (
+        any_bias
+        | jnp.any(md.repetition_penalty != 1.0)
+        | jnp.any(md.presence_penalty != 0.0)
+        | jnp.any(md.frequency_penalty != 0.0)
+    )
+
+
+def _draw(processed: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """[R] int32: greedy rows' argmax of the penalized logits, sampled rows' Gumbel-max
+    draw from the filtered ones."""
     filtered = apply_filters(processed, md)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[1:], jnp.float32))(
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, processed.shape[1:], jnp.float32))(
         row_keys(md)
     )
     sampled = jnp.argmax(filtered + noise, axis=-1)
     greedy = jnp.argmax(processed, axis=-1)
-    token_ids = jnp.where(md.temperature == 0.0, greedy, sampled).astype(jnp.int32)
-    logprobs, ranks, top_logprobs, top_ids = _logprobs(logits, token_ids, num_top_logprobs)
-    return SamplerOutput(token_ids, logprobs, ranks, top_logprobs, top_ids)
+    return jnp.where(md.temperature == 0.0, greedy, sampled).astype(jnp.int32)
 
 
 def _logprobs(

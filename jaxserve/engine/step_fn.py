@@ -82,7 +82,10 @@ def _forward(model, kv_cache: KVCache, x: DeviceInputs, block_size: int, num_ste
         x.tokens, x.positions, kv_cache, x.metadata
     )
     out = sampler_lib.sample(
-        model.compute_logits(hidden[x.logits_indices]), x.sampling, sampler_lib.K_MAX
+        model.compute_logits(hidden[x.logits_indices]),
+        x.sampling,
+        sampler_lib.K_MAX,
+        skip_unwanted_logprobs=True,
     )
     if x.prompt_next_ids.shape[0]:  # static: only the full variant (P == T)
         prompt = sampler_lib.compute_prompt_logprobs(
@@ -114,7 +117,9 @@ def _decode_steps(model, kv_cache, x: DeviceInputs, block_size: int, num_steps: 
         sampling = dataclasses.replace(
             x.sampling, num_output_tokens=x.sampling.num_output_tokens + step
         )
-        out = sampler_lib.sample(model.compute_logits(hidden), sampling, sampler_lib.K_MAX)
+        out = sampler_lib.sample(
+            model.compute_logits(hidden), sampling, sampler_lib.K_MAX, skip_unwanted_logprobs=True
+        )
         next_seq_lens = jnp.where(real, seq_lens + 1, 0)
         carry = (kv, out.token_ids, positions + 1, next_seq_lens, counts + step_counts)
         return carry, out

@@ -15,6 +15,11 @@ choice is read when a function is traced, so set the variable (or use
 `backend_override`) before the first jit of a model. Shapes or dtypes a kernel cannot
 take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
 warning per cause in the log.
+
+Where paged attention runs without a kernel (the CPU, or a fallback), it runs the
+blockwise jnp version (`paged_attention_blockwise`: cost follows the real context), not
+the gather-everything oracle `paged_attention_ref`; `JAXSERVE_CPU_ATTENTION=reference`
+forces the oracle (A/B benchmarks), `blockwise` is the default. It is read at trace time.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Iterator
 import jax
 
 from jaxserve.kernels import grouped_matmul_ref
+from jaxserve.kernels.paged_attention_blockwise import paged_attention_blockwise
 from jaxserve.kernels.paged_attention_ref import paged_attention_ref
 from jaxserve.models.base import AttentionMetadata
 
@@ -37,6 +43,8 @@ REFERENCE = "reference"
 PALLAS_MGPU = "pallas_mgpu"
 INTERPRET = "interpret"
 _ENV_VALUES = {"reference": REFERENCE, "pallas": PALLAS_MGPU, "interpret": INTERPRET}
+CPU_ATTENTION_ENV_VAR = "JAXSERVE_CPU_ATTENTION"
+_CPU_ATTENTION_VALUES = ("blockwise", "reference")
 
 _override: str | None = None
 _log = logging.getLogger(__name__)
@@ -174,6 +182,19 @@ def moe_ffn(
         return _kernels("grouped_matmul").moe_ffn(x_sorted, group_sizes, w_gate, w_up, w_down)
 
 
+def _cpu_attention() -> str:
+    """The jnp paged attention to run without a kernel: 'blockwise' or 'reference'.
+
+    Raises ValueError naming JAXSERVE_CPU_ATTENTION for another value.
+    """
+    value = os.environ.get(CPU_ATTENTION_ENV_VAR, "").strip().lower() or "blockwise"
+    if value not in _CPU_ATTENTION_VALUES:
+        raise ValueError(
+            f"{CPU_ATTENTION_ENV_VAR}={value!r}: expected one of {', '.join(_CPU_ATTENTION_VALUES)}"
+        )
+    return value
+
+
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -189,6 +210,8 @@ def paged_attention(
 
     Same contract as `paged_attention_ref.paged_attention_ref`: q [T, H, D], caches
     [num_blocks, block_size, KVH, D] -> [T, H, D] in q.dtype; padded tokens give zeros.
+    Without a kernel it runs `paged_attention_blockwise` (or the reference, see the
+    module docstring); raises ValueError for a bad JAXSERVE_CPU_ATTENTION.
     max_query_len: optional static promise about the step (1 = decode-only), which lets
     the GPU kernel split long contexts over SMs when there are few requests; the
     reference ignores it.
@@ -198,7 +221,10 @@ def paged_attention(
         lambda: _kernels("paged_attention").unsupported_reason(q.shape, k_cache.shape, q.dtype),
     )
     if backend is None:
-        return paged_attention_ref(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
+        attend = (
+            paged_attention_ref if _cpu_attention() == "reference" else paged_attention_blockwise
+        )
+        return attend(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
     with _kernel_mode(backend):
         return _kernels("paged_attention").paged_attention(
             q, k_cache, v_cache, positions, metadata, scale, sliding_window,
