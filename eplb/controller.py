@@ -24,7 +24,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.eplb.executor import PlacementExecutor
-from jaxserve.eplb.planner import device_load, minimize_movement, plan_placement
+from jaxserve.eplb.planner import (
+    REPLAN_TOLERANCE,
+    device_load,
+    minimize_movement,
+    plan_placement,
+)
 from jaxserve.eplb.recorder import balancedness
 from jaxserve.models.layers import PLACEMENT_FIELDS
 
@@ -117,6 +122,7 @@ class EplbController:
             self.ep,
             current=current,
             min_improvement=self.min_improvement,
+            tolerance=REPLAN_TOLERANCE,
         ).physical_to_logical
         rows = [minimize_movement(c, p, self.ep) for c, p in zip(current, planned, strict=True)]
         new = np.stack([row for row, _ in rows])

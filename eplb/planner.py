@@ -35,9 +35,30 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.optimize import linear_sum_assignment
 
-from jaxserve.eplb import planner_refine
+from jaxserve.eplb import planner_refine, planner_replan
+from jaxserve.eplb.planner_deepseek import (
+    balanced_packing,
+    plan_layer,
+    refine_packing,
+    replicate_experts,
+)
+from jaxserve.eplb.planner_movement import minimize_movement
+
+# The re-plan tolerance the engine uses (EplbController): a layer's re-plan keeps its
+# current slots where that costs at most 0.5% of a fresh plan's balancedness.
+REPLAN_TOLERANCE = 0.005
+
+__all__ = [
+    "REPLAN_TOLERANCE",
+    "PlacementPlan",
+    "balanced_packing",
+    "device_load",
+    "minimize_movement",
+    "plan_placement",
+    "refine_packing",
+    "replicate_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -84,7 +105,9 @@ def plan_placement(
             a multiple of num_nodes.
         refine: True (default): the project's planner. Whenever S / ep <= E / num_nodes
             no device holds an expert twice and no expert has more than ep / num_nodes
-            copies; the packing is improved by swaps (`planner_refine`). With more slots
+            copies; the packing starts as DeepSeek's (so wherever DeepSeek's plan has
+            no duplicate, the max device load is at most DeepSeek's) and is improved by
+            swaps and slot reassignments (`planner_refine`). With more slots
             per device than experts (of a node) duplicates cannot be avoided; the plan
             is then DeepSeek's greedy improved by `refine_packing`. False gives
             DeepSeek's plan exactly, duplicates included.
@@ -99,7 +122,7 @@ def plan_placement(
             gain. In [0, 1).
         tolerance: with current (and refine, when duplicates can be avoided): instead
             of a fresh plan, a layer gets its current placement changed by as few slots
-            as the local search needs (`planner_refine.replan_rows`) to reach a
+            as the local search needs (`planner_replan.replan_rows`) to reach a
             balancedness within this fraction of the fresh plan's (e.g. 0.005), unchanged
             slots in place; a layer where that fails (its load shifted too much) gets
             the fresh plan, reordered by `minimize_movement`. In [0, 1). None (default):
@@ -125,7 +148,7 @@ def plan_placement(
         node_experts = _node_experts(load, num_nodes, groups)
         p2l = _plan_rows(load, node_experts, num_slots, ep)
     else:
-        p2l = np.stack([_plan_layer(row, num_slots, ep, num_nodes, groups, refine) for row in load])
+        p2l = np.stack([plan_layer(row, num_slots, ep, num_nodes, groups, refine) for row in load])
     if cur is not None:
         if tolerance is not None and no_duplicates:
             p2l = _replan(load, cur, p2l, ep, num_nodes, groups, tolerance)
@@ -140,84 +163,6 @@ def plan_placement(
         replica_counts=counts.reshape(num_layers, num_experts).astype(np.int32),
         device_load=device_load(load, p2l, ep),
     )
-
-
-def replicate_experts(expert_load: np.ndarray, num_slots: int) -> np.ndarray:
-    """Replica count of each expert that minimises the largest per-replica load.
-
-    Every expert gets one slot; each of the S - E redundant slots goes to the expert
-    with the highest load / replicas at that moment (DeepSeek EPLB `replicate_experts`;
-    this greedy is optimal for max(load / replicas)). Ties go to the expert with fewer
-    replicas, then the lower index, so zero load spreads replicas round-robin.
-
-    expert_load: [E] float64 >= 0. num_slots: S >= E.
-    Returns [E] int64 replica counts >= 1 summing to S.
-    """
-    counts = np.ones(expert_load.shape[0], np.int64)
-    for _ in range(num_slots - expert_load.shape[0]):
-        per_replica = expert_load / counts
-        tied = np.flatnonzero(per_replica == per_replica.max())
-        counts[tied[np.argmin(counts[tied])]] += 1
-    return counts
-
-
-def balanced_packing(weight: np.ndarray, num_packs: int) -> np.ndarray:
-    """Pack n items into num_packs packs of exactly n / num_packs items each.
-
-    Greedy longest-processing-time with a cardinality limit (DeepSeek EPLB
-    `balanced_packing`): items in decreasing weight, each into the lightest pack that
-    still has room (ties: lower pack index; equal weights: lower item index).
-
-    weight: [n] float64 >= 0, n % num_packs == 0.
-    Returns [n] int64, the pack of each item.
-    """
-    capacity = weight.shape[0] // num_packs
-    pack_of = np.empty(weight.shape[0], np.int64)
-    pack_weight = np.zeros(num_packs)
-    pack_size = np.zeros(num_packs, np.int64)
-    for item in np.argsort(-weight, kind="stable"):
-        pack = int(np.argmin(np.where(pack_size < capacity, pack_weight, np.inf)))
-        pack_of[item] = pack
-        pack_weight[pack] += weight[item]
-        pack_size[pack] += 1
-    return pack_of
-
-
-def refine_packing(weight: np.ndarray, pack_of: np.ndarray, num_packs: int) -> np.ndarray:
-    """Improve a packing by swapping items between the heaviest pack and another.
-
-    Each round takes the heaviest pack h and, over every item i in h and every item j
-    in another pack o, the swap that most lowers max(load[h], load[o]); it stops when
-    no swap lowers it. Pack sizes never change. The sorted vector of pack loads falls
-    lexicographically each round, so it ends; the round count is also capped. This is a
-    standard 2-exchange local search after LPT (the greedy alone can lose to a plain
-    round-robin placement on small instances, e.g. loads [8, 10, 12, 13, 4, 14] on 2
-    packs: greedy 32, expert order 31); it is not part of DeepSeek's EPLB.
-
-    weight: [n] float64 >= 0; pack_of: [n] ints in [0, num_packs).
-    Returns [n] int64, the improved pack of each item (a new array).
-    """
-    pack_of = np.asarray(pack_of, np.int64).copy()
-    pack_load = np.bincount(pack_of, weights=weight, minlength=num_packs)
-    for _ in range(4 * weight.shape[0]):
-        heavy = int(np.argmax(pack_load))
-        inside = np.flatnonzero(pack_of == heavy)
-        outside = np.flatnonzero(pack_of != heavy)
-        if outside.size == 0:
-            break
-        # shift[i, j]: load that leaves the heavy pack when item i and item j swap.
-        shift = weight[inside][:, None] - weight[outside][None, :]
-        other = pack_load[pack_of[outside]][None, :]
-        new_peak = np.maximum(pack_load[heavy] - shift, other + shift)
-        best = np.unravel_index(np.argmin(new_peak), new_peak.shape)
-        # A relative margin, so float rounding cannot make a swap look like a gain.
-        if not new_peak[best] < pack_load[heavy] * (1 - 1e-12):
-            break
-        i, j = inside[best[0]], outside[best[1]]
-        pack_load[heavy] -= shift[best]
-        pack_load[pack_of[j]] += shift[best]
-        pack_of[i], pack_of[j] = pack_of[j], heavy
-    return pack_of
 
 
 def device_load(expert_load: ArrayLike, physical_to_logical: ArrayLike, ep: int) -> np.ndarray:
@@ -236,59 +181,6 @@ def device_load(expert_load: ArrayLike, physical_to_logical: ArrayLike, ep: int)
     counts = counts.reshape(p2l.shape[:-1] + (num_experts,))
     slot_load = np.take_along_axis(load / np.maximum(counts, 1), p2l, axis=-1)
     return slot_load.reshape(p2l.shape[:-1] + (ep, -1)).sum(-1)
-
-
-def minimize_movement(
-    current: ArrayLike,
-    planned: ArrayLike,
-    ep: int,
-    *,
-    num_nodes: int = 1,
-    relabel_devices: bool = True,
-) -> tuple[np.ndarray, int]:
-    """Reorder a plan of one layer so that the fewest slots change expert.
-
-    The loads a plan balances depend only on which experts share a device, not on the
-    slot order inside a device nor on which device of a node gets which set. So:
-    with relabel_devices, each planned device's expert set is first assigned to the
-    current device (of the same node) it overlaps most (maximum-weight matching,
-    Hungarian algorithm); then, inside each device, a slot keeps its current expert
-    whenever the planned set still contains it, and the remaining planned experts fill
-    the remaining slots in increasing id. Both steps are optimal, so the result moves
-    the fewest slots of any plan with the same device sets (up to that relabeling).
-    Replanning the same load with a deterministic plan therefore moves nothing.
-
-    Args:
-        current: [S] ints, the expert each slot holds now.
-        planned: [S] ints, the plan (e.g. a row of PlacementPlan.physical_to_logical).
-        ep: number of devices; S % ep == 0.
-        num_nodes: relabeling stays within a node (hierarchical plans keep a group's
-            experts on its node); ep % num_nodes == 0.
-        relabel_devices: False keeps every planned device set on its planned device.
-
-    Returns:
-        (physical_to_logical [S] int32, number of slots whose expert changed).
-
-    Raises:
-        ValueError: shapes differ, S % ep != 0, or ep % num_nodes != 0.
-    """
-    cur = np.asarray(current, np.int64)
-    plan = np.asarray(planned, np.int64)
-    if cur.ndim != 1 or cur.shape != plan.shape:
-        raise ValueError(
-            f"current/planned: expected equal [S] shapes, got {cur.shape} and {plan.shape}"
-        )
-    if ep < 1 or cur.shape[0] % ep:
-        raise ValueError(f"ep: {ep} must be >= 1 and divide S={cur.shape[0]}")
-    if num_nodes < 1 or ep % num_nodes:
-        raise ValueError(f"num_nodes: {num_nodes} must be >= 1 and divide ep={ep}")
-    cur_dev = cur.reshape(ep, -1)
-    plan_dev = plan.reshape(ep, -1)
-    if relabel_devices:
-        plan_dev = plan_dev[_match_devices(cur_dev, plan_dev, num_nodes)]
-    out = np.stack([_keep_in_place(c, p) for c, p in zip(cur_dev, plan_dev, strict=True)])
-    out = out.reshape(-1)
-    return out.astype(np.int32), int((out != cur).sum())
 
 
 def _node_experts(load: np.ndarray, num_nodes: int, num_groups: int) -> np.ndarray:
@@ -342,7 +234,7 @@ def _replan(
     tolerance: float,
 ) -> np.ndarray:
     """[L, S]: each layer's current placement changed by few slots to within tolerance
-    of the fresh plan's balancedness (`planner_refine.replan_rows`, with the current
+    of the fresh plan's balancedness (`planner_replan.replan_rows`, with the current
     placement's groups per node), or the fresh plan reordered by `minimize_movement`
     where that fails or the current placement does not keep groups on nodes."""
     num_layers, num_slots = current.shape
@@ -368,7 +260,7 @@ def _replan(
         devices = ep // num_nodes
         cur_rows = cur_local.reshape(-1, devices, num_slots // ep)
         row_target = np.repeat(target[layers], num_nodes)
-        slots, ok = planner_refine.replan_rows(row_load, cur_rows, row_target)
+        slots, ok = planner_replan.replan_rows(row_load, cur_rows, row_target)
         # A (layer, node) the local search could not bring to the target: a fresh plan of
         # that node's experts, reordered to keep what it can of the current slots.
         for row in np.flatnonzero(~ok):
@@ -410,67 +302,6 @@ def _current_nodes(
     per_node = np.stack([(node_of_group == n).sum(1) for n in range(num_nodes)], 1)
     valid = (lowest == highest).all(1) & (per_node == num_groups // num_nodes).all(1)
     return _experts_of_nodes(node_of_group, num_nodes, group_size), valid
-
-
-def _plan_layer(
-    load: np.ndarray, num_slots: int, ep: int, num_nodes: int, num_groups: int, refine: bool
-) -> np.ndarray:
-    """[S] logical expert of each slot for one layer (DeepSeek's hierarchical policy;
-    the global policy is the case num_nodes = num_groups = 1)."""
-    num_experts = load.shape[0]
-    group_size = num_experts // num_groups
-    node_of_group = balanced_packing(load.reshape(num_groups, group_size).sum(1), num_nodes)
-    slots_per_node = num_slots // num_nodes
-    devices_per_node = ep // num_nodes
-    slots_per_device = num_slots // ep
-    p2l = np.empty(num_slots, np.int64)
-    for node in range(num_nodes):
-        groups = np.flatnonzero(node_of_group == node)
-        experts = (groups[:, None] * group_size + np.arange(group_size)).ravel()
-        counts = replicate_experts(load[experts], slots_per_node)
-        replica_expert = np.repeat(experts, counts)
-        replica_load = np.repeat(load[experts] / counts, counts)
-        device_of = balanced_packing(replica_load, devices_per_node)
-        if refine:
-            device_of = refine_packing(replica_load, device_of, devices_per_node)
-        for local in range(devices_per_node):
-            start = (node * devices_per_node + local) * slots_per_device
-            # Sorted by id: the order inside a device does not change its load.
-            p2l[start : start + slots_per_device] = np.sort(replica_expert[device_of == local])
-    return p2l
-
-
-def _match_devices(cur_dev: np.ndarray, plan_dev: np.ndarray, num_nodes: int) -> np.ndarray:
-    """[ep] planned device to put on each current device, maximising kept slots, within
-    each node. cur_dev, plan_dev: [ep, S/ep]."""
-    num_experts = int(max(cur_dev.max(), plan_dev.max())) + 1
-    cur_counts = np.stack([np.bincount(d, minlength=num_experts) for d in cur_dev])
-    plan_counts = np.stack([np.bincount(d, minlength=num_experts) for d in plan_dev])
-    per_node = cur_dev.shape[0] // num_nodes
-    order = np.arange(cur_dev.shape[0])
-    for node in range(num_nodes):
-        block = slice(node * per_node, (node + 1) * per_node)
-        # overlap[d, p]: slots device d keeps if it receives planned set p.
-        overlap = np.minimum(cur_counts[block, None, :], plan_counts[None, block, :]).sum(-1)
-        rows, cols = linear_sum_assignment(overlap, maximize=True)
-        order[block][rows] = cols + node * per_node
-    return order
-
-
-def _keep_in_place(current: np.ndarray, planned: np.ndarray) -> np.ndarray:
-    """Slots of one device holding the multiset `planned`, keeping `current` entries
-    wherever the multiset allows (the maximum number kept). Both [S/ep]."""
-    remaining: dict[int, int] = {}
-    for expert in planned.tolist():
-        remaining[expert] = remaining.get(expert, 0) + 1
-    out = np.full_like(current, -1)
-    for slot, expert in enumerate(current.tolist()):
-        if remaining.get(expert, 0) > 0:
-            out[slot] = expert
-            remaining[expert] -= 1
-    leftovers = sorted(e for e, n in remaining.items() for _ in range(n))
-    out[out == -1] = leftovers
-    return out
 
 
 def _check_load(expert_load: ArrayLike) -> np.ndarray:

@@ -1,31 +1,33 @@
-"""The planner's own placement search: no duplicate expert on a device, bounded copies, few
-slots changed, vectorised over every (layer, node) at once.
+"""The planner's own placement search: no expert twice on a device, at most d copies of
+an expert, vectorised over every (layer, node) at once.
 
-`eplb/planner.py` owns the public API and DeepSeek's EPLB as published; this module owns
-what the project adds to it. Every function works on a batch of B independent packing
+`eplb/planner.py` owns the public API; eplb/planner_deepseek.py DeepSeek's EPLB as
+published; this module what the project adds to it (eplb/planner_replan.py the low-churn
+re-plan on top of it). Every function works on a batch of B independent packing
 problems of the same shape (a row is a layer in the global policy, a (layer, node) pair
 in the hierarchical one): n experts of known load go into s slots on d devices of
 k = s / d slots each, with k <= n (else some device must hold an expert twice). Pure
 NumPy; the Python loops run over slots, copies or local-search rounds, never over rows.
 
-The steps (DeepSeek EPLB's structure, github.com/deepseek-ai/EPLB, with constraints):
+The steps of a fresh plan (`plan_rows`; DeepSeek EPLB's structure,
+github.com/deepseek-ai/EPLB, with the constraints):
 
 1. `replica_counts`: DeepSeek's greedy (each redundant slot to the expert of highest
-   load / copies), except that no expert gets more than d copies.
-2. `pack_rounds`: replicas in decreasing load, d at a time; each round gives the heaviest
-   replicas to the lightest devices (the cardinality-constrained LPT of Graham 1969 in
-   rounds). The copies of one expert are consecutive in that order and at most d, so
-   only the one expert that straddles two rounds can meet a device it is already on; it
-   goes first, to the lightest devices without it.
-3. `refine_swaps`: a 2-exchange local search (swap a slot of the most loaded device with
-   a slot of one of the lightest devices, the swap that most lowers the larger of the two
-   loads, never creating a duplicate), until no swap helps or a target max load is met.
-4. `anchored_pack` (a re-plan with the placement in use): keep every slot of the current
-   placement that the new replica counts still allow (dropping extra copies from the
-   most loaded devices first, and duplicates), put the missing copies on the lightest
-   devices without them, then run 3 only until the max load is within the caller's
-   tolerance of a fresh plan's.
+   load / copies, DeepSeek's ties), except that no expert gets more than d copies.
+2. `pack_greedy`: DeepSeek's `balanced_packing` (replicas in decreasing load, each onto
+   the least loaded device with a free slot: LPT with a cardinality limit, Graham 1969)
+   never onto a device already holding that expert. Where DeepSeek's own plan has no
+   duplicate this is DeepSeek's plan, so what follows can only improve on it.
+   (`pack_rounds`, d replicas at a time, is the fallback for a row that runs out of
+   devices without the expert.)
+3. `sweep_pairs`: pairwise balancing sweeps (the i-th most loaded device swaps one slot
+   with a rotating partner among the least loaded), d / 2 swaps per sweep.
+4. `refine_swaps`: a 2-exchange local search on the most loaded device (the swap with one
+   of the least loaded devices that most lowers the larger of the two loads), and where
+   no swap helps, handing one of its slots to another expert (copy counts change),
+   until neither lowers the max device load or a target is met.
 
+Steps 3 and 4 never raise a row's max device load and never create a duplicate.
 Slots of row b are device-major: slot j of device i is index i * k + j.
 """
 
@@ -34,16 +36,17 @@ from __future__ import annotations
 import numpy as np
 
 _INT_MAX = np.iinfo(np.int64).max
-# Devices a swap partner is looked for among (the lightest ones): enough for the search
-# to find the swap the full search would (measured on the EPLB workload), 4x fewer
-# candidates at d = 64.
+# Devices a swap partner of the most loaded device is looked for among (the least loaded
+# ones, where a swap lowers the pair's max the most): 4x fewer candidates at d = 64.
 _PARTNERS = 16
 # Pairwise sweeps of a fresh plan before the heaviest-device search (see sweep_pairs).
 _SWEEPS = 8
 # Rounds of count-changing moves after the swaps are stuck (see refine_swaps).
 _REASSIGN_PHASES = 4
+# Penalty on a device that already holds the expert being packed (pack_greedy).
+_HELD = 1e300
 # Relative margin under which a swap does not count as a gain (float rounding).
-_EPS = 1e-12
+EPS = 1e-12
 
 
 def replica_counts(load: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
@@ -95,7 +98,7 @@ def pack_rounds(weight: np.ndarray, counts: np.ndarray, num_devices: int) -> np.
     index = np.arange(rows)[:, None]
     # Replicas in decreasing weight, an expert's copies consecutive (stable: by id).
     order = np.argsort(-weight, axis=1, kind="stable")
-    item = _repeat_rows(order, np.take_along_axis(counts, order, 1), num_slots)
+    item = repeat_rows(order, np.take_along_axis(counts, order, 1), num_slots)
     item_weight = np.take_along_axis(weight, item, 1)
     slots = np.empty((rows, num_devices, per_device), np.int64)
     slots[:, :, 0] = item[:, :num_devices]
@@ -125,32 +128,48 @@ def pack_greedy(weight: np.ndarray, counts: np.ndarray, num_devices: int) -> np.
     num_slots = int(counts[0].sum())
     per_device = num_slots // num_devices
     order = np.argsort(-weight, axis=1, kind="stable")
-    item = _repeat_rows(order, np.take_along_axis(counts, order, 1), num_slots)
+    item = repeat_rows(order, np.take_along_axis(counts, order, 1), num_slots)
     item_weight = np.take_along_axis(weight, item, 1)
+    # A device that holds the current expert gets this much on top of its key: still
+    # below a full device's inf, so a row out of choices puts a duplicate (found below)
+    # rather than overfill a device.
+    same_next = np.zeros((rows, num_slots))
+    same_next[:, :-1] = np.where(item[:, 1:] == item[:, :-1], _HELD, 0.0)
+    keep_next = same_next > 0
     slots = np.zeros((rows * num_devices, per_device), np.int64)
     load = np.zeros(rows * num_devices)
     size = np.zeros(rows * num_devices, np.int64)
     key = np.zeros((rows, num_devices))  # device load, inf when full
-    holds = np.zeros((rows, num_devices), bool)  # the devices of the current expert
-    stuck = np.zeros(rows, bool)
+    held = np.zeros((rows, num_devices))  # _HELD on the devices of the current expert
     base = np.arange(rows) * num_devices
-    for t in range(num_slots):
-        masked = np.where(holds, np.inf, key)
-        device = masked.argmin(1)
-        none = masked.ravel()[base + device] == np.inf
-        if none.any():  # every device with room holds the expert: continue, then replace
-            stuck |= none
-            device[none] = key[none].argmin(1)
-        flat = base + device
+    start = 0
+    if num_devices <= num_slots and (item_weight[:, :num_devices] > 0).all():
+        # Round one needs no loop: with positive weights the i-th replica meets i loaded
+        # devices and takes the first empty one, device i.
+        slots[:, 0] = item[:, :num_devices].ravel()
+        load[:] = item_weight[:, :num_devices].ravel()
+        size[:] = 1
+        key[:] = load.reshape(rows, -1) if per_device > 1 else np.inf
+        prev = item[:, num_devices - 1]
+        same = item[:, num_devices] == prev if num_devices < num_slots else prev < 0
+        run = item[:, :num_devices] == prev[:, None]  # the devices of that expert
+        held[:] = np.where(same[:, None] & run, _HELD, 0.0)
+        start = num_devices
+    key_flat, held_flat = key.ravel(), held.ravel()
+    for t in range(start, num_slots):
+        flat = base + (key + held).argmin(1)
         filled = size[flat]
         slots[flat, filled] = item[:, t]
-        size[flat] = filled + 1
-        load[flat] += item_weight[:, t]
-        key.ravel()[flat] = np.where(filled + 1 < per_device, load[flat], np.inf)
-        if t + 1 < num_slots:
-            holds &= (item[:, t + 1] == item[:, t])[:, None]
-            holds.ravel()[flat] |= item[:, t + 1] == item[:, t]
+        filled += 1
+        size[flat] = filled
+        new = load[flat] + item_weight[:, t]
+        load[flat] = new
+        key_flat[flat] = np.where(filled < per_device, new, np.inf)
+        held *= keep_next[:, t : t + 1]
+        held_flat[flat] = same_next[:, t]
     slots = slots.reshape(rows, num_devices, per_device)
+    sorted_slots = np.sort(slots, axis=-1)
+    stuck = (sorted_slots[..., 1:] == sorted_slots[..., :-1]).any((1, 2))
     if stuck.any():
         slots[stuck] = pack_rounds(weight[stuck], counts[stuck], num_devices)
     return slots
@@ -181,9 +200,7 @@ def sweep_pairs(slots: np.ndarray, weight: np.ndarray, sweeps: int) -> np.ndarra
         peak, shift = state.swap_peaks(heavy, light)  # [B, P, k, k]
         peak = peak.reshape(rows, half, -1)
         best = peak.argmin(-1)
-        gain = np.take_along_axis(peak, best[..., None], -1)[..., 0] < state.load[heavy] * (
-            1 - _EPS
-        )
+        gain = np.take_along_axis(peak, best[..., None], -1)[..., 0] < state.load[heavy] * (1 - EPS)
         # No early exit when no pair gains: the next rotation pairs other devices (and
         # a row's result must not depend on the other rows of the batch).
         i, j = np.divmod(best[gain], per_device)
@@ -246,7 +263,7 @@ def refine_swaps(
             peak = np.where((light == heavy)[..., None, None], np.inf, peak)  # equal loads
             peak = peak.transpose(0, 2, 1, 3).reshape(active.size, -1)  # [A, k * P * k]
             best = peak.argmin(1)
-            gain = peak[np.arange(active.size), best] < state.load[heavy[:, 0]] * (1 - _EPS)
+            gain = peak[np.arange(active.size), best] < state.load[heavy[:, 0]] * (1 - EPS)
             i, p, j = np.unravel_index(best[gain], (per_device, partners, per_device))
             moved = shift[gain][np.arange(i.size), p, i, j]
             state.swap(heavy[gain, 0], i, light[gain][np.arange(i.size), p], j, moved)
@@ -262,75 +279,6 @@ def refine_swaps(
     return slots
 
 
-def anchored_pack(
-    current: np.ndarray, weight: np.ndarray, counts: np.ndarray, load: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The current placement changed to the new replica counts by few slots.
-
-    A slot keeps its expert unless it is a second copy on its device or its expert has
-    more copies than counts allows (the copies on the most loaded devices, under the new
-    load and the current counts, go first). Each missing copy, heaviest first, goes into
-    a freed slot of the least loaded device (kept slots at the new weights) that does not
-    hold that expert yet; that can run out (every device with a free slot holds it), and
-    the row is then reported as failed (its plan still holds every copy, possibly twice
-    on one device).
-
-    current: [B, d, k] int64 experts (every expert at least once per row).
-    weight: [B, n] new load of one copy (load / counts); counts: [B, n] new copies;
-    load: [B, n] the new expert load.
-    Returns ([B, d, k] int64 slots, [B] bool failed).
-    """
-    rows, num_devices, per_device = current.shape
-    num_experts = counts.shape[1]
-    flat = current.reshape(rows, -1)
-    index = np.arange(rows)[:, None]
-    # Second or later copy of an expert within one device.
-    same = current[:, :, :, None] == current[:, :, None, :]
-    duplicate = np.tril(same, -1).any(-1).reshape(rows, -1)
-    old_counts = np.zeros((rows, num_experts), np.int64)
-    np.add.at(old_counts, (np.broadcast_to(index, flat.shape), flat), 1)
-    old_weight = np.take_along_axis(load / old_counts, flat, 1)
-    device_load = np.repeat(old_weight.reshape(current.shape).sum(-1), per_device, axis=1)
-    # Rank of each slot among the non-duplicate slots of its expert, lightest device first.
-    row_id = np.broadcast_to(index, flat.shape).ravel()
-    order = np.lexsort((device_load.ravel(), duplicate.ravel(), flat.ravel(), row_id))
-    group = row_id[order] * num_experts + flat.ravel()[order]
-    start = np.r_[True, group[1:] != group[:-1]]
-    first = np.maximum.accumulate(np.where(start, np.arange(order.size), 0))
-    rank = np.empty(order.size, np.int64)
-    rank[order] = np.arange(order.size) - first
-    keep = ~duplicate & (rank.reshape(flat.shape) < np.take_along_axis(counts, flat, 1))
-    slots = np.where(keep, flat, -1).reshape(current.shape)
-    kept = np.zeros((rows, num_experts), np.int64)
-    np.add.at(kept, (np.broadcast_to(index, flat.shape)[keep], flat[keep]), 1)
-    missing = counts - kept
-    failed = np.zeros(rows, bool)
-    if not missing.any():
-        return slots, failed
-    # The missing copies of each row, heaviest first, padded with -1.
-    order = np.argsort(-weight, axis=1, kind="stable")
-    width = int(missing.sum(1).max())
-    todo = _repeat_rows(order, np.take_along_axis(missing, order, 1), width)
-    slot_weight = np.take_along_axis(weight, np.maximum(slots, 0).reshape(rows, -1), 1)
-    dev_load = np.where(slots >= 0, slot_weight.reshape(slots.shape), 0.0).sum(-1)
-    for t in range(width):
-        live = np.flatnonzero(todo[:, t] >= 0)
-        expert = todo[live, t]
-        free = slots[live] < 0  # [A, d, k]
-        holds = (slots[live] == expert[:, None, None]).any(-1)
-        room = free.any(-1)
-        ok = room & ~holds
-        stuck = ~ok.any(1)
-        failed[live[stuck]] = True
-        usable = np.where(stuck[:, None], room, ok)
-        device = np.argmin(np.where(usable, dev_load[live], np.inf), axis=1)
-        a = np.arange(live.size)
-        slot = np.argmax(free[a, device], axis=1)
-        slots[live, device, slot] = expert
-        dev_load[live, device] += weight[live, expert]
-    return slots, failed
-
-
 def _member(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """x[..., i] in y[..., :], for each i ([..., a] bool; leading dims broadcast). A loop
     over y's few columns: 6x faster than `(x[..., None] == y[..., None, :]).any(-1)`."""
@@ -340,7 +288,7 @@ def _member(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
-def _repeat_rows(order: np.ndarray, reps: np.ndarray, width: int) -> np.ndarray:
+def repeat_rows(order: np.ndarray, reps: np.ndarray, width: int) -> np.ndarray:
     """[B, width] int64: row b lists order[b, j] reps[b, j] times, j ascending, padded
     with -1 (rows sum to at most width). One searchsorted over all rows: row b's
     cumulative counts are offset by b * width, which keeps the flat array sorted."""
@@ -365,60 +313,6 @@ def plan_rows(load: np.ndarray, num_slots: int, num_devices: int) -> np.ndarray:
     weight = load / counts
     slots = sweep_pairs(pack_greedy(weight, counts, num_devices), weight, _SWEEPS)
     return np.sort(refine_swaps(slots, load, counts), axis=-1)
-
-
-def replan_rows(
-    load: np.ndarray, current: np.ndarray, target: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every row's current placement changed by few slots until its max device load is at
-    most target.
-
-    First with the current copy counts (a row whose placement has no duplicate on a
-    device and at most d copies of an expert): `refine_swaps` from the current slots,
-    stopping as soon as the target is met (a noisy window of an unchanged load needs a
-    few swaps; a fresh count vector would change the load of every copy of the experts
-    whose count moved). Rows that miss it start again from `anchored_pack` to the new
-    load's `replica_counts`, then `refine_swaps` with the target.
-
-    load: [B, n] float64 >= 0; current: [B, d, k] int64 experts, every expert at least
-    once per row; target: [B] float64.
-    Returns ([B, d, k] int64 slots, unchanged slots in their current positions; [B]
-    bool: the row met its target with no duplicate on a device).
-    """
-    rows, num_devices, per_device = current.shape
-    num_experts = load.shape[1]
-    flat = current.reshape(rows, -1)
-    old_counts = np.zeros((rows, num_experts), np.int64)
-    np.add.at(old_counts, (np.broadcast_to(np.arange(rows)[:, None], flat.shape), flat), 1)
-    sorted_slots = np.sort(current, axis=-1)
-    valid = ~(sorted_slots[..., 1:] == sorted_slots[..., :-1]).any((1, 2))
-    valid &= old_counts.max(1) <= num_devices
-    slots = current.copy()
-    met = np.zeros(rows, bool)
-    first = np.flatnonzero(valid)
-    if first.size:
-        counts = old_counts[first]
-        slots[first] = refine_swaps(slots[first], load[first], counts, target=target[first])
-        met[first] = _peak(slots[first], load[first] / counts) <= target[first] * (1 + _EPS)
-    again = np.flatnonzero(~met)
-    if again.size == 0:
-        return slots, met
-    counts = replica_counts(load[again], num_devices * per_device, num_devices)
-    weight = load[again] / counts
-    fresh, failed = anchored_pack(current[again], weight, counts, load[again])
-    ok = np.flatnonzero(~failed)
-    sub = counts[ok]
-    fresh[ok] = refine_swaps(fresh[ok], load[again][ok], sub, target=target[again][ok])
-    counts[ok] = sub
-    slots[again] = fresh
-    met[again] = ~failed & (_peak(fresh, load[again] / counts) <= target[again] * (1 + _EPS))
-    return slots, met
-
-
-def _peak(slots: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """[B] max device load of [B, d, k] slots under [B, n] copy loads."""
-    copy_load = np.take_along_axis(weight, slots.reshape(slots.shape[0], -1), 1)
-    return copy_load.reshape(slots.shape).sum(-1).max(1)
 
 
 class _SwapState:
@@ -491,7 +385,7 @@ class _SwapState:
         new_h = h_load[:, None] - l_a / c_a + fill[r, b][:, None]
         peak = np.where(c_a > 1, np.maximum(others, new_h), np.inf)
         i = peak.argmin(1)
-        moved = peak[r, i] < h_load * (1 - _EPS)
+        moved = peak[r, i] < h_load * (1 - EPS)
         m = np.flatnonzero(moved)
         if m.size:
             row, i, a, b = rows[m], i[m], e_h[m, i[m]], b[m]

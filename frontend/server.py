@@ -23,8 +23,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -34,19 +32,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
-from jaxserve.frontend.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    RequestStream,
-    SampleOutput,
-)
+from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.frontend.validation import (
-    ModelLimits,
+from jaxserve.frontend.requests import (
+    EngineUnavailableError,
+    RequestPath,
     RequestValidationError,
-    build_engine_request,
-    split_samples,
+    SampleFailedError,
 )
 from jaxserve.ipc import TextOutput
 from jaxserve.metrics import Metrics
@@ -92,142 +85,49 @@ def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool
     return resp
 
 
-def _by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
-    """Outputs grouped by sample index (a stream mixes its samples), each group in
-    arrival order, the groups in order of their first output."""
-    by_index: dict[int, list[TextOutput]] = {}
-    for index, out in outputs:
-        by_index.setdefault(index, []).append(out)
-    return list(by_index.items())
-
-
-class _RequestTiming:
-    """Client-facing latencies of one request, as the frontend sees them (vLLM's definitions):
-    TTFT = first output token - arrival; ITL = gap between token deliveries, per token;
-    TPOT = (last token - first token) / (output tokens - 1); e2e = final output - arrival."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._m = metrics
-        self._start = time.perf_counter()
-        self._first: float | None = None
-        self._last: float | None = None
-        self.num_tokens = 0  # output tokens delivered so far
-
-    def observe(self, outputs: list[TextOutput]) -> None:
-        """Record one batch of consecutive outputs of the request (the last may be final)."""
-        now = time.perf_counter()
-        n_tokens = sum(len(o.token_ids) for o in outputs)
-        self.num_tokens += n_tokens
-        if n_tokens:
-            if self._first is None:
-                self._first = now
-                self._m.ttft.observe(now - self._start)
-            elif self._last is not None:
-                gap = (now - self._last) / n_tokens
-                for _ in range(n_tokens):
-                    self._m.itl.observe(gap)
-            self._last = now
-        last = outputs[-1]
-        if last.finish_reason is not None:
-            self._finish(last.finish_reason, last.prompt_tokens, last.completion_tokens, now)
-
-    def cancelled(self, prompt_tokens: int) -> None:
-        """The client left before the final output: count the request as finished with
-        reason "abort" and the tokens delivered up to now (vLLM counts an aborted request
-        with the tokens it generated). Its final output, which arrives after the stream is
-        detached, is never observed, so this is the request's only count."""
-        self._finish("abort", prompt_tokens, self.num_tokens, time.perf_counter())
-
-    def _finish(
-        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, now: float
-    ) -> None:
-        self._m.request_finished(finish_reason)
-        self._m.e2e.observe(now - self._start)
-        self._m.prompt_tokens.inc(prompt_tokens)
-        self._m.generation_tokens.inc(completion_tokens)
-        if self._first is not None and completion_tokens > 1:
-            self._m.tpot.observe((self._last - self._first) / (completion_tokens - 1))
-
-
 class JaxserveServicer(pb_grpc.JaxserveServicer):
-    """Generate / Abort / GetServerInfo over an AsyncEngineClient."""
+    """Generate / Abort / GetServerInfo over the shared request path (frontend/requests.py)."""
 
     def __init__(
-        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+        self,
+        engine: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        requests: RequestPath | None = None,
     ) -> None:
         self._engine = engine
-        self._tokenizer = tokenizer
-        self._metrics = metrics or Metrics()
+        self._requests = requests or RequestPath(engine, tokenizer, metrics)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        stream, prompt_tokens = await self._start(request, context)
-        timings = [_RequestTiming(self._metrics) for _ in range(stream.num_samples)]
-        pending = set(range(stream.num_samples))  # samples whose final was not yielded yet
         try:
-            while pending:
-                try:
-                    outputs = await stream.next_batch()
-                except EngineDeadError as e:
-                    pending.clear()  # nothing left to abort
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
-                for index, sample_outputs in _by_sample(outputs):
-                    last = sample_outputs[-1]
-                    finished = last.finish_reason is not None
-                    if finished:
-                        pending.discard(index)
-                    timings[index].observe(sample_outputs)
-                    if last.finish_reason == "error":
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"engine rejected the request: {last.error}",
-                        )
-                    resp = _response(stream.request_id, sample_outputs, request.return_token_ids)
-                    resp.index = index
-                    if (
-                        finished
-                        or resp.text
-                        or resp.token_ids
-                        or resp.logprobs
-                        or resp.prompt_logprobs
-                    ):
-                        yield resp
-        finally:
-            # The client cancelled, a sample failed, or the server is stopping: each
-            # sample not finished counts once, as an abort.
-            for index in pending:
-                timings[index].cancelled(prompt_tokens)
-            # Aborts the samples the engine still runs and frees the request_id at once.
-            self._engine.release(stream)
-
-    async def _start(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[RequestStream, int]:
-        """Validate, tokenize and send the request (its n samples); abort the call with a
-        status if not. Returns the stream of every sample's outputs and the number of
-        prompt tokens."""
-        engine = self._engine
-        if not engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
-        request_id = request.request_id or uuid.uuid4().hex
-        stats = engine.stats
-        limits = ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
-        try:
-            # Fail fast on a duplicate id (add_request checks again, after tokenizing).
-            if engine.is_running(request_id):
-                raise RequestValidationError(f"request_id: {request_id!r} is already running")
-            # Tokenizing is CPU work: off the event loop, so other streams keep flowing.
-            engine_request = await asyncio.to_thread(
-                build_engine_request, request, request_id, self._tokenizer, limits
-            )
-            stream = engine.add_request(request_id, split_samples(engine_request))
-            return stream, len(engine_request.prompt_token_ids)
-        except (RequestValidationError, ValueError) as e:
-            # ValueError: a duplicate request_id that arrived while this one was tokenized.
+            generation = await self._requests.start(request)
+        except RequestValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        except EngineUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        request_id = generation.request_id
+        # aclosing: a client that cancels (or a status below) releases the request at
+        # once: unfinished samples are aborted and counted as aborts.
+        async with contextlib.aclosing(generation.batches()) as batches:
+            try:
+                async for groups in batches:
+                    for index, sample_outputs in groups:
+                        resp = _response(request_id, sample_outputs, request.return_token_ids)
+                        resp.index = index
+                        if (
+                            resp.finish_reason
+                            or resp.text
+                            or resp.token_ids
+                            or resp.logprobs
+                            or resp.prompt_logprobs
+                        ):
+                            yield resp
+            except EngineUnavailableError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except SampleFailedError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -239,7 +139,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
         if not self._engine.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable_message())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._requests.unavailable_message())
         s = self._engine.stats
         return pb.ServerInfo(
             model=s.model,
@@ -251,10 +151,6 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             num_waiting=s.num_waiting,
             vocab_size=s.vocab_size,
         )
-
-    def _unavailable_message(self) -> str:
-        reason = self._engine.dead_reason or "the engine is starting"
-        return f"engine unavailable: {reason}"
 
 
 class _Undecodable:
@@ -357,15 +253,25 @@ def _bind_error(host: str, port: int) -> str:
 
 
 class FrontendServer:
-    """The grpc.aio server with the Jaxserve, health and reflection services.
+    """The grpc.aio server with the Jaxserve, health and reflection services, and, after
+    `start_http`, the OpenAI HTTP API (frontend/http/) on the same event loop; both go
+    through one `RequestPath` (frontend/requests.py).
 
     Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
+    chat_template: the model's (frontend/http/chat_template.py), for /v1/chat/completions.
     """
 
     def __init__(
-        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+        self,
+        engine: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        chat_template=None,
     ) -> None:
         self._engine = engine
+        self._requests = RequestPath(engine, tokenizer, metrics)
+        self._chat_template = chat_template
+        self._http = None
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(
             options=[
@@ -374,11 +280,23 @@ class FrontendServer:
             ]
         )
         self._health = health.aio.HealthServicer()
-        add_servicer_to_server(JaxserveServicer(engine, tokenizer, metrics), self._server)
+        servicer = JaxserveServicer(engine, tokenizer, requests=self._requests)
+        add_servicer_to_server(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API on host:port (0 picks a free port); returns the bound
+        port. Raises RuntimeError("http-port: cannot bind HOST:PORT (reason)")."""
+        from jaxserve.frontend.http.app import OpenAIApi
+        from jaxserve.frontend.http.server import HttpServer
+
+        http = HttpServer(OpenAIApi(self._requests, self._chat_template).app)
+        bound = await http.start(host, port)
+        self._http = http
+        return bound
 
     async def start(self, host: str, port: int) -> int:
         """Bind host:port (port 0 picks a free one) and start; returns the bound port.
@@ -415,4 +333,7 @@ class FrontendServer:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting calls; open calls get `grace_s` seconds, then are cancelled."""
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace_s)
+        if self._http is not None:
+            await asyncio.gather(self._server.stop(grace_s), self._http.stop(grace_s))
+        else:
+            await self._server.stop(grace_s)

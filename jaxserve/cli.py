@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("serve", help="serve a model over gRPC")
+    s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
     add_serve_arguments(s)
     s.set_defaults(func=_cmd_serve)
 

@@ -191,11 +191,15 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class ServerConfig:
-    """The gRPC frontend."""
+    """The frontend: gRPC, and the OpenAI HTTP API when http_port is set."""
 
     host: str = "127.0.0.1"
     port: int = 50051
     # Prometheus /metrics over HTTP on host:metrics_port; None disables it.
     metrics_port: int | None = None
+    # The OpenAI-compatible HTTP API on host:http_port; None disables it.
+    http_port: int | None = None
+    # A chat template file replacing the model folder's (frontend/http/chat_template.py).
+    chat_template: str | None = None
     # Seconds between the stats log lines while serving (jaxserve.serve_log); 0 disables.
     stats_log_interval_s: float = 10.0

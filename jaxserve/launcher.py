@@ -114,6 +114,16 @@ def serve(
         process when it leads a multi-process run (process 0; see jaxserve.distributed).
     """
     tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
+    chat_template = None
+    if server_config.http_port is not None:
+        from jaxserve.frontend.http.chat_template import load_chat_template
+
+        chat_template = load_chat_template(engine_config.model, server_config.chat_template)
+        if chat_template is None:
+            logger.warning(
+                "the model has no chat template: /v1/chat/completions answers 400 "
+                "(--chat-template FILE gives one)"
+            )
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.
     prometheus_client.disable_created_metrics()
@@ -150,7 +160,15 @@ def serve(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, socket_dir)
         )
         return uvloop.run(
-            _run_frontend(addresses, tokenizer, engine_config, server_config, children, metrics)
+            _run_frontend(
+                addresses,
+                tokenizer,
+                engine_config,
+                server_config,
+                children,
+                metrics,
+                chat_template,
+            )
         )
     finally:
         _stop_children(children)
@@ -164,6 +182,7 @@ async def _run_frontend(
     server_config: ServerConfig,
     children,
     metrics: Metrics,
+    chat_template,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -176,12 +195,15 @@ async def _run_frontend(
     stats_log = StatsLogger()
     engine.add_stats_listener(stats_log.update)
     stats_task = None
-    server = FrontendServer(engine, tokenizer, metrics)
+    server = FrontendServer(engine, tokenizer, metrics, chat_template)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     try:
         port = await server.start(server_config.host, server_config.port)
+        if server_config.http_port is not None:
+            http_port = await server.start_http(server_config.host, server_config.http_port)
+            logger.info("HTTP (OpenAI API) listening on %s:%d", server_config.host, http_port)
         logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():

@@ -7,7 +7,12 @@
 
 It runs an `EngineCore` in this process and detokenizes with the same
 `IncrementalDetokenizer` as the server's sidecar, so stop strings and text agree with
-what a gRPC client receives.
+what a gRPC or HTTP client receives. It shares the frontend's request rules where they
+apply offline: text prompts are tokenized by `frontend.tokenizer.encode_prompt`,
+parameters checked by `SamplingParams.validate`, and n > 1 is fanned out into engine
+requests by `frontend.validation.split_samples` (seeds seed + i, prompt log-probs on
+sample 0 only). Unlike the servers, a prompt + max_tokens beyond max_model_len is not an
+error offline (as in vLLM's LLM): generation stops at the model length ("length").
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from jaxserve.config import (
 )
 from jaxserve.engine.core import EngineCore
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
+from jaxserve.frontend.tokenizer import encode_prompt
+from jaxserve.frontend.validation import split_samples
 from jaxserve.hub import resolve_model
 from jaxserve.ipc import EngineRequest
 from jaxserve.ipc import RequestOutput as EngineOutput
@@ -190,7 +197,7 @@ class LLM:
             text = p if isinstance(p, str) else None
             if text == "":  # as the server: even where the tokenizer would add a BOS token
                 raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
-            ids = self.tokenizer.encode(p).ids if text is not None else [int(t) for t in p]
+            ids = encode_prompt(self.tokenizer, p) if text is not None else [int(t) for t in p]
             if not ids:
                 raise ValueError(f"prompts[{i}]: the prompt is empty")
             encoded.append((text, ids))
@@ -221,10 +228,8 @@ class LLM:
         """One engine request per sample, recorded in `samples` by request id."""
         for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             group = f"llm-{self._next_id}" if params.n > 1 else None
-            for j in range(params.n):
-                child = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + j
-                )
+            request = EngineRequest("", np.asarray(ids, np.int32), params.to_dict(), time.time())
+            for j, sample in enumerate(split_samples(request)):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
                 detok = IncrementalDetokenizer(
@@ -232,10 +237,7 @@ class LLM:
                 )
                 samples[request_id] = _Sample(i, j, detok)
                 self.engine.add_request(
-                    EngineRequest(
-                        request_id, np.asarray(ids, np.int32), child.to_dict(), time.time()
-                    ),
-                    cache_group=group,
+                    dataclasses.replace(sample, request_id=request_id), cache_group=group
                 )
 
     def _abort_all(self, samples: dict[str, _Sample]) -> None:

@@ -261,6 +261,18 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="serve Prometheus /metrics on this port (default: off)",
     )
     srv.add_argument(
+        "--http-port",
+        type=PORT,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "...) on this port; 0 picks a free one (default: off)",
+    )
+    srv.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template (or a JSON file with a chat_template entry) replacing "
+        "the model's, for /v1/chat/completions (default: the model folder's)",
+    )
+    srv.add_argument(
         "--stats-log-interval",
         type=_non_negative_float,
         metavar="SECONDS",
@@ -384,5 +396,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        chat_template=args.chat_template,
         stats_log_interval_s=0.0 if args.disable_log_stats else args.stats_log_interval,
     )

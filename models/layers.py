@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
+from jaxserve.models.moe_sparse import moe_experts_sparse
 
 KVPair = tuple[jax.Array, jax.Array]
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -310,8 +311,8 @@ def moe_experts_dense(
     w_down: jax.Array,
 ) -> jax.Array:
     """SwiGLU experts computed densely: every token through every expert, unselected
-    experts weighted zero. Exact, and cheap for small models on the CPU (where
-    `lax.ragged_dot` is dense anyway); the grouped-matmul kernel path replaces this.
+    experts weighted zero (E/k times the routed work). The oracle of the sparse
+    (`moe_sparse.moe_experts_sparse`) and kernel paths, and their A/B baseline.
 
     x: [T, embed]; topk_weights: [T, k]; topk_ids: [T, k] int32;
     w_gate, w_up: [E, embed, expert_mlp]; w_down: [E, expert_mlp, embed]. Returns [T, embed].
@@ -351,13 +352,16 @@ def moe_experts_grouped(
 
 
 def moe_experts_local(*args) -> jax.Array:
-    """The single-device experts: dense on the CPU (exact, and `ragged_dot` is dense there
-    anyway), the grouped-matmul kernel where a kernel backend is active."""
+    """The single-device experts: the grouped-matmul kernel where a kernel backend is
+    active (NVIDIA GPU); elsewhere the sparse blocked path (`moe_sparse`, only the routed
+    rows), or the dense oracle if `JAXSERVE_MOE_EXPERTS=dense` (`dispatch`)."""
     from jaxserve.kernels import dispatch
 
-    if dispatch.get_backend() == dispatch.REFERENCE:
+    if dispatch.get_backend() != dispatch.REFERENCE:
+        return moe_experts_grouped(*args)
+    if dispatch.moe_reference_experts() == dispatch.MOE_DENSE:
         return moe_experts_dense(*args)
-    return moe_experts_grouped(*args)
+    return moe_experts_sparse(*args)
 
 
 class MoeBlock(nnx.Module):

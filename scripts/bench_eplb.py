@@ -18,8 +18,11 @@ devices per group, DeepSeek-V3's group-limited routing), for `deepseek`
 additions off) and `planner` (the default), in the same run:
 
 - balance: balancedness (mean / max device load; 1.0 = balanced), mean over layers, of
-  the planning window, of each next step (mean over 50 steps), and of the next 10 and 50
-  steps summed;
+  the planning window, of each next step (mean over --steps steps, with its standard
+  error; and again with each expert's step count split evenly over its copies, which
+  shows the placement without the per-copy sampling noise), and of 10 and of 50
+  consecutive steps summed (mean over the --steps / 10 and --steps / 50 such windows,
+  with standard errors: the next 10 and 50 steps after a plan, repeated);
 - dup: (device, expert) pairs holding a second copy, over all layers; over-cap: experts
   with more copies than devices (hierarchical: than their node's devices);
 - plan ms: CPU time (`time.process_time`, one core) of planning all layers, median of
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.eplb.planner import minimize_movement, plan_placement
+from jaxserve.eplb.planner import device_load, minimize_movement, plan_placement
 from jaxserve.eplb.recorder import balancedness
 
 
@@ -74,6 +77,11 @@ def step_device_loads(
     )
     slot_load = rng.poisson(per_copy).astype(np.float64)
     return slot_load.reshape(len(expert_counts), layers, ep, -1).sum(-1)
+
+
+def _stderr(values: np.ndarray) -> float:
+    """Standard error of the mean of independent samples."""
+    return float(values.std() / np.sqrt(values.size))
 
 
 def duplicates(p2l: np.ndarray, ep: int) -> int:
@@ -121,11 +129,23 @@ def bench_case(args, rng: np.random.Generator, s: float, hierarchical: bool) -> 
         plans[name] = p2l
         # The same step noise for both planners (same seed).
         loads = step_device_loads(np.random.default_rng(seed), steps, p2l, ep)
+        per_step = balancedness(loads)  # [T, L]
+        even = device_load(steps, np.broadcast_to(p2l, steps.shape[:2] + p2l.shape[1:]), ep)
         row = {
             "window": float(balancedness(plan.device_load).mean()),
-            "step": float(balancedness(loads).mean()),
-            "next_10": float(balancedness(loads[:10].sum(0)).mean()),
-            "next_50": float(balancedness(loads.sum(0)).mean()),
+            "step": float(per_step.mean()),
+            "step_stderr": _stderr(per_step),
+            # The same steps with each expert's count split evenly over its copies: the
+            # placement's effect without the per-copy sampling noise.
+            "step_even_split": float(balancedness(even).mean()),
+        }
+        for span in (10, 50):
+            # Consecutive windows of `span` steps, each summed: mean and standard error.
+            sums = loads[: len(loads) // span * span].reshape(-1, span, *loads.shape[1:])
+            per_window = balancedness(sums.sum(1))  # [W, L]
+            row[f"next_{span}"] = float(per_window.mean())
+            row[f"next_{span}_stderr"] = _stderr(per_window.mean(1))
+        row |= {
             "duplicates": duplicates(p2l, ep),
             "over_cap": over_cap(p2l, experts, ep // nodes),
             "plan_ms": ms,
@@ -184,7 +204,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per step")
     parser.add_argument("--window", type=int, default=100, help="steps in a planning window")
-    parser.add_argument("--steps", type=int, default=50, help="steps judged after the plan")
+    parser.add_argument("--steps", type=int, default=400, help="steps judged after the plan")
     parser.add_argument("--zipf", type=float, nargs="+", default=[0.4, 0.6, 0.8, 1.0])
     parser.add_argument("--tolerance", type=float, default=0.005)
     parser.add_argument("--repeats", type=int, default=5)
@@ -202,7 +222,8 @@ def main() -> None:
         bench_case(args, rng, s, hierarchical) for hierarchical in (False, True) for s in args.zipf
     ]
     header = (
-        "| policy | zipf | planner | window | step | next 10 | next 50 | dup | over-cap "
+        "| policy | zipf | planner | window | step (±se) | step, even split | next 10 "
+        "| next 50 | dup | over-cap "
         "| plan ms | unchanged: moved (max) | gap | shifted: moved (max) | gap | replan ms |"
     )
     print(header)
@@ -225,8 +246,10 @@ def main() -> None:
                 ]
                 tail = f"{x['unchanged']['replan_ms']:.1f}"
             print(
-                f"| {r['policy']} | {r['zipf']} | {name} | {x['window']:.4f} | {x['step']:.4f} "
-                f"| {x['next_10']:.4f} | {x['next_50']:.4f} | {x['duplicates']} "
+                f"| {r['policy']} | {r['zipf']} | {name} | {x['window']:.4f} "
+                f"| {x['step']:.4f} ± {x['step_stderr']:.4f} | {x['step_even_split']:.4f} "
+                f"| {x['next_10']:.4f} ± {x['next_10_stderr']:.4f} "
+                f"| {x['next_50']:.4f} ± {x['next_50_stderr']:.4f} | {x['duplicates']} "
                 f"| {x['over_cap']} | {x['plan_ms']:.1f} | {churn[0]} | {churn[1]} | {tail} |"
             )
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

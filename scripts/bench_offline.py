@@ -18,10 +18,18 @@ warm-up (must be 0) and the start-up time.
     python scripts/bench_offline.py [--model DIR] [--max-tokens 32] [--prompt-len 64]
         [--batches 1,8,32,128] [--out bench_results/offline.json]
     python scripts/bench_offline.py --compare-hf [...]   # against transformers: compare_hf.py
+    python scripts/bench_offline.py --moe-ab [--repeats 3] [...]   # dense vs sparse MoE
+
+`--moe-ab`: the MoE experts off the GPU, dense (`JAXSERVE_MOE_EXPERTS=dense`, every token
+through every expert) against sparse (`jaxserve.models.moe_sparse`, the default): one
+engine of each per model in this process, and per batch the default engine row
+(prefix caching on) of each, alternated `--repeats` times; prints the median tok/s of
+each and sparse/dense.
 
 With --ab, it instead builds two engines of the demo model, "old" (the gather-everything
 reference attention, JAXSERVE_CPU_ATTENTION=reference, and the sampler's full path,
-JAXSERVE_SAMPLER=full, both read when the steps are traced) and "new" (the defaults),
+JAXSERVE_SAMPLER=full, both read when the steps are traced) and "new" (the defaults;
+the old one also without the R = 1 decode bucket, step_inputs.SINGLE_ROW_DECODE_BUCKET),
 and runs each batch --repeats times on each, interleaved (old, new, old, new, ...), in
 the default scheduling mode with prefix caching on; it prints medians.
 
@@ -213,6 +221,70 @@ def bench_model(name: str, model_dir: str, args) -> tuple[list[Run], dict]:
     return runs, info
 
 
+def bench_moe_ab(name: str, model_dir: str, args) -> tuple[list[Run], dict]:
+    """Dense vs sparse MoE experts (see the module docstring): rows of kind 'dense' and
+    'sparse', `args.repeats` of each per batch, interleaved."""
+    from jaxserve.engine.core import EngineCore
+    from jaxserve.kernels import dispatch
+
+    config = EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(
+            max_num_seqs=64, max_num_batched_tokens=512, max_model_len=args.max_model_len,
+            num_decode_steps=4,
+        ),
+        compilation_cache_dir=args.compilation_cache_dir,
+    )  # fmt: skip
+    engines = {}
+    for variant in (dispatch.MOE_DENSE, dispatch.MOE_SPARSE):
+        # Read when the step functions are traced, i.e. while the engine starts.
+        os.environ[dispatch.MOE_ENV_VAR] = variant
+        engines[variant] = EngineCore(config)
+    del os.environ[dispatch.MOE_ENV_VAR]
+    default_mode = (config.scheduler.async_scheduling, SchedulerConfig().num_decode_steps)
+    vocab = engines[dispatch.MOE_SPARSE].model_config.vocab_size
+    for engine in engines.values():
+        configure(engine, True, 4, True)
+        run_batch(engine, shared_prefix_prompts(8, args.prompt_len, vocab, 0), 8, False)
+    runs: list[Run] = []
+    for batch in args.batches:
+        prompts = shared_prefix_prompts(batch, args.prompt_len, vocab, seed=batch)
+        for _ in range(args.repeats):
+            for variant, engine in engines.items():
+                configure(engine, default_mode[0], default_mode[1], True)
+                tokens, seconds, steps, host, device = run_batch(
+                    engine, prompts, args.max_tokens, False
+                )
+                run = Run(
+                    name, variant, batch, default_mode[0], default_mode[1], True, len(prompts),
+                    tokens, seconds, steps, 1e3 * host / max(steps, 1),
+                    1e3 * device / max(steps, 1),
+                )  # fmt: skip
+                runs.append(run)
+                print_row(run, flush=True)
+    info = {"compilations_after_warmup": sum(e.num_compilations for e in engines.values())}
+    info["num_executables"] = len(engines[dispatch.MOE_SPARSE].runner.buckets())
+    info["startup_s"] = info["compile_s"] = float("nan")
+    return runs, info
+
+
+def print_moe_ab(runs: list[Run]) -> None:
+    """Median tok/s of dense and sparse per (model, batch), and sparse/dense."""
+    import statistics
+
+    print(f"\n{'model':<8} {'batch':>5} {'dense tok/s':>11} {'sparse tok/s':>12} {'ratio':>7}")
+    for model, batch in dict.fromkeys((r.model, r.batch) for r in runs):
+        med = {
+            kind: statistics.median(
+                r.tokens_per_s for r in runs if (r.model, r.batch, r.kind) == (model, batch, kind)
+            )
+            for kind in ("dense", "sparse")
+        }
+        ratio = med["sparse"] / med["dense"]
+        print(f"{model:<8} {batch:>5} {med['dense']:>11.1f} {med['sparse']:>12.1f} {ratio:>6.2f}x")
+
+
 HEADER = (
     f"{'model':<8} {'kind':<7} {'batch':>5} {'async':>5} {'k':>2} {'cache':>5} "
     f"{'tok/s':>8} {'steps':>6} {'host ms/step':>12} {'device ms/step':>14}"
@@ -235,6 +307,7 @@ def bench_ab(model_dir: str, args) -> dict:
     """Interleaved old/new runs (see the module docstring); returns the JSON record."""
     import statistics
 
+    from jaxserve.engine import step_inputs
     from jaxserve.engine.core import EngineCore
 
     config = EngineConfig(
@@ -248,6 +321,8 @@ def bench_ab(model_dir: str, args) -> dict:
     engines, info = {}, {}
     for variant in ("old", "new"):
         saved = {k: os.environ.get(k) for k in AB_ENV}
+        # The old engine also pads batch 1 to MIN_DECODE_ROWS (no R = 1 decode bucket).
+        step_inputs.SINGLE_ROW_DECODE_BUCKET = variant == "new"
         if variant == "old":
             os.environ.update(AB_ENV)
         else:
@@ -330,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compilation-cache-dir", default=EngineConfig().compilation_cache_dir)
     parser.add_argument("--out", default=None, help="default bench_results/offline[_ab].json")
     parser.add_argument("--ab", action="store_true", help="old vs new attention and sampler")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant with --ab")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per A/B variant")
+    parser.add_argument("--moe-ab", action="store_true", help="dense vs sparse MoE experts")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.out = args.out or (
@@ -364,9 +440,12 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER, flush=True)
     all_runs, infos = [], {}
     for name in args.models.split(","):
-        runs, info = bench_model(name, models[name], args)
+        runs, info = (bench_moe_ab if args.moe_ab else bench_model)(name, models[name], args)
         all_runs += runs
         infos[name] = info
+    if args.moe_ab:
+        print_moe_ab(all_runs)
+    print(f"# load average at end: {os.getloadavg()}")
     print()
     for name, info in infos.items():
         print(

@@ -1,4 +1,4 @@
-"""Serving throughput: `jaxserve serve` over gRPC against the offline `LLM.generate`.
+"""Serving throughput: `jaxserve serve` over gRPC (and HTTP) against the offline `LLM.generate`.
 
 Starts the server as a subprocess (three processes: frontend, engine, detokenizer) on a
 free loopback port, sends the same prompts at concurrency 1, 16 and 64, then runs the
@@ -7,6 +7,16 @@ of the frontend, the IPC and the sidecar. Also times start-up to the first token
 empty JAX compilation cache (cold) and with it filled (warm).
 
     python scripts/bench_serve.py [--model DIR] [--max-tokens 64] [--out bench_results/serve.json]
+    python scripts/bench_serve.py --http [--repeats 3] [--skip-offline] [--skip-cold-start]
+
+With --http the server also serves the OpenAI API (--http-port), and every level runs
+over gRPC and over HTTP (streamed /v1/completions, SSE) on the same prompts, interleaved
+(the order alternates per repeat); the table gives each path's median over the repeats
+and HTTP/gRPC. Both clients run in this process, on the machine of the server, so a
+client's CPU time is taken from the server: the HTTP client is aiohttp (its HTTP parser
+is C, as grpc.aio's core is), reading the SSE lines itself (the `openai` client's httpx
+transport parses HTTP in Python, which would bill client work to the server).
+--cache-dir keeps the JAX compilation cache between runs (default: a new empty one).
 
 Prints one table; writes JSON beside it. Requests are greedy with ignore_eos so every
 request produces exactly --max-tokens tokens on both paths.
@@ -44,9 +54,12 @@ def _free_port() -> int:
 class Server:
     """`jaxserve serve` in a subprocess; records when its first token could be served."""
 
-    def __init__(self, model: str | None, cache_dir: str, extra: list[str]) -> None:
+    def __init__(self, model: str | None, cache_dir: str, extra: list[str], http: bool = False):
         self.port = _free_port()
+        self.http_port = _free_port() if http else None
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port)]
+        if http:
+            cmd += ["--http-port", str(self.http_port)]
         cmd += ["--compilation-cache-dir", cache_dir, *extra]
         if model:
             cmd += ["--model", model]
@@ -121,6 +134,56 @@ async def _run_load(target: str, prompts: list[str], concurrency: int, max_token
         return time.perf_counter() - t0, sum(tokens), texts, ttfts
 
 
+async def _run_load_http(url: str, prompts: list[str], concurrency: int, max_tokens: int):
+    """`_run_load` over the OpenAI API: streamed /v1/completions, one request per prompt,
+    on at most `concurrency` kept-alive connections.
+
+    Returns (seconds, output tokens, texts, TTFTs)."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    texts: list[str] = [""] * len(prompts)
+    tokens = [0] * len(prompts)
+    ttfts: list[float] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+
+        async def one(i: int) -> None:
+            body = {
+                "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            async with sem:
+                t0 = time.perf_counter()
+                first = True
+                async with session.post("/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                    async for line in r.content:  # one SSE line at a time
+                        if not line.startswith(b"data: {"):
+                            continue  # blank separators and data: [DONE]
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"]:
+                            text = chunk["choices"][0]["text"]
+                            if first and text:
+                                ttfts.append(time.perf_counter() - t0)
+                                first = False
+                            texts[i] += text
+                        elif chunk.get("usage"):
+                            tokens[i] = chunk["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return time.perf_counter() - t0, sum(tokens), texts, ttfts
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def _prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
@@ -135,49 +198,73 @@ def main() -> None:
     ap.add_argument("--requests-per-level", type=int, default=64, help="requests at each level")
     ap.add_argument("--skip-cold-start", action="store_true")
     ap.add_argument("--out", default="bench_results/serve.json")
+    ap.add_argument("--http", action="store_true", help="also measure the OpenAI HTTP API")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per path and level (median)")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--cache-dir", help="JAX compilation cache to use (default: a new one)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    repeats = args.repeats or (3 if args.http else 1)
     extra = ["--max-num-seqs", str(max(levels))]
     machine = f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}"
-    rows, result = [], {"machine": machine}
+    rows, result = [], {"machine": machine, "load_before": os.getloadavg()}
 
     # Start-up: cold (empty compilation cache) then warm (the same cache, filled).
-    cache = tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
     if not args.skip_cold_start:
         srv = Server(args.model, cache, extra)
         result["startup_cold_s"] = srv.time_to_first_token()
         srv.stop()
-    srv = Server(args.model, cache, extra)
+    srv = Server(args.model, cache, extra, http=args.http)
     result["startup_warm_s"] = srv.time_to_first_token()
     target = f"127.0.0.1:{srv.port}"
+    paths = {"serve (gRPC)": lambda p, c: _run_load(target, p, c, args.max_tokens)}
+    if args.http:
+        url = f"http://127.0.0.1:{srv.http_port}"
+        paths["serve (HTTP)"] = lambda p, c: _run_load_http(url, p, c, args.max_tokens)
     served: dict[int, list[str]] = {}
     try:
         for c in levels:
             n = max(c, args.requests_per_level if c > 1 else min(8, args.requests_per_level))
-            secs, toks, texts, ttfts = asyncio.run(
-                _run_load(target, _prompts(n), c, args.max_tokens)
-            )
-            served[n] = texts
-            ttfts.sort()
-            rows.append({
-                "path": "serve (gRPC)", "concurrency": c, "requests": n, "seconds": secs,
-                "output_tok_s": toks / secs, "req_s": n / secs,
-                "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            })  # fmt: skip
+            runs: dict[str, list] = {name: [] for name in paths}
+            for rep in range(repeats):
+                order = list(paths) if rep % 2 == 0 else list(paths)[::-1]
+                for name in order:
+                    runs[name].append(asyncio.run(paths[name](_prompts(n), c)))
+            texts_by_path = {}
+            for name, results in runs.items():
+                texts_by_path[name] = results[0][2]
+                p50s = [sorted(r[3])[len(r[3]) // 2] for r in results if r[3]]
+                rows.append({
+                    "path": name, "concurrency": c, "requests": n, "repeats": repeats,
+                    "seconds": _median([r[0] for r in results]),
+                    "output_tok_s": _median([r[1] / r[0] for r in results]),
+                    "req_s": _median([n / r[0] for r in results]),
+                    "ttft_p50_s": _median(p50s) if p50s else None,
+                    "output_tok_s_runs": [r[1] / r[0] for r in results],
+                })  # fmt: skip
+            served[n] = texts_by_path["serve (gRPC)"]
+            if args.http:
+                same = sum(
+                    a == b for a, b in zip(served[n], texts_by_path["serve (HTTP)"], strict=True)
+                )
+                rows[-1]["texts_equal_to_served"] = f"{same}/{n}"
     finally:
         srv.stop()
+    result["load_after"] = os.getloadavg()
 
     # Offline: the same prompts through LLM.generate, all submitted at once.
     from jaxserve import LLM, SamplingParams
 
-    llm = (
-        LLM(model=args.model, max_num_seqs=max(levels))
-        if args.model
-        else LLM(max_num_seqs=max(levels))
-    )
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(_prompts(2), sp)  # warm-up
-    for n in sorted(served):
+    if not args.skip_offline:
+        llm = (
+            LLM(model=args.model, max_num_seqs=max(levels))
+            if args.model
+            else LLM(max_num_seqs=max(levels))
+        )
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(_prompts(2), sp)  # warm-up
+    for n in sorted(served) if not args.skip_offline else ():
         t0 = time.perf_counter()
         outs = llm.generate(_prompts(n), sp)
         secs = time.perf_counter() - t0
@@ -190,16 +277,27 @@ def main() -> None:
         })  # fmt: skip
 
     result["rows"] = rows
+    grpc_rows = {r["concurrency"]: r for r in rows if r["path"] == "serve (gRPC)"}
+    for r in rows:
+        if r["path"] == "serve (HTTP)":
+            g = grpc_rows[r["concurrency"]]
+            r["tok_s_vs_grpc"] = r["output_tok_s"] / g["output_tok_s"]
     print(f"machine: {result['machine']}; max_tokens={args.max_tokens}, greedy, ignore_eos")
+    before, after = (" ".join(f"{x:.2f}" for x in result[k]) for k in ("load_before", "load_after"))
+    print(f"load average (1/5/15 min) before: {before}, after: {after}")
     for key in ("startup_cold_s", "startup_warm_s"):
         if key in result:
             print(f"{key}: {result[key]:.1f}")
-    print(f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}  same text")
+    print(
+        f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
+        f"{'vs gRPC':>9}  same text"
+    )
     for r in rows:
         ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
+        ratio = f"{r['tok_s_vs_grpc']:.2f}x" if "tok_s_vs_grpc" in r else ""
         print(
             f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
-            f"{r['req_s']:>8.2f}{ttft:>10}  {r.get('texts_equal_to_served', '')}"
+            f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}  {r.get('texts_equal_to_served', '')}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

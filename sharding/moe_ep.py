@@ -19,9 +19,10 @@ all_to_all path (any batch; DeepSpeed-MoE / GShard-style dispatch and combine):
     7. `all_gather` over tp restores the dp rank's tokens.
 
 replicated-token path (small batches): every device gathers all tokens, runs its local
-experts on the tokens that chose them, and a `psum` over tp plus a `psum_scatter` over
-dp sums the partial outputs. It moves the whole batch instead of the routed rows, but
-skips the capacity padding and both all_to_alls, which wins when the batch is small.
+experts on the (token, choice) pairs that chose them (sparse off the GPU: `moe_sparse`),
+and a `psum` over tp plus a `psum_scatter` over dp sums the partial outputs. It moves
+the whole batch instead of the routed rows, but skips the capacity padding and both
+all_to_alls, which wins when the batch is small.
 
 The array layout is the DP-attention flat batch: the T tokens are the concatenation of
 the dp ranks' T/dp tokens, so T must be divisible by dp.
@@ -39,6 +40,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.moe_sparse import sparse_expert_ffn
 from jaxserve.sharding.placement import ExpertPlacement, choose_slots
 from jaxserve.sharding.rules import DP, EP, TP
 
@@ -98,13 +100,16 @@ def local_expert_ffn(
         [M, H] in rows.dtype; empty rows give 0.
 
     On the kernel backends (`jaxserve.kernels.dispatch`, NVIDIA GPU) rows are sorted by
-    expert and fed to the grouped matmul kernel; on the reference backend (the CPU)
-    every row goes through every local expert densely and its own expert's output is
-    selected (exact, no `ragged_dot`).
+    expert and fed to the grouped matmul kernel; on the reference backend (the CPU) the
+    sparse blocked path of the single-device model (`moe_sparse.sparse_expert_ffn`, only
+    the non-empty rows), or, with `JAXSERVE_MOE_EXPERTS=dense`, every row through every
+    local expert with its own expert's output selected. No `ragged_dot` either way.
     """
     from jaxserve.kernels import dispatch  # noqa: PLC0415 -- kernels import models; keep lazy
 
     num_local = w_gate.shape[0]
+    if _sparse_reference():
+        return sparse_expert_ffn(rows, local_ids[:, None], w_gate, w_up, w_down)[:, 0]
     if dispatch.get_backend() == dispatch.REFERENCE:
         out = _dense_local_ffn(rows, w_gate, w_up, w_down)  # [M, L, H]
         picked = jnp.take_along_axis(out, jnp.minimum(local_ids, num_local - 1)[:, None, None], 1)
@@ -128,6 +133,17 @@ def _dense_local_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: j
     up = jnp.einsum("mh,lhi->mli", x32, w_up.astype(f32))
     hidden = (jax.nn.silu(gate) * up).astype(x.dtype).astype(f32)
     return jnp.einsum("mli,lih->mlh", hidden, w_down.astype(f32)).astype(x.dtype)
+
+
+def _sparse_reference() -> bool:
+    """Whether the local expert FFN runs the sparse blocked path (the reference backend,
+    not forced dense; see `jaxserve.kernels.dispatch.moe_reference_experts`)."""
+    from jaxserve.kernels import dispatch  # noqa: PLC0415 -- kernels import models; keep lazy
+
+    return (
+        dispatch.get_backend() == dispatch.REFERENCE
+        and dispatch.moe_reference_experts() == dispatch.MOE_SPARSE
+    )
 
 
 def _token_chunk(a: jax.Array, chunk: int, index: jax.Array) -> jax.Array:
@@ -197,6 +213,11 @@ def _replicated_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement)
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     local = choose_slots(ids, token, placement) - lax.axis_index(EP) * num_local
     mine = (local >= 0) & (local < num_local)
+    if _sparse_reference():  # only the (token, choice) pairs of this device's experts
+        y = sparse_expert_ffn(xs, jnp.where(mine, local, num_local), w_gate, w_up, w_down)
+        partial = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), y.astype(jnp.float32))
+        summed = lax.psum(partial.astype(x.dtype), TP)
+        return lax.psum_scatter(summed, DP, scatter_dimension=0, tiled=True)[:t_dp]
     combine = jnp.zeros((num_tokens, num_local + 1), weights.dtype)
     combine = combine.at[token[:, None], jnp.where(mine, local, num_local)].add(weights)
     partial = jnp.einsum(

@@ -44,6 +44,7 @@ class ServerProcess:
         self.listening = threading.Event()  # gRPC bound, engine maybe still starting
         self.ready = threading.Event()
         self.target = ""
+        self.http_url = ""  # "http://127.0.0.1:PORT" when serving with --http-port
         threading.Thread(target=self._read_logs, daemon=True).start()
         if not self.listening.wait(self.start_timeout_s):
             self.kill()
@@ -62,6 +63,8 @@ class ServerProcess:
     def _read_logs(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
+            if m := re.search(r"HTTP \(OpenAI API\) listening on (127\.0\.0\.1:\d+)", line):
+                self.http_url = f"http://{m.group(1)}"
             if m := re.search(r"gRPC listening on (127\.0\.0\.1:\d+)", line):
                 self.target = m.group(1)
                 self.listening.set()

@@ -14,8 +14,10 @@ from __future__ import annotations
 import jax
 
 from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
-from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.model_runner import InFlightStep, ModelRunner
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.step_inputs import DPStepInputs, StepInputs, StepShape
 
 
@@ -33,12 +35,14 @@ class LeaderExecutor(Executor):
         super().__init__(runner)
         self._publisher: StepPublisher | None = publisher
 
-    def dispatch(self, x: StepInputs | DPStepInputs) -> StepHandle:
+    def dispatch(
+        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
+    ) -> InFlightStep:
         if self._publisher is not None:
             self._publisher.publish(x.buffers, meta={"shape": list(x.shape)})
             self.last_coordination_s = self._publisher.stats.last_s
             self.coordination_time_s += self.last_coordination_s
-        return super().dispatch(x)
+        return super().dispatch(x, sched)
 
     def close(self) -> None:
         """Stop the followers (idempotent)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.builder import CompileCounter, build_engine
 from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
-from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import SchedulerOutput
@@ -42,15 +41,6 @@ from jaxserve.observability.stats import EngineCounters
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class InFlightStep:
-    """A dispatched step whose outputs are not processed yet: its scheduler decision and
-    the device handle of its results."""
-
-    sched: SchedulerOutput | DPSchedulerOutput
-    handle: StepHandle
 
 
 class EngineCore:
@@ -218,7 +208,7 @@ class EngineCore:
         if sched.is_empty:
             return self.scheduler.drain_finished()
         x = self._prepare(sched)
-        samples = self.executor.fetch(self.executor.dispatch(x))
+        samples = self.executor.fetch(self.executor.dispatch(x, sched))
         return self.scheduler.update(sched, samples)
 
     def _step_async(self) -> list[RequestOutput]:
@@ -228,15 +218,15 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return self.scheduler.drain_finished()
-            self._inflight = InFlightStep(sched, self.executor.dispatch(self._prepare(sched)))
+            self._inflight = self.executor.dispatch(self._prepare(sched), sched)
         done = self._inflight
         nxt = self.scheduler.schedule()
         x = None if nxt.is_empty else self._prepare(nxt, in_flight=done.sched)
-        samples = self.executor.fetch(done.handle)
+        samples = self.executor.fetch(done)
         self._inflight = None
         if x is not None:
             self.runner.fill_pending(x, samples)
-            self._inflight = InFlightStep(nxt, self.executor.dispatch(x))
+            self._inflight = self.executor.dispatch(x, nxt)
         return self.scheduler.update(done.sched, samples)
 
     def _rebalance(self) -> list[RequestOutput]:
@@ -249,7 +239,7 @@ class EngineCore:
         outputs = []
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
-            outputs = self.scheduler.update(done.sched, self.executor.fetch(done.handle))
+            outputs = self.scheduler.update(done.sched, self.executor.fetch(done))
         self.eplb.apply(plan)
         return outputs
 

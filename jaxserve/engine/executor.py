@@ -10,8 +10,10 @@ them there.
 
 from __future__ import annotations
 
-from jaxserve.engine.model_runner import ModelRunner, StepHandle
+from jaxserve.engine.dp_scheduler import DPSchedulerOutput
+from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.outputs import StepSamples
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
 
 
@@ -31,13 +33,15 @@ class Executor:
         self.coordination_time_s = 0.0
         self.last_coordination_s = 0.0
 
-    def dispatch(self, x: StepInputs | DPStepInputs) -> StepHandle:
+    def dispatch(
+        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
+    ) -> InFlightStep:
         """Queue one step and return at once (see `ModelRunner.dispatch`)."""
-        return self.runner.dispatch(x)
+        return self.runner.dispatch(x, sched)
 
-    def fetch(self, handle: StepHandle) -> StepSamples | list[StepSamples]:
+    def fetch(self, step: InFlightStep) -> StepSamples | list[StepSamples]:
         """Wait for a dispatched step's samples (see `ModelRunner.fetch`)."""
-        return self.runner.fetch(handle)
+        return self.runner.fetch(step)
 
     def close(self) -> None:
         """Release what the executor holds besides the runner (idempotent)."""

@@ -74,11 +74,13 @@ MIN_TOKEN_BUCKET = 16
 
 
 @dataclass(slots=True)
-class StepHandle:
-    """A dispatched step: its (possibly still running) device outputs and its inputs."""
+class InFlightStep:
+    """A dispatched step: its scheduler decision, its packed inputs and its (possibly
+    still running) device outputs. What the engine core's batch queue holds."""
 
-    out: StepOutput
+    sched: SchedulerOutput | DPSchedulerOutput
     inputs: StepInputs | DPStepInputs
+    out: StepOutput
 
 
 class ModelRunner:
@@ -328,13 +330,16 @@ class ModelRunner:
         else:
             x.fill_pending(samples.token_ids)
 
-    def dispatch(self, x: StepInputs | DPStepInputs) -> StepHandle:
-        """Queue the step on the device and return at once (the KV cache is donated).
+    def dispatch(
+        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
+    ) -> InFlightStep:
+        """Queue the step of decision `sched` (packed as x) on the device and return at
+        once (the KV cache is donated).
 
         Raises:
             RuntimeError: the shape was not compiled.
         """
-        return StepHandle(self.run_buffers(x.shape, x.buffers), x)
+        return InFlightStep(sched, x, self.run_buffers(x.shape, x.buffers))
 
     def run_buffers(self, shape: StepShape, buffers: tuple[np.ndarray, ...]) -> StepOutput:
         """Queue the executable of `shape` on packed host buffers (what `dispatch` runs;
@@ -352,14 +357,14 @@ class ModelRunner:
         out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
         return out
 
-    def fetch(self, handle: StepHandle) -> StepSamples | list[StepSamples]:
+    def fetch(self, step: InFlightStep) -> StepSamples | list[StepSamples]:
         """Wait for a dispatched step and copy what the host needs of its outputs.
 
         Returns:
             StepSamples with row r for the step's r-th scheduled request; with dp > 1,
             one per rank (its rows are rank k's r-th requests).
         """
-        out, x = handle.out, handle.inputs
+        out, x = step.out, step.inputs
         start = time.perf_counter()
         jax.block_until_ready(out.token_ids)  # the one wait for the device
         self.last_wait_s = time.perf_counter() - start

@@ -27,8 +27,13 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 
-# Fewest rows of a multi-step decode call (T = R = 1 runs slower than 4 on the CPU).
+# Row buckets of the multi-step decode call: one request alone (R = 1), then powers of
+# two from MIN_DECODE_ROWS. With the blockwise CPU attention and the sampler's greedy
+# path, one request decodes ~2x faster at R = 1 than padded to R = 4, while R = 2 gains
+# little over 4 (demo model, CPU: scripts/bench_decode_rows.py), so only batch 1 gets its
+# own bucket. SINGLE_ROW_DECODE_BUCKET = False (read when an InputBuilder is made) drops it.
 MIN_DECODE_ROWS = 4
+SINGLE_ROW_DECODE_BUCKET = True
 
 
 class StepShape(NamedTuple):
@@ -209,6 +214,10 @@ class InputBuilder:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.vocab_size = vocab_size
         self.decode_steps = decode_steps
+        single = (1,) if SINGLE_ROW_DECODE_BUCKET else ()
+        self._decode_row_buckets = tuple(
+            sorted(set(single + pow2_buckets(MIN_DECODE_ROWS, max_num_seqs)))
+        )
         self._layouts: dict[StepShape, PackedLayout] = {}
 
     # ----- shapes ------------------------------------------------------------------------
@@ -219,10 +228,11 @@ class InputBuilder:
 
     @property
     def decode_row_buckets(self) -> tuple[int, ...]:
-        """Row buckets of the multi-step decode call: powers of two from MIN_DECODE_ROWS
-        to max_num_seqs. Below the smallest token bucket on purpose: a decode of a few
-        rows runs ~2x faster at T = R = 4 than padded to T = 16 (demo shape, CPU)."""
-        return pow2_buckets(MIN_DECODE_ROWS, self.max_num_seqs)
+        """Row buckets of the multi-step decode call: 1, then powers of two from
+        MIN_DECODE_ROWS to max_num_seqs (see SINGLE_ROW_DECODE_BUCKET). Below the
+        smallest token bucket on purpose: a decode of a few rows runs ~2x faster at
+        T = R = 4 than padded to T = 16 (demo shape, CPU)."""
+        return self._decode_row_buckets
 
     def shapes(self) -> list[StepShape]:
         """Every shape a step can take: per token bucket a plain step and one with the

@@ -10,7 +10,12 @@ NVIDIA GPU, the references elsewhere (the CPU). The environment variable
                 slow: small shapes only)
 
 Model code calls only the functions here (`paged_attention`, `moe_ffn`,
-`grouped_matmul`), never a kernel module, so the choice lives in this one place. The
+`grouped_matmul`), never a kernel module, so the choice lives in this one place.
+
+The MoE experts on the reference backend (`moe_reference_experts`) are the sparse
+blocked path (`jaxserve.models.moe_sparse`, only the routed rows); the environment
+variable `JAXSERVE_MOE_EXPERTS=dense` forces the dense oracle (every token through every
+expert) instead, for A/B benchmarks. The kernel backends always use the grouped matmul. The
 choice is read when a function is traced, so set the variable (or use
 `backend_override`) before the first jit of a model. Shapes or dtypes a kernel cannot
 take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
@@ -39,6 +44,9 @@ from jaxserve.kernels.paged_attention_ref import paged_attention_ref
 from jaxserve.models.base import AttentionMetadata
 
 ENV_VAR = "JAXSERVE_KERNELS"
+MOE_ENV_VAR = "JAXSERVE_MOE_EXPERTS"
+MOE_SPARSE = "sparse"
+MOE_DENSE = "dense"
 REFERENCE = "reference"
 PALLAS_MGPU = "pallas_mgpu"
 INTERPRET = "interpret"
@@ -84,6 +92,18 @@ def get_backend() -> str:
     where there is no NVIDIA GPU.
     """
     return _override or _backend_from_environment()
+
+
+def moe_reference_experts() -> str:
+    """How the MoE experts run on the reference backend: 'sparse' (default) or 'dense'
+    (`JAXSERVE_MOE_EXPERTS`, read when a model is traced, so one process can A/B both).
+
+    Raises ValueError if JAXSERVE_MOE_EXPERTS holds another value.
+    """
+    value = os.environ.get(MOE_ENV_VAR, "").strip().lower() or MOE_SPARSE
+    if value not in (MOE_SPARSE, MOE_DENSE):
+        raise ValueError(f"{MOE_ENV_VAR}={value!r}: expected {MOE_SPARSE} or {MOE_DENSE}")
+    return value
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Pure-jnp reference for attention over the paged KV cache (the oracle for the kernels).
 
 It gathers every request's keys through its block table, so memory is
-O(T * max_blocks * block_size): fine for tests and the CPU, not for serving long contexts.
+O(T * max_blocks * block_size): fine for tests, not for serving. Off the GPU the engine
+runs `paged_attention_blockwise` instead (same contract; cost follows the real context),
+and this stays its oracle (`JAXSERVE_CPU_ATTENTION=reference` still runs it, for A/B).
 The cache layout and metadata are defined in `jaxserve.models.base`.
 """
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from frontend_helpers import (
+from server_harness import alive
+
+from frontend_tests.helpers import (
     REPO_DIR,
     TESTS_DIR,
     MockServer,
 )
-from server_harness import alive
-
 from jaxserve.frontend.client import JaxserveClient
 
 # ---------------------------------------------------------------- processes

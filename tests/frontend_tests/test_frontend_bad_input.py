@@ -9,14 +9,14 @@ import time
 
 import grpc
 import pytest
-from frontend_helpers import (
+
+from frontend_tests.helpers import (
     RPC_TIMEOUT_S,
     _assert_invalid,
     _expected_ids,
     _wait_idle,
     _wait_running,
 )
-
 from jaxserve.frontend.client import build_generate_request
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc

@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 
 import grpc
-from frontend_helpers import (
+from mock_engine import mock_logprobs
+
+from frontend_tests.helpers import (
     FFFD,
     RPC_TIMEOUT_S,
     _assert_invalid,
@@ -15,8 +17,6 @@ from frontend_helpers import (
     _wait_idle,
     _wait_running,
 )
-from mock_engine import mock_logprobs
-
 from jaxserve.frontend.client import build_generate_request, collect_completions
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.validation import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from frontend_helpers import (
+from frontend_tests.helpers import (
     REPO_DIR,
     _expected_ids,
 )

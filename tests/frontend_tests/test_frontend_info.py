@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import grpc
-from frontend_helpers import (
-    _wait_idle,
-)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
+)
+
+from frontend_tests.helpers import (
+    _wait_idle,
 )
 
 # ---------------------------------------------------------------- health, reflection, info

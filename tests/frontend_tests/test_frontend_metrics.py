@@ -6,12 +6,12 @@ import socket
 import time
 
 import pytest
-from frontend_helpers import (
+
+from frontend_tests.helpers import (
     RPC_TIMEOUT_S,
     MockServer,
     _wait_idle,
 )
-
 from jaxserve.frontend.client import JaxserveClient
 
 # ---------------------------------------------------------------- metrics

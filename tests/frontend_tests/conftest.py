@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from frontend_helpers import MockServer
 from mock_engine import write_mock_model_dir
 
+from frontend_tests.helpers import MockServer
 from jaxserve.frontend.client import JaxserveClient
 from jaxserve.frontend.tokenizer import load_tokenizer
 

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP API (a Starlette app) over the frontend's shared request path.
+
+    POST /v1/completions        prompt(s) -> text (SSE with "stream": true)
+    POST /v1/chat/completions   messages -> the chat template -> text (SSE with "stream")
+    GET  /v1/models             the served model
+    GET  /health                200 once the engine is ready, 503 before and after it died
+    GET  /version               {"version": ...}
+
+Each body is parsed (protocol.py), translated into `GenerateRequest`s (inputs.py) and sent
+through `RequestPath.start`, the same validation and engine path as a gRPC Generate;
+outputs become OpenAI JSON (outputs.py). A client that closes its connection cancels its
+request in the engine (responses.py). Errors are OpenAI's shape (errors.py); an error
+after a stream started is sent as a last `data: {"error": ...}` event before
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from importlib import metadata
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from jaxserve.frontend.http.chat_template import ChatTemplate
+from jaxserve.frontend.http.errors import HttpError, bad_field, error_body, unavailable
+from jaxserve.frontend.http.inputs import chat_request, completion_requests, log_unknown_fields
+from jaxserve.frontend.http.outputs import Choice, ResponseWriter, TokenTexts
+from jaxserve.frontend.http.protocol import (
+    MAX_BODY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    parse_body,
+)
+from jaxserve.frontend.http.responses import (
+    DONE,
+    DeferredJSONResponse,
+    EventStreamResponse,
+    read_body,
+    sse_event,
+)
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.requests import (
+    EngineUnavailableError,
+    Generation,
+    RequestPath,
+    RequestValidationError,
+    SampleFailedError,
+)
+from jaxserve.ipc import TextOutput
+
+logger = logging.getLogger("jaxserve.frontend.http")
+
+# Shared-rule field names that a chat body spells differently.
+_CHAT_ALIASES = {"prompt": "messages", "prompt.token_ids": "messages", "logprobs": "top_logprobs"}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("jaxserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def _merged(
+    generations: list[Generation], n: int
+) -> AsyncIterator[tuple[int, list[TextOutput]]]:
+    """(choice index, outputs) of every generation as they come; generation i's sample j
+    is choice i * n + j. Closing it releases every generation."""
+    if len(generations) == 1:
+        async with contextlib.aclosing(generations[0].batches()) as batches:
+            async for groups in batches:
+                for item in groups:
+                    yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, generation: Generation) -> None:
+        try:
+            async with contextlib.aclosing(generation.batches()) as batches:
+                async for groups in batches:
+                    queue.put_nowait((i, groups))
+            queue.put_nowait((i, None))
+        except Exception as e:  # delivered to the reader, which raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                for sample, outputs in item:
+                    yield i * n + sample, outputs
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in generations:
+            g.release()
+
+
+class OpenAIApi:
+    """The routes, over `requests` (the shared path) and the model's chat template (None:
+    chat completions answer 400). `.app` is the ASGI app."""
+
+    def __init__(self, requests: RequestPath, chat_template: ChatTemplate | None = None) -> None:
+        self._requests = requests
+        self._chat_template = chat_template
+        self._texts = TokenTexts(requests.tokenizer)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_exception, Exception: _internal_error},
+        )
+
+    # ----- small endpoints
+
+    async def health(self, request: Request):
+        if not self._requests.engine.ready:
+            return unavailable(self._requests.unavailable_message()).response()
+        return JSONResponse({"status": "ok"})
+
+    async def version(self, request: Request):
+        return JSONResponse({"version": _version()})
+
+    async def models(self, request: Request):
+        try:
+            limits = self._requests.limits()
+        except EngineUnavailableError as e:
+            return unavailable(str(e)).response()
+        name = self._requests.engine.stats.model
+        card = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxserve",
+            "root": name,
+            "max_model_len": limits.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # ----- completions
+
+    async def completions(self, request: Request):
+        try:
+            body = parse_body(CompletionRequest, await read_body(request, MAX_BODY_BYTES))
+            log_unknown_fields(body, "completions")
+            model = self._model(body.model)
+            response_id = f"cmpl-{uuid.uuid4().hex}"
+            messages = completion_requests(body, response_id, self._requests.limits())
+            generations = await self._start(messages, {})
+        except FieldError as e:
+            return HttpError(400, str(e), e.param).response()
+        except HttpError as e:
+            return e.response()
+        except EngineUnavailableError as e:
+            return unavailable(str(e)).response()
+        writer = ResponseWriter(
+            response_id, model, chat=False, logprobs=body.logprobs is not None, texts=self._texts
+        )
+        return self._respond(body, generations, writer)
+
+    async def chat_completions(self, request: Request):
+        try:
+            body = parse_body(ChatCompletionRequest, await read_body(request, MAX_BODY_BYTES))
+            log_unknown_fields(body, "chat.completions")
+            model = self._model(body.model)
+            if self._chat_template is None:
+                raise HttpError(
+                    400,
+                    "messages: the model has no chat template (its folder has no "
+                    "chat_template.jinja and its tokenizer_config.json no chat_template); "
+                    "serve it with --chat-template FILE",
+                    "messages",
+                    "no_chat_template",
+                )
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            message = await asyncio.to_thread(
+                chat_request,
+                body,
+                response_id,
+                self._chat_template,
+                self._requests.tokenizer,
+                self._requests.limits(),
+            )
+            aliases = dict(_CHAT_ALIASES)
+            if body.max_completion_tokens is not None:
+                aliases["max_tokens"] = "max_completion_tokens"
+            generations = await self._start([message], aliases)
+        except FieldError as e:
+            return HttpError(400, str(e), e.param).response()
+        except HttpError as e:
+            return e.response()
+        except EngineUnavailableError as e:
+            return unavailable(str(e)).response()
+        writer = ResponseWriter(
+            response_id, model, chat=True, logprobs=body.logprobs, texts=self._texts
+        )
+        return self._respond(body, generations, writer)
+
+    # ----- the shared part
+
+    def _model(self, name: str | None) -> str:
+        """The served model's name; HttpError 503 before the engine is ready, 404 when
+        `name` is given and is not it."""
+        try:
+            self._requests.check_ready()
+        except EngineUnavailableError as e:
+            raise unavailable(str(e)) from None
+        served = self._requests.engine.stats.model
+        if name is not None and name != served:
+            raise HttpError(
+                404,
+                f"model: the model {name!r} does not exist (this server serves {served!r})",
+                "model",
+                "model_not_found",
+            )
+        return served
+
+    async def _start(self, messages: list[pb.GenerateRequest], aliases) -> list[Generation]:
+        """Start every prompt's request; on an error, release those already started and
+        raise HttpError (400 naming the field, 503)."""
+        generations: list[Generation] = []
+        try:
+            for message in messages:
+                generations.append(await self._requests.start(message))
+        except BaseException as e:
+            for g in generations:
+                g.release()
+            if isinstance(e, RequestValidationError):
+                raise bad_field(str(e), aliases) from None
+            raise
+        return generations
+
+    def _respond(self, body, generations: list[Generation], writer: ResponseWriter):
+        n = generations[0].num_samples
+        prompt_tokens = sum(g.prompt_tokens for g in generations)
+
+        def release() -> None:
+            for g in generations:
+                g.release()
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(generations, n, writer, prompt_tokens, include_usage)
+            return EventStreamResponse(events, release)
+
+        async def compute() -> dict:
+            choices = [Choice(i) for i in range(n * len(generations))]
+            try:
+                async for index, outputs in _merged(generations, n):
+                    choices[index].add(outputs, keep=writer.logprobs)
+            except EngineUnavailableError as e:
+                raise unavailable(str(e)) from None
+            except SampleFailedError as e:
+                raise HttpError(400, str(e)) from None
+            return writer.response(choices, prompt_tokens)
+
+        return DeferredJSONResponse(compute, release)
+
+    async def _events(
+        self,
+        generations: list[Generation],
+        n: int,
+        writer: ResponseWriter,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        tokens: dict[int, int] = {}
+        try:
+            async for index, outputs in _merged(generations, n):
+                event = writer.event(index, outputs, index not in started, include_usage)
+                started.add(index)
+                last = outputs[-1]
+                if last.finish_reason is not None:
+                    tokens[index] = last.completion_tokens
+                else:
+                    tokens[index] = tokens.get(index, 0) + sum(len(o.token_ids) for o in outputs)
+                if event is not None:
+                    yield event
+            if include_usage:
+                yield sse_event(writer.usage_chunk(prompt_tokens, sum(tokens.values())))
+        except EngineUnavailableError as e:
+            yield sse_event(unavailable(str(e)).body())
+        except SampleFailedError as e:
+            yield sse_event(error_body(400, str(e)))
+        yield DONE
+
+
+async def _http_exception(request: Request, exc: HTTPException):
+    """Starlette's own errors (unknown path 404, wrong method 405) in OpenAI's shape."""
+    return JSONResponse(
+        error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _internal_error(request: Request, exc: Exception):
+    """A bug: logged with its traceback here, answered 500 without one."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(
+        error_body(500, "internal server error (the server's log has the details)"),
+        status_code=500,
+    )

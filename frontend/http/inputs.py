@@ -1,0 +1,227 @@
+"""OpenAI request bodies -> `jaxserve.v1.GenerateRequest` messages, the form every request
+of the frontend takes before the shared validation (frontend/requests.py).
+
+Nothing here checks a range: a bad temperature or top_p reaches `validation.py` and gets
+the same message as over gRPC. What is checked here is what only the HTTP API has: the
+OpenAI spellings (`stop` as a string, `logit_bias` keys as strings, chat `logprobs` +
+`top_logprobs`, `max_completion_tokens`), fields that cannot be honoured (echo, suffix,
+best_of > n, tool_choice other than none/auto, a response_format other than text), the
+number of samples over all prompts, and chat messages (roles, text-only content).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from jaxserve.frontend.http.chat_template import ChatTemplate, ChatTemplateError, encode_chat
+from jaxserve.frontend.http.protocol import (
+    MAX_CONTENT_PARTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+)
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.validation import MAX_N, ModelLimits
+
+logger = logging.getLogger("jaxserve.frontend.http")
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def log_unknown_fields(body, endpoint: str) -> None:
+    """One debug line naming the fields of `body` that this server does not know (they
+    are ignored, as vLLM ignores them)."""
+    if body.model_extra:
+        logger.debug("%s: ignoring unknown fields %s", endpoint, sorted(body.model_extra))
+
+
+def _check_int(name: str, value: int | None, high: int = INT32_MAX, low: int = -INT32_MAX - 1):
+    if value is not None and not low <= value <= high:
+        raise FieldError(name, f"{name}: must be within [{low}, {high}], got {value}")
+
+
+def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
+    """Token ids that fit the proto's int32; any other id is outside the vocabulary, and
+    is reported with the shared rule's words."""
+    for t in ids:
+        if not 0 <= t <= INT32_MAX:
+            raise FieldError(
+                name, f"{name}: token id {t} outside the vocabulary [0, {limits.vocab_size})"
+            )
+    return ids
+
+
+def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
+    """The sampling fields both endpoints share, onto `request` (unset stays unset)."""
+    s = request.sampling
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if body.repetition_penalty is not None:
+        s.repetition_penalty = body.repetition_penalty
+    _check_int("top_k", body.top_k)
+    if body.top_k is not None:
+        s.top_k = body.top_k
+    if body.n is not None:
+        _check_int("n", body.n)
+        s.n = body.n
+    _check_int("seed", body.seed, INT64_MAX, -INT64_MAX - 1)
+    if body.seed is not None:
+        s.seed = body.seed
+    if body.logit_bias:
+        for key, bias in body.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise FieldError(
+                    "logit_bias", f"logit_bias: key {key!r} is not a token id"
+                ) from None
+            _token_ids("logit_bias", [token_id], limits)
+            s.logit_bias[token_id] = bias
+    if body.stop is not None:
+        request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.stop_token_ids:
+        request.stop_token_ids.extend(_token_ids("stop_token_ids", body.stop_token_ids, limits))
+    request.ignore_eos = body.ignore_eos
+    if body.skip_special_tokens is not None:
+        request.skip_special_tokens = body.skip_special_tokens
+    best_of = (body.model_extra or {}).get("best_of")
+    if best_of is not None and best_of != (body.n or 1):
+        raise FieldError("best_of", "best_of: only best_of = n is supported")
+
+
+def _max_tokens(name: str, value: int | None, request: pb.GenerateRequest) -> None:
+    if value is not None:
+        _check_int(name, value)
+        request.max_tokens = value
+
+
+def completion_requests(
+    body: CompletionRequest, request_id: str, limits: ModelLimits
+) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt of a /v1/completions body, prompt i under the id
+    f"{request_id}-{i}". Raises FieldError naming the field."""
+    if body.echo:
+        raise FieldError("echo", "echo: not supported")
+    if body.suffix is not None:
+        raise FieldError("suffix", "suffix: not supported")
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise FieldError("prompt", "prompt: must not be empty")
+    n = body.n if body.n is not None else 1
+    if len(prompts) > 1 and n * len(prompts) > MAX_N:
+        raise FieldError("n", f"n: n x prompts must be at most {MAX_N}, got {n} x {len(prompts)}")
+    template = pb.GenerateRequest()
+    _sampling(body, template, limits)
+    _max_tokens("max_tokens", body.max_tokens, template)
+    _check_int("logprobs", body.logprobs)
+    if body.logprobs is not None:
+        template.logprobs = body.logprobs
+    out = []
+    for i, p in enumerate(prompts):
+        request = pb.GenerateRequest()
+        request.CopyFrom(template)
+        request.request_id = f"{request_id}-{i}" if len(prompts) > 1 else request_id
+        if isinstance(p, str):
+            request.text = p
+        else:
+            request.token_ids.ids.extend(_token_ids("prompt.token_ids", p, limits))
+        out.append(request)
+    return out
+
+
+def _content_text(index: int, content: Any) -> str | None:
+    """A message's content as the template gets it: a string (text parts joined with
+    newlines, as vLLM joins them), or None."""
+    name = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError(name, f"{name}: must be a string, a list of text parts or null")
+    if len(content) > MAX_CONTENT_PARTS:
+        raise FieldError(name, f"{name}: at most {MAX_CONTENT_PARTS} parts, got {len(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise FieldError(
+                f"{name}[{j}]", f"{name}[{j}]: only text parts are supported, got {kind!r}"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise FieldError(f"{name}[{j}].text", f"{name}[{j}].text: must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them: each has a string role and a string
+    (or null) content; every other key is passed on unchanged."""
+    out = []
+    for i, message in enumerate(body.messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise FieldError(f"messages[{i}].role", f"messages[{i}].role: must be a string")
+        if "content" not in message and "tool_calls" not in message:
+            raise FieldError(f"messages[{i}].content", f"messages[{i}].content: is required")
+        out.append({**message, "content": _content_text(i, message.get("content"))})
+    return out
+
+
+def chat_request(
+    body: ChatCompletionRequest,
+    request_id: str,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+) -> pb.GenerateRequest:
+    """The GenerateRequest of a /v1/chat/completions body: the messages rendered by the
+    chat template and tokenized (CPU work: call it off the event loop). An unset
+    max_tokens (and max_completion_tokens) is the room the model length leaves after the
+    prompt, as in vLLM. Raises FieldError naming the field."""
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise FieldError("response_format", "response_format: only type 'text' is supported")
+    tool_choice = (body.model_extra or {}).get("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise FieldError("tool_choice", "tool_choice: only 'none' and 'auto' are supported")
+    request = pb.GenerateRequest(request_id=request_id)
+    _sampling(body, request, limits)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise FieldError("top_logprobs", "top_logprobs: needs logprobs set to true")
+    _check_int("top_logprobs", body.top_logprobs)
+    if body.logprobs:
+        request.logprobs = body.top_logprobs or 0
+    messages = chat_messages(body)
+    try:
+        text = template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            **(body.chat_template_kwargs or {}),
+        )
+    except ChatTemplateError as e:
+        param = str(e).split(":", 1)[0]
+        raise FieldError(param, str(e)) from None
+    except TypeError as e:  # chat_template_kwargs naming a render() argument twice
+        raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
+    ids = encode_chat(tokenizer, text)
+    if not ids:
+        raise FieldError("messages", "messages: the chat renders to no tokens")
+    request.token_ids.ids.extend(ids)
+    if body.max_completion_tokens is not None:
+        _max_tokens("max_completion_tokens", body.max_completion_tokens, request)
+    elif body.max_tokens is not None:
+        _max_tokens("max_tokens", body.max_tokens, request)
+    else:
+        request.max_tokens = max(1, limits.max_model_len - len(ids))
+    return request

@@ -1,0 +1,144 @@
+"""ASGI responses that end their request's work when the client goes away, and the body
+reader with its size limit.
+
+A response here runs its work (streaming server-sent events, or computing a JSON body)
+beside a task that waits for the client's `http.disconnect`; whichever ends first
+cancels the other. Cancelling the work closes the generation it iterates, which aborts
+the request in the engine (frontend/requests.py), so a client that closes its connection
+frees its KV blocks within one engine step, whether it was streaming or waiting for a
+whole answer. (Starlette's own StreamingResponse stops listening for the disconnect on
+ASGI servers of spec 2.4, uvicorn among them, and notices only at its next send.)
+
+Server-sent events are written as OpenAI writes them: `data: <json>\\n\\n` per chunk and
+`data: [DONE]\\n\\n` at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.frontend.http.errors import HttpError
+
+logger = logging.getLogger("jaxserve.frontend.http")
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies (nginx) must not buffer the stream
+]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj) -> bytes:
+    """Compact JSON, UTF-8 (non-ASCII text as is, like OpenAI's)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse_event(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes. Raises HttpError 413 beyond it (judged
+    from Content-Length when given, before anything is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> HttpError:
+    return HttpError(
+        413,
+        f"body: {size} bytes is over the limit of {limit} bytes",
+        "body",
+        "request_too_large",
+    )
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(
+    work: Awaitable[None], receive: Receive, on_close: Callable[[], None] | None
+) -> None:
+    """Run `work` until it ends or the client disconnects (then it is cancelled); then
+    call `on_close` in any case (even when `work` never got to run)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+        if on_close is not None:
+            on_close()
+    if task.done() and not task.cancelled() and (e := task.exception()) is not None:
+        if not isinstance(e, OSError):  # a send to a client that is gone
+            logger.error("response failed", exc_info=e)
+
+
+class EventStreamResponse:
+    """200, text/event-stream: each bytes item of `events` is sent as it comes.
+    on_close: called once the response ended, however (it releases the requests that
+    `events` reads, should `events` never have started)."""
+
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+    ) -> None:
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _until_disconnect(self._stream(send), receive, self._on_close)
+
+    async def _stream(self, send: Send) -> None:
+        async with contextlib.aclosing(self._events) as events:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class DeferredJSONResponse:
+    """A JSON answer computed by `compute()` while the client waits; the client leaving
+    cancels it. An HttpError raised by `compute` is answered in the error shape.
+    on_close: as for EventStreamResponse."""
+
+    def __init__(
+        self, compute: Callable[[], Awaitable[dict]], on_close: Callable[[], None] | None = None
+    ) -> None:
+        self._compute = compute
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _until_disconnect(self._respond(send), receive, self._on_close)
+
+    async def _respond(self, send: Send) -> None:
+        try:
+            status, body = 200, await self._compute()
+        except HttpError as e:
+            status, body = e.status, e.body()
+        data = dumps(body)
+        headers = [*JSON_HEADERS, (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data, "more_body": False})

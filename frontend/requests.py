@@ -1,0 +1,238 @@
+"""The one request path of the frontend: validate and tokenize a request, send its samples
+to the engine, and fan its outputs out per sample, with the client-facing metrics.
+
+The gRPC servicer (frontend/server.py) and the OpenAI HTTP handlers (frontend/http/) both
+go through `RequestPath`: a request is a `jaxserve.v1.GenerateRequest` message (the HTTP
+layer translates its JSON into one), checked by `validation.build_engine_request`, so a bad
+field gets the same message on both. Each caller maps the two errors raised here to its
+own status: `RequestValidationError` (INVALID_ARGUMENT / HTTP 400) and
+`EngineUnavailableError` (UNAVAILABLE / HTTP 503).
+
+A `Generation` is one running client request (its n samples). Iterating it yields its
+outputs grouped by sample; leaving the iteration in any way (the last final output, a
+client that went away, an error) releases it: unfinished samples are aborted in the engine
+(their KV blocks return) and count as finished with reason "abort" in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from tokenizers import Tokenizer
+
+from jaxserve.frontend.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestStream,
+    SampleOutput,
+)
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.validation import (
+    ModelLimits,
+    RequestValidationError,
+    build_engine_request,
+    split_samples,
+)
+from jaxserve.ipc import TextOutput
+from jaxserve.metrics import Metrics
+
+__all__ = [
+    "EngineUnavailableError",
+    "Generation",
+    "RequestPath",
+    "RequestValidationError",
+    "SampleFailedError",
+]
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is starting or has died; the message says which ("engine unavailable:
+    ..."), the same text on gRPC (UNAVAILABLE) and HTTP (503)."""
+
+
+class SampleFailedError(RuntimeError):
+    """The engine ended a sample with finish_reason "error" (a request it could not run
+    although it passed validation); the message says why."""
+
+
+def by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
+    """Outputs grouped by sample index (a stream mixes its samples), each group in
+    arrival order, the groups in order of their first output."""
+    by_index: dict[int, list[TextOutput]] = {}
+    for index, out in outputs:
+        by_index.setdefault(index, []).append(out)
+    return list(by_index.items())
+
+
+class RequestTiming:
+    """Client-facing latencies of one sample, as the frontend sees them (vLLM's definitions):
+    TTFT = first output token - arrival; ITL = gap between token deliveries, per token;
+    TPOT = (last token - first token) / (output tokens - 1); e2e = final output - arrival."""
+
+    def __init__(self, metrics: Metrics, start: float | None = None) -> None:
+        self._m = metrics
+        self._start = time.perf_counter() if start is None else start
+        self._first: float | None = None
+        self._last: float | None = None
+        self.num_tokens = 0  # output tokens delivered so far
+
+    def observe(self, outputs: list[TextOutput]) -> None:
+        """Record one batch of consecutive outputs of the sample (the last may be final)."""
+        now = time.perf_counter()
+        n_tokens = sum(len(o.token_ids) for o in outputs)
+        self.num_tokens += n_tokens
+        if n_tokens:
+            if self._first is None:
+                self._first = now
+                self._m.ttft.observe(now - self._start)
+            elif self._last is not None:
+                gap = (now - self._last) / n_tokens
+                for _ in range(n_tokens):
+                    self._m.itl.observe(gap)
+            self._last = now
+        last = outputs[-1]
+        if last.finish_reason is not None:
+            self._finish(last.finish_reason, last.prompt_tokens, last.completion_tokens, now)
+
+    def cancelled(self, prompt_tokens: int) -> None:
+        """The client left before the final output: count the sample as finished with
+        reason "abort" and the tokens delivered up to now (vLLM counts an aborted request
+        with the tokens it generated). Its final output, which arrives after the stream is
+        detached, is never observed, so this is the sample's only count."""
+        self._finish("abort", prompt_tokens, self.num_tokens, time.perf_counter())
+
+    def _finish(
+        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, now: float
+    ) -> None:
+        self._m.request_finished(finish_reason)
+        self._m.e2e.observe(now - self._start)
+        self._m.prompt_tokens.inc(prompt_tokens)
+        self._m.generation_tokens.inc(completion_tokens)
+        if self._first is not None and completion_tokens > 1:
+            self._m.tpot.observe((self._last - self._first) / (completion_tokens - 1))
+
+
+class Generation:
+    """One running client request: its stream of outputs and its metrics.
+
+    request_id: the client's id. num_samples: n. prompt_tokens: the prompt's length.
+    prompt_token_ids: the prompt as the engine got it ([P] int32 numpy array).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngineClient,
+        stream: RequestStream,
+        prompt_token_ids,
+        metrics: Metrics,
+        start: float,
+    ) -> None:
+        self._engine = engine
+        self._stream = stream
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_tokens = len(prompt_token_ids)
+        self._timings = [RequestTiming(metrics, start) for _ in range(stream.num_samples)]
+        self._pending = set(range(stream.num_samples))  # samples whose final is not out yet
+        self._released = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def num_samples(self) -> int:
+        return self._stream.num_samples
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, list[TextOutput]]]]:
+        """Yield the outputs as they come, each batch grouped by sample (`by_sample`),
+        until every sample has sent its final output; then release the request.
+
+        Raises EngineUnavailableError if the engine died, SampleFailedError if the engine
+        ended a sample with an error (the request is released either way). Closing the
+        iterator early (a client that left) releases the request too.
+        """
+        try:
+            while self._pending:
+                try:
+                    outputs = await self._stream.next_batch()
+                except EngineDeadError as e:
+                    self._pending.clear()  # nothing left to abort or to count
+                    raise EngineUnavailableError(f"engine unavailable: {e}") from None
+                groups = by_sample(outputs)
+                for index, sample_outputs in groups:
+                    last = sample_outputs[-1]
+                    if last.finish_reason is not None:
+                        self._pending.discard(index)
+                    self._timings[index].observe(sample_outputs)
+                    if last.finish_reason == "error":
+                        raise SampleFailedError(f"engine rejected the request: {last.error}")
+                yield groups
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """End the request: samples not finished count once as aborts, the engine aborts
+        them, and the client id is free again. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        for index in self._pending:
+            self._timings[index].cancelled(self.prompt_tokens)
+        self._pending.clear()
+        self._engine.release(self._stream)
+
+
+class RequestPath:
+    """Validation, tokenization and sending of requests, for every protocol of the
+    frontend (gRPC, HTTP). Holds no per-request state."""
+
+    def __init__(
+        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics or Metrics()
+
+    def check_ready(self) -> None:
+        """Raises EngineUnavailableError unless the engine is ready and alive."""
+        if not self.engine.ready:
+            raise EngineUnavailableError(self.unavailable_message())
+
+    def unavailable_message(self) -> str:
+        reason = self.engine.dead_reason or "the engine is starting"
+        return f"engine unavailable: {reason}"
+
+    def limits(self) -> ModelLimits:
+        """The model limits the engine reported. Raises EngineUnavailableError before
+        the engine is ready."""
+        self.check_ready()
+        stats = self.engine.stats
+        return ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
+
+    async def start(self, request: pb.GenerateRequest) -> Generation:
+        """Validate and tokenize `request` (off the event loop: tokenizing is CPU work),
+        then send its n samples to the engine. An empty request_id gets a random one.
+
+        Raises RequestValidationError naming the field (validation.build_engine_request,
+        or a request_id already running), EngineUnavailableError (starting or dead).
+        """
+        start = time.perf_counter()
+        limits = self.limits()
+        request_id = request.request_id or uuid.uuid4().hex
+        engine = self.engine
+        # Fail fast on a duplicate id (add_request checks again, after tokenizing).
+        if engine.is_running(request_id):
+            raise RequestValidationError(f"request_id: {request_id!r} is already running")
+        engine_request = await asyncio.to_thread(
+            build_engine_request, request, request_id, self.tokenizer, limits
+        )
+        try:
+            stream = engine.add_request(request_id, split_samples(engine_request))
+        except ValueError as e:  # a duplicate request_id that arrived while tokenizing
+            raise RequestValidationError(str(e)) from None
+        except EngineDeadError as e:
+            raise EngineUnavailableError(f"engine unavailable: {e}") from None
+        return Generation(engine, stream, engine_request.prompt_token_ids, self.metrics, start)

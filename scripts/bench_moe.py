@@ -1,0 +1,139 @@
+"""The MoE experts off the GPU: dense (every token through every expert) vs sparse
+(`jaxserve.models.moe_sparse`, only the routed rows); prints tables.
+
+    .venv/bin/python scripts/bench_moe.py                  # dense vs sparse
+    .venv/bin/python scripts/bench_moe.py --sweep          # + sparse at each block size
+
+One jitted MoE experts call (`moe_experts_dense` / `moe_experts_sparse`, top-k from a
+random gate) per (config, tokens), on the CPU, float32. Variants are interleaved within
+each repeat (so machine load hits them alike); the table shows medians, the sparse
+block size, and the sparse FLOPs over the routed FLOPs (`sparse_moe_flops`). Configs: the
+demo model (jaxserve/demo_model/config.json) and a Qwen3-MoE-like layer (hidden 512, 32
+experts, top-4, moe_intermediate 256). `--sweep` adds the sparse path at each block size
+(ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`.
+Writes bench_results/bench_moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _configs() -> dict[str, tuple[int, int, int, int]]:
+    demo = json.loads((ROOT / "jaxserve/demo_model/config.json").read_text())
+    return {
+        "demo": (
+            demo["hidden_size"],
+            demo["moe_intermediate_size"],
+            demo["num_experts"],
+            demo["num_experts_per_tok"],
+        ),
+        "qwen3-moe-like": (512, 256, 32, 4),
+    }
+
+
+def _time(fn, args, repeats_inner: int) -> float:
+    """Seconds per call: the mean of `repeats_inner` back-to-back calls (a sample; the
+    table shows the median of the samples)."""
+    start = time.perf_counter()
+    for _ in range(repeats_inner):
+        out = fn(*args)
+    out.block_until_ready()
+    return (time.perf_counter() - start) / repeats_inner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,2,4,8,32,128,512")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true", help="also other block sizes")
+    parser.add_argument("--configs", default="demo,qwen3-moe-like")
+    parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models.layers import moe_experts_dense, route
+    from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
+
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"uptime: {load}", flush=True)
+    results = []
+    configs = _configs()
+    for name in args.configs.split(","):
+        hidden, inter, experts, top_k = configs[name]
+        rng = np.random.default_rng(0)
+
+        def w(*shape, rng=rng):
+            return jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)
+
+        weights = (w(experts, hidden, inter), w(experts, hidden, inter), w(experts, inter, hidden))
+        gate = w(hidden, experts) * 20
+        print(
+            f"\n{name}: hidden {hidden}, moe_intermediate {inter}, {experts} experts, top-{top_k}"
+        )
+        print(
+            f"{'tokens':>6} {'variant':>10} {'block':>5} {'ms':>9} {'vs dense':>8} "
+            f"{'flops/routed':>12}"
+        )
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+            tw, ids = route(x, gate, top_k, True)
+            call = (x, tw, ids, *weights)
+            auto = block_size_for(tokens * top_k, experts)
+            variants = {"dense": (jax.jit(moe_experts_dense), None)}
+            blocks = [auto]
+            if args.sweep:
+                # Powers of two from auto/4 to 8*auto (smaller ones gather far more weights).
+                blocks += [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if auto / 4 <= b <= 8 * auto]
+                blocks = sorted(set(blocks), key=lambda b: b != auto)
+            for b in blocks:
+                label = "sparse" if b == auto else f"sparse@{b}"
+                fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
+                variants[label] = (fn, b)
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            inner = {}
+            for label, (fn, _) in variants.items():
+                fn(*call).block_until_ready()  # compile
+                # Calls per sample: about 50 ms of them.
+                inner[label] = max(1, min(200, int(0.05 / _time(fn, call, 1))))
+            for _ in range(args.repeats):
+                for label, (fn, _) in variants.items():
+                    times[label].append(_time(fn, call, inner[label]))
+            dense_ms = statistics.median(times["dense"]) * 1e3
+            routed = tokens * top_k * 6 * hidden * inter
+            for label, (_, b) in variants.items():
+                ms = statistics.median(times[label]) * 1e3
+                flops = (
+                    tokens * experts * 6 * hidden * inter
+                    if b is None
+                    else sparse_moe_flops(tokens, top_k, experts, b, hidden, inter)
+                )
+                ratio = flops / routed
+                row = f"{tokens:>6} {label:>10} {b or '-':>5} {ms:>9.3f} {dense_ms / ms:>7.2f}x "
+                print(f"{row}{ratio:>12.2f}", flush=True)
+                results.append(
+                    dict(config=name, tokens=tokens, variant=label, block_size=b, ms=ms,
+                         speedup_vs_dense=dense_ms / ms, flops_over_routed=ratio)
+                )  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"uptime": load, "results": results}, indent=1))
+    print(f"\nuptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
