@@ -20,7 +20,7 @@ from jaxserve import convert, distributed
 from jaxserve.config import ServerConfig
 from jaxserve.hub import resolve_model
 from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
-from jaxserve.serve_args import add_serve_arguments, model_argument, server_config
+from jaxserve.serve_args import POSITIVE, add_serve_arguments, model_argument, server_config
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
 
@@ -111,6 +111,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     dist_args = dist.to_arguments() if dist is not None else []
     server = server_config(args)
     try:
+        options = _frontend_options(args)
+    except ValueError as e:
+        return _fail(e, 2, dist)
+    try:
         preflight.check_bind("port", server.host, server.port)
         if server.metrics_port is not None:
             preflight.check_bind("metrics-port", server.host, server.metrics_port)
@@ -120,11 +124,83 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             engine_class=args.engine_class,
             log_level=args.log_level,
             distributed_args=dist_args,
+            frontend_options=options,
         )
     except StartupError as e:  # a child's cause; the engine told the followers itself
         return _fail(e, 1)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(e, 1, dist)
+
+
+def _frontend_options(args: argparse.Namespace):
+    """FrontendOptions from the admission, stall, TLS and API-key flags. Raises
+    ValueError naming the flag."""
+    from jaxserve.frontend.admission import AdmissionLimits
+    from jaxserve.frontend.auth import TlsFiles, resolve_api_key
+    from jaxserve.frontend.options import FrontendOptions
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("tls-cert: --tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ValueError("tls-client-ca: needs --tls-cert and --tls-key")
+    tls = None
+    if args.tls_cert is not None:
+        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tls.read()  # an unreadable file is a usage error, before anything starts
+    if not args.stall_timeout_s > 0:
+        raise ValueError(f"stall-timeout-s: must be > 0, got {args.stall_timeout_s}")
+    return FrontendOptions(
+        admission=AdmissionLimits(
+            max_requests=args.max_pending_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_request_bytes=args.max_inflight_request_bytes,
+        ),
+        stall_timeout_s=args.stall_timeout_s,
+        tls=tls,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+    )
+
+
+def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
+    """Admission control, stall detection, TLS and API-key flags of `serve` (issue 12)."""
+    from jaxserve.frontend.admission import (
+        DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_REQUESTS,
+    )
+    from jaxserve.frontend.liveness import DEFAULT_STALL_TIMEOUT_S
+
+    s.add_argument(
+        "--max-pending-requests", type=POSITIVE, default=DEFAULT_MAX_REQUESTS,
+        help="most requests (samples) running or waiting; past it RESOURCE_EXHAUSTED "
+        "(default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-queued-prompt-tokens", type=POSITIVE, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        help="most prompt tokens waiting for prefill (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="most bytes of open requests held at once (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+        help="heartbeat silence after which the engine or sidecar counts as stalled: "
+        "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS (default: off)"
+    )
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    s.add_argument(
+        "--tls-client-ca", help="PEM CA: require client certificates (mutual TLS) (default: off)"
+    )
+    s.add_argument(
+        "--api-key",
+        help="require 'authorization: Bearer KEY' on every RPC but health "
+        "(also --api-key-file, or the JAXSERVE_API_KEY variable) (default: none)",
+    )
+    s.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -203,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
     add_serve_arguments(s)
+    _add_frontend_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a server to the terminal")

@@ -28,6 +28,15 @@ MAX_LOGIT_BIAS = 64
 # bound through its OpenAI server): each sample is a full engine request. The gRPC
 # frontend and the offline LLM both enforce it (through `validate`).
 MAX_N = 128
+# Stop strings: the detokenizer matches all of a request's stop strings with one automaton
+# (O(1) per output character whatever their number), but building it costs O(total size)
+# on the sidecar's single thread, so the lists are bounded. OpenAI allows 4 stop strings
+# and TGI 4 by default; vLLM has no limit. These leave room for prompt-format stops.
+MAX_STOP_STRINGS = 64  # entries in `stop`
+MAX_STOP_STRING_CHARS = 256  # characters in one stop string
+MAX_STOP_TOTAL_BYTES = 4096  # UTF-8 bytes of all stop strings together
+# Entries in `stop_token_ids` (vLLM has no limit; models list a handful of EOS ids).
+MAX_STOP_TOKEN_IDS = 128
 # The sampler holds every float parameter as float32: larger magnitudes would overflow.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -53,8 +62,11 @@ class SamplingParams:
     max_tokens: most output tokens (>= 1); prompt + max_tokens must fit in the model's
         max_model_len (`check_lengths`), for the server and the offline LLM alike.
     stop: strings that end the output; the match is not returned. One string is taken
-        as a list of one, as vLLM does (`SamplingParams(stop="\n")`).
-    stop_token_ids: token ids that end the output (the token is not part of the text).
+        as a list of one, as vLLM does (`SamplingParams(stop="\n")`). At most
+        MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_CHARS characters,
+        MAX_STOP_TOTAL_BYTES UTF-8 bytes in all.
+    stop_token_ids: token ids that end the output (the token is not part of the text); at
+        most MAX_STOP_TOKEN_IDS.
     ignore_eos: keep going past the EOS token.
     skip_special_tokens: drop special tokens from the text.
     repetition_penalty / presence_penalty / frequency_penalty: as in vLLM (1.0 / 0 / 0 disable).
@@ -129,9 +141,7 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
-        for s in self.stop:
-            if not s:
-                raise ValueError("stop: stop strings must be non-empty")
+        self._validate_stop()
         for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if k is not None and not (0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}")
@@ -159,6 +169,32 @@ class SamplingParams:
             _check_int("stop_token_ids", t)
         if not isinstance(self.logit_bias, Mapping):
             raise ValueError(f"logit_bias: must map token ids to biases, got {self.logit_bias!r}")
+
+    def _validate_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}"
+            )
+        total = 0
+        for i, s in enumerate(self.stop):
+            if not s:
+                raise ValueError("stop: stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop: stop string {i} has {len(s)} characters, "
+                    f"at most {MAX_STOP_STRING_CHARS} are supported"
+                )
+            total += len(s.encode("utf-8", "surrogatepass"))
+        if total > MAX_STOP_TOTAL_BYTES:
+            raise ValueError(
+                f"stop: the stop strings total {total} UTF-8 bytes, "
+                f"at most {MAX_STOP_TOTAL_BYTES} are supported"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids are supported, "
+                f"got {len(self.stop_token_ids)}"
+            )
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
 
 import grpc
-import httpx2 as httpx
 import openai
 import pytest
 from mock_engine import write_mock_model_dir
@@ -45,6 +47,39 @@ CHAT = [
     {"role": "user", "content": "def add(a, b):"},
 ]
 LONG = dict(prompt="class ", max_tokens=160, temperature=0, extra_body={"ignore_eos": True})
+
+
+class _Reply:
+    """A plain HTTP answer (the stdlib client: raw requests need no other package)."""
+
+    def __init__(self, status: int, data: bytes) -> None:
+        self.status_code = status
+        self.text = data.decode()
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _http(method: str, url: str, data: bytes | None = None, json_body=None) -> _Reply:
+    if json_body is not None:
+        data = json.dumps(json_body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return _Reply(r.status, r.read())
+    except urllib.error.HTTPError as e:
+        return _Reply(e.code, e.read())
+
+
+@contextmanager
+def _sse_lines(url: str, body: dict):
+    """The non-empty lines of a streamed answer, as they come."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+        assert r.status == 200
+        yield (line.decode().rstrip("\n") for line in r if line.strip())
 
 
 def _engine_flags() -> tuple[str, ...]:
@@ -118,10 +153,10 @@ def test_models_health_version(server, client, model_name):
     assert model_name == DEMO_MODEL_DIR.name
     card = client.models.list().data[0]
     assert card.owned_by == "jaxserve" and card.model_extra["max_model_len"] == 512
-    assert httpx.get(server.http_url + "/health").status_code == 200
+    assert _http("GET", server.http_url + "/health").status_code == 200
     from importlib.metadata import version
 
-    assert httpx.get(server.http_url + "/version").json() == {"version": version("jaxserve")}
+    assert _http("GET", server.http_url + "/version").json() == {"version": version("jaxserve")}
 
 
 # ---------------------------------------------------------------- same text, three paths
@@ -424,11 +459,11 @@ def test_unknown_model_is_404_unknown_fields_are_ignored(server, client, model_n
 
 def test_body_over_limit_is_413_and_bad_json_is_400(server):
     url = server.http_url + "/v1/completions"
-    r = httpx.post(url, content=b" " * (32 * 1024 * 1024 + 1))
+    r = _http("POST", url, b" " * (32 * 1024 * 1024 + 1))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(url, content=b'{"prompt": ')
+    r = _http("POST", url, b'{"prompt": ')
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
-    r = httpx.get(server.http_url + "/v1/nothing")
+    r = _http("GET", server.http_url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 
 
@@ -443,7 +478,7 @@ def _mock_server(tmp_path, start_delay_s: float = 0.0, extra=()) -> ServerProces
 
 
 def _post(srv, path, body):
-    return httpx.post(srv.http_url + path, json=body, timeout=TIMEOUT_S)
+    return _http("POST", srv.http_url + path, json_body=body)
 
 
 def test_no_chat_template_is_400_and_starting_engine_is_503(tmp_path):
@@ -452,9 +487,9 @@ def test_no_chat_template_is_400_and_starting_engine_is_503(tmp_path):
         r = _post(srv, "/v1/completions", {"prompt": "def ", "max_tokens": 2})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["message"].startswith("engine unavailable: ")
-        assert httpx.get(srv.http_url + "/health").status_code == 503
+        assert _http("GET", srv.http_url + "/health").status_code == 503
         srv.wait_ready()
-        assert httpx.get(srv.http_url + "/health").status_code == 200
+        assert _http("GET", srv.http_url + "/health").status_code == 200
         r = _post(srv, "/v1/chat/completions", {"messages": CHAT})
         assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
         assert "chat template" in r.json()["error"]["message"]
@@ -468,13 +503,8 @@ def test_engine_death_ends_streams_and_answers_503(tmp_path):
         body = {"prompt": "def ", "max_tokens": 3000, "stream": True, "extra": 1}
         body["ignore_eos"] = True
         events = []
-        with httpx.stream(
-            "POST", srv.http_url + "/v1/completions", json=body, timeout=TIMEOUT_S
-        ) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line:
-                    continue
+        with _sse_lines(srv.http_url + "/v1/completions", body) as lines:
+            for line in lines:
                 events.append(line)
                 if len(events) == 3:
                     srv.kill_child("jaxserve.engine.process")
@@ -492,10 +522,8 @@ def test_sigterm_with_an_open_stream_stops_within_10_s(tmp_path):
     try:
         body = {"prompt": "def ", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         lines = []
-        with httpx.stream(
-            "POST", srv.http_url + "/v1/completions", json=body, timeout=TIMEOUT_S
-        ) as r:
-            for line in r.iter_lines():
+        with _sse_lines(srv.http_url + "/v1/completions", body) as stream:
+            for line in stream:
                 lines.append(line)
                 if len(lines) == 4:
                     elapsed = srv.terminate(10)

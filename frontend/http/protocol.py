@@ -12,7 +12,8 @@ Limits of the lists a body carries (a longer one is a 400 naming the field):
 `MAX_CONTENT_PARTS` parts in one message's content, `MAX_STOP` stop strings,
 `MAX_STOP_TOKEN_IDS` stop token ids, `MAX_TOOLS` tools; logit_bias has the sampler's
 limit (`sampling_params.MAX_LOGIT_BIAS`, checked by the shared rules). The body itself is
-at most `MAX_BODY_BYTES` (413 beyond it).
+at most `MAX_BODY_BYTES` (413 beyond it), which is also the only bound on the keys of a
+message, of a tool and of chat_template_kwargs (they go to the chat template as given).
 """
 
 from __future__ import annotations
