@@ -274,10 +274,13 @@ class FrontendServer:
         await self.set_serving(False)
         tls = self._options.tls
         try:
+            # An IPv6 literal ("::1") needs brackets in a gRPC address.
+            literal6 = ":" in host and not host.startswith("[")
+            address = f"[{host}]:{port}" if literal6 else f"{host}:{port}"
             if tls is not None:
-                bound = self._server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
+                bound = self._server.add_secure_port(address, tls.grpc_credentials())
             else:
-                bound = self._server.add_insecure_port(f"{host}:{port}")
+                bound = self._server.add_insecure_port(address)
         except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
             bound = 0
         if bound == 0:

@@ -19,13 +19,10 @@ from tokenizers import Tokenizer
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.ipc import EngineRequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_N, SamplingParams, check_lengths
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_LEN = 256
-# The most samples one request may ask for (OpenAI's limit for `n`, also vLLM's default
-# bound through its OpenAI server): each sample is a full engine request.
-MAX_N = 128
 
 
 class RequestValidationError(ValueError):
@@ -55,21 +52,17 @@ def build_engine_request(
     """
     check_request_id(request_id)
     prompt_ids = _prompt_token_ids(request, tokenizer, limits)
-    if len(prompt_ids) >= limits.max_model_len:
-        raise RequestValidationError(
-            f"prompt: {len(prompt_ids)} tokens leave no room for output within "
-            f"max_model_len {limits.max_model_len}"
-        )
+    # The rules the offline LLM applies too (SamplingParams.validate, check_lengths).
+    try:
+        check_lengths(len(prompt_ids), limits.max_model_len)
+    except ValueError as e:
+        raise RequestValidationError(str(e)) from e
     params = sampling_params_from_proto(request, len(prompt_ids), limits.max_model_len)
     try:
         params.validate(vocab_size=limits.vocab_size)
+        check_lengths(len(prompt_ids), limits.max_model_len, params.max_tokens)
     except ValueError as e:
         raise RequestValidationError(str(e)) from e
-    if len(prompt_ids) + params.max_tokens > limits.max_model_len:
-        raise RequestValidationError(
-            f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-            f"exceeds max_model_len ({limits.max_model_len})"
-        )
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),

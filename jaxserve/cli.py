@@ -1,10 +1,11 @@
 """The `jaxserve` command.
 
-    jaxserve serve [--model DIR] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
+    jaxserve serve [MODEL] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
     jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
 
-Each subcommand is a `_cmd_*` function registered in `build_parser`. Imports that pull in
+Each subcommand is a `_cmd_*` function registered in `build_parser`; the flags of `serve`
+live in `serve_args.py`. Imports that pull in
 heavy libraries stay inside the command functions, and none of them imports JAX in this
 process (the engine process does).
 """
@@ -12,107 +13,97 @@ process (the engine process does).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from jaxserve import convert, distributed
 from jaxserve.benchmark import cli as bench_cli
-from jaxserve.config import (
-    DEMO_MODEL_DIR,
-    CacheConfig,
-    EngineConfig,
-    EplbConfig,
-    MeshConfig,
-    SchedulerConfig,
-    ServerConfig,
-)
-from jaxserve.logs import configure_logging
+from jaxserve.config import ServerConfig
+from jaxserve.hub import resolve_model
+from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
+from jaxserve.serve_args import POSITIVE, add_serve_arguments, model_argument, server_config
+from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
 
-def _int_at_least(low: int, high: int | None = None):
-    """An argparse type: an int in [low, high], else a usage error naming the range."""
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (`jaxserve serve: error: ...`), not the
+    whole usage block of a command with dozens of flags before it."""
 
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    return parse
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-PORT = _int_at_least(0, 65535)
-POSITIVE = _int_at_least(1)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the serve flags; an unset flag keeps the config default."""
+# A follower whose start failed asks process 0 this long whether it failed first.
+LEADER_ASK_S = 3.0
 
-    def given(**kw):
-        return {k: v for k, v in kw.items() if v is not None}
 
-    cache = CacheConfig(
-        **given(block_size=args.block_size, num_blocks=args.num_blocks),
-        enable_prefix_caching=not args.no_prefix_caching,
+def _fail(error: BaseException, code: int, dist=None) -> int:
+    """`serve`'s end after a start-up error: one line on stderr naming the cause (the
+    traceback too at --log-level debug). Process 0 of a multi-process run then tells its
+    followers (`jaxserve.distributed.start_status`), so that they end too. Returns `code`."""
+    logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
+    line = describe_error(error)
+    print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
+    if dist is not None and dist.is_leader:
+        from jaxserve.distributed.start_status import announce_failure
+
+        announce_failure(dist, line)
+    return code
+
+
+def _leader_failed(cause: str) -> None:
+    """A follower's end when process 0 announced that its start failed."""
+    print(
+        f"jaxserve serve: error: process 0 (the leader) failed to start: {cause}",
+        file=sys.stderr,
+        flush=True,
     )
-    scheduler = SchedulerConfig(
-        **given(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-        )
-    )
-    eplb = EplbConfig(
-        enabled=args.enable_eplb,
-        **given(
-            num_redundant_experts=args.num_redundant_experts,
-            window_size=args.eplb_window_size,
-            step_interval=args.eplb_step_interval,
-            min_improvement=args.eplb_min_improvement,
-        ),
-    )
-    eplb.validate()
-    config = EngineConfig(
-        model=args.model,
-        cache=cache,
-        scheduler=scheduler,
-        mesh=MeshConfig.parse(args.mesh),
-        eplb=eplb,
-        **given(dtype=args.dtype, seed=args.seed),
-    )
-    if args.no_compilation_cache:
-        config.compilation_cache_dir = None
-    elif args.compilation_cache_dir is not None:
-        config.compilation_cache_dir = args.compilation_cache_dir
-    return config
+    logging.shutdown()
+    os._exit(2)  # now, from the watcher thread: the main thread may be inside JAX
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from jaxserve.launcher import serve
+    from jaxserve import preflight
+    from jaxserve.launcher import StartupError, serve
 
     # The frontend; a follower process (below) runs its engine steps in this process.
     configure_logging(args.log_level, "frontend")
     try:
-        config = _engine_config(args)
-    except ValueError as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 2
-    try:
         dist = distributed.from_arguments(args)
     except ValueError as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 2
-    if dist is not None and config.eplb.enabled:
-        print(
-            "jaxserve serve: error: --enable-eplb: not supported with several processes "
-            "yet (the followers would need every new expert placement)",
-            file=sys.stderr,
+        return _fail(e, 2)
+    if dist is not None and not dist.is_leader:
+        from jaxserve.distributed.start_status import leader_failure, watch_leader
+
+        watch_leader(dist, _leader_failed)
+        add_start_failure_explainer(
+            lambda: (
+                f"process 0 (the leader) failed to start: {cause}"
+                if (cause := leader_failure(dist, LEADER_ASK_S))
+                else None
+            )
         )
-        return 2
+    try:
+        config = _engine_config(args, model=resolve_model(model_argument(args)))
+        # Mistakes that need no device, found before any process starts (exit code 2).
+        preflight.check_model_folder(config.model, check_model=args.engine_class is None)
+        if dist is not None and config.eplb.enabled:
+            raise ValueError(
+                "--enable-eplb: not supported with several processes yet (the followers "
+                "would need every new expert placement)"
+            )
+    except (ValueError, OSError) as e:
+        return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
         from jaxserve.engine.process import run_follower
@@ -120,19 +111,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).
     dist_args = dist.to_arguments() if dist is not None else []
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        chat_template=args.chat_template,
-    )
+    server = server_config(args)
     try:
         options = _frontend_options(args)
     except ValueError as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e, 2, dist)
     try:
+        preflight.check_bind("port", server.host, server.port)
+        if server.metrics_port is not None:
+            preflight.check_bind("metrics-port", server.host, server.metrics_port)
         return serve(
             config,
             server,
@@ -141,9 +128,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             distributed_args=dist_args,
             frontend_options=options,
         )
+    except StartupError as e:  # a child's cause; the engine told the followers itself
+        return _fail(e, 1)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(e, 1, dist)
 
 
 def _frontend_options(args: argparse.Namespace):
@@ -202,15 +190,19 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
         help="heartbeat silence after which the engine or sidecar counts as stalled: "
         "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
     )  # fmt: skip
-    s.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS")
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mutual TLS)")
+    s.add_argument(
+        "--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS (default: off)"
+    )
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    s.add_argument(
+        "--tls-client-ca", help="PEM CA: require client certificates (mutual TLS) (default: off)"
+    )
     s.add_argument(
         "--api-key",
         help="require 'authorization: Bearer KEY' on every RPC but health "
-        "(also --api-key-file, or the JAXSERVE_API_KEY variable)",
+        "(also --api-key-file, or the JAXSERVE_API_KEY variable) (default: none)",
     )
-    s.add_argument("--api-key-file", help="file whose first line is the API key")
+    s.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -282,94 +274,13 @@ def _print_samples(completions) -> None:
         print(c.text)
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a float in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
-
-
-def _add_eplb_arguments(s: argparse.ArgumentParser) -> None:
-    """The EPLB flags of `serve` (vLLM's names; see `config.EplbConfig`)."""
-    s.add_argument(
-        "--enable-eplb",
-        action="store_true",
-        help="re-place MoE experts by their measured load (needs a mesh with dp*tp > 1)",
-    )
-    s.add_argument(
-        "--num-redundant-experts",
-        type=_int_at_least(0),
-        metavar="R",
-        help="extra expert slots per MoE layer for replicas (E + R divisible by dp*tp)",
-    )
-    s.add_argument(
-        "--eplb-window-size",
-        type=POSITIVE,
-        metavar="STEPS",
-        help=f"engine steps of the expert-load window (default {EplbConfig().window_size})",
-    )
-    s.add_argument(
-        "--eplb-step-interval",
-        type=POSITIVE,
-        metavar="STEPS",
-        help=f"engine steps between re-placements (default {EplbConfig().step_interval})",
-    )
-    s.add_argument(
-        "--eplb-min-improvement",
-        type=_fraction,
-        metavar="F",
-        help="re-place a layer only if its peak device load drops by more than F "
-        f"(default {EplbConfig().min_improvement:g})",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="jaxserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
-    s.add_argument("--model", default=str(DEMO_MODEL_DIR), help="HF model folder (default: demo)")
-    s.add_argument("--host", default=ServerConfig().host, help="bind address (default %(default)s)")
-    s.add_argument("--port", type=PORT, default=ServerConfig().port, help="0 picks a free port")
-    s.add_argument("--metrics-port", type=PORT, help="serve Prometheus /metrics on this port")
-    s.add_argument(
-        "--http-port",
-        type=PORT,
-        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "...) on this port; 0 picks a free one",
-    )
-    s.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="Jinja chat template (or a JSON file with a chat_template entry) replacing "
-        "the model's, for /v1/chat/completions",
-    )
-    s.add_argument("--dtype", choices=["float32", "bfloat16"])
-    s.add_argument("--seed", type=int)
-    s.add_argument("--block-size", type=POSITIVE, help="tokens per KV block")
-    s.add_argument(
-        "--num-blocks",
-        type=_int_at_least(2),
-        metavar="N",
-        help="KV blocks per dp rank, one of them reserved (the null block), so N - 1 are "
-        "usable (default: from memory)",
-    )
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--max-num-seqs", type=POSITIVE, help="most requests in one step")
-    s.add_argument("--max-num-batched-tokens", type=POSITIVE, help="token budget of one step")
-    s.add_argument("--max-model-len", type=_int_at_least(2), help="most tokens per request")
-    s.add_argument("--mesh", default="dp=1,tp=1", help="device mesh, e.g. dp=2,tp=4")
-    _add_eplb_arguments(s)
-    s.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache")
-    s.add_argument("--no-compilation-cache", action="store_true")
-    s.add_argument("--log-level", default="INFO")
-    # module:Class run instead of EngineCore; used by tests to serve a mock engine.
-    s.add_argument("--engine-class", help=argparse.SUPPRESS)
-    distributed.add_arguments(s)
+    add_serve_arguments(s)
     _add_frontend_arguments(s)
     s.set_defaults(func=_cmd_serve)
 

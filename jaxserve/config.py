@@ -6,11 +6,42 @@ This module only holds plain data; it must not import JAX (the frontend imports 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # The demo model ships inside the package so `jaxserve serve` with no --model serves it.
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+# Weight/activation dtypes the engine runs (EngineConfig.dtype); "auto" (`--dtype auto`,
+# the default of `serve`) is resolved by `resolve_dtype` before the engine starts.
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
+    """The engine dtype for `--dtype`: `dtype` itself, or for "auto" the checkpoint's
+    (`config.json` "dtype", transformers 5.x, or "torch_dtype", 4.x) when it is one of
+    `DTYPES`, else float32. Unlike vLLM's auto, a float32 checkpoint stays float32 (the
+    CPU, where this project tests, has no fast half precision). A missing or unreadable
+    config.json gives float32 here: the model's own checks report it.
+
+    Raises ValueError naming `dtype` when it is not in `DTYPE_CHOICES`.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    found = hf.get("dtype") or hf.get("torch_dtype") if isinstance(hf, dict) else None
+    return found if found in DTYPES else "float32"
+
+
+# The KV cache's share of the memory left after the weights on a GPU, by default.
+DEFAULT_MEMORY_FRACTION = 0.85
 
 
 @dataclass(slots=True)
@@ -18,14 +49,18 @@ class CacheConfig:
     """Paged KV cache.
 
     block_size: tokens per KV block.
-    num_blocks: total KV blocks per dp rank; None means size from `memory_fraction`
-        of the device memory left after the weights (on the CPU: a fixed default).
+    num_blocks: total KV blocks per dp rank; None means size from `memory_fraction`.
+    memory_fraction: the fraction of the memory left after the weights that the KV cache
+        takes (`--gpu-memory-utilization`), on every backend: the device's memory on a
+        GPU, the host's available memory on the CPU. None: DEFAULT_MEMORY_FRACTION on a
+        GPU; on the CPU enough for max_num_seqs requests of max_model_len tokens, capped
+        (`model_runner.num_kv_blocks`).
     enable_prefix_caching: reuse full blocks named by their chained hash.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_fraction: float = 0.85
+    memory_fraction: float | None = None
     enable_prefix_caching: bool = True
 
 
@@ -127,8 +162,10 @@ class EplbConfig:
 class EngineConfig:
     """Everything the engine process needs to start."""
 
-    model: str = str(DEMO_MODEL_DIR)
-    dtype: str = "float32"  # activation/weight dtype: float32 or bfloat16
+    model: str = str(DEMO_MODEL_DIR)  # a local folder (a Hub id is resolved before)
+    dtype: str = "float32"  # activation/weight dtype, one of DTYPES
+    # The name reported in stats, GetServerInfo and metrics; None: the folder's name.
+    served_model_name: str | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -164,3 +201,5 @@ class ServerConfig:
     http_port: int | None = None
     # A chat template file replacing the model folder's (frontend/http/chat_template.py).
     chat_template: str | None = None
+    # Seconds between the stats log lines while serving (jaxserve.serve_log); 0 disables.
+    stats_log_interval_s: float = 10.0

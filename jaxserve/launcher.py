@@ -42,7 +42,9 @@ from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
+from jaxserve.logs import START_ERROR_FILE_ENV, read_start_failure
 from jaxserve.observability.metrics import Metrics
+from jaxserve.serve_log import StatsLogger, config_block
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
 
 logger = logging.getLogger("jaxserve")
@@ -62,6 +64,7 @@ EXIT_CHILD_DIED = 1  # `jaxserve serve`'s exit code when a child died (start-up 
 class _Child:
     name: str
     process: subprocess.Popen
+    error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -69,10 +72,16 @@ class _Child:
         return f"the {self.name} process (pid {self.process.pid}) died ({how})"
 
 
-def _spawn(name: str, module: str, args: list[str]) -> _Child:
+class StartupError(RuntimeError):
+    """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`)."""
+
+
+def _spawn(name: str, module: str, args: list[str], error_dir: str) -> _Child:
     # From the main thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
     cmd = [sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args]
-    return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+    error_file = os.path.join(error_dir, f"{name}.start-error")
+    env = {**os.environ, START_ERROR_FILE_ENV: error_file}
+    return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), error_file)
 
 
 def _stop_children(children: list[_Child]) -> None:
@@ -101,7 +110,8 @@ def serve(
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
     detokenizer died, during start-up or while serving (see the module docstring).
     Raises RuntimeError naming the flag ("port: ...", "metrics-port: ...") when an address
-    cannot be bound; no child is left running then.
+    cannot be bound, and StartupError (a RuntimeError) with the child's one-line cause
+    when a child failed to start and said why; no child is left running then.
 
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
@@ -134,7 +144,11 @@ def serve(
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.
     prometheus_client.disable_created_metrics()
-    metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
+    # The metrics' model label: --served-model-name (or the id typed), as GetServerInfo's.
+    name = engine_config.served_model_name or os.path.basename(
+        os.path.normpath(engine_config.model)
+    )
+    metrics = Metrics(model=name)
     if server_config.metrics_port is not None:
         # Bound before any child starts: a busy port leaves nothing to clean up.
         tls_kwargs = options.tls.metrics_kwargs() if options.tls is not None else {}
@@ -154,7 +168,7 @@ def serve(
         if engine_class:
             engine_args += ["--engine-class", engine_class]
         engine_args += distributed_args or []
-        children.append(_spawn("engine", "jaxserve.engine.process", engine_args))
+        children.append(_spawn("engine", "jaxserve.engine.process", engine_args, socket_dir))
         sidecar_args = [
             "--model", engine_config.model,
             "--detokenizer-input", addresses.detokenizer_input,
@@ -163,11 +177,18 @@ def serve(
             "--log-level", log_level,
         ]  # fmt: skip
         children.append(
-            _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
+            _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, socket_dir)
         )
         return uvloop.run(
             _run_frontend(
-                addresses, tokenizer, server_config, children, metrics, chat_template, options
+                addresses,
+                tokenizer,
+                engine_config,
+                server_config,
+                children,
+                metrics,
+                chat_template,
+                options,
             )
         )
     finally:
@@ -178,6 +199,7 @@ def serve(
 async def _run_frontend(
     addresses,
     tokenizer,
+    engine_config: EngineConfig,
     server_config: ServerConfig,
     children,
     metrics: Metrics,
@@ -192,6 +214,9 @@ async def _run_frontend(
     engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
+    stats_log = StatsLogger()
+    engine.add_stats_listener(stats_log.update)
+    stats_task = None
     server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
@@ -217,17 +242,26 @@ async def _run_frontend(
                 stats.model, server_config.host, port,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
+            logger.info(
+                "configuration:\n%s", config_block(engine_config, server_config, stats, port)
+            )
+            if server_config.stats_log_interval_s > 0:
+                stats_task = asyncio.create_task(stats_log.run(server_config.stats_log_interval_s))
             await asyncio.wait({watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if watch.done():
                 await _child_died(server, watch.result(), stopping)
                 return EXIT_CHILD_DIED
         elif watch.done():
+            # The child's own one-line cause, when it gave one, is the last line printed.
+            causes = [c for c in map(read_start_failure, (c.error_file for c in children)) if c]
+            if causes:
+                raise StartupError(causes[0])
             logger.error("start-up failed: %s", watch.result())
             return EXIT_CHILD_DIED
         logger.info("shutting down")
         return 0
     finally:
-        for task in (ready, watch, stopping, liveness):
+        for task in (ready, watch, stopping, liveness, stats_task):
             if task is not None:
                 task.cancel()
         await server.stop(GRPC_GRACE_S)

@@ -33,14 +33,16 @@ from jaxserve.config import (
     EplbConfig,
     MeshConfig,
     SchedulerConfig,
+    resolve_dtype,
 )
 from jaxserve.engine.core import EngineCore
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.frontend.validation import split_samples
+from jaxserve.hub import resolve_model
 from jaxserve.ipc import EngineRequest
 from jaxserve.ipc import RequestOutput as EngineOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_lengths
 
 # vLLM spellings accepted as aliases of our config fields.
 _ALIASES = {
@@ -123,9 +125,11 @@ class LLM:
     """An engine and a tokenizer in this process.
 
     Args:
-        model: HF model folder; None serves the bundled demo model.
+        model: HF model folder, or a Hugging Face model id (resolved through the HF
+            cache, `jaxserve.hub`); None serves the bundled demo model.
         tokenizer: folder holding tokenizer.json, or the file itself (default: `model`).
-        **engine_kwargs: EngineConfig fields (dtype, seed, compilation_cache_dir), its
+        **engine_kwargs: EngineConfig fields (dtype, "auto" included, seed,
+            compilation_cache_dir), its
             cache fields (block_size, num_blocks, memory_fraction, enable_prefix_caching),
             scheduler fields (max_num_seqs, max_num_batched_tokens, max_model_len,
             enable_chunked_prefill) and mesh fields (dp, tp), or mesh="dp=D,tp=T" (or a
@@ -142,8 +146,10 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, tokenizer: str | Path | None = None, **engine_kwargs
     ):
-        model_dir = Path(model) if model is not None else DEMO_MODEL_DIR
+        # A Hugging Face model id resolves through the HF cache, as for `jaxserve serve`.
+        model_dir = Path(resolve_model(str(model))) if model is not None else DEMO_MODEL_DIR
         self.engine_config = build_engine_config(str(model_dir), **engine_kwargs)
+        self.engine_config.dtype = resolve_dtype(self.engine_config.dtype, model_dir)
         self.tokenizer = _load_tokenizer(Path(tokenizer) if tokenizer else model_dir)
         self.engine = EngineCore(self.engine_config)
         self._next_id = 0
@@ -189,12 +195,20 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompts):
             text = p if isinstance(p, str) else None
+            if text == "":  # as the server: even where the tokenizer would add a BOS token
+                raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
             ids = encode_prompt(self.tokenizer, p) if text is not None else [int(t) for t in p]
             if not ids:
                 raise ValueError(f"prompts[{i}]: the prompt is empty")
             encoded.append((text, ids))
         for params in params_list:
             params.validate(vocab)
+        # The server's length rules: prompt + max_tokens within max_model_len.
+        for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
+            try:
+                check_lengths(len(ids), self.engine.max_model_len, params.max_tokens)
+            except ValueError as e:
+                raise ValueError(f"{e} (prompts[{i}])") from None
 
         samples: dict[str, _Sample] = {}
         try:

@@ -6,6 +6,7 @@ No JAX here: the frontend and the detokenizer import this.
 from __future__ import annotations
 
 import logging
+import os
 
 # Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
 # jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
@@ -27,3 +28,115 @@ def configure_logging(level: str, process_name: str) -> None:
     if logging.getLevelName(level) != logging.DEBUG:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# Set by `jaxserve serve` in each child's environment: the file where a child that fails
+# to start writes its one-line cause, which the parent prints as its last line.
+START_ERROR_FILE_ENV = "JAXSERVE_START_ERROR_FILE"
+
+_PLAIN_ERRORS = (ValueError, RuntimeError, OSError)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an exception: its message's first line (ValueError / RuntimeError /
+    OSError messages, ours among them, name the field; others get their type name first,
+    e.g. "KeyError: 'x'")."""
+    lines = str(error).strip().splitlines()
+    message = lines[0].strip() if lines else ""
+    if not message:
+        return type(error).__name__
+    if isinstance(error, _PLAIN_ERRORS):
+        return message
+    return f"{type(error).__name__}: {message}"
+
+
+# Callables that may explain a start-up failure better than the exception does (a
+# follower asks whether process 0 failed first: `add_start_failure_explainer`).
+_EXPLAINERS: list = []
+
+
+def add_start_failure_explainer(explain) -> None:
+    """Register `explain() -> str | None`: a better one-line cause of a start-up failure
+    in this process (e.g. "process 0 (the leader) failed to start: ..." where the
+    exception only says that a collective lost its peer); None when it has none."""
+    _EXPLAINERS.append(explain)
+
+
+def report_start_failure(what: str, error: BaseException, logger: logging.Logger) -> str:
+    """Report that `what` ("engine", "follower 2") failed to start, as one line.
+
+    The line (`what: cause`) goes to the parent's start-error file when the parent set
+    `START_ERROR_FILE_ENV` (it prints the line last, once), else to `logger` at ERROR.
+    The traceback is logged only at DEBUG (`--log-level debug`). Returns the line.
+    """
+    line = f"{what} failed to start: {describe_error(error)}"
+    for explain in _EXPLAINERS:
+        better = explain()
+        if better:
+            line = better
+            break
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s failed to start", what, exc_info=error)
+    path = os.environ.get(START_ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(line)
+            return line
+        except OSError:
+            pass  # the parent's folder is gone: log it here instead
+    logger.error("%s", line)
+    return line
+
+
+def read_start_failure(path: str) -> str | None:
+    """The line a child wrote with `report_start_failure`, or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class ProgressLog:
+    """A progress bar's logging equivalent (it reads the same in a terminal, a pipe and a
+    log collector): `what: k/N unit (p%, t s)` lines at 0, then at each quarter of the
+    total and at least every `interval_s` seconds between them. Thread-safe `advance`.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        total: int,
+        unit: str = "",
+        interval_s: float = 10.0,
+    ) -> None:
+        import threading
+        import time
+
+        self._time = time.monotonic
+        self._lock = threading.Lock()
+        self._logger, self._what, self._total, self._unit = logger, what, total, unit
+        self._interval_s = interval_s
+        self._done = 0
+        self._start = self._last = self._time()
+        self._quarters = 0  # quarters of the total reached at the last line
+        self._emit()
+
+    def advance(self, n: int = 1) -> None:
+        with self._lock:
+            self._done = min(self._done + n, self._total)
+            now = self._time()
+            quarters = 4 * self._done // self._total if self._total else 4
+            if quarters > self._quarters or now - self._last >= self._interval_s:
+                self._quarters, self._last = quarters, now
+                self._emit()
+
+    def _emit(self) -> None:
+        pct = 100.0 * self._done / self._total if self._total else 100.0
+        unit = f" {self._unit}" if self._unit else ""
+        self._logger.info(
+            "%s: %d/%d%s (%.0f%%, %.1f s)",
+            self._what, self._done, self._total, unit, pct, self._time() - self._start,
+        )  # fmt: skip

@@ -24,6 +24,10 @@ import numpy as np
 MAX_LOGPROBS = 20
 # Most logit_bias entries per request: the sampler's bias arrays are [rows, MAX_LOGIT_BIAS].
 MAX_LOGIT_BIAS = 64
+# The most samples one request may ask for (OpenAI's limit for `n`, also vLLM's default
+# bound through its OpenAI server): each sample is a full engine request. The gRPC
+# frontend and the offline LLM both enforce it (through `validate`).
+MAX_N = 128
 # Stop strings: the detokenizer matches all of a request's stop strings with one automaton
 # (O(1) per output character whatever their number), but building it costs O(total size)
 # on the sidecar's single thread, so the lists are bounded. OpenAI allows 4 stop strings
@@ -55,8 +59,10 @@ class SamplingParams:
     top_p: nucleus sampling, in (0, 1]; 1 disables.
     min_p: drop tokens with probability < min_p * max probability; 0 disables.
     seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
-    max_tokens: most output tokens (>= 1).
-    stop: strings that end the output; the match is not returned. At most
+    max_tokens: most output tokens (>= 1); prompt + max_tokens must fit in the model's
+        max_model_len (`check_lengths`), for the server and the offline LLM alike.
+    stop: strings that end the output; the match is not returned. One string is taken
+        as a list of one, as vLLM does (`SamplingParams(stop="\n")`). At most
         MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_CHARS characters,
         MAX_STOP_TOTAL_BYTES UTF-8 bytes in all.
     stop_token_ids: token ids that end the output (the token is not part of the text); at
@@ -65,7 +71,7 @@ class SamplingParams:
     skip_special_tokens: drop special tokens from the text.
     repetition_penalty / presence_penalty / frequency_penalty: as in vLLM (1.0 / 0 / 0 disable).
     logit_bias: token id -> additive bias on the logit (at most MAX_LOGIT_BIAS entries).
-    n: number of samples for the prompt.
+    n: number of samples for the prompt, in [1, MAX_N].
     logprobs: return the log-prob of each chosen token and of the top-N alternatives (None: off).
     prompt_logprobs: return log-probs of the prompt tokens, with top-N alternatives (None: off).
 
@@ -89,6 +95,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # vLLM's `stop: str | list[str]`
+            self.stop = [self.stop]
 
     @property
     def greedy(self) -> bool:
@@ -129,8 +139,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
-        if self.n < 1:
-            raise ValueError(f"n: must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         self._validate_stop()
         for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if k is not None and not (0 <= k <= MAX_LOGPROBS):
@@ -219,6 +229,25 @@ class SamplingParams:
             except (AttributeError, TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias: must map token ids to numbers ({e})") from None
         return cls(**d)
+
+
+def check_lengths(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> None:
+    """The length rules of a request, shared by the gRPC frontend and the offline LLM:
+    the prompt leaves room for output, and prompt + max_tokens (when given) fits in
+    max_model_len.
+
+    Raises ValueError starting with "prompt:" or "max_tokens:".
+    """
+    if prompt_len >= max_model_len:
+        raise ValueError(
+            f"prompt: {prompt_len} tokens leave no room for output within "
+            f"max_model_len {max_model_len}"
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+            f"exceeds max_model_len ({max_model_len})"
+        )
 
 
 def _check_int(name: str, value: object) -> None:

@@ -10,6 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The families this project implements, by HF `architectures` name (`registry.py` maps
+# each to its class; a test checks that the two agree). Dense families have no expert
+# fields in their config.json.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(sorted(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
+
+# Families whose q/k/v projections always carry a bias (no config flag; HF Qwen2Attention).
+_QKV_BIAS = ("Qwen2ForCausalLM",)
+
 # Architectures whose MoE gate always renormalizes its top-k probabilities (no config flag).
 _ALWAYS_RENORMALIZE = ("MixtralForCausalLM",)
 
@@ -20,10 +30,12 @@ _FALLBACK_ROPE_THETA = 10_000.0
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Hyper-parameters shared by the decoder-only MoE families.
+    """Hyper-parameters shared by the decoder-only families, MoE and dense.
 
     Sizes are in elements; `moe_intermediate_size` is one expert's SwiGLU width and
-    `intermediate_size` the dense MLP's (Mixtral: both are `intermediate_size`).
+    `intermediate_size` the dense MLP's (Mixtral: both are `intermediate_size`). A dense
+    family has num_experts = num_experts_per_tok = 0 (every layer a dense MLP).
+    `attention_qkv_bias`: q/k/v projections with a bias (Qwen2).
     `eos_token_ids` is always a tuple (HF allows an int, a list or null).
     `sliding_window` is None for full attention, else the number of most recent keys
     (including the query's own) each query sees.
@@ -50,6 +62,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_qkv_bias: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) uses the MoE block instead of a dense MLP.
@@ -68,16 +81,28 @@ class ModelConfig:
         """Parse a HF `config.json` dict.
 
         Raises:
-            ValueError: a required field is missing, or the config asks for something
-                these families do not implement (rope scaling, attention bias, a non-SiLU
-                activation, Qwen3 sliding-window layers); the message names the field.
+            ValueError: an architecture not in SUPPORTED_ARCHITECTURES (checked first, so
+                whatever else the config lacks, the message lists the supported ones), a
+                required field is missing, or the config asks for something these
+                families do not implement (rope scaling, attention/MLP bias, a non-SiLU
+                activation, sliding-window layers outside Mixtral); the message names
+                the field.
         """
         architecture = _architecture(hf)
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json: architecture {architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         hidden = _require(hf, "hidden_size", int)
         heads = _require(hf, "num_attention_heads", int)
-        num_experts = hf.get("num_local_experts", hf.get("num_experts"))
-        if num_experts is None:
-            raise ValueError("config.json: missing 'num_local_experts' (or 'num_experts')")
+        if architecture in MOE_ARCHITECTURES:
+            num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+            if num_experts is None:
+                raise ValueError("config.json: missing 'num_local_experts' (or 'num_experts')")
+            top_k = _require(hf, "num_experts_per_tok", int)
+        else:
+            num_experts, top_k = 0, 0
         intermediate = _require(hf, "intermediate_size", int)
         _check_supported(hf, architecture)
         return cls(
@@ -94,7 +119,7 @@ class ModelConfig:
             rope_theta=_rope_theta(hf, architecture),
             max_position_embeddings=_require(hf, "max_position_embeddings", int),
             num_experts=int(num_experts),
-            num_experts_per_tok=_require(hf, "num_experts_per_tok", int),
+            num_experts_per_tok=top_k,
             norm_topk_prob=architecture in _ALWAYS_RENORMALIZE
             or bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
@@ -103,6 +128,7 @@ class ModelConfig:
             sliding_window=_sliding_window(hf, architecture),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
+            attention_qkv_bias=architecture in _QKV_BIAS,
         )
 
 
@@ -117,8 +143,13 @@ def normalize_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
 
 def _architecture(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures")
-    if not archs:
-        raise ValueError("config.json: missing 'architectures' (e.g. ['Qwen3MoeForCausalLM'])")
+    if isinstance(archs, str):
+        archs = [archs]
+    if not archs or not isinstance(archs, list):
+        raise ValueError(
+            "config.json: missing 'architectures' (a list with one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     return str(archs[0])
 
 
@@ -148,12 +179,20 @@ def _check_supported(hf: dict[str, Any], architecture: str) -> None:
             )
     if hf.get("attention_bias"):
         raise ValueError("config.json: attention_bias=true is not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true is not supported")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
     if architecture != "MixtralForCausalLM" and hf.get("use_sliding_window"):
         raise ValueError(
             f"config.json: use_sliding_window=true is not supported for {architecture}"
+        )
+    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if architecture != "MixtralForCausalLM" and kinds:
+        raise ValueError(
+            f"config.json: layer_types {sorted(kinds)} are not supported for {architecture} "
+            "(only 'full_attention')"
         )
 
 

@@ -1,7 +1,9 @@
-"""The decoder-only transformer stack shared by the MoE families.
+"""The decoder-only transformer stack shared by the MoE and the dense families.
 
-A family (qwen3_moe.py, mixtral.py) subclasses `DecoderOnlyLM`, choosing per-family
-options (q/k norm) and declaring its HF weight-name map; the forward lives here once.
+A family (MoE: qwen3_moe.py, mixtral.py; dense: qwen3.py, qwen2.py, llama.py) subclasses
+`DecoderOnlyLM`, choosing per-family options (q/k norm) and declaring the HF names of its
+MoE block; the forward and the other weight names live here once. Options the config
+carries (q/k/v biases, which layers are MoE) are read from `ModelConfig`.
 The forward is the contract of `jaxserve.models.base.CausalLM`.
 
 `parallel` (None on one device) is how the model runs on a device mesh; see
@@ -27,6 +29,7 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.weight_map import (
     WeightSpec,
+    bias,
     copy,
     fused_down,
     fused_gate_up,
@@ -62,6 +65,7 @@ class DecoderLayer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
             parallel=parallel,
+            qkv_bias=c.attention_qkv_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
         if c.is_moe_layer(layer):
@@ -255,6 +259,12 @@ class DecoderOnlyLM(nnx.Module):
                 one((*attn, "v_proj"), linear(f"{hf_attn}.v_proj.weight", nkv * d, h, (h, nkv, d))),
                 one((*attn, "o_proj"), linear(f"{hf_attn}.o_proj.weight", h, nq * d, (nq, d, h))),
             ]
+            if c.attention_qkv_bias:
+                specs += [
+                    one((*attn, "q_bias"), bias(f"{hf_attn}.q_proj.bias", (nq, d))),
+                    one((*attn, "k_bias"), bias(f"{hf_attn}.k_proj.bias", (nkv, d))),
+                    one((*attn, "v_bias"), bias(f"{hf_attn}.v_proj.bias", (nkv, d))),
+                ]
             if self.QK_NORM:
                 specs += [
                     one((*attn, "q_norm", "weight"), copy(f"{hf_attn}.q_norm.weight", (d,))),

@@ -179,11 +179,13 @@ def paged_attention_step(
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional per-head q/k
-    RMSNorm (Qwen3), reading and writing the paged KV cache.
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE, optional per-head q/k
+    RMSNorm (Qwen3) and optional q/k/v biases (Qwen2), reading and writing the paged KV
+    cache.
 
     Weights: q_proj [embed, q_heads, head_dim], k_proj/v_proj [embed, kv_heads, head_dim],
-    o_proj [q_heads, head_dim, embed].
+    o_proj [q_heads, head_dim, embed]; with qkv_bias, q_bias [q_heads, head_dim] and
+    k_bias/v_bias [kv_heads, head_dim].
     """
 
     def __init__(
@@ -200,6 +202,7 @@ class Attention(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         parallel: Parallelism | None = None,
+        qkv_bias: bool = False,
     ):
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -223,6 +226,12 @@ class Attention(nnx.Module):
             rngs, (num_heads, head_dim, hidden_size), ("q_heads", "head_dim", "embed"), dtype
         )
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, "head_dim", dtype, rngs) if qk_norm else None
+        if qkv_bias:
+            self.q_bias = param(rngs, (num_heads, head_dim), ("q_heads", "head_dim"), dtype)
+            self.k_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), dtype)
+            self.v_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), dtype)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, "head_dim", dtype, rngs) if qk_norm else None
 
     def __call__(
@@ -240,6 +249,8 @@ class Attention(nnx.Module):
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])
         v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.rope_theta)

@@ -22,6 +22,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxserve.logs import ProgressLog
 from jaxserve.models.checkpoint import is_orbax_checkpoint, restore_params
 from jaxserve.models.config import ModelConfig, normalize_token_ids
 from jaxserve.models.decoder import DecoderOnlyLM
@@ -48,13 +49,27 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found (is {model_dir} a HF model folder?)")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    config = ModelConfig.from_hf(_read_json(config_path))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        extra = normalize_token_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        extra = normalize_token_ids(_read_json(gen_path).get("eos_token_id"))
         eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
         config = dataclasses.replace(config, eos_token_ids=eos)
     return config
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file; ValueError naming the file (and the line and column of a
+    syntax error) otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def default_sharding_fn(mesh: jax.sharding.Mesh | None = None) -> ShardingFn:
@@ -147,8 +162,10 @@ def _read_safetensors(
     slot) are [E, ...] in the checkpoint and [S, ...] in the model: slot s gets a copy
     of expert slot_experts[s]."""
     slot_experts = slot_experts or {}
+    progress = ProgressLog(logger, f"loading weights of {model_dir.name}", len(specs), "tensors")
     with _CheckpointReader(model_dir) as checkpoint:
         for spec in specs:
+            progress.advance()
             var = variables[spec.path]
             layout = _pick_layout(spec, checkpoint)
             value = layout.to_param(

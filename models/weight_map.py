@@ -53,6 +53,16 @@ def copy(name: str, shape: tuple[int, ...]) -> CheckpointLayout:
     return CheckpointLayout((name,), (shape,), lambda ts: ts[0], lambda p: [p])
 
 
+def bias(name: str, param_shape: tuple[int, ...]) -> CheckpointLayout:
+    """An HF Linear bias [out] reshaped to `param_shape` (e.g. [heads, head_dim])."""
+    size = 1
+    for n in param_shape:
+        size *= n
+    return CheckpointLayout(
+        (name,), ((size,),), lambda ts: ts[0].reshape(param_shape), lambda p: [p.reshape(-1)]
+    )
+
+
 def linear(name: str, out_features: int, in_features: int, param_shape: tuple[int, ...]):
     """An HF Linear weight [out, in] stored transposed as [in, out], then reshaped to
     `param_shape` (e.g. [embed, heads, head_dim] for q_proj)."""

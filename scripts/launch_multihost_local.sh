@@ -31,7 +31,8 @@ done
 [[ $# -gt 0 ]] || { echo "$0: no command given after --" >&2; exit 2; }
 
 if [[ -z "$port" ]]; then
-  # A free port; the step channel also uses the next two.
+  # A free port; the step channel also uses the next two, a failed leader the third
+  # (jaxserve.distributed.start_status).
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
 log_dir="${LOG_DIR:-multihost_logs}"

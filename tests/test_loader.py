@@ -128,10 +128,11 @@ def test_fused_expert_layout_loads(checkpoint, tmp_path):
 def test_unsupported_architecture_lists_supported(checkpoint, tmp_path):
     dst = shutil.copytree(checkpoint[0], tmp_path / "ckpt")
     hf = json.loads((dst / "config.json").read_text())
-    hf["architectures"] = ["LlamaForCausalLM"]
+    # (LlamaForCausalLM, this test's first example, is supported since issue 14.)
+    hf["architectures"] = ["GPTNeoXForCausalLM"]
     (dst / "config.json").write_text(json.dumps(hf))
     with pytest.raises(
-        ValueError, match="'LlamaForCausalLM'.*MixtralForCausalLM.*Qwen3MoeForCausalLM"
+        ValueError, match="'GPTNeoXForCausalLM'.*MixtralForCausalLM.*Qwen3MoeForCausalLM"
     ):
         load_model(dst)
 

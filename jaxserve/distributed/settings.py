@@ -208,9 +208,19 @@ def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add --coordinator-address, --num-processes and --process-id to a CLI parser."""
     group = parser.add_argument_group("multi-process (jax.distributed)")
-    group.add_argument("--coordinator-address", help="host:port of process 0's coordinator")
-    group.add_argument("--num-processes", type=int, help="processes in the run")
-    group.add_argument("--process-id", type=int, help="this process, 0 = the scheduler")
+    group.add_argument(
+        "--coordinator-address",
+        help="host:port of process 0's coordinator (default: "
+        "$JAX_COORDINATOR_ADDRESS, SLURM or Kubernetes variables, else one process)",
+    )
+    group.add_argument(
+        "--num-processes", type=int, help="processes in the run (default: $JAX_NUM_PROCESSES or 1)"
+    )
+    group.add_argument(
+        "--process-id",
+        type=int,
+        help="this process, 0 = the scheduler (default: $JAX_PROCESS_ID or 0)",
+    )
     group.add_argument(
         "--heartbeat-timeout-s",
         type=int,

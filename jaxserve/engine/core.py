@@ -290,7 +290,7 @@ class EngineCore:
         """Engine facts and gauges. Free blocks include cached blocks no request holds."""
         s, bms = self.scheduler, self.block_managers
         return EngineStats(
-            model=Path(self.config.model).name,
+            model=self.config.served_model_name or Path(self.config.model).name,
             max_model_len=self.max_model_len,
             block_size=self.block_manager.block_size,
             num_blocks_total=sum(bm.num_usable_blocks for bm in bms),

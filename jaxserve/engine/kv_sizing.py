@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import DEFAULT_MEMORY_FRACTION
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ def num_kv_blocks(
     config: ModelConfig,
     block_size: int,
     dtype: jnp.dtype,
-    memory_fraction: float,
+    memory_fraction: float | None,
     max_num_seqs: int,
     max_model_len: int,
     device: jax.Device | None = None,
@@ -37,9 +39,11 @@ def num_kv_blocks(
 ) -> int:
     """How many KV blocks (null block included) to allocate when the user did not say.
 
-    On a device with memory statistics: `memory_fraction` of the memory still free after
-    the weights. Elsewhere (the CPU): enough for `max_num_seqs` requests of
-    `max_model_len` tokens, capped at CPU_KV_CACHE_BYTES. On a mesh this is the count of
+    On a device with memory statistics: `memory_fraction` (None: DEFAULT_MEMORY_FRACTION)
+    of the memory still free after the weights. Elsewhere (the CPU): with a
+    `memory_fraction`, that fraction of the host's available memory (`os.sysconf`
+    SC_AVPHYS_PAGES); without, enough for `max_num_seqs` requests of `max_model_len`
+    tokens, capped at CPU_KV_CACHE_BYTES. On a mesh this is the count of
     one dp rank, whose devices each hold 1 / kv_head_shards (tp) of every block.
     """
     per_block = kv_block_bytes(config, block_size, dtype) // kv_head_shards
@@ -47,7 +51,11 @@ def num_kv_blocks(
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return max(2, int(free * memory_fraction) // per_block)
+        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        return max(2, int(free * fraction) // per_block)
+    if memory_fraction is not None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(2, int(available * memory_fraction) // per_block)
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))
 

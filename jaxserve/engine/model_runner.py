@@ -63,6 +63,7 @@ from jaxserve.engine.step_inputs import (
     pow2_buckets,
 )
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
+from jaxserve.logs import ProgressLog
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, allocate_kv_cache, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
@@ -195,8 +196,15 @@ class ModelRunner:
         shapes = self.buckets()
         lowered = [self._lower(shape) for shape in shapes]
         workers = max_workers or min(len(shapes), os.cpu_count() or 1)
+        progress = ProgressLog(logger, "compiling step shapes", len(shapes), "shapes")
+
+        def compile_one(low: jax.stages.Lowered) -> jax.stages.Compiled:
+            exe = low.compile()
+            progress.advance()
+            return exe
+
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            compiled = list(pool.map(lambda low: low.compile(), lowered))
+            compiled = list(pool.map(compile_one, lowered))
         self._executables = dict(zip(shapes, compiled, strict=True))
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step shapes in %.1f s", len(shapes), elapsed)

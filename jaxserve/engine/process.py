@@ -54,7 +54,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
-from jaxserve.logs import configure_logging
+from jaxserve.logs import configure_logging, describe_error, report_start_failure
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -241,8 +241,14 @@ def run_engine_process(
                 core = cls(config, executor=_leader_executor(dist))
             else:
                 core = cls(config)
-        except Exception:
-            logger.exception("engine failed to start")
+        except Exception as e:
+            report_start_failure("engine", e, logger)  # one line; traceback at DEBUG
+            if dist is not None and dist.num_processes > 1:
+                # Tell the followers while this process (the coordinator) still lives:
+                # once it exits, JAX aborts them with a C++ trace.
+                from jaxserve.distributed.start_status import announce_failure  # noqa: PLC0415
+
+                announce_failure(dist, describe_error(e))
             return EXIT_START_FAILED
         try:
             EngineLoop(core, input_socket, output_socket, control_socket=control_socket).run()
@@ -288,8 +294,8 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
         channel = StepSubscriber(
             dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
         )
-    except Exception:
-        logger.exception("follower %d failed to start", dist.process_id)
+    except Exception as e:
+        report_start_failure(f"follower {dist.process_id}", e, logger)
         exit_now(EXIT_START_FAILED)
     try:
         steps = follow(runner, channel)

@@ -1,0 +1,104 @@
+"""Start-up checks `jaxserve serve` makes before it starts any process, so that the
+common mistakes end with one line naming the cause and the fix (and exit code 2 or 1),
+not a traceback from a child process a minute later.
+
+What is checked here: the model folder (config.json present, valid JSON, a supported
+architecture with the fields it needs, weights and tokenizer present) and the
+addresses (`--host` resolves to an address of this machine, `--port` and
+`--metrics-port` are free). What needs the devices (a mesh that cannot hold the model,
+memory) is checked by the engine, which reports its start-up error through
+`jaxserve.logs.report_start_failure`. No JAX here (the frontend runs this).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from pathlib import Path
+
+# Marker of a `jaxserve convert` (Orbax) folder: models/checkpoint.py MARKER_FILE, which
+# imports JAX and so is not imported here.
+_ORBAX_MARKER = "jaxserve_checkpoint.json"
+
+
+def check_model_folder(model_dir: str | Path, *, check_model: bool = True) -> None:
+    """Raise ValueError ("model: ...") if `model_dir` cannot be served.
+
+    check_model: also parse config.json as a model of a supported family and look for
+    its weights; False for a stand-in engine (`--engine-class`, tests), which reads only
+    the tokenizer and config.json's sizes.
+
+    A broken config.json is named with the file, line and column of the JSON error.
+    """
+    folder = Path(model_dir)
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise ValueError(f"model: {folder} is not a folder")
+    if not config_path.is_file():
+        raise ValueError(
+            f"model: {folder} has no config.json (not a Hugging Face model folder; give the "
+            "folder that holds config.json, *.safetensors and tokenizer.json)"
+        )
+    try:
+        hf = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"model: {config_path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"model: cannot read {config_path} ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"model: {config_path}: expected a JSON object, got {type(hf).__name__}")
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"model: no tokenizer.json in {folder} (the server tokenizes with it)")
+    if not check_model:
+        return
+    from jaxserve.models.config import ModelConfig  # plain dicts, no JAX
+
+    try:
+        ModelConfig.from_hf(hf)
+    except (ValueError, TypeError) as e:
+        message = str(e).removeprefix("config.json: ")
+        raise ValueError(f"model: {config_path}: {message}") from None
+    if not (folder / _ORBAX_MARKER).is_file() and not any(folder.glob("*.safetensors")):
+        raise ValueError(
+            f"model: no *.safetensors weights in {folder} (only safetensors are read; "
+            "convert *.bin checkpoints with transformers' save_pretrained)"
+        )
+
+
+def check_bind(flag: str, host: str, port: int) -> None:
+    """Raise ValueError if `host`:`port` cannot be bound for listening (TCP).
+
+    flag: the option named in the message: "host" when the address is the problem,
+    else `flag` ("port", "metrics-port") when the port is busy. IPv6 literals ("::1")
+    work as given or in brackets. SO_REUSEADDR as servers use it: a port in TIME_WAIT
+    counts as free, one with a listener does not.
+    """
+    bare = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(
+            f"host: cannot resolve {host!r} ({e.strerror}); give an address of this machine "
+            "(127.0.0.1, ::1, 0.0.0.0 or ::)"
+        ) from None
+    family, type_, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, type_, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
+    except OSError as e:
+        shown = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"{flag}: cannot bind {host}:{port} ({e}); another process listens there: "
+                f"stop it or choose another --{flag}"
+            ) from None
+        raise ValueError(
+            f"host: cannot bind {shown} ({e}); {host} is not an address of this machine "
+            "(use 127.0.0.1, ::1, 0.0.0.0 or ::)"
+        ) from None

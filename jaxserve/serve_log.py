@@ -1,0 +1,164 @@
+"""What the serving frontend logs about the running server: the effective configuration
+once the engine is ready, then a periodic stats line, as vLLM's LoggingStatLogger does:
+
+    Avg prompt throughput: 412.3 tokens/s, Avg generation throughput: 95.0 tokens/s,
+    Running: 8 reqs, Waiting: 2 reqs, KV cache usage: 63.5%, Prefix cache hit rate: 41.0%,
+    Preemptions: 0
+
+Both are built from what the frontend already has: the configs it started the engine
+with and the `ipc.EngineStats` messages the engine sends (`StatsLogger.update` is an
+`AsyncEngineClient` stats listener; its `counters` are `observability.stats.EngineCounters`).
+Throughputs are the change of the engine's
+cumulative token counters over the interval: prompt tokens are the prefill tokens the
+engine computed (prefix-cache hits excluded), generation tokens the decode tokens it
+computed. The hit rate is over the prompt tokens looked up in the interval (the rate
+since start when none were). A line is logged only when the interval saw work (or after
+one that did, so that the last line shows the server idle again). Preemptions in an
+interval also log a WARNING saying what to raise. No JAX here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from jaxserve.config import EngineConfig, ServerConfig
+
+logger = logging.getLogger("jaxserve.stats")
+
+# vLLM's default interval (VLLM_LOG_STATS_INTERVAL).
+DEFAULT_INTERVAL_S = 10.0
+
+_COUNTERS = ("prefill_tokens", "decode_tokens", "prefix_cache_queries", "prefix_cache_hits")
+
+
+class StatsLogger:
+    """Turns the engine's stats into one line per interval.
+
+    `update(stats)` records the latest `EngineStats`; `line(now)` returns the line for
+    the interval since the previous call (None when there is nothing to say) and starts
+    the next interval; `run(interval_s)` logs it every interval_s seconds.
+    """
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._stats = None
+        self._last_counts: dict[str, float] = {}
+        self._last_preemptions = 0.0
+        self._last_time = clock()
+        self._was_active = False
+
+    def update(self, stats) -> None:
+        self._stats = stats
+        if not self._last_counts:  # the ready handshake: the base of the first interval
+            self._last_counts = _counts(stats)
+            self._last_preemptions = float(stats.counters.num_preemptions)
+
+    def line(self, now: float | None = None) -> str | None:
+        """The stats line of the interval ending `now` (seconds of `clock`), or None."""
+        now = self._clock() if now is None else now
+        stats = self._stats
+        if stats is None:
+            return None
+        elapsed = max(now - self._last_time, 1e-9)
+        counts = _counts(stats)
+        delta = {k: counts[k] - self._last_counts.get(k, 0.0) for k in _COUNTERS}
+        preemptions = float(stats.counters.num_preemptions)
+        new_preemptions = int(preemptions - self._last_preemptions)
+        self._last_counts, self._last_preemptions, self._last_time = counts, preemptions, now
+
+        active = bool(
+            delta["prefill_tokens"] or delta["decode_tokens"] or stats.num_running
+            or stats.num_waiting
+        )  # fmt: skip
+        if not active and not self._was_active:
+            return None
+        self._was_active = active
+        if new_preemptions > 0:
+            logger.warning(
+                "%d request(s) preempted in the last %.0f s: the KV cache was full, so their "
+                "blocks were freed and they will be recomputed; give the KV cache more blocks "
+                "(--num-blocks, --gpu-memory-utilization, a larger -tp) or admit fewer at once "
+                "(--max-num-seqs, --max-num-batched-tokens)",
+                new_preemptions, elapsed,
+            )  # fmt: skip
+        total = stats.num_blocks_total
+        usage = 100.0 * (total - stats.num_blocks_free) / total if total else 0.0
+        if delta["prefix_cache_queries"] > 0:
+            hit_rate = 100.0 * delta["prefix_cache_hits"] / delta["prefix_cache_queries"]
+        elif counts["prefix_cache_queries"] > 0:
+            hit_rate = 100.0 * counts["prefix_cache_hits"] / counts["prefix_cache_queries"]
+        else:
+            hit_rate = 0.0
+        return (
+            f"Avg prompt throughput: {delta['prefill_tokens'] / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {delta['decode_tokens'] / elapsed:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
+            f"Preemptions: {max(new_preemptions, 0)}"
+        )
+
+    async def run(self, interval_s: float) -> None:
+        """Log `line()` every interval_s seconds until cancelled."""
+        self._last_time = self._clock()
+        while True:
+            await asyncio.sleep(interval_s)
+            text = self.line()
+            if text is not None:
+                logger.info("%s", text)
+
+
+def _counts(stats) -> dict[str, float]:
+    return {k: float(getattr(stats.counters, k)) for k in _COUNTERS}
+
+
+def config_block(engine: EngineConfig, server: ServerConfig, stats, grpc_port: int) -> str:
+    """The effective configuration, one `key: value` per line, logged once at ready.
+
+    stats: the engine's ready `EngineStats` (what it settled on: max_model_len, usable KV
+    blocks); grpc_port: the port bound (the configured one may be 0).
+    """
+    sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    metrics = (
+        f"http://{host}:{server.metrics_port}/metrics"
+        if server.metrics_port is not None
+        else "off (--metrics-port)"
+    )
+    rows = [
+        ("model", f"{stats.model} ({engine.model})"),
+        ("dtype", engine.dtype),
+        (
+            "mesh",
+            f"dp={mesh.dp}, tp={mesh.tp} ({mesh.size} device(s); experts over all of them)",
+        ),
+        ("max_model_len", f"{stats.max_model_len} tokens"),
+        (
+            "KV cache",
+            f"{stats.num_blocks_total} usable blocks x {stats.block_size} tokens = "
+            f"{stats.num_blocks_total * stats.block_size} tokens"
+            + (f" ({stats.num_blocks_total // mesh.dp} per dp rank)" if mesh.dp > 1 else ""),
+        ),
+        ("prefix caching", "on" if cc.enable_prefix_caching else "off"),
+        (
+            "scheduler",
+            f"max_num_seqs={sc.max_num_seqs}, max_num_batched_tokens="
+            f"{sc.max_num_batched_tokens}, chunked prefill "
+            f"{'on' if sc.enable_chunked_prefill else 'off'}, async scheduling "
+            f"{'on' if sc.async_scheduling else 'off'}, decode steps per call "
+            f"{sc.num_decode_steps}",
+        ),
+        (
+            "EPLB",
+            f"on (window {eplb.window_size} steps, every {eplb.step_interval} steps, "
+            f"{eplb.num_redundant_experts} redundant experts)"
+            if eplb.enabled
+            else f"off ({eplb.num_redundant_experts} redundant experts)",
+        ),
+        ("gRPC", f"{host}:{grpc_port}"),
+        ("metrics", metrics),
+        ("compilation cache", engine.compilation_cache_dir or "off"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

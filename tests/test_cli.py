@@ -1,0 +1,213 @@
+"""`jaxserve serve` flags as a vLLM user types them: the positional model, vLLM's names as
+aliases of ours, --version, help text with defaults, and Hugging Face model ids resolved
+through a Hub cache the test writes (offline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.cli import _engine_config, build_parser
+from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, MeshConfig
+from jaxserve.hub import looks_like_repo_id, resolve_model
+
+
+def _config(*argv: str) -> EngineConfig:
+    return _engine_config(build_parser().parse_args(["serve", *argv]))
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_positional_model_is_the_same_as_the_flag(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert _config(str(tmp_path)).model == _config("--model", str(tmp_path)).model == str(tmp_path)
+    assert _config().model == str(DEMO_MODEL_DIR)
+    with pytest.raises(ValueError, match="model: given twice"):
+        _config(str(tmp_path), "--model", str(DEMO_MODEL_DIR))
+
+
+def test_vllm_parallel_sizes_are_the_mesh():
+    assert _config("--tensor-parallel-size", "4", "--data-parallel-size", "2").mesh == MeshConfig(
+        2, 4
+    )
+    assert _config("-tp", "2").mesh == MeshConfig(1, 2)
+    assert _config("--mesh", "dp=2,tp=2", "-tp", "2").mesh == MeshConfig(2, 2)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 contradicts --mesh"):
+        _config("--mesh", "dp=2,tp=2", "-tp", "4")
+    # Accepted and the default here: experts are always spread over dp*tp devices.
+    assert _config("--enable-expert-parallel", "-tp", "2").mesh == MeshConfig(1, 2)
+
+
+def test_vllm_cache_and_scheduler_names():
+    config = _config(
+        "--max-model-len", "100", "--max-num-seqs", "3", "--max-num-batched-tokens", "40",
+        "--block-size", "8", "--gpu-memory-utilization", "0.5", "--seed", "7",
+    )  # fmt: skip
+    assert (config.scheduler.max_model_len, config.scheduler.max_num_seqs) == (100, 3)
+    assert config.scheduler.max_num_batched_tokens == 40
+    assert (config.cache.block_size, config.cache.memory_fraction, config.seed) == (8, 0.5, 7)
+    assert _config("--kv-memory-fraction", "0.3").cache.memory_fraction == 0.3
+    assert _config().cache.memory_fraction == CacheConfig().memory_fraction
+
+
+@pytest.mark.parametrize(
+    "flags, enabled",
+    [
+        ((), True),
+        (("--enable-prefix-caching",), True),
+        (("--no-enable-prefix-caching",), False),
+        (("--no-prefix-caching",), False),
+    ],
+)
+def test_prefix_caching_flags(flags, enabled):
+    assert _config(*flags).cache.enable_prefix_caching is enabled
+
+
+def test_dtype_auto_reads_the_checkpoint(tmp_path):
+    for written, want in [("bfloat16", "bfloat16"), ("float16", "float16"), ("int8", "float32")]:
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": written}))
+        assert _config(str(tmp_path)).dtype == want
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))  # transformers 5
+    assert _config(str(tmp_path)).dtype == "bfloat16"
+    assert _config(str(tmp_path), "--dtype", "float32").dtype == "float32"
+    assert _config("--dtype", "float16").dtype == "float16"
+
+
+def test_served_model_name(tmp_path):
+    assert _config(str(tmp_path)).served_model_name == tmp_path.name
+    assert _config("--served-model-name", "mine").served_model_name == "mine"
+
+
+def test_version_is_printed(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jaxserve {version('jaxserve')}"
+
+
+def test_every_serve_flag_says_its_default():
+    missing = [
+        "/".join(a.option_strings) or a.dest
+        for a in _serve_parser()._actions
+        if a.help != argparse.SUPPRESS
+        and not isinstance(a, argparse._HelpAction)
+        and a.dest != "enable_prefix_caching"  # --no-prefix-caching: "the same as" the other
+        and "default" not in (a.help or "")
+    ]
+    assert not missing
+
+
+def test_usage_error_is_one_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--max-num-seqs", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "--max-num-seqs: must be >= 1, got 0" in out.stderr
+
+
+# ----- Hugging Face model ids -------------------------------------------------------------
+
+
+def _write_hub_cache(home, repo_id: str, files: dict[str, str], revision: str = "0" * 40):
+    """A Hub cache as huggingface_hub lays it out: refs/main names a snapshot folder."""
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home
+
+
+def test_repo_id_shapes():
+    assert looks_like_repo_id("Qwen/Qwen3-30B-A3B") and looks_like_repo_id("gpt2")
+    assert looks_like_repo_id("org/name@main")
+    assert not looks_like_repo_id("./models/x") and not looks_like_repo_id("/abs/x")
+    assert not looks_like_repo_id("a/b/c")
+
+
+def test_model_id_resolves_from_the_hf_cache_offline(offline_hub):
+    snapshot = _write_hub_cache(offline_hub, "org/tiny", {"config.json": "{}"})
+    assert resolve_model("org/tiny") == str(snapshot)
+    config = _engine_config(build_parser().parse_args(["serve", "org/tiny"]), model=str(snapshot))
+    assert config.model == str(snapshot) and config.served_model_name == "org/tiny"
+
+
+def test_hf_hub_cache_variable_wins(offline_hub, tmp_path, monkeypatch):
+    other = tmp_path / "elsewhere"
+    snapshot = _write_hub_cache(other, "org/tiny", {"config.json": "{}"})
+    monkeypatch.setenv("HF_HUB_CACHE", str(other / "hub"))
+    assert resolve_model("org/tiny") == str(snapshot)
+
+
+def test_model_id_missing_offline_names_the_cause(offline_hub):
+    absent = "model: 'org/absent' is not a local folder.*HF_HUB_OFFLINE"
+    with pytest.raises(ValueError, match=absent):
+        resolve_model("org/absent")
+    with pytest.raises(ValueError, match="neither a folder nor a Hugging Face model id"):
+        resolve_model("no/such/folder")
+
+
+def test_serve_a_model_id_from_the_cache(offline_hub):
+    """`jaxserve serve org/name` end to end (mock engine): the frontend, the engine and the
+    detokenizer all load the cached snapshot."""
+    from mock_engine import write_mock_model_dir
+    from server_harness import ServerProcess
+
+    snapshot = _write_hub_cache(offline_hub, "org/mock", {})
+    write_mock_model_dir(snapshot)
+    srv = ServerProcess(
+        "org/mock",  # type: ignore[arg-type]
+        extra_args=("--engine-class", "mock_engine:MockEngineCore"),
+    ).wait_ready()
+    try:
+        from jaxserve.frontend.client import JaxserveClient
+
+        with JaxserveClient(srv.target) as client:
+            assert client.server_info().max_model_len > 0
+            assert client.complete([5, 6], max_tokens=3)[0].completion_tokens == 3
+    finally:
+        srv.terminate(15)
+
+
+def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
+    """--gpu-memory-utilization works on the CPU too: that fraction of the host's available
+    memory, in whole blocks; without it the CPU default (requests x length) stays."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jaxserve.engine import kv_sizing
+    from jaxserve.models.config import ModelConfig
+
+    hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    pages, page = 1_000_000, 4096
+    real_sysconf = os.sysconf
+    fake = {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page}
+    monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
+    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
+    got = kv_sizing.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
+    assert got == int(pages * page * 0.25) // block_bytes
+    assert kv_sizing.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1

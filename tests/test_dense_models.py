@@ -1,0 +1,199 @@
+"""Dense families (Qwen3, Qwen2, Llama) against HF transformers (PyTorch, CPU, float32).
+
+For each: logits of a prompt through the paged cache (padded step, shuffled block
+table) and cache-less match HF; a greedy continuation through prefill + decode steps
+equals HF `generate(do_sample=False)`. Then: the registry and the JAX-free list of
+supported architectures agree, an unsupported architecture is named with the supported
+ones whatever its config lacks, the unsupported options of these families are refused by
+name, and a dense checkpoint serves through the offline engine like HF generates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxserve.models.loader import load_model
+from jaxserve.models.registry import supported_architectures
+from tests.model_utils import (
+    ModelStepper,
+    StepRequest,
+    build_step,
+    hf_logits,
+    write_hf_checkpoint,
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+MAX_BLOCKS = 8
+ATOL = 1e-4
+PROMPT = [17, 200, 3, 45, 99, 120, 7]
+
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,  # far from ties, as the MoE families' tests
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
+def tiny_dense_config(family: str, **overrides):
+    """A small random-init HF config of a dense family (float32)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    base = dict(_TINY, **({"head_dim": 16} if family != "qwen2" else {}))
+    base.update(overrides)
+    return cls(**base)
+
+
+CONFIGS = {
+    "qwen3": lambda: tiny_dense_config("qwen3"),
+    "qwen3_tied": lambda: tiny_dense_config("qwen3", tie_word_embeddings=True),
+    "qwen2": lambda: tiny_dense_config("qwen2", rope_theta=1_000_000.0),
+    "llama": lambda: tiny_dense_config("llama", rope_theta=500_000.0),
+    "llama_head_dim": lambda: tiny_dense_config("llama", head_dim=8),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = write_hf_checkpoint(CONFIGS[request.param](), path, seed=0)
+    model, config = load_model(path)
+    assert config.architecture == type(hf_model).__name__
+    assert config.num_experts == 0 and model.moe_layers() == ()
+    return hf_model, ModelStepper(model)
+
+
+def _blocks(seed: int, count: int) -> list[int]:
+    order = np.random.default_rng(seed).permutation(np.arange(1, NUM_BLOCKS))
+    return [int(b) for b in order[:count]]
+
+
+def test_paged_and_cacheless_logits_match_hf(family):
+    hf_model, stepper = family
+    tokens, positions, metadata = build_step(
+        [StepRequest(PROMPT, 0, _blocks(0, 2))], BLOCK_SIZE, MAX_BLOCKS, num_tokens=8, num_reqs=2
+    )
+    logits, _ = stepper.paged(
+        tokens, positions, stepper.new_cache(NUM_BLOCKS, BLOCK_SIZE), metadata
+    )
+    want = hf_logits(hf_model, PROMPT)
+    np.testing.assert_allclose(np.asarray(logits)[: len(PROMPT)], want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(stepper.cacheless(PROMPT), want, atol=ATOL, rtol=0)
+
+
+def test_greedy_decode_matches_hf_generate(family):
+    import torch
+
+    hf_model, stepper = family
+    new_tokens = 12
+    blocks = _blocks(1, -(-(len(PROMPT) + new_tokens) // BLOCK_SIZE))
+    kv_cache = stepper.new_cache(NUM_BLOCKS, BLOCK_SIZE)
+    tokens, positions, metadata = build_step(
+        [StepRequest(PROMPT, 0, blocks)], BLOCK_SIZE, MAX_BLOCKS, num_tokens=8, num_reqs=2
+    )
+    logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
+    generated = [int(np.argmax(np.asarray(logits)[len(PROMPT) - 1]))]
+    for _ in range(new_tokens - 1):
+        pos = len(PROMPT) + len(generated) - 1
+        tokens, positions, metadata = build_step(
+            [StepRequest([generated[-1]], pos, blocks)], BLOCK_SIZE, MAX_BLOCKS, num_reqs=2
+        )
+        step_logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
+        generated.append(int(np.argmax(np.asarray(step_logits)[0])))
+    with torch.no_grad():
+        expected = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )[0, len(PROMPT) :].tolist()
+    assert generated == expected
+
+
+# ----- configs ----------------------------------------------------------------------------
+
+
+def test_registry_and_supported_list_agree():
+    assert tuple(supported_architectures()) == SUPPORTED_ARCHITECTURES
+    for name in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"):
+        assert name in SUPPORTED_ARCHITECTURES
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        {"architectures": ["GPT2LMHeadModel"]},  # none of the fields these families need
+        {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "n_routed_experts": 8},
+    ],
+)
+def test_unsupported_architecture_lists_the_supported_ones(hf):
+    with pytest.raises(ValueError) as info:
+        ModelConfig.from_hf(hf)
+    message = str(info.value)
+    assert f"architecture {hf['architectures'][0]!r} is not supported" in message
+    assert all(name in message for name in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    "family, field, value",
+    [
+        ("llama", "attention_bias", True),
+        ("llama", "mlp_bias", True),
+        ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+        ("qwen2", "use_sliding_window", True),
+    ],
+)
+def test_unsupported_options_are_named(family, field, value):
+    hf = tiny_dense_config(family).to_dict()
+    hf["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]]
+    hf[field] = value
+    if field == "rope_scaling":  # the transformers 4.x spelling, alone
+        hf.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(json.loads(json.dumps(hf)))
+
+
+def test_dense_config_needs_no_expert_fields():
+    hf = tiny_dense_config("qwen2").to_dict()
+    hf["architectures"] = ["Qwen2ForCausalLM"]
+    config = ModelConfig.from_hf(hf)
+    assert (config.num_experts, config.num_experts_per_tok) == (0, 0)
+    assert config.attention_qkv_bias and not any(map(config.is_moe_layer, range(2)))
+
+
+# ----- serving ----------------------------------------------------------------------------
+
+
+def test_dense_checkpoint_serves_like_hf_generate(tmp_path):
+    """The offline engine (scheduler, paged cache, multi-step decode) on a Qwen2
+    checkpoint: greedy output equals HF generate for two prompts batched together."""
+    import torch
+    from mock_engine import train_test_tokenizer
+
+    from jaxserve import LLM, SamplingParams
+
+    tok = train_test_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = tiny_dense_config("qwen2", vocab_size=tok.get_vocab_size())
+    hf_model = write_hf_checkpoint(config, tmp_path, seed=1)
+    llm = LLM(
+        model=str(tmp_path), max_num_seqs=2, max_num_batched_tokens=16, num_blocks=16,
+        block_size=8, max_model_len=64, compilation_cache_dir=None,
+    )  # fmt: skip
+    prompts = [PROMPT, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert out.token_ids == want

@@ -1,0 +1,119 @@
+"""The serving frontend's logs: the periodic stats line (vLLM's format) from the
+engine's stats, the preemption warning, the start-up configuration block, and both in a
+running server (mock engine)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from jaxserve.config import EngineConfig, MeshConfig, ServerConfig
+from jaxserve.ipc import EngineStats
+from jaxserve.observability.stats import EngineCounters
+from jaxserve.serve_log import StatsLogger, config_block
+
+
+def _stats(prefill=0, decode=0, queries=0, hits=0, preemptions=0, running=0, waiting=0, free=100):
+    return EngineStats(
+        model="m", max_model_len=64, block_size=16, num_blocks_total=100, num_blocks_free=free,
+        num_running=running, num_waiting=waiting, ready=True,
+        counters=EngineCounters(
+            prefill_tokens=prefill, decode_tokens=decode, prefix_cache_queries=queries,
+            prefix_cache_hits=hits, num_preemptions=preemptions,
+        ),
+    )  # fmt: skip
+
+
+def test_stats_line_rates_over_the_interval():
+    log = StatsLogger(clock=lambda: 0.0)
+    log.update(_stats(prefill=10, decode=5, queries=10, hits=0))  # the ready handshake
+    log.update(_stats(prefill=110, decode=45, queries=60, hits=20, running=3, waiting=1, free=75))
+    line = log.line(now=2.0)
+    assert line == (
+        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
+        "Prefix cache hit rate: 40.0%, Preemptions: 0"
+    )
+    # Next interval: nothing computed, requests still held -> a line with zero rates.
+    log.update(_stats(prefill=110, decode=45, queries=60, hits=20, running=3, free=75))
+    assert "Avg generation throughput: 0.0 tokens/s" in log.line(now=4.0)
+    # All done: one idle line (the server is idle again), then silence.
+    log.update(_stats(prefill=110, decode=45, queries=60, hits=20))
+    assert "Running: 0 reqs" in log.line(now=6.0)
+    assert log.line(now=8.0) is None
+
+
+def test_no_line_before_any_work_and_hit_rate_since_start_when_none_looked_up():
+    log = StatsLogger(clock=lambda: 0.0)
+    assert log.line(now=1.0) is None  # no stats yet
+    log.update(_stats(queries=10, hits=5))
+    assert log.line(now=2.0) is None  # idle
+    log.update(_stats(queries=10, hits=5, decode=8, running=1))
+    assert "Prefix cache hit rate: 50.0%" in log.line(now=3.0)
+
+
+def test_preemptions_warn_saying_what_to_raise(caplog):
+    log = StatsLogger(clock=lambda: 0.0)
+    log.update(_stats(preemptions=2))
+    log.update(_stats(preemptions=5, decode=10, running=2))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.stats"):
+        line = log.line(now=10.0)
+    assert line.endswith("Preemptions: 3")
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "3 request(s) preempted" in record.message
+    assert "--num-blocks" in record.message and "--max-num-seqs" in record.message
+
+
+def test_config_block_names_what_the_engine_settled_on():
+    engine = EngineConfig(model="/m/demo", mesh=MeshConfig(dp=2, tp=1))
+    server = ServerConfig(host="::1", port=0, metrics_port=9090)
+    block = config_block(engine, server, _stats(), grpc_port=4321)
+    assert "100 usable blocks x 16 tokens = 1600 tokens (50 per dp rank)" in block
+    assert "dp=2, tp=1" in block and "[::1]:4321" in block
+    assert "http://[::1]:9090/metrics" in block and "64 tokens" in block
+
+
+def test_a_running_server_logs_its_config_and_stats(tmp_path):
+    from mock_engine import write_mock_model_dir
+    from server_harness import ServerProcess
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    model = write_mock_model_dir(tmp_path / "mock")
+    srv = ServerProcess(
+        model,
+        extra_args=("--engine-class", "mock_engine:MockEngineCore", "--stats-log-interval", "0.2"),
+        env={"JAXSERVE_MOCK_STEP_DELAY_S": "0.05"},
+    ).wait_ready()
+    try:
+        with JaxserveClient(srv.target) as client:
+            client.complete([5, 6], max_tokens=20)
+        deadline = time.monotonic() + 10
+        while "Running: 0 reqs" not in srv.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = srv.log()
+        assert "configuration:" in log and "KV cache" in log and "gRPC" in log
+        assert "Running: 1 reqs" in log and "Running: 0 reqs" in log
+    finally:
+        srv.terminate(15)
+
+
+@pytest.mark.parametrize("flag", [("--disable-log-stats",), ("--stats-log-interval", "0")])
+def test_stats_lines_can_be_turned_off(flag):
+    from jaxserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *flag])
+    assert (0.0 if args.disable_log_stats else args.stats_log_interval) == 0.0
+
+
+def test_progress_log_reports_each_quarter(caplog):
+    from jaxserve.logs import ProgressLog
+
+    with caplog.at_level(logging.INFO, logger="jaxserve.test"):
+        progress = ProgressLog(logging.getLogger("jaxserve.test"), "compiling", 8, "shapes")
+        for _ in range(8):
+            progress.advance()
+    counts = [r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records]
+    assert counts == ["0/8", "2/8", "4/8", "6/8", "8/8"]

@@ -1,0 +1,262 @@
+"""Start-up failures of `jaxserve serve` end with one line on stderr naming the cause, a
+non-zero exit code and no traceback (unless --log-level debug). Each case runs the real
+command as a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.models.config import SUPPORTED_ARCHITECTURES
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+MOCK = ("--engine-class", "mock_engine:MockEngineCore")
+
+
+def serve(*argv: str, timeout: float = 60, env: dict | None = None):
+    """`jaxserve serve ARGV` to its end: (exit code, stderr lines)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", *argv],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})},
+    )  # fmt: skip
+    return out.returncode, out.stderr.splitlines()
+
+
+def one_error_line(lines: list[str]) -> str:
+    assert len(lines) == 1, "\n".join(lines)
+    assert lines[0].startswith("jaxserve serve: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def model_copy(tmp_path) -> Path:
+    """The demo model's files in a folder the test may break (weights linked, not copied)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        elif f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_missing_model_folder(tmp_path):
+    code, lines = serve(str(tmp_path / "absent" / "dir"))
+    assert code == 2
+    assert "model: " in one_error_line(lines) and "absent" in lines[0]
+
+
+def test_folder_without_config_json(tmp_path):
+    code, lines = serve(str(tmp_path))
+    assert code == 2 and f"model: {tmp_path} has no config.json" in one_error_line(lines)
+
+
+def test_broken_config_json_names_file_and_position(model_copy):
+    (model_copy / "config.json").write_text('{\n  "architectures": ["Qwen3MoeForCausalLM"],,\n}')
+    code, lines = serve(str(model_copy))
+    assert code == 2
+    line = one_error_line(lines)
+    assert f"{model_copy / 'config.json'}: not valid JSON" in line and "line 2 column" in line
+
+
+def test_config_missing_a_field_names_it(model_copy):
+    hf = json.loads((model_copy / "config.json").read_text())
+    del hf["num_attention_heads"]
+    (model_copy / "config.json").write_text(json.dumps(hf))
+    code, lines = serve(str(model_copy))
+    assert code == 2 and "missing required field 'num_attention_heads'" in one_error_line(lines)
+
+
+def test_unsupported_architecture_lists_the_supported(model_copy):
+    (model_copy / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    code, lines = serve(str(model_copy))
+    line = one_error_line(lines)
+    assert code == 2 and "'GPT2LMHeadModel' is not supported" in line
+    assert all(name in line for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_folder_without_weights(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    code, lines = serve(str(model_copy))
+    assert code == 2 and "no *.safetensors weights" in one_error_line(lines)
+
+
+def test_unknown_log_level():
+    code, lines = serve("--log-level", "loud")
+    assert code == 2 and "unknown log level 'loud'" in one_error_line(lines)
+
+
+def test_busy_port(model_copy):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, lines = serve(str(model_copy), "--port", str(port), *MOCK)
+    assert code == 1
+    assert f"port: cannot bind 127.0.0.1:{port} ([Errno" in one_error_line(lines)
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
+def test_bad_host(model_copy, host):
+    code, lines = serve(str(model_copy), "--host", host, *MOCK)
+    assert code == 1 and "host: cannot " in one_error_line(lines) and host in lines[0]
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_ipv6_host_serves(tmp_path):
+    from mock_engine import write_mock_model_dir
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    model = write_mock_model_dir(tmp_path / "mock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", str(model), "--host", "::1",
+         "--port", "0", *MOCK],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+    )  # fmt: skip
+    try:
+        port = None
+        for line in proc.stderr:
+            if "gRPC listening on ::1:" in line:
+                port = int(line.split("::1:")[1].split(";")[0])
+            if "jaxserve ready" in line:
+                break
+        assert port, "no listening line"
+        with JaxserveClient(f"[::1]:{port}") as client:
+            assert client.complete([5, 6], max_tokens=2)[0].completion_tokens == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# ----- failures only the engine can see (it has the devices) ------------------------------
+
+MESH_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def test_mesh_that_cannot_hold_the_model_is_one_line():
+    # The demo model has 8 experts: not divisible by 3 devices.
+    code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "warning", env=MESH_ENV, timeout=120)
+    assert code == 1
+    line = one_error_line(lines)
+    assert "engine failed to start: mesh dp=1,tp=3 cannot hold" in line
+    assert "num_experts=8 is not divisible" in line
+
+
+def test_engine_error_at_info_ends_with_the_cause_and_debug_shows_the_traceback():
+    code, lines = serve("--mesh", "dp=1,tp=3", env=MESH_ENV, timeout=120)
+    assert code == 1 and not any("Traceback" in line for line in lines)
+    assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
+    code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "debug", env=MESH_ENV, timeout=120)
+    assert code == 1 and any("Traceback" in line for line in lines)
+    assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
+
+
+# ----- several processes ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy):
+    """Process 0 fails at start (its gRPC port is busy: a failure only it sees); process
+    1, already waiting in jax.distributed.initialize (300 s timeout), ends within
+    seconds with one line naming the leader's cause."""
+    import time
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    run = ("--num-processes", "2", "--coordinator-address", coordinator, "--log-level", "warning")
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", str(model_copy), *run]
+    follower = subprocess.Popen(
+        [*cmd, "--process-id", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        text=True, cwd=REPO_DIR, env=env,
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # the follower is waiting for the coordinator
+        assert follower.poll() is None
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            start = time.monotonic()
+            leader = subprocess.run(
+                [*cmd, "--process-id", "0", "--port", str(port)],
+                capture_output=True, text=True, timeout=60, cwd=REPO_DIR, env=env,
+            )  # fmt: skip
+        assert leader.returncode == 1
+        assert "port: cannot bind" in one_error_line(leader.stderr.splitlines())
+        _, stderr = follower.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        follower.kill()
+    assert follower.returncode == 2 and took < 15, (took, stderr)
+    line = one_error_line(stderr.splitlines())
+    assert "process 0 (the leader) failed to start: port: cannot bind" in line
+
+
+def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
+    """Process 0's engine fails after jax.distributed.initialize (its checkpoint lacks a
+    tensor; the follower's is whole): the follower, already in the run's start-up, ends
+    within seconds naming the leader's cause, not by JAX's heartbeat with a C++ trace."""
+    import time
+
+    from safetensors.numpy import load_file, save_file
+
+    weights = model_copy / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.norm.weight"]
+    weights.unlink()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    coordinator = f"127.0.0.1:{_free_port()}"
+    flags = ["--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+             "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning"]  # fmt: skip
+    env = {
+        **os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": "2",
+    }  # fmt: skip
+    serve_cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0"]
+    follower = subprocess.Popen(
+        [*serve_cmd, str(DEMO_MODEL_DIR), *flags], stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True, cwd=REPO_DIR, env={**env, "JAX_PROCESS_ID": "1"},
+    )  # fmt: skip
+    try:
+        leader = subprocess.run(
+            [*serve_cmd, str(model_copy), *flags], capture_output=True, text=True, timeout=300,
+            cwd=REPO_DIR, env={**env, "JAX_PROCESS_ID": "0"},
+        )  # fmt: skip
+        left = time.monotonic()
+        assert leader.returncode == 1, leader.stderr
+        assert "missing tensor 'model.norm.weight'" in leader.stderr.splitlines()[-1]
+        _, stderr = follower.communicate(timeout=60)
+        took = time.monotonic() - left
+    finally:
+        follower.kill()
+    assert follower.returncode == 2 and took < 15, (took, stderr)
+    last = stderr.splitlines()[-1]
+    assert "process 0 (the leader) failed to start" in last and "model.norm.weight" in last
