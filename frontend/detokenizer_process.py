@@ -9,6 +9,11 @@ When a stop string matches, the request's final TextOutput goes to the frontend 
 and an AbortRequest goes to the engine; the engine's later outputs for that request
 (tokens already in flight, then its final "abort") are dropped. The main loop around it
 forwards EngineStats unchanged, in order with the outputs.
+
+One request's bad data (a token id the tokenizer cannot decode, a malformed `first`)
+fails only that request: its final TextOutput has finish_reason "error" and an error
+starting with "detokenizer:", the engine is told to abort it, and every other stream goes
+on. A frame that does not decode is logged (one line) and dropped.
 """
 
 from __future__ import annotations
@@ -16,17 +21,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import zmq
 from tokenizers import Tokenizer
 
+from jaxserve.engine.control import HEARTBEAT_INTERVAL_S
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import (
     AbortRequest,
     EngineOutputs,
     EngineStats,
+    Heartbeat,
     RequestOutput,
     Shutdown,
     TextOutput,
@@ -74,10 +82,37 @@ class OutputProcessor:
         texts: list[TextOutput] = []
         aborts: list[str] = []
         for out in outputs:
-            text = self._process_one(out, aborts)
+            try:
+                text = self._process_one(out, aborts)
+            except Exception as e:  # the tokenizer's Rust side raises plain Exceptions too
+                text = self._fail(out, e, aborts)
             if text is not None:
                 texts.append(text)
         return texts, aborts
+
+    def _fail(self, out: RequestOutput, error: Exception, aborts: list[str]) -> TextOutput | None:
+        """End one request whose output could not be processed; the others go on."""
+        state = self._requests.get(out.request_id)
+        if state is not None and state.stopped:  # already ended; drop
+            if out.finish_reason is not None:
+                del self._requests[out.request_id]
+            return None
+        logger.warning("request %r failed in the detokenizer: %s", out.request_id, error)
+        if out.finish_reason is None:
+            if state is None:  # keep a state so the engine's later outputs are dropped
+                state = _RequestState(IncrementalDetokenizer(self._tokenizer))
+                self._requests[out.request_id] = state
+            state.stopped = True
+            aborts.append(out.request_id)
+        else:
+            self._requests.pop(out.request_id, None)
+        return TextOutput(
+            out.request_id,
+            "",
+            [],
+            finish_reason="error",
+            error=f"detokenizer: cannot decode the output token ids ({error})",
+        )
 
     def _state(self, out: RequestOutput) -> _RequestState:
         state = self._requests.get(out.request_id)
@@ -134,25 +169,44 @@ class OutputProcessor:
 
 
 def run_detokenizer(
-    tokenizer: Tokenizer, detokenizer_input: str, frontend_input: str, engine_input: str
+    tokenizer: Tokenizer,
+    detokenizer_input: str,
+    frontend_input: str,
+    engine_input: str,
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
 ) -> None:
-    """Serve until a Shutdown message arrives (or the process is terminated)."""
+    """Serve until a Shutdown message arrives (or the process is terminated).
+
+    engine_input: where stop-string aborts go (the engine's control path). The engine's
+    Heartbeats are forwarded; this process sends its own every `heartbeat_interval_s`.
+    """
     ctx = zmq.Context()
     pull = make_socket(ctx, zmq.PULL, detokenizer_input, bind=True)
     to_frontend = make_socket(ctx, zmq.PUSH, frontend_input, bind=False)
     to_engine = make_socket(ctx, zmq.PUSH, engine_input, bind=False)
     processor = OutputProcessor(tokenizer)
+    last_beat = float("-inf")
     try:
         while True:
+            now = time.monotonic()
+            if now - last_beat >= heartbeat_interval_s:
+                to_frontend.send(encode(Heartbeat("detokenizer", time.time())))
+                last_beat = now
+            if not pull.poll(max(1, int((last_beat + heartbeat_interval_s - now) * 1000))):
+                continue
             frame = pull.recv()
-            msg = decode(frame)
+            try:
+                msg = decode(frame)
+            except Exception as e:  # one bad frame must not end every stream
+                logger.warning("dropping a frame that does not decode: %s", e)
+                continue
             if isinstance(msg, EngineOutputs):
                 texts, aborts = processor.process(msg.outputs)
                 if aborts:  # first, so the engine stops spending steps on them
                     to_engine.send(encode(AbortRequest(aborts)))
                 if texts:
                     to_frontend.send(encode(TextOutputs(texts)))
-            elif isinstance(msg, EngineStats):
+            elif isinstance(msg, (EngineStats, Heartbeat)):
                 to_frontend.send(frame)
             elif isinstance(msg, Shutdown):
                 return
@@ -169,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="model folder with tokenizer.json")
     parser.add_argument("--detokenizer-input", required=True)
     parser.add_argument("--frontend-input", required=True)
-    parser.add_argument("--engine-input", required=True)
+    parser.add_argument("--engine-input", required=True, help="where stop-string aborts go")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)

@@ -9,6 +9,13 @@ the engine may still hold the old engine ids for a few milliseconds, and their l
 outputs are dropped without touching the new request. `abort` takes a client id only.
 When the engine (or the sidecar) dies, `mark_dead` ends every open stream with
 `EngineDeadError` and refuses new requests.
+
+Aborts go on the engine's control path (`IpcAddresses.engine_control`), not behind the
+requests. They are never dropped: ids the socket cannot take now (a stalled engine) wait
+in a set here, coalesced, and are sent as soon as it can (retried every
+`ABORT_RETRY_S`). The set holds at most one entry per engine id sent, and admission
+control bounds those. `last_heartbeat` says when each process last proved alive
+(`ipc.Heartbeat`), for the stall watchdog (`frontend.liveness`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,6 +36,7 @@ from jaxserve.ipc import (
     AbortRequest,
     EngineRequest,
     EngineStats,
+    Heartbeat,
     IpcAddresses,
     TextOutput,
     TextOutputs,
@@ -42,6 +51,8 @@ logger = logging.getLogger("jaxserve.frontend")
 # character (ASCII unit separator), which `validation.check_request_id` rejects in client
 # ids; the "#" after it keeps the id readable in logs that print it raw ("r#12.0").
 ENGINE_ID_SEPARATOR = "\x1f#"
+# How often aborts the control socket could not take are sent again (seconds).
+ABORT_RETRY_S = 0.05
 
 
 def engine_request_id(request_id: str, serial: int, index: int) -> str:
@@ -80,6 +91,7 @@ class RequestStream:
         # engine id -> sample index, for the samples whose final output has not come yet.
         self._unfinished = dict(self._index)
         self._queue: asyncio.Queue[SampleOutput | EngineDeadError] = asyncio.Queue()
+        self.released = asyncio.Event()  # set by AsyncEngineClient.release
 
     @property
     def num_samples(self) -> int:
@@ -128,6 +140,11 @@ class AsyncEngineClient:
         # Sends are non-blocking and immediate, so the engine socket is a plain one.
         self._sync_ctx: zmq.Context | None = None
         self._to_engine: zmq.Socket | None = None
+        self._to_control: zmq.Socket | None = None
+        self._pending_aborts: dict[str, None] = {}  # ordered set of engine ids to abort
+        self._abort_retry: asyncio.TimerHandle | None = None
+        # process name ("engine", "detokenizer") -> time.monotonic() of its last heartbeat
+        self.last_heartbeat: dict[str, float] = {}
         self._from_sidecar: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         # client request id -> its open stream; engine id -> the stream of its client request.
@@ -138,6 +155,7 @@ class AsyncEngineClient:
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self.stalled_reason: str | None = None  # set by the stall watchdog (liveness.py)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -145,6 +163,10 @@ class AsyncEngineClient:
         self._to_engine = make_socket(
             self._sync_ctx, zmq.PUSH, self._addresses.engine_input, bind=False
         )
+        if self._addresses.engine_control:
+            self._to_control = make_socket(
+                self._sync_ctx, zmq.PUSH, self._addresses.engine_control, bind=False
+            )
         self._from_sidecar = make_socket(
             self._ctx, zmq.PULL, self._addresses.frontend_input, bind=True
         )
@@ -154,7 +176,9 @@ class AsyncEngineClient:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        for sock in (self._to_engine, self._from_sidecar):
+        if self._abort_retry is not None:
+            self._abort_retry.cancel()
+        for sock in (self._to_engine, self._to_control, self._from_sidecar):
             if sock is not None:
                 sock.close()
         for ctx in (self._ctx, self._sync_ctx):
@@ -163,8 +187,8 @@ class AsyncEngineClient:
 
     @property
     def ready(self) -> bool:
-        """The engine finished start-up and is alive."""
-        return self._ready.is_set() and self.dead_reason is None
+        """The engine finished start-up, is alive and not stalled."""
+        return self._ready.is_set() and self.dead_reason is None and self.stalled_reason is None
 
     async def wait_ready(self) -> EngineStats:
         """Wait for the engine's ready handshake; returns its stats."""
@@ -222,26 +246,75 @@ class AsyncEngineClient:
         """Ask the engine to abort every unfinished sample of the client request
         `request_id`; its stream then ends with finish_reason "abort" for each. Returns
         False if no client request with this id is running (engine ids never match).
-        Raises EngineDeadError if the engine is stuck."""
+        Never raises: the abort is queued here until the engine can take it."""
         if self.dead_reason is not None:
             return False
         stream = self._requests.get(request_id)
         if stream is None:
             return False
-        unfinished = stream.unfinished_engine_ids()
-        if unfinished:
-            self._send(AbortRequest(unfinished))
+        self._abort(stream.unfinished_engine_ids())
         return True
+
+    async def wait_released(self, request_id: str, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the open stream of `request_id` (if any) to
+        be released."""
+        stream = self._requests.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stream.released.wait(), timeout)
+
+    def mark_stalled(self, reason: str | None) -> None:
+        """A process stopped sending heartbeats (reason says which), or None: it is back.
+        While stalled, new requests are refused (`ready` is False) and every open stream
+        ends with EngineDeadError(reason); ending it aborts its samples, queued here
+        (`_pending_aborts`) until the engine takes them again."""
+        if reason == self.stalled_reason:
+            return
+        self.stalled_reason = reason
+        if reason is None:
+            logger.warning("the stalled process is back: serving again")
+            self._flush_aborts()
+            return
+        logger.error("stalled: %s", reason)
+        for stream in list(self._requests.values()):
+            stream._queue.put_nowait(EngineDeadError(reason))
+
+    @property
+    def num_pending_aborts(self) -> int:
+        """Engine ids whose abort waits for the engine's control socket to take it."""
+        return len(self._pending_aborts)
+
+    def _abort(self, engine_ids: list[str]) -> None:
+        """Queue aborts and send what the control socket takes now (never raises)."""
+        if not engine_ids or self.dead_reason is not None:
+            return
+        for engine_id in engine_ids:
+            self._pending_aborts[engine_id] = None
+        self._flush_aborts()
+
+    def _flush_aborts(self) -> None:
+        if self._abort_retry is not None:
+            self._abort_retry.cancel()
+        self._abort_retry = None
+        if not self._pending_aborts or self.dead_reason is not None:
+            self._pending_aborts.clear()
+            return
+        try:
+            self._send(AbortRequest(list(self._pending_aborts)))
+        except EngineDeadError:  # the socket is full: keep them, try again soon
+            with contextlib.suppress(RuntimeError):  # no loop: the next abort retries
+                loop = asyncio.get_running_loop()
+                self._abort_retry = loop.call_later(ABORT_RETRY_S, self._flush_aborts)
+            return
+        self._pending_aborts.clear()
 
     def release(self, stream: RequestStream) -> None:
         """The stream ended (finished, cancelled, failed): abort its unfinished samples in
         the engine, drop their later outputs, and free the client id at once for reuse.
         Idempotent; a newer request with the same client id is left alone."""
-        unfinished = stream.unfinished_engine_ids()
-        if unfinished and self.dead_reason is None:
-            with contextlib.suppress(EngineDeadError):  # stuck: nothing more can be done
-                self._send(AbortRequest(unfinished))
+        self._abort(stream.unfinished_engine_ids())
         stream._unfinished.clear()
+        stream.released.set()
         for engine_id in stream.engine_ids:
             if self._by_engine_id.get(engine_id) is stream:
                 del self._by_engine_id[engine_id]
@@ -268,8 +341,12 @@ class AsyncEngineClient:
     def _send(self, msg: EngineRequest | AbortRequest) -> None:
         # NOBLOCK: the engine's input queue (high-water mark 1000 frames) never fills
         # while the engine lives; a full queue means it is stuck, so fail loudly.
+        # Aborts take the control path when there is one (`_flush_aborts` retries them).
+        sock = self._to_engine
+        if isinstance(msg, AbortRequest) and self._to_control is not None:
+            sock = self._to_control
         try:
-            self._to_engine.send(encode(msg), zmq.NOBLOCK)
+            sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again as e:
             raise EngineDeadError("the engine is not taking requests") from e
 
@@ -283,6 +360,8 @@ class AsyncEngineClient:
                     self._dispatch(msg.outputs)
                 elif isinstance(msg, EngineStats):
                     self._on_stats(msg)
+                elif isinstance(msg, Heartbeat):
+                    self.last_heartbeat[msg.source] = time.monotonic()
                 else:
                     logger.warning("ignoring unexpected %s", type(msg).__name__)
             except Exception:

@@ -5,8 +5,9 @@ The gRPC servicer (frontend/server.py) and the OpenAI HTTP handlers (frontend/ht
 go through `RequestPath`: a request is a `jaxserve.v1.GenerateRequest` message (the HTTP
 layer translates its JSON into one), checked by `validation.build_engine_request`, so a bad
 field gets the same message on both. Each caller maps the two errors raised here to its
-own status: `RequestValidationError` (INVALID_ARGUMENT / HTTP 400) and
-`EngineUnavailableError` (UNAVAILABLE / HTTP 503).
+own status: `RequestValidationError` (INVALID_ARGUMENT / HTTP 400),
+`EngineUnavailableError` (UNAVAILABLE / HTTP 503) and `AdmissionError` (past an admission
+limit, frontend/admission.py: RESOURCE_EXHAUSTED / HTTP 429).
 
 A `Generation` is one running client request (its n samples). Iterating it yields its
 outputs grouped by sample; leaving the iteration in any way (the last final output, a
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer
 
+from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
 from jaxserve.frontend.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -37,9 +39,14 @@ from jaxserve.frontend.validation import (
     split_samples,
 )
 from jaxserve.ipc import TextOutput
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
+
+# How long a request waits for its request_id to be released by a call that was just
+# cancelled (the cancel and the new call race within the server), seconds.
+REQUEST_ID_REUSE_GRACE_S = 0.5
 
 __all__ = [
+    "AdmissionError",
     "EngineUnavailableError",
     "Generation",
     "RequestPath",
@@ -55,7 +62,12 @@ class EngineUnavailableError(RuntimeError):
 
 class SampleFailedError(RuntimeError):
     """The engine ended a sample with finish_reason "error" (a request it could not run
-    although it passed validation); the message says why."""
+    although it passed validation); the message says why. `internal`: the sidecar could
+    not detokenize the output (not the client's fault: INTERNAL / HTTP 500)."""
+
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal
 
 
 def by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
@@ -129,9 +141,14 @@ class Generation:
         prompt_token_ids,
         metrics: Metrics,
         start: float,
+        ticket: Ticket | None = None,
+        deadline: float | None = None,
     ) -> None:
         self._engine = engine
         self._stream = stream
+        self._metrics = metrics
+        self._ticket = ticket
+        self._deadline = deadline
         self.prompt_token_ids = prompt_token_ids
         self.prompt_tokens = len(prompt_token_ids)
         self._timings = [RequestTiming(metrics, start) for _ in range(stream.num_samples)]
@@ -159,8 +176,12 @@ class Generation:
                 try:
                     outputs = await self._stream.next_batch()
                 except EngineDeadError as e:
-                    self._pending.clear()  # nothing left to abort or to count
+                    if self._engine.dead_reason is not None:
+                        self._pending.clear()  # dead: nothing left to abort or to count
+                    # else stalled: release() queues the aborts until the engine is back
                     raise EngineUnavailableError(f"engine unavailable: {e}") from None
+                if self._ticket is not None:
+                    self._ticket.prompt_done()
                 groups = by_sample(outputs)
                 for index, sample_outputs in groups:
                     last = sample_outputs[-1]
@@ -168,7 +189,10 @@ class Generation:
                         self._pending.discard(index)
                     self._timings[index].observe(sample_outputs)
                     if last.finish_reason == "error":
-                        raise SampleFailedError(f"engine rejected the request: {last.error}")
+                        error = last.error or ""
+                        if error.startswith("detokenizer:"):
+                            raise SampleFailedError(error, internal=True)
+                        raise SampleFailedError(f"engine rejected the request: {error}")
                 yield groups
         finally:
             self.release()
@@ -179,10 +203,15 @@ class Generation:
         if self._released:
             return
         self._released = True
+        if self._pending:
+            late = self._deadline is not None and time.time() >= self._deadline
+            self._metrics.request_abandoned("deadline" if late else "cancelled")
         for index in self._pending:
             self._timings[index].cancelled(self.prompt_tokens)
         self._pending.clear()
         self._engine.release(self._stream)
+        if self._ticket is not None:
+            self._ticket.release()
 
 
 class RequestPath:
@@ -190,11 +219,16 @@ class RequestPath:
     frontend (gRPC, HTTP). Holds no per-request state."""
 
     def __init__(
-        self, engine: AsyncEngineClient, tokenizer: Tokenizer, metrics: Metrics | None = None
+        self,
+        engine: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
+        self.admission = admission or AdmissionController()
 
     def check_ready(self) -> None:
         """Raises EngineUnavailableError unless the engine is ready and alive."""
@@ -202,7 +236,8 @@ class RequestPath:
             raise EngineUnavailableError(self.unavailable_message())
 
     def unavailable_message(self) -> str:
-        reason = self.engine.dead_reason or "the engine is starting"
+        engine = self.engine
+        reason = engine.dead_reason or engine.stalled_reason or "the engine is starting"
         return f"engine unavailable: {reason}"
 
     def limits(self) -> ModelLimits:
@@ -212,27 +247,47 @@ class RequestPath:
         stats = self.engine.stats
         return ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
 
-    async def start(self, request: pb.GenerateRequest) -> Generation:
-        """Validate and tokenize `request` (off the event loop: tokenizing is CPU work),
-        then send its n samples to the engine. An empty request_id gets a random one.
+    async def start(self, request: pb.GenerateRequest, deadline: float | None = None) -> Generation:
+        """Admit, validate and tokenize `request` (off the event loop: tokenizing is CPU
+        work), then send its n samples to the engine. An empty request_id gets a random
+        one. deadline: time.time() after which the engine aborts the request (the
+        client's deadline), or None.
 
         Raises RequestValidationError naming the field (validation.build_engine_request,
-        or a request_id already running), EngineUnavailableError (starting or dead).
+        or a request_id already running), EngineUnavailableError (starting, stalled or
+        dead), AdmissionError naming the admission limit it would pass.
         """
         start = time.perf_counter()
         limits = self.limits()
         request_id = request.request_id or uuid.uuid4().hex
         engine = self.engine
-        # Fail fast on a duplicate id (add_request checks again, after tokenizing).
-        if engine.is_running(request_id):
-            raise RequestValidationError(f"request_id: {request_id!r} is already running")
-        engine_request = await asyncio.to_thread(
-            build_engine_request, request, request_id, self.tokenizer, limits
-        )
+        ticket = self.admission.reserve(request.ByteSize())
+        admitted = False
         try:
-            stream = engine.add_request(request_id, split_samples(engine_request))
-        except ValueError as e:  # a duplicate request_id that arrived while tokenizing
-            raise RequestValidationError(str(e)) from None
-        except EngineDeadError as e:
-            raise EngineUnavailableError(f"engine unavailable: {e}") from None
-        return Generation(engine, stream, engine_request.prompt_token_ids, self.metrics, start)
+            # A client that cancelled a request and reuses its id at once may get here
+            # before that call's cleanup ran: give it a moment to release the id.
+            if engine.is_running(request_id):
+                await engine.wait_released(request_id, REQUEST_ID_REUSE_GRACE_S)
+            # Fail fast on a duplicate id (add_request checks again, after tokenizing).
+            if engine.is_running(request_id):
+                raise RequestValidationError(f"request_id: {request_id!r} is already running")
+            engine_request = await asyncio.to_thread(
+                build_engine_request, request, request_id, self.tokenizer, limits
+            )
+            engine_request.deadline = deadline
+            samples = split_samples(engine_request)
+            ticket.admit(len(samples), len(engine_request.prompt_token_ids))
+            try:
+                stream = engine.add_request(request_id, samples)
+            except ValueError as e:  # a duplicate request_id that arrived while tokenizing
+                raise RequestValidationError(str(e)) from None
+            except EngineDeadError as e:
+                raise EngineUnavailableError(f"engine unavailable: {e}") from None
+            admitted = True
+        finally:
+            if not admitted:
+                ticket.release()  # refused: nothing stays reserved
+        return Generation(
+            engine, stream, engine_request.prompt_token_ids, self.metrics, start,
+            ticket=ticket, deadline=deadline,
+        )  # fmt: skip

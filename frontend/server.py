@@ -7,9 +7,13 @@ with n > 1 sends n engine requests (one per sample, as `jaxserve.LLM` does) and 
 from their merged stream, each response naming its sample in `index`. Status codes:
 INVALID_ARGUMENT for a bad field (the message names it) or for bytes that do not parse
 as the method's request message (e.g. invalid UTF-8 in a string field), UNAVAILABLE while
-the engine starts or after it died, RESOURCE_EXHAUSTED for a message larger than
-`MAX_RECEIVE_MESSAGE_BYTES`. A client that cancels aborts its request (every sample) in
-the engine, and the metrics count it as finished with reason "abort".
+the engine starts, is stalled or after it died, RESOURCE_EXHAUSTED for a message larger
+than `MAX_RECEIVE_MESSAGE_BYTES` or past an admission limit (frontend/admission.py),
+DEADLINE_EXCEEDED, UNAUTHENTICATED without the API key (frontend/auth.py), INTERNAL when
+the sidecar could not detokenize an output. A client that cancels aborts its request
+(every sample) in the engine, and the metrics count it as finished with reason "abort".
+Health and reflection are registered with the same never-raising deserializers
+(frontend/lenient_services.py).
 
 A request_id is the client's: unique among running requests (INVALID_ARGUMENT naming
 request_id otherwise), free again as soon as its stream ends for any reason, and the one
@@ -23,16 +27,21 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError, Message
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflectionServicer
 from tokenizers import Tokenizer
 
+from jaxserve.frontend import memory
+from jaxserve.frontend.admission import AdmissionController, AdmissionError
+from jaxserve.frontend.auth import ApiKeyInterceptor, ApiKeyMiddleware
 from jaxserve.frontend.engine_client import AsyncEngineClient
+from jaxserve.frontend.lenient_services import add_lenient_service
+from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.frontend.requests import (
@@ -42,7 +51,7 @@ from jaxserve.frontend.requests import (
     SampleFailedError,
 )
 from jaxserve.ipc import TextOutput
-from jaxserve.metrics import Metrics
+from jaxserve.observability.metrics import Metrics
 
 logger = logging.getLogger("jaxserve.frontend")
 
@@ -101,12 +110,24 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline: already passed")
+        # The client's deadline travels to the engine, which aborts the request after it.
+        deadline = time.time() + remaining if remaining is not None else None
+        refusal = None
         try:
-            generation = await self._requests.start(request)
+            generation = await self._requests.start(request, deadline=deadline)
         except RequestValidationError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineUnavailableError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            refusal = (grpc.StatusCode.UNAVAILABLE, str(e))
+        except AdmissionError as e:
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if refusal is not None:
+            # Outside the except blocks: an abort raised in one would chain the error,
+            # whose traceback holds the request (megabytes) while gRPC keeps it.
+            await context.abort(*refusal)
         request_id = generation.request_id
         # aclosing: a client that cancels (or a status below) releases the request at
         # once: unfinished samples are aborted and counted as aborts.
@@ -127,12 +148,14 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             except EngineUnavailableError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except SampleFailedError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                code = grpc.StatusCode.INTERNAL if e.internal else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(e))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        # Matches client request ids only; with n > 1 it aborts every sample.
+        # Matches client request ids only; with n > 1 it aborts every sample. Never fails:
+        # an abort the engine cannot take now waits in the engine client until it can.
         return pb.AbortResponse(found=self._engine.abort(request.request_id))
 
     async def GetServerInfo(
@@ -153,88 +176,14 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         )
 
 
-class _Undecodable:
-    """What the lenient deserializer gives for bytes that are not a valid request message;
-    the method's handler answers it with INVALID_ARGUMENT instead of calling the servicer."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], object]:
-    """`message_class.FromString` that returns `_Undecodable` instead of raising.
-
-    grpc.aio turns an exception raised by a request deserializer into UNKNOWN
-    ("Unexpected <class DecodeError>") and logs its traceback, once per such request; a
-    client sending bad bytes (invalid UTF-8 in a string field, a truncated message) could
-    flood the log. The handler (`_checked_handler`) rejects it instead.
-    """
-    name = message_class.DESCRIPTOR.name
-
-    def deserialize(data: bytes) -> object:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as e:
-            return _Undecodable(f"request: not a valid {name} ({e})")
-
-    return deserialize
-
-
-async def _reject_undecodable(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-    logger.debug("rejected an undecodable request: %s", request.message)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-
-
-def _checked_handler(method, server_streaming: bool):
-    """The servicer's method behind a check that answers `_Undecodable` requests with
-    INVALID_ARGUMENT (and one debug log line); valid requests reach `method` unchanged."""
-    if server_streaming:
-
-        async def stream(request, context):
-            if isinstance(request, _Undecodable):
-                await _reject_undecodable(request, context)
-            # aclosing: the servicer's generator runs its cleanup (aborting the request in
-            # the engine) when this one is closed, not whenever it is garbage-collected.
-            async with contextlib.aclosing(method(request, context)) as responses:
-                async for response in responses:
-                    yield response
-
-        return stream
-
-    async def unary(request, context):
-        if isinstance(request, _Undecodable):
-            await _reject_undecodable(request, context)
-        return await method(request, context)
-
-    return unary
-
-
 def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.Server) -> None:
     """Register `servicer` as the `jaxserve.v1.Jaxserve` service, like the generated
     `add_JaxserveServicer_to_server`, but with request deserializers that never raise:
     bytes that do not parse as the method's request get INVALID_ARGUMENT ("request: not a
-    valid GenerateRequest (...)") instead of UNKNOWN and a logged traceback. The handlers
-    are built from the service descriptor, so every method of the proto is registered."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Jaxserve"].methods:
-        if method.client_streaming:
-            raise NotImplementedError(f"{method.name}: client streaming is not handled")
-        request_class = GetMessageClass(method.input_type)
-        response_class = GetMessageClass(method.output_type)
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            _checked_handler(getattr(servicer, method.name), method.server_streaming),
-            request_deserializer=_lenient_deserializer(request_class),
-            response_serializer=response_class.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    valid GenerateRequest (...)") instead of UNKNOWN and a logged traceback
+    (`frontend.lenient_services`). The handlers are built from the service descriptor, so
+    every method of the proto is registered."""
+    add_lenient_service(servicer, pb.DESCRIPTOR.services_by_name["Jaxserve"], server)
 
 
 def _bind_error(host: str, port: int) -> str:
@@ -259,6 +208,8 @@ class FrontendServer:
 
     Health ("" and the Jaxserve service name) is NOT_SERVING until `set_serving(True)`.
     chat_template: the model's (frontend/http/chat_template.py), for /v1/chat/completions.
+    options: admission limits, TLS and the API key (`frontend.options`); the defaults
+    serve plaintext without authentication.
     """
 
     def __init__(
@@ -267,24 +218,37 @@ class FrontendServer:
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
         chat_template=None,
+        options: FrontendOptions | None = None,
     ) -> None:
         self._engine = engine
-        self._requests = RequestPath(engine, tokenizer, metrics)
+        self._options = options = options or FrontendOptions()
+        # After a burst of large requests, freed memory goes back to the OS.
+        self.trimmer = memory.Trimmer()
+        admission = AdmissionController(options.admission, on_drained=self.trimmer.request)
+        self._requests = RequestPath(engine, tokenizer, metrics, admission=admission)
         self._chat_template = chat_template
         self._http = None
+        interceptors = [ApiKeyInterceptor(options.api_key)] if options.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
-            ]
+            ],
         )
         self._health = health.aio.HealthServicer()
         servicer = JaxserveServicer(engine, tokenizer, requests=self._requests)
         add_servicer_to_server(servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        # Health and reflection too, with deserializers that never raise: garbage bytes
+        # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
+        add_lenient_service(
+            self._health, health_pb2.DESCRIPTOR.services_by_name["Health"], self._server
+        )
+        add_lenient_service(
+            AsyncReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)),
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+            self._server,
         )
 
     async def start_http(self, host: str, port: int) -> int:
@@ -293,7 +257,11 @@ class FrontendServer:
         from jaxserve.frontend.http.app import OpenAIApi
         from jaxserve.frontend.http.server import HttpServer
 
-        http = HttpServer(OpenAIApi(self._requests, self._chat_template).app)
+        app = OpenAIApi(self._requests, self._chat_template).app
+        if self._options.api_key:
+            app = ApiKeyMiddleware(app, self._options.api_key)
+        tls = self._options.tls.uvicorn_kwargs() if self._options.tls is not None else None
+        http = HttpServer(app, tls)
         bound = await http.start(host, port)
         self._http = http
         return bound
@@ -304,8 +272,12 @@ class FrontendServer:
         be bound (the port is busy, the address is not local), in the style of the
         metrics port's error."""
         await self.set_serving(False)
+        tls = self._options.tls
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is not None:
+                bound = self._server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
+            else:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
             bound = 0
         if bound == 0:

@@ -192,6 +192,13 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits:
         if not ids:
             raise RequestValidationError("prompt: text encodes to no tokens")
         return ids
+    # The length first: copying millions of ids into a list only to refuse them would
+    # cost the frontend ~60 MB per request.
+    if len(request.token_ids.ids) >= limits.max_model_len:
+        raise RequestValidationError(
+            f"prompt: {len(request.token_ids.ids)} tokens leave no room for output within "
+            f"max_model_len {limits.max_model_len}"
+        )
     ids = list(request.token_ids.ids)
     if not ids:
         raise RequestValidationError("prompt.token_ids: must not be empty")

@@ -2,6 +2,7 @@
 
     jaxserve serve [--model DIR] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
+    jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
 
 Each subcommand is a `_cmd_*` function registered in `build_parser`. Imports that pull in
 heavy libraries stay inside the command functions, and none of them imports JAX in this
@@ -15,6 +16,7 @@ import os
 import sys
 
 from jaxserve import convert, distributed
+from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import (
     DEMO_MODEL_DIR,
     CacheConfig,
@@ -126,16 +128,89 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
     )
     try:
+        options = _frontend_options(args)
+    except ValueError as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
         return serve(
             config,
             server,
             engine_class=args.engine_class,
             log_level=args.log_level,
             distributed_args=dist_args,
+            frontend_options=options,
         )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 1
+
+
+def _frontend_options(args: argparse.Namespace):
+    """FrontendOptions from the admission, stall, TLS and API-key flags. Raises
+    ValueError naming the flag."""
+    from jaxserve.frontend.admission import AdmissionLimits
+    from jaxserve.frontend.auth import TlsFiles, resolve_api_key
+    from jaxserve.frontend.options import FrontendOptions
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("tls-cert: --tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ValueError("tls-client-ca: needs --tls-cert and --tls-key")
+    tls = None
+    if args.tls_cert is not None:
+        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tls.read()  # an unreadable file is a usage error, before anything starts
+    if not args.stall_timeout_s > 0:
+        raise ValueError(f"stall-timeout-s: must be > 0, got {args.stall_timeout_s}")
+    return FrontendOptions(
+        admission=AdmissionLimits(
+            max_requests=args.max_pending_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_request_bytes=args.max_inflight_request_bytes,
+        ),
+        stall_timeout_s=args.stall_timeout_s,
+        tls=tls,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+    )
+
+
+def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
+    """Admission control, stall detection, TLS and API-key flags of `serve` (issue 12)."""
+    from jaxserve.frontend.admission import (
+        DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_REQUESTS,
+    )
+    from jaxserve.frontend.liveness import DEFAULT_STALL_TIMEOUT_S
+
+    s.add_argument(
+        "--max-pending-requests", type=POSITIVE, default=DEFAULT_MAX_REQUESTS,
+        help="most requests (samples) running or waiting; past it RESOURCE_EXHAUSTED "
+        "(default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-queued-prompt-tokens", type=POSITIVE, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        help="most prompt tokens waiting for prefill (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="most bytes of open requests held at once (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument(
+        "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+        help="heartbeat silence after which the engine or sidecar counts as stalled: "
+        "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
+    )  # fmt: skip
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mutual TLS)")
+    s.add_argument(
+        "--api-key",
+        help="require 'authorization: Bearer KEY' on every RPC but health "
+        "(also --api-key-file, or the JAXSERVE_API_KEY variable)",
+    )
+    s.add_argument("--api-key-file", help="file whose first line is the API key")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -295,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     # module:Class run instead of EngineCore; used by tests to serve a mock engine.
     s.add_argument("--engine-class", help=argparse.SUPPRESS)
     distributed.add_arguments(s)
+    _add_frontend_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a server to the terminal")
@@ -324,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
+    bench_cli.add_subparser(sub)  # `jaxserve bench`: the serving benchmark client
     return parser
 
 

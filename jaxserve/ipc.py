@@ -6,11 +6,13 @@ not lists. No JAX here: the frontend and the detokenizer import this module.
 
 The paths (see README.md, Architecture); each socket is bound by the process that reads it
 (`IpcAddresses`), and every producer connects:
-    frontend    --EngineRequest/AbortRequest-->  engine
-    engine      --EngineOutputs/EngineStats---->  detokenizer
-    detokenizer --AbortRequest (stop string)-->  engine
-    detokenizer --TextOutputs/EngineStats------>  frontend
-Stats travel the same path as outputs, so the frontend sees them in step order.
+    frontend    --EngineRequest----------------->  engine (request queue)
+    frontend    --AbortRequest------------------>  engine (control path)
+    engine      --EngineOutputs/EngineStats/Heartbeat-->  detokenizer
+    detokenizer --AbortRequest (stop string)---->  engine (control path)
+    detokenizer --TextOutputs/EngineStats/Heartbeat-->  frontend
+Stats travel the same path as outputs, so the frontend sees them in step order. Aborts
+have a socket of their own, which the engine drains first: never stuck behind requests.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class EngineRequest:
 
     cache_group: requests with the same group (the n samples of one prompt) share their
         prompt's KV blocks in the engine even with prefix caching off.
+    deadline: seconds since the epoch after which the engine aborts the request at its
+        next step (the client's gRPC deadline), or None.
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class EngineRequest:
     sampling: dict
     arrival_time: float = 0.0
     cache_group: str | None = None
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -142,6 +147,16 @@ class EngineStats:
 
 
 @dataclass(slots=True)
+class Heartbeat:
+    """Sent every `engine.control.HEARTBEAT_INTERVAL_S`, idle or not, by the engine loop
+    (forwarded by the sidecar) and by the sidecar: the frontend's proof of life.
+    source: "engine" or "detokenizer". time: the sender's time.time()."""
+
+    source: str
+    time: float = 0.0
+
+
+@dataclass(slots=True)
 class Shutdown:
     reason: str = ""
 
@@ -156,6 +171,7 @@ _TYPES = {
         TextOutput,
         TextOutputs,
         EngineStats,
+        Heartbeat,
         EngineCounters,
         Shutdown,
     )
@@ -216,9 +232,10 @@ def decode(frame: bytes) -> Any:
 class IpcAddresses:
     """The ZeroMQ endpoints of one server, each bound by the process that reads it."""
 
-    engine_input: str  # EngineRequest/AbortRequest in; bound by the engine
-    detokenizer_input: str  # EngineOutputs/EngineStats in; bound by the sidecar
-    frontend_input: str  # TextOutputs/EngineStats in; bound by the frontend
+    engine_input: str  # EngineRequest in; bound by the engine
+    detokenizer_input: str  # EngineOutputs/EngineStats/Heartbeat in; bound by the sidecar
+    frontend_input: str  # TextOutputs/EngineStats/Heartbeat in; bound by the frontend
+    engine_control: str = ""  # AbortRequest in; bound by the engine ("" none)
 
     @classmethod
     def in_dir(cls, directory: str | Path) -> IpcAddresses:
@@ -229,6 +246,7 @@ class IpcAddresses:
             engine_input=f"ipc://{d / 'engine'}",
             detokenizer_input=f"ipc://{d / 'detokenizer'}",
             frontend_input=f"ipc://{d / 'frontend'}",
+            engine_control=f"ipc://{d / 'control'}",
         )
 
 

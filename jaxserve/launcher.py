@@ -29,18 +29,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import prometheus_client
 import uvloop
 
 from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.frontend.auth import insecure_bind_warning
 from jaxserve.frontend.engine_client import AsyncEngineClient
+from jaxserve.frontend.liveness import watch_liveness
+from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
 from jaxserve.observability.metrics import Metrics
+from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
 
 logger = logging.getLogger("jaxserve")
 
@@ -92,6 +95,7 @@ def serve(
     engine_class: str | None = None,
     log_level: str = "INFO",
     distributed_args: list[str] | None = None,
+    frontend_options: FrontendOptions | None = None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM or until a child dies. Returns the process exit
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
@@ -102,7 +106,20 @@ def serve(
     engine_class: "module:Class" to run instead of EngineCore (tests use a mock engine).
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
         process when it leads a multi-process run (process 0; see jaxserve.distributed).
+    frontend_options: admission limits, stall timeout, TLS, API key (frontend.options).
     """
+    options = frontend_options or FrontendOptions()
+    logger.info(
+        "admission limits: %d requests, %d queued prompt tokens, %d request bytes; "
+        "stall timeout %g s; TLS %s; API key %s",
+        options.admission.max_requests, options.admission.max_queued_prompt_tokens,
+        options.admission.max_request_bytes, options.stall_timeout_s,
+        "on" if options.tls else "off", "on" if options.api_key else "off",
+    )  # fmt: skip
+    if warning := insecure_bind_warning(
+        server_config.host, options.tls is not None, options.api_key is not None
+    ):
+        logger.warning("%s", warning)
     tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
     chat_template = None
     if server_config.http_port is not None:
@@ -120,8 +137,10 @@ def serve(
     metrics = Metrics(model=os.path.basename(os.path.normpath(engine_config.model)))
     if server_config.metrics_port is not None:
         # Bound before any child starts: a busy port leaves nothing to clean up.
-        metrics.serve(server_config.metrics_port, server_config.host)
-    socket_dir = tempfile.mkdtemp(prefix="jaxserve-")
+        tls_kwargs = options.tls.metrics_kwargs() if options.tls is not None else {}
+        metrics.serve(server_config.metrics_port, server_config.host, **tls_kwargs)
+    remove_dead_socket_dirs()
+    socket_dir = make_socket_dir()
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
     try:
@@ -129,6 +148,7 @@ def serve(
             "--config-json", json.dumps(engine_config.to_dict()),
             "--engine-input", addresses.engine_input,
             "--detokenizer-input", addresses.detokenizer_input,
+            "--engine-control", addresses.engine_control,
             "--log-level", log_level,
         ]  # fmt: skip
         if engine_class:
@@ -139,14 +159,16 @@ def serve(
             "--model", engine_config.model,
             "--detokenizer-input", addresses.detokenizer_input,
             "--frontend-input", addresses.frontend_input,
-            "--engine-input", addresses.engine_input,
+            "--engine-input", addresses.engine_control,  # stop-string aborts: control path
             "--log-level", log_level,
         ]  # fmt: skip
         children.append(
             _spawn("detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args)
         )
         return uvloop.run(
-            _run_frontend(addresses, tokenizer, server_config, children, metrics, chat_template)
+            _run_frontend(
+                addresses, tokenizer, server_config, children, metrics, chat_template, options
+            )
         )
     finally:
         _stop_children(children)
@@ -154,7 +176,13 @@ def serve(
 
 
 async def _run_frontend(
-    addresses, tokenizer, server_config: ServerConfig, children, metrics: Metrics, chat_template
+    addresses,
+    tokenizer,
+    server_config: ServerConfig,
+    children,
+    metrics: Metrics,
+    chat_template,
+    options: FrontendOptions,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -164,10 +192,11 @@ async def _run_frontend(
     engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
-    server = FrontendServer(engine, tokenizer, metrics, chat_template)
+    server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
     watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
+    liveness = None
     try:
         port = await server.start(server_config.host, server_config.port)
         if server_config.http_port is not None:
@@ -178,6 +207,9 @@ async def _run_frontend(
         if ready.done() and not watch.done():
             stats = ready.result()
             await server.set_serving(True)
+            liveness = asyncio.create_task(
+                watch_liveness(engine, server.set_serving, options.stall_timeout_s)
+            )
             logger.info(
                 # num_blocks_total is the usable count: the engine's null block is not in it.
                 "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d usable KV blocks "
@@ -195,8 +227,9 @@ async def _run_frontend(
         logger.info("shutting down")
         return 0
     finally:
-        for task in (ready, watch, stopping):
-            task.cancel()
+        for task in (ready, watch, stopping, liveness):
+            if task is not None:
+                task.cancel()
         await server.stop(GRPC_GRACE_S)
         await engine.close()
 

@@ -24,6 +24,15 @@ import numpy as np
 MAX_LOGPROBS = 20
 # Most logit_bias entries per request: the sampler's bias arrays are [rows, MAX_LOGIT_BIAS].
 MAX_LOGIT_BIAS = 64
+# Stop strings: the detokenizer matches all of a request's stop strings with one automaton
+# (O(1) per output character whatever their number), but building it costs O(total size)
+# on the sidecar's single thread, so the lists are bounded. OpenAI allows 4 stop strings
+# and TGI 4 by default; vLLM has no limit. These leave room for prompt-format stops.
+MAX_STOP_STRINGS = 64  # entries in `stop`
+MAX_STOP_STRING_CHARS = 256  # characters in one stop string
+MAX_STOP_TOTAL_BYTES = 4096  # UTF-8 bytes of all stop strings together
+# Entries in `stop_token_ids` (vLLM has no limit; models list a handful of EOS ids).
+MAX_STOP_TOKEN_IDS = 128
 # The sampler holds every float parameter as float32: larger magnitudes would overflow.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -47,8 +56,11 @@ class SamplingParams:
     min_p: drop tokens with probability < min_p * max probability; 0 disables.
     seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
     max_tokens: most output tokens (>= 1).
-    stop: strings that end the output; the match is not returned.
-    stop_token_ids: token ids that end the output (the token is not part of the text).
+    stop: strings that end the output; the match is not returned. At most
+        MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_CHARS characters,
+        MAX_STOP_TOTAL_BYTES UTF-8 bytes in all.
+    stop_token_ids: token ids that end the output (the token is not part of the text); at
+        most MAX_STOP_TOKEN_IDS.
     ignore_eos: keep going past the EOS token.
     skip_special_tokens: drop special tokens from the text.
     repetition_penalty / presence_penalty / frequency_penalty: as in vLLM (1.0 / 0 / 0 disable).
@@ -119,9 +131,7 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}")
         if self.n < 1:
             raise ValueError(f"n: must be >= 1, got {self.n}")
-        for s in self.stop:
-            if not s:
-                raise ValueError("stop: stop strings must be non-empty")
+        self._validate_stop()
         for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if k is not None and not (0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}")
@@ -149,6 +159,32 @@ class SamplingParams:
             _check_int("stop_token_ids", t)
         if not isinstance(self.logit_bias, Mapping):
             raise ValueError(f"logit_bias: must map token ids to biases, got {self.logit_bias!r}")
+
+    def _validate_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}"
+            )
+        total = 0
+        for i, s in enumerate(self.stop):
+            if not s:
+                raise ValueError("stop: stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop: stop string {i} has {len(s)} characters, "
+                    f"at most {MAX_STOP_STRING_CHARS} are supported"
+                )
+            total += len(s.encode("utf-8", "surrogatepass"))
+        if total > MAX_STOP_TOTAL_BYTES:
+            raise ValueError(
+                f"stop: the stop strings total {total} UTF-8 bytes, "
+                f"at most {MAX_STOP_TOTAL_BYTES} are supported"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids are supported, "
+                f"got {len(self.stop_token_ids)}"
+            )
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -9,8 +9,11 @@ random gate) per (config, tokens), on the CPU, float32. Variants are interleaved
 each repeat (so machine load hits them alike); the table shows medians, the sparse
 block size, and the sparse FLOPs over the routed FLOPs (`sparse_moe_flops`). Configs: the
 demo model (jaxserve/demo_model/config.json) and a Qwen3-MoE-like layer (hidden 512, 32
-experts, top-4, moe_intermediate 256). `--sweep` adds the sparse path at each block size
-(ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`.
+experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a top-8 layer
+(hidden 128, 64 experts) at decode sizes. `--sweep` adds the sparse path at each block size
+(ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`;
+`--gather 24,21` the sparse path with other weight-gather chunks (2^24, 2^21 elements),
+the measurement behind `moe_sparse.GATHER_ELEMENTS`.
 Writes bench_results/bench_moe.json.
 """
 
@@ -37,6 +40,8 @@ def _configs() -> dict[str, tuple[int, int, int, int]]:
             demo["num_experts_per_tok"],
         ),
         "qwen3-moe-like": (512, 256, 32, 4),
+        # Decode with top-8 (Qwen3-30B-A3B's k), narrow so that dense stays measurable.
+        "top8": (128, 128, 64, 8),
     }
 
 
@@ -56,6 +61,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="also other block sizes")
     parser.add_argument("--configs", default="demo,qwen3-moe-like")
+    parser.add_argument(
+        "--gather", default="", help="also sparse at these log2 GATHER_ELEMENTS, e.g. 24,21"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,6 +73,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.models import moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
     from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
 
@@ -103,6 +112,13 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
+            default_gather = moe_sparse.GATHER_ELEMENTS
+            for log2 in [int(g) for g in args.gather.split(",") if g]:
+                # The chunk size is read when the function is traced: trace it now.
+                moe_sparse.GATHER_ELEMENTS = 1 << log2
+                fn = jax.jit(functools.partial(moe_experts_sparse, block_size=auto))
+                variants[f"sparse/g{log2}"] = (fn.lower(*call).compile(), auto)
+                moe_sparse.GATHER_ELEMENTS = default_gather
             times: dict[str, list[float]] = {v: [] for v in variants}
             inner = {}
             for label, (fn, _) in variants.items():

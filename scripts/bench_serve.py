@@ -18,6 +18,9 @@ is C, as grpc.aio's core is), reading the SSE lines itself (the `openai` client'
 transport parses HTTP in Python, which would bill client work to the server).
 --cache-dir keeps the JAX compilation cache between runs (default: a new empty one).
 
+For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
+`jaxserve bench` against a running server; this script's load levels run through it.
+
 Prints one table; writes JSON beside it. Requests are greedy with ignore_eos so every
 request produces exactly --max-tokens tokens on both paths.
 """
@@ -98,84 +101,33 @@ class Server:
             self.proc.kill()
 
 
-async def _run_load(target: str, prompts: list[str], concurrency: int, max_tokens: int):
-    """Send every prompt, at most `concurrency` in flight.
+async def _run_load(
+    backend: str, server: str, prompts: list[str], concurrency: int, max_tokens: int
+):
+    """Send every prompt, at most `concurrency` in flight, through `jaxserve bench`'s
+    driver (jaxserve/benchmark/), greedy with ignore_eos: backend "grpc" (Generate) or
+    "http" (streamed /v1/completions over aiohttp, one kept-alive connection per request
+    in flight).
 
     Returns (seconds, output tokens, texts, TTFTs)."""
-    import grpc
+    from jaxserve.benchmark import client
+    from jaxserve.benchmark.backends import Sampling, make_backend
+    from jaxserve.benchmark.datasets import BenchRequest, Session
 
-    from jaxserve.frontend.client import build_generate_request
-    from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-
-    sem = asyncio.Semaphore(concurrency)
-    texts: list[str] = [""] * len(prompts)
-    tokens = [0] * len(prompts)
-    ttfts: list[float] = []
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.JaxserveStub(channel)
-
-        async def one(i: int) -> None:
-            async with sem:
-                req = build_generate_request(
-                    prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True
-                )
-                t0 = time.perf_counter()
-                first = True
-                async for resp in stub.Generate(req):
-                    if first and resp.text:
-                        ttfts.append(time.perf_counter() - t0)
-                        first = False
-                    texts[i] += resp.text
-                    if resp.finish_reason:
-                        tokens[i] = resp.completion_tokens
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        return time.perf_counter() - t0, sum(tokens), texts, ttfts
-
-
-async def _run_load_http(url: str, prompts: list[str], concurrency: int, max_tokens: int):
-    """`_run_load` over the OpenAI API: streamed /v1/completions, one request per prompt,
-    on at most `concurrency` kept-alive connections.
-
-    Returns (seconds, output tokens, texts, TTFTs)."""
-    import aiohttp
-
-    sem = asyncio.Semaphore(concurrency)
-    texts: list[str] = [""] * len(prompts)
-    tokens = [0] * len(prompts)
-    ttfts: list[float] = []
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
-
-        async def one(i: int) -> None:
-            body = {
-                "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            }  # fmt: skip
-            async with sem:
-                t0 = time.perf_counter()
-                first = True
-                async with session.post("/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-                    async for line in r.content:  # one SSE line at a time
-                        if not line.startswith(b"data: {"):
-                            continue  # blank separators and data: [DONE]
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"]:
-                            text = chunk["choices"][0]["text"]
-                            if first and text:
-                                ttfts.append(time.perf_counter() - t0)
-                                first = False
-                            texts[i] += text
-                        elif chunk.get("usage"):
-                            tokens[i] = chunk["usage"]["completion_tokens"]
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        return time.perf_counter() - t0, sum(tokens), texts, ttfts
+    sessions = [Session([BenchRequest(p, 0, max_tokens)]) for p in prompts]
+    async with make_backend(backend, server, timeout_s=600) as b:
+        run = await client.run(
+            b, sessions, sampling=Sampling(0.0, ignore_eos=True), max_concurrency=concurrency
+        )
+    if failed := [o.error for o in run.outputs if not o.success]:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    outs = run.outputs
+    return (
+        run.duration,
+        sum(o.output_len for o in outs),
+        [o.text for o in outs],
+        [o.ttft for o in outs],
+    )
 
 
 def _median(values: list[float]) -> float:
@@ -218,10 +170,10 @@ def main() -> None:
     srv = Server(args.model, cache, extra, http=args.http)
     result["startup_warm_s"] = srv.time_to_first_token()
     target = f"127.0.0.1:{srv.port}"
-    paths = {"serve (gRPC)": lambda p, c: _run_load(target, p, c, args.max_tokens)}
+    paths = {"serve (gRPC)": lambda p, c: _run_load("grpc", target, p, c, args.max_tokens)}
     if args.http:
         url = f"http://127.0.0.1:{srv.http_port}"
-        paths["serve (HTTP)"] = lambda p, c: _run_load_http(url, p, c, args.max_tokens)
+        paths["serve (HTTP)"] = lambda p, c: _run_load("http", url, p, c, args.max_tokens)
     served: dict[int, list[str]] = {}
     try:
         for c in levels:

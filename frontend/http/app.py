@@ -49,6 +49,7 @@ from jaxserve.frontend.http.responses import (
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.requests import (
+    AdmissionError,
     EngineUnavailableError,
     Generation,
     RequestPath,
@@ -246,6 +247,8 @@ class OpenAIApi:
                 g.release()
             if isinstance(e, RequestValidationError):
                 raise bad_field(str(e), aliases) from None
+            if isinstance(e, AdmissionError):  # past an admission limit: retry later
+                raise HttpError(429, str(e), None, "overloaded") from None
             raise
         return generations
 

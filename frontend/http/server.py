@@ -45,7 +45,8 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """One uvicorn server of `app`; `start` and `stop` run in the serving loop."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, tls: dict | None = None) -> None:
+        """tls: uvicorn's ssl_* options (`frontend.auth.TlsFiles.uvicorn_kwargs`), or None."""
         self._config = uvicorn.Config(
             app,
             log_config=None,
@@ -53,6 +54,7 @@ class HttpServer:
             lifespan="off",
             # Several idle streams per client are normal (benchmarks, SDK pools).
             timeout_keep_alive=30,
+            **(tls or {}),
         )
         self._server: uvicorn.Server | None = None
         self._ticker: asyncio.Task | None = None

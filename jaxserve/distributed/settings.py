@@ -179,6 +179,10 @@ def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
     other JAX call; every process of the run must call it.
 
     timeout_s: how long (seconds) to wait for every process to join.
+
+    Process 0's coordinator binds the coordinator address as given (JAX's default binds
+    every interface, "[::]:port", with no authentication): give the address the other
+    hosts reach this one by, and only that interface listens.
     """
     if config is None:
         return
@@ -197,6 +201,7 @@ def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
         process_id=config.process_id,
         initialization_timeout=timeout_s,
         heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+        coordinator_bind_address=config.coordinator_address,
     )
 
 

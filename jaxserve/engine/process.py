@@ -3,11 +3,13 @@
     python -m jaxserve.engine.process --config-json '{...}' --engine-input ipc://... \
         --detokenizer-input ipc://... --parent-pid N
 
-Loop (README.md, Architecture): drain new requests and aborts without blocking, run one
-step, publish its outputs to the detokenizer sidecar. While there is work, nothing waits
-on a socket; only an idle engine blocks, in `poll`. Stats (the ready handshake at start,
-then changes, at most every `stats_interval_s` while busy and always on going idle)
-travel on the outputs socket so they stay ordered with outputs.
+Loop (README.md, Architecture): drain aborts (the control socket, first) and new
+requests without blocking, abort requests whose deadline passed, run one step, publish
+its outputs to the detokenizer sidecar; a Heartbeat goes out every
+`control.HEARTBEAT_INTERVAL_S`, idle or not (`jaxserve.engine.control`). While there is
+work, nothing waits on a socket; only an idle engine blocks, in `poll`. Stats (the ready
+handshake at start, then changes, at most every `stats_interval_s` while busy and always
+on going idle) travel on the outputs socket so they stay ordered with outputs.
 
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
@@ -38,11 +40,13 @@ import zmq
 
 from jaxserve import distributed
 from jaxserve.config import EngineConfig
+from jaxserve.engine.control import EngineControl
 from jaxserve.ipc import (
     AbortRequest,
     EngineOutputs,
     EngineRequest,
     EngineStats,
+    Heartbeat,
     RequestOutput,
     Shutdown,
     decode,
@@ -91,13 +95,19 @@ class EngineLoop:
         output_socket: zmq.Socket,
         *,
         stats_interval_s: float = 0.02,
+        control_socket: zmq.Socket | None = None,
+        control: EngineControl | None = None,
     ) -> None:
         self._core = core
+        self._control_socket = control_socket
+        self._control = control or EngineControl()
         self._input = input_socket
         self._output = output_socket
         self._stats_interval_s = stats_interval_s
         self._poller = zmq.Poller()
         self._poller.register(input_socket, zmq.POLLIN)
+        if control_socket is not None:
+            self._poller.register(control_socket, zmq.POLLIN)
         self._last_stats: EngineStats | None = None
         self._last_stats_time = 0.0
         self._step = 0
@@ -109,15 +119,28 @@ class EngineLoop:
         while self._running:
             if not self._core.has_work():
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
-                self._poller.poll(_IDLE_POLL_MS)
+                self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
+            if self._control_socket is not None:
+                self._drain_input(self._control_socket)
             self._drain_input()
+            self._tick()
             if self._running and self._core.has_work():
                 self._run_step()
 
-    def _drain_input(self) -> None:
+    def _tick(self) -> None:
+        """Abort the requests whose deadline passed; send the heartbeat when due."""
+        expired = self._control.expired(time.time())
+        if expired:
+            logger.info("aborting %d request(s) past their deadline", len(expired))
+            self._core.abort_requests(expired)
+        if self._control.heartbeat_due(time.monotonic()):
+            self._output.send(encode(Heartbeat("engine", time.time())))
+
+    def _drain_input(self, sock: zmq.Socket | None = None) -> None:
+        sock = self._input if sock is None else sock
         while self._running:
             try:
-                frame = self._input.recv(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -131,6 +154,7 @@ class EngineLoop:
         if isinstance(msg, EngineRequest):
             self._add_request(msg)
         elif isinstance(msg, AbortRequest):
+            self._control.aborted(msg.request_ids)
             self._core.abort_requests(msg.request_ids)
         elif isinstance(msg, Shutdown):
             logger.info("shutting down: %s", msg.reason or "requested")
@@ -141,6 +165,8 @@ class EngineLoop:
     def _add_request(self, request: EngineRequest) -> None:
         # EngineCore reports bad requests as error outputs; should it raise anyway, only
         # this request fails, never the engine and the other requests.
+        if not self._control.admit(request.request_id, request.deadline):
+            return  # aborted before it arrived (the abort overtook it)
         try:
             self._core.add_request(request)
         except Exception as e:
@@ -153,6 +179,7 @@ class EngineLoop:
     def _run_step(self) -> None:
         outputs = self._core.step()
         self._step += 1
+        self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)
         if outputs:
             self._output.send(encode(EngineOutputs(outputs, self._step)))
         self._send_stats(rate_limited=True)
@@ -163,6 +190,7 @@ class EngineLoop:
         at once, so a client sees its request counted by the time its tokens arrive."""
         stats = self._core.stats()
         stats.ready = True
+        stats.counters.requests_expired = self._control.num_expired
         last = self._last_stats
         if not force and stats == last:
             return
@@ -184,8 +212,11 @@ def run_engine_process(
     detokenizer_input: str,
     engine_class: str,
     dist: distributed.DistributedConfig | None = None,
+    engine_control: str | None = None,
 ) -> int:
     """Build the engine core, then serve until Shutdown. Returns the exit code.
+
+    engine_control: the control path's address (AbortRequests; bound here), or None.
 
     dist: the multi-process run this engine leads (process 0), or None. The leader
         publishes every step to the followers (`run_follower`) and stops them on exit;
@@ -199,6 +230,9 @@ def run_engine_process(
     ctx = zmq.Context()
     input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=True)
     output_socket = make_socket(ctx, zmq.PUSH, detokenizer_input, bind=False)
+    control_socket = (
+        make_socket(ctx, zmq.PULL, engine_control, bind=True) if engine_control else None
+    )
     core = None
     try:
         try:
@@ -211,7 +245,7 @@ def run_engine_process(
             logger.exception("engine failed to start")
             return EXIT_START_FAILED
         try:
-            EngineLoop(core, input_socket, output_socket).run()
+            EngineLoop(core, input_socket, output_socket, control_socket=control_socket).run()
         except Exception:
             logger.exception("engine step failed; the engine process exits")
             if dist is not None and dist.num_processes > 1:
@@ -224,6 +258,8 @@ def run_engine_process(
             core.close()
         input_socket.close()
         output_socket.close()
+        if control_socket is not None:
+            control_socket.close()
         ctx.term()
 
 
@@ -331,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-json", required=True, help="EngineConfig.to_dict() as JSON")
     parser.add_argument("--engine-input", required=True)
     parser.add_argument("--detokenizer-input", required=True)
+    parser.add_argument("--engine-control", help="AbortRequest socket (the control path)")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
     parser.add_argument("--log-level", default="INFO")
@@ -347,8 +384,9 @@ def main(argv: list[str] | None = None) -> None:
         # launcher's SIGTERM ends the loop and `run_engine_process` stops the followers.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     code = run_engine_process(
-        config, args.engine_input, args.detokenizer_input, args.engine_class, dist
-    )
+        config, args.engine_input, args.detokenizer_input, args.engine_class, dist,
+        engine_control=args.engine_control,
+    )  # fmt: skip
     if dist is not None and code != 0:
         exit_now(code)  # the followers are gone or stopping: no shutdown barrier
     sys.exit(code)

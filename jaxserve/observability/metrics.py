@@ -69,6 +69,10 @@ ENGINE_COUNTERS = {
     "eplb_rebalance_s": (
         "jaxserve_eplb_rebalance_seconds", "Time spent moving expert weights for EPLB, s"
     ),
+    "requests_expired": (
+        "jaxserve_engine_requests_expired",
+        "Requests the engine aborted because their client's deadline had passed",
+    ),
 }  # fmt: skip
 
 # `EngineCounters` fields that are values of the last step, exported as gauges (name, help).
@@ -121,6 +125,16 @@ class Metrics:
             ["model", "finish_reason"], registry=r,
         )  # fmt: skip
         self._model = model
+        self._rejected = Counter(
+            "jaxserve_requests_rejected", "Requests refused by admission control, by limit",
+            ["model", "limit"], registry=r,
+        )  # fmt: skip
+        self._abandoned = Counter(
+            "jaxserve_requests_abandoned",
+            "Requests whose client left before the end (reason: cancelled or deadline); "
+            "the engine aborts them",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
         self.running = Gauge(
             "jaxserve_num_requests_running", "Requests running", ["model"], registry=r
         ).labels(**labels)
@@ -150,6 +164,12 @@ class Metrics:
         ).labels(**labels)  # fmt: skip
         # Expert-load metrics: registered by the first stats of an MoE model.
         self._expert_metrics: tuple[Gauge, Gauge, Counter] | None = None
+
+    def request_rejected(self, limit: str) -> None:
+        self._rejected.labels(model=self._model, limit=limit).inc()
+
+    def request_abandoned(self, reason: str) -> None:
+        self._abandoned.labels(model=self._model, reason=reason).inc()
 
     def request_finished(self, finish_reason: str) -> None:
         self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
@@ -215,13 +235,15 @@ class Metrics:
         if delta > 0:
             counter.inc(delta)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose /metrics over HTTP on addr:port (a daemon thread).
+    def serve(self, port: int, addr: str = "127.0.0.1", **tls) -> None:
+        """Expose /metrics over HTTP on addr:port (a daemon thread); over HTTPS with
+        `tls` (certfile, keyfile, client_cafile, client_auth_required: the arguments of
+        prometheus_client.start_http_server; `frontend.auth.TlsFiles.metrics_kwargs`).
 
         Raises RuntimeError("metrics-port: cannot bind ADDR:PORT (...)") if the address
         cannot be bound (the port is busy, the address is not local).
         """
         try:
-            start_http_server(port, addr=addr, registry=self.registry)
+            start_http_server(port, addr=addr, registry=self.registry, **tls)
         except OSError as e:
             raise RuntimeError(f"metrics-port: cannot bind {addr}:{port} ({e})") from e

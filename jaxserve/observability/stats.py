@@ -31,6 +31,8 @@ class EngineCounters:
     eplb_rebalances / eplb_rebalance_s: EPLB expert re-placements applied, and seconds
         spent moving weights for them (0 with EPLB off).
     last_host_s / last_device_s / last_coordination_s: the same times of the last step.
+    requests_expired: requests aborted because their client's deadline passed (set by
+        the engine loop, `jaxserve.engine.control`, not the core).
     """
 
     num_steps: int = 0
@@ -48,3 +50,4 @@ class EngineCounters:
     last_host_s: float = 0.0
     last_device_s: float = 0.0
     last_coordination_s: float = 0.0
+    requests_expired: int = 0

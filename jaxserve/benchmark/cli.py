@@ -1,0 +1,292 @@
+"""`jaxserve bench`: load a running server with a dataset and report its serving metrics.
+
+    jaxserve bench --server 127.0.0.1:50051 --dataset random --input-len 128 --output-len 64 \
+        --num-prompts 200 --request-rate 8 --slo ttft=500,tpot=50 --out b.json --plot b.png
+
+The traffic flags are `vllm bench serve`'s (--request-rate, --burstiness,
+--max-concurrency, --num-warmups, --ignore-eos); the length flags are shared by the
+datasets (--input-len, --output-len, ...) where vLLM has one set per dataset. Prints
+the results table (report.py) to stdout, progress and errors to stderr. Exit status: 0,
+1 if the server failed the warm-up or every request, 2 for a bad flag (its name in the
+message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
+
+MAX_PROMPTS = 1_000_000  # --num-prompts: requests (or conversations) one run builds
+
+
+def add_subparser(sub: argparse._SubParsersAction) -> None:
+    """Register `jaxserve bench` on the CLI's subparsers."""
+    b = sub.add_parser(
+        "bench",
+        help="benchmark a running server (vllm bench serve style)",
+        description=__doc__.splitlines()[0],
+    )
+    b.add_argument(
+        "--backend",
+        choices=["grpc", "http"],
+        default="grpc",
+        help="grpc: Generate; http: streamed POST /v1/completions (OpenAI API)",
+    )
+    b.add_argument(
+        "--server",
+        default=f"{ServerConfig().host}:{ServerConfig().port}",
+        help="HOST:PORT (http: also a base URL); default %(default)s",
+    )
+    b.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="the server's --api-key (default: $JAXSERVE_API_KEY), sent as a Bearer token",
+    )
+    b.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="model folder whose tokenizer.json builds the prompts (default: the "
+        "server's model folder over gRPC when this machine has it, else the demo)",
+    )
+    d = b.add_argument_group("dataset")
+    d.add_argument(
+        "--dataset",
+        default="random",
+        choices=["random", "shared-prefix", "sharegpt", "multi-turn", "text"],
+    )
+    d.add_argument(
+        "--dataset-path",
+        metavar="FILE",
+        help="sharegpt: a ShareGPT JSON file; text: one prompt a line; "
+        "multi-turn: a ShareGPT file (default: synthetic conversations)",
+    )
+    d.add_argument(
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="requests to send (multi-turn: conversations); default %(default)s",
+    )
+    d.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="random: prompt tokens; multi-turn: tokens per user turn",
+    )
+    d.add_argument(
+        "--output-len",
+        type=int,
+        help="max_tokens per request (default 64; sharegpt: the model turn's length)",
+    )
+    d.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    d.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: prefix tokens")
+    d.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: own tokens")
+    d.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: prefixes")
+    d.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    d.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    t = b.add_argument_group("traffic")
+    t.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests (sessions) per second, Poisson; inf: all at once (default)",
+    )
+    t.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 Poisson, < 1 burstier, > 1 steadier",
+    )
+    t.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    t.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
+    t.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    t.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
+    t.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    r = b.add_argument_group("report")
+    r.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft=500,tpot=50 (also e2el)")
+    r.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
+    r.add_argument("--out", metavar="FILE.json", help="write the config, summary and requests")
+    r.add_argument("--plot", metavar="FILE.png", help="latency histograms, throughput over time")
+    r.add_argument("--label", default="", help="a title for the table, JSON and plot")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+
+
+def _error(message: str, status: int = 2) -> int:
+    print(f"jaxserve bench: error: {message}", file=sys.stderr)
+    return status
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first bad flag."""
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise ValueError(f"--num-prompts: must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
+    if args.dataset in ("sharegpt", "text") and not args.dataset_path:
+        raise ValueError(f"--dataset-path: required by --dataset {args.dataset}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate: must be > 0 (inf: all at once), got {args.request_rate}")
+    if not 0 < args.burstiness < math.inf:
+        raise ValueError(f"--burstiness: must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> str:
+    if args.tokenizer:
+        return args.tokenizer
+    if args.backend == "grpc":
+        from jaxserve.frontend.client import JaxserveClient
+
+        try:
+            with JaxserveClient(args.server) as c:
+                model = c.server_info(timeout=10).model
+            if (Path(model) / "tokenizer.json").is_file():
+                return model
+        except Exception:  # unreachable now: the run's own requests will say so
+            pass
+    return str(DEMO_MODEL_DIR)
+
+
+def build_dataset(args: argparse.Namespace, tokenizer):
+    """The sessions the flags ask for. Raises ValueError naming a bad flag, OSError for
+    an unreadable --dataset-path."""
+    from jaxserve.benchmark import datasets as ds
+
+    out_len = args.output_len
+    if out_len is not None and out_len < 1:
+        raise ValueError(f"--output-len: must be >= 1, got {out_len}")
+    try:
+        if args.dataset == "random":
+            return ds.random_dataset(
+                tokenizer, args.num_prompts, input_len=args.input_len,
+                output_len=out_len or 64, range_ratio=args.range_ratio, seed=args.seed,
+            )  # fmt: skip
+        if args.dataset == "shared-prefix":
+            return ds.shared_prefix_dataset(
+                tokenizer, args.num_prompts, prefix_len=args.prefix_len,
+                suffix_len=args.suffix_len, output_len=out_len or 64,
+                num_prefixes=args.num_prefixes, seed=args.seed,
+            )  # fmt: skip
+        if args.dataset == "sharegpt":
+            return ds.sharegpt_dataset(
+                tokenizer, args.dataset_path, args.num_prompts, output_len=out_len,
+                seed=args.seed,
+            )  # fmt: skip
+        if args.dataset == "multi-turn":
+            return ds.multi_turn_dataset(
+                tokenizer, args.num_prompts, num_turns=args.num_turns,
+                input_len=args.input_len, output_len=out_len or 64,
+                path=args.dataset_path, seed=args.seed,
+            )  # fmt: skip
+        return ds.text_file_dataset(
+            tokenizer, args.dataset_path, args.num_prompts, output_len=out_len or 64
+        )
+    except ValueError as e:  # "name: why" -> "--name: why"
+        field, sep, why = str(e).partition(": ")
+        raise ValueError(f"--{field.replace('_', '-')}: {why}" if sep else str(e)) from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from jaxserve.benchmark import client, report
+    from jaxserve.benchmark.backends import Sampling, make_backend
+    from jaxserve.frontend.tokenizer import load_tokenizer
+
+    try:
+        _check_flags(args)
+        slo = report.parse_slo(args.slo) if args.slo else None
+        percentiles = report.parse_percentiles(args.percentiles)
+        tokenizer_dir = _tokenizer_dir(args)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        sessions = build_dataset(args, tokenizer)
+    except ValueError as e:
+        return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
+    except OSError as e:
+        return _error(f"--dataset-path: {e}")
+    n_requests = sum(len(s.turns) for s in sessions)
+    load_before = os.getloadavg()
+    bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")
+
+    async def go():
+        async with make_backend(args.backend, args.server, args.timeout, args.api_key) as backend:
+            return await client.run(
+                backend, sessions,
+                sampling=Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos),
+                request_rate=args.request_rate, burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
+                seed=args.seed, on_done=lambda _: bar.update(1),
+            )  # fmt: skip
+
+    try:
+        result = asyncio.run(go())
+    except RuntimeError as e:
+        return _error(str(e), 1)
+    finally:
+        bar.close()
+    metrics = report.compute_metrics(
+        result.outputs, result.duration, slo=slo, percentiles=percentiles
+    )
+    load_after = os.getloadavg()
+    print(report.format_table(metrics, percentiles, args.label))
+    print(f"load average before {_load(load_before)}, after {_load(load_after)}; "
+          f"{platform.machine()} x{os.cpu_count()} cores")  # fmt: skip
+    if failed := [o.error for o in result.outputs if not o.success]:
+        print(f"{len(failed)} requests failed, the first: {failed[0]}", file=sys.stderr)
+    timeline = report.timeline(result.outputs, result.t0, result.duration)
+    if args.out:
+        doc = {
+            "label": args.label,
+            "tokenizer_dir": tokenizer_dir,
+            "config": {
+                k: _json_number(v) for k, v in vars(args).items() if k not in ("func", "api_key")
+            },
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+            },  # fmt: skip
+            "metrics": metrics,
+            "timeline": timeline,
+            "requests": report.per_request_records(result.outputs, result.t0),
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, allow_nan=False))
+        print(f"wrote {out}")
+    if args.plot:
+        try:
+            from jaxserve.benchmark.plot import write_plot
+
+            print(f"wrote {write_plot(args.plot, result.outputs, timeline, args.label)}")
+        except RuntimeError as e:
+            return _error(str(e), 1)
+    return 0 if metrics["completed"] else 1
+
+
+def _load(avg) -> str:
+    return " ".join(f"{x:.2f}" for x in avg)
+
+
+def _json_number(value):
+    """inf (--request-rate's default) as the string "inf": JSON has no infinity."""
+    return "inf" if isinstance(value, float) and math.isinf(value) else value

@@ -1,0 +1,242 @@
+"""Admission control and deadlines (issue 12): each limit answered with
+RESOURCE_EXHAUSTED naming it, at once; a request whose client deadline passed is
+aborted in the engine and counted; frontend memory returns near idle after a burst of
+large requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from hostile_helpers import generate_request, mock_server, status_of, wait_idle
+from mock_engine import write_mock_model_dir
+
+from jaxserve.engine.control import EngineControl
+from jaxserve.frontend.admission import AdmissionController, AdmissionError, AdmissionLimits
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    metrics_port, http_port = _free_port(), _free_port()
+    srv = mock_server(
+        model_dir,
+        extra_args=(
+            "--max-pending-requests", "4",
+            "--max-queued-prompt-tokens", "64",
+            "--max-inflight-request-bytes", "4000",
+            "--stall-timeout-s", "60",
+            "--metrics-port", str(metrics_port),
+            "--http-port", str(http_port),
+        ),
+    )  # fmt: skip
+    srv.metrics_port, srv.http_port = metrics_port, http_port
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.JaxserveStub(channel)
+
+
+def _scrape(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _open_streams(stub, prompts, max_tokens=600):
+    # 600 tokens: 38 KV blocks of the mock's 256, so all of them run at once (3 s each).
+    streams = []
+    for i, prompt in enumerate(prompts):
+        s = stub.Generate(generate_request(prompt, max_tokens, request_id=f"hold-{i}"), timeout=60)
+        next(s)  # running
+        streams.append(s)
+    return streams
+
+
+def test_past_max_pending_requests_is_resource_exhausted_at_once(server, stub):
+    streams = _open_streams(stub, [[80, i] for i in range(3)])
+    try:
+        # 3 running + 2 samples > 4: refused at once, naming the limit and its flag.
+        req = generate_request([81], 5, sampling=pb.SamplingParams(n=2))
+        start = time.monotonic()
+        code, details = status_of(lambda: stub.Generate(req, timeout=30))
+        assert time.monotonic() - start < 2.0
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-pending-requests" in details and "limit of 4" in details
+        # The HTTP API answers the same limit with 429.
+        models = f"http://127.0.0.1:{server.http_port}/v1/models"
+        model = json.loads(urllib.request.urlopen(models, timeout=10).read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": [81], "max_tokens": 5, "n": 2})
+        http_req = urllib.request.Request(
+            f"http://127.0.0.1:{server.http_port}/v1/completions", data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(http_req, timeout=30)
+        assert e.value.code == 429
+        assert "--max-pending-requests" in json.loads(e.value.read())["error"]["message"]
+        # One more sample fits.
+        got = list(stub.Generate(generate_request([82], 3), timeout=30))
+        assert got[-1].finish_reason == "length"
+    finally:
+        for s in streams:
+            s.cancel()
+    wait_idle(stub)
+
+
+def test_past_max_inflight_request_bytes_is_resource_exhausted(server, stub):
+    big = generate_request([300] * 1000, 3000, request_id="big")  # ~2 KB on the wire
+    assert 2000 < big.ByteSize() < 4000
+    first = stub.Generate(big, timeout=60)
+    next(first)
+    try:
+        other = generate_request([301] * 1000, 3)
+        code, details = status_of(lambda: stub.Generate(other, timeout=30))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-inflight-request-bytes" in details
+    finally:
+        first.cancel()
+    wait_idle(stub)
+    got = list(stub.Generate(generate_request([301] * 1000, 3), timeout=30))  # room again
+    assert got[-1].finish_reason == "length"
+
+
+def test_past_max_queued_prompt_tokens_is_resource_exhausted(server, stub):
+    """With the engine stopped, a 40-token prompt waits for prefill; another 40 would
+    pass the limit of 64 queued prompt tokens."""
+    engine_pid = server.child("jaxserve.engine.process")
+    os.kill(engine_pid, signal.SIGSTOP)
+    waiting = None
+    try:
+        waiting = stub.Generate(generate_request([85] * 40, 3, request_id="queued"), timeout=60)
+        result: list = []
+        reader = threading.Thread(target=lambda: result.extend(waiting))
+        reader.start()
+        time.sleep(0.3)  # the request reached the frontend's admission
+        code, details = status_of(lambda: stub.Generate(generate_request([86] * 40, 3), timeout=30))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-queued-prompt-tokens" in details
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    reader.join(30)
+    assert result and result[-1].finish_reason == "length"
+    wait_idle(stub)
+
+
+def test_a_passed_deadline_aborts_the_request_in_the_engine_and_is_counted(server, stub):
+    before = _scrape(server.metrics_port, 'jaxserve_requests_abandoned_total{model="mock_model')
+    code, _ = status_of(
+        lambda: stub.Generate(generate_request([87, 1], 3000, request_id="late"), timeout=0.5)
+    )
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(stub, timeout=3)  # the engine stopped computing it (3000 steps would be 15 s)
+    deadline = time.monotonic() + 5
+    while _scrape(server.metrics_port, "jaxserve_requests_abandoned_total") <= before:
+        assert time.monotonic() < deadline, "the abandoned request was not counted"
+        time.sleep(0.1)
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_frontend_memory_returns_near_idle_after_a_burst_of_large_requests(model_dir):
+    """24 concurrent requests of 7M prompt token ids (7 MB each on the wire, ~60 MB each
+    once copied): during the burst the frontend grows by hundreds of MB; 2 s after it,
+    its RSS is back within 200 MB of idle (before: +1.6 GB stayed, issue 12)."""
+    srv = mock_server(model_dir)
+    try:
+        options = [("grpc.max_send_message_length", 64 * 2**20)]
+        with grpc.insecure_channel(srv.target, options=options) as channel:
+            stub = pb_grpc.JaxserveStub(channel)
+            list(stub.Generate(generate_request([5], 2), timeout=30))
+            idle = _rss_mib(srv.proc.pid)
+            req = generate_request([5] * 7_000_000, 4)
+
+            def one():
+                status_of(lambda: stub.Generate(req, timeout=60))
+
+            threads = [threading.Thread(target=one) for _ in range(24)]
+            peak = idle
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                peak = max(peak, _rss_mib(srv.proc.pid))
+                time.sleep(0.02)
+            time.sleep(2.0)
+            after = _rss_mib(srv.proc.pid)
+        assert peak > idle + 150, (idle, peak)  # the burst did cost memory
+        assert after < idle + 200, (idle, peak, after)
+    finally:
+        srv.kill()
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_admission_controller_counts_and_releases():
+    ctl = AdmissionController(AdmissionLimits(max_requests=3, max_queued_prompt_tokens=10,
+                                              max_request_bytes=100))  # fmt: skip
+    a = ctl.reserve(60)
+    a.admit(2, 8)
+    with pytest.raises(AdmissionError, match="--max-inflight-request-bytes") as e:
+        ctl.reserve(50)
+    assert e.value.limit == "bytes"
+    b = ctl.reserve(40)
+    with pytest.raises(AdmissionError, match="--max-queued-prompt-tokens"):
+        b.admit(1, 3)
+    assert ctl.request_bytes == 60  # the refused ticket gave its bytes back
+    a.prompt_done()
+    c = ctl.reserve(40)
+    with pytest.raises(AdmissionError, match="--max-pending-requests"):
+        c.admit(2, 3)
+    a.release()
+    a.release()  # idempotent
+    assert (ctl.num_requests, ctl.queued_prompt_tokens, ctl.request_bytes) == (0, 0, 0)
+    # Alone, any request gets in.
+    d = ctl.reserve(1000)
+    d.admit(50, 500)
+    d.release()
+
+
+def test_engine_control_deadlines_and_late_aborts():
+    ctl = EngineControl()
+    assert ctl.admit("a", deadline=10.0) and ctl.admit("b", deadline=20.0)
+    assert ctl.admit("c", deadline=None)
+    ctl.finished(["b"])
+    assert ctl.expired(9.0) == [] and ctl.expired(25.0) == ["a"] and ctl.expired(99.0) == []
+    assert ctl.num_expired == 1
+    ctl.aborted(["late"])  # the abort overtook its request
+    assert not ctl.admit("late", deadline=None) and ctl.num_dropped_late == 1
+    assert ctl.admit("late2", deadline=None)

@@ -1,0 +1,238 @@
+"""TLS (and mutual TLS) on the gRPC and metrics ports, and the API key (issue 12), with
+a CA and certificates made by the test with the openssl CLI."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from hostile_helpers import generate_request, mock_server, status_of
+from mock_engine import write_mock_model_dir
+
+from jaxserve.frontend.auth import insecure_bind_warning, resolve_api_key
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+KEY = "s3cret-key"
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, both signed
+    by the CA."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)  # fmt: skip
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "1", "-out", f"{name}.pem", *ext, cwd=d)  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tls_server(model_dir, pki):
+    port = _free_port()
+    srv = mock_server(
+        model_dir,
+        extra_args=(
+            "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+            "--api-key", KEY, "--metrics-port", str(port),
+        ),
+    )  # fmt: skip
+    srv.metrics_port = port
+    yield srv
+    srv.kill()
+
+
+def _secure_channel(target, pki, client_cert=False):
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(pki / "client.pem").read_bytes() if client_cert else None,
+    )
+    return grpc.secure_channel(target, creds)
+
+
+AUTH = (("authorization", f"Bearer {KEY}"),)
+
+
+def test_tls_with_the_key_serves(tls_server, pki):
+    with _secure_channel(tls_server.target, pki) as ch:
+        stub = pb_grpc.JaxserveStub(ch)
+        got = list(stub.Generate(generate_request([5, 6], 4), timeout=30, metadata=AUTH))
+        assert got[-1].finish_reason == "length"
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10, metadata=AUTH)
+        assert info.max_model_len > 0
+
+
+@pytest.mark.parametrize("metadata", [None, (("authorization", "Bearer wrong"),),
+                                      (("authorization", KEY),)])  # fmt: skip
+def test_every_rpc_without_the_key_is_unauthenticated(tls_server, pki, metadata):
+    with _secure_channel(tls_server.target, pki) as ch:
+        stub = pb_grpc.JaxserveStub(ch)
+        calls = [
+            lambda: stub.Generate(generate_request([5], 2), timeout=10, metadata=metadata),
+            lambda: [stub.Abort(pb.AbortRequest(request_id="x"), timeout=10, metadata=metadata)],
+            lambda: [stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10, metadata=metadata)],
+        ]
+        for call in calls:
+            code, details = status_of(call)
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "API key" in details
+        with pytest.raises(Exception, match="UNAUTHENTICATED|Bearer"):
+            ProtoReflectionDescriptorDatabase(ch).get_services()
+
+
+def test_health_needs_no_key(tls_server, pki):
+    with _secure_channel(tls_server.target, pki) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_plaintext_client_cannot_talk_to_the_tls_port(tls_server):
+    with grpc.insecure_channel(tls_server.target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        code, _ = status_of(lambda: [stub.Check(health_pb2.HealthCheckRequest(), timeout=5)])
+        assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_metrics_port_serves_https(tls_server, pki):
+    url = f"https://127.0.0.1:{tls_server.metrics_port}/metrics"
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    body = urllib.request.urlopen(url, context=ctx, timeout=10).read().decode()
+    assert "jaxserve_requests_rejected" in body or "jaxserve_request_success" in body
+    with pytest.raises(OSError):  # URLError or a reset: the port speaks only TLS
+        urllib.request.urlopen(f"http://127.0.0.1:{tls_server.metrics_port}/metrics", timeout=5)
+
+
+def test_mutual_tls_requires_a_client_certificate(model_dir, pki):
+    srv = mock_server(
+        model_dir,
+        extra_args=(
+            "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+            "--tls-client-ca", str(pki / "ca.pem"),
+        ),
+    )  # fmt: skip
+    try:
+        request = health_pb2.HealthCheckRequest()
+        with _secure_channel(srv.target, pki, client_cert=True) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(request, timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with _secure_channel(srv.target, pki, client_cert=False) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            code, _ = status_of(lambda: [stub.Check(request, timeout=5)])
+            assert code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.kill()
+
+
+def test_insecure_bind_warning():
+    assert insecure_bind_warning("127.0.0.1", tls=False, api_key=False) is None
+    assert insecure_bind_warning("::1", tls=False, api_key=False) is None
+    assert insecure_bind_warning("0.0.0.0", tls=True, api_key=True) is None
+    warning = insecure_bind_warning("0.0.0.0", tls=False, api_key=True)
+    assert "TLS" in warning and "API key" not in warning
+    assert "TLS" in insecure_bind_warning("10.1.2.3", tls=False, api_key=False)
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
+    assert resolve_api_key(None, None) == "from-env"
+    assert resolve_api_key("flag", None) == "flag"
+    f = tmp_path / "key"
+    f.write_text("from-file\nignored\n")
+    assert resolve_api_key(None, str(f)) == "from-file"
+    with pytest.raises(ValueError, match="^api-key-file: cannot read"):
+        resolve_api_key(None, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="^api-key: the API key is empty"):
+        resolve_api_key("  ", None)
+
+
+def test_serve_warns_for_a_public_address_without_tls(model_dir):
+    """The warning is logged at start-up, before anything binds; the server is stopped
+    as soon as it appears."""
+    import os
+    import sys
+
+    from server_harness import REPO_DIR, TESTS_DIR
+
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+           "--host", "0.0.0.0", "--port", "0",
+           "--engine-class", "mock_engine:MockEngineCore"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "gRPC listening" in line or "error" in line:
+                break
+        assert any(
+            "serving 0.0.0.0 without TLS (--tls-cert/--tls-key) and an API key" in x for x in lines
+        ), lines
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_http_port_speaks_tls_and_needs_the_key(model_dir, pki):
+    """The OpenAI HTTP port gets the same TLS and API key: /health is open, every other
+    path needs `Authorization: Bearer <key>` (401 otherwise)."""
+    import json
+
+    http_port = _free_port()
+    srv = mock_server(
+        model_dir,
+        extra_args=(
+            "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+            "--api-key", KEY, "--http-port", str(http_port),
+        ),
+    )  # fmt: skip
+    try:
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        base = f"https://127.0.0.1:{http_port}"
+        health = urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10)
+        assert health.status == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            req = urllib.request.Request(f"{base}/v1/models", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, context=ctx, timeout=10)
+            assert e.value.code == 401
+            assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+        req = urllib.request.Request(
+            f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert urllib.request.urlopen(req, context=ctx, timeout=10).status == 200
+    finally:
+        srv.kill()
