@@ -11,6 +11,7 @@ engine (tests/mock_engine.py), which starts in a second.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -104,11 +105,20 @@ def template_file(tmp_path_factory):
     return path
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server(llm, compile_cache, template_file):
+    metrics_port = _free_port()
     flags = (*_engine_flags(), "--compilation-cache-dir", compile_cache)
     flags += ("--http-port", "0", "--chat-template", str(template_file))
+    flags += ("--metrics-port", str(metrics_port))
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
+    srv.metrics_port = metrics_port
     yield srv
     srv.terminate(15) if srv.proc.poll() is None else None
 
@@ -328,8 +338,26 @@ def test_logprobs_equal_offline(client, llm, model_name):
 # ---------------------------------------------------------------- cancellation
 
 
-def test_disconnect_mid_stream_returns_kv_blocks(client, grpc_client, model_name):
+def _aborted(server) -> float:
+    """Samples counted as finished with reason "abort" (the server's metrics)."""
+    text = _http("GET", f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("jaxserve_request_success_total{") and 'finish_reason="abort"' in line
+    )
+
+
+def _wait_running(grpc_client, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while grpc_client.server_info(timeout=TIMEOUT_S).num_running == 0:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_returns_kv_blocks(server, client, grpc_client, model_name):
     idle = _wait_idle(grpc_client)
+    aborted = _aborted(server)
     stream = client.completions.create(
         model=model_name, prompt="import ", temperature=0, max_tokens=400, stream=True,
         extra_body={"ignore_eos": True},
@@ -340,13 +368,21 @@ def test_disconnect_mid_stream_returns_kv_blocks(client, grpc_client, model_name
     assert grpc_client.server_info(timeout=TIMEOUT_S).num_running == 1
     stream.close()  # closes the connection
     assert _wait_idle(grpc_client).kv_blocks_free == idle.kv_blocks_free
-    # A client that stops waiting for a whole (non-streamed) answer cancels it too.
-    with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=1.0).chat.completions.create(
-            model=model_name, messages=CHAT, temperature=0, max_tokens=400,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
+    assert _aborted(server) == aborted + 1  # cancelled, not run to its end
+    # A client that leaves while waiting for a whole (non-streamed) answer cancels it too:
+    # every one of its n samples.
+    body = json.dumps(
+        {"messages": CHAT, "max_tokens": 450, "n": 4, "ignore_eos": True, "temperature": 0}
+    ).encode()
+    host, port = server.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        _wait_running(grpc_client)
     assert _wait_idle(grpc_client).kv_blocks_free == idle.kv_blocks_free
+    assert _aborted(server) == aborted + 1 + 4
 
 
 # ---------------------------------------------------------------- errors
