@@ -493,16 +493,6 @@ def test_unknown_model_is_404_unknown_fields_are_ignored(server, client, model_n
     assert "Traceback" not in server.log()
 
 
-def test_body_over_limit_is_413_and_bad_json_is_400(server):
-    url = server.http_url + "/v1/completions"
-    r = _http("POST", url, b" " * (32 * 1024 * 1024 + 1))
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = _http("POST", url, b'{"prompt": ')
-    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
-    r = _http("GET", server.http_url + "/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
-
-
 # ---------------------------------------------------------------- other servers (mock engine)
 
 
@@ -515,6 +505,42 @@ def _mock_server(tmp_path, start_delay_s: float = 0.0, extra=()) -> ServerProces
 
 def _post(srv, path, body):
     return _http("POST", srv.http_url + path, json_body=body)
+
+
+def _raw_post_head(url: str, content_length: int, first_bytes: bytes) -> tuple[int, dict]:
+    """POST headers announcing `content_length` bytes and only `first_bytes` of them;
+    returns the status and JSON body of the answer (sent before the rest of the body)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % content_length + first_bytes
+        )
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(
+            line.split(b":")[1] for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ))  # fmt: skip
+        while len(body) < length:
+            body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_body_over_limit_is_413_and_bad_json_is_400(tmp_path):
+    srv = _mock_server(tmp_path).wait_ready()
+    try:
+        status, body = _raw_post_head(srv.http_url, 32 * 1024 * 1024 + 1, b'{"prompt": "')
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+        r = _http("POST", srv.http_url + "/v1/completions", b'{"prompt": ')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        r = _http("GET", srv.http_url + "/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+        assert "Traceback" not in srv.log()
+    finally:
+        srv.terminate(15)
 
 
 def test_no_chat_template_is_400_and_starting_engine_is_503(tmp_path):
