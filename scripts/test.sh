@@ -3,7 +3,8 @@
 #   bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh test
+# The bench extra too: tests/test_bench_cli.py runs `jaxserve bench` (aiohttp, matplotlib).
+bash scripts/setup_venv.sh test bench
 venv="${JAXSERVE_VENV:-.venv}"
 # Lint first: the whole tree, as ruff is configured in pyproject.toml.
 "$venv/bin/ruff" check .
