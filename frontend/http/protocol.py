@@ -22,14 +22,16 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from jaxserve import sampling_params
+
 # The gRPC request-message bound (server.MAX_RECEIVE_MESSAGE_BYTES): a prompt too long for
 # the model reaches the prompt-length check (400 naming prompt) instead of the body limit.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_PROMPTS = 128  # validation.MAX_N: every prompt is at least one engine request
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
-MAX_STOP = 64
-MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP = sampling_params.MAX_STOP_STRINGS
+MAX_STOP_TOKEN_IDS = sampling_params.MAX_STOP_TOKEN_IDS
 MAX_TOOLS = 256
 
 Int = StrictInt  # no "3" -> 3 or 2.0 -> 2: a JSON number that is not an integer is a 400

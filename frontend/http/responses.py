@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.frontend.http.errors import HttpError
@@ -53,11 +53,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A client that hangs up mid-body is gone, not a server error: no traceback (a
+        # client doing it in a loop must not flood the log); nobody reads the answer.
+        logging.getLogger("jaxserve.frontend.http").debug("client left while sending a body")
+        raise HttpError(
+            400, "body: the client disconnected", "body", "client_disconnected"
+        ) from None
     return b"".join(chunks)
 
 

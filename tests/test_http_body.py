@@ -1,0 +1,40 @@
+"""frontend/http/responses.read_body: the body limit and a client that leaves mid-body."""
+
+import asyncio
+import logging
+
+import pytest
+from starlette.requests import Request
+
+from jaxserve.frontend.http.errors import HttpError
+from jaxserve.frontend.http.responses import read_body
+
+
+def _request(messages: list[dict], headers: list[tuple[bytes, bytes]] = ()) -> Request:
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": list(headers)}
+    queue = list(messages)
+
+    async def receive():
+        return queue.pop(0)
+
+    return Request(scope, receive)
+
+
+def test_client_leaving_mid_body_is_a_quiet_400(caplog):
+    request = _request(
+        [{"type": "http.request", "body": b'{"pro', "more_body": True}, {"type": "http.disconnect"}]
+    )
+    with caplog.at_level(logging.INFO), pytest.raises(HttpError) as info:
+        asyncio.run(read_body(request, 1000))
+    assert info.value.status == 400 and "disconnected" in str(info.value)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]  # no traceback, no noise
+
+
+def test_body_over_the_limit_is_413_whole_body_returned_under_it():
+    big = _request([{"type": "http.request", "body": b"x" * 11, "more_body": False}])
+    with pytest.raises(HttpError) as info:
+        asyncio.run(read_body(big, 10))
+    assert info.value.status == 413
+    parts = [{"type": "http.request", "body": b"ab", "more_body": True},
+             {"type": "http.request", "body": b"cd", "more_body": False}]  # fmt: skip
+    assert asyncio.run(read_body(_request(parts), 10)) == b"abcd"
