@@ -38,3 +38,15 @@ def test_body_over_the_limit_is_413_whole_body_returned_under_it():
     parts = [{"type": "http.request", "body": b"ab", "more_body": True},
              {"type": "http.request", "body": b"cd", "more_body": False}]  # fmt: skip
     assert asyncio.run(read_body(_request(parts), 10)) == b"abcd"
+
+
+def test_union_field_errors_name_the_real_cause():
+    from jaxserve.frontend.http.protocol import MAX_STOP, CompletionRequest, FieldError, parse_body
+
+    too_many = b'{"prompt": "a", "stop": [' + b",".join([b'"x"'] * (MAX_STOP + 1)) + b"]}"
+    with pytest.raises(FieldError) as info:
+        parse_body(CompletionRequest, too_many)
+    assert str(info.value).startswith("stop") and f"at most {MAX_STOP}" in str(info.value)
+    with pytest.raises(FieldError) as info:
+        parse_body(CompletionRequest, b'{"prompt": [1.5, 2]}')
+    assert str(info.value).startswith("prompt[0]")  # the element at fault, not the union

@@ -133,7 +133,10 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate_json(body)
     except ValidationError as e:
         errors = e.errors(include_url=False)
-        first = errors[0]
+        # A field that is a union (stop: str | list[str]) fails once per branch, and the
+        # first is the plain-string one ("Input should be a valid string"), which hides
+        # the cause: a list past its limit wins, then the error deepest inside the value.
+        first = min(errors, key=lambda err: (err["type"] != "too_long", -len(err["loc"])))
         if first["type"] in ("json_invalid", "model_type", "model_attributes_type"):
             raise FieldError("body", f"body: not a JSON object ({first['msg']})") from None
         param = field_path(first["loc"])
