@@ -167,12 +167,8 @@ class OpenAIApi:
             response_id = f"cmpl-{uuid.uuid4().hex}"
             messages = completion_requests(body, response_id, self._requests.limits())
             generations = await self._start(messages, {})
-        except FieldError as e:
-            return HttpError(400, str(e), e.param).response()
-        except HttpError as e:
-            return e.response()
-        except EngineUnavailableError as e:
-            return unavailable(str(e)).response()
+        except (FieldError, HttpError, EngineUnavailableError) as e:
+            return _start_error(e).response()
         writer = ResponseWriter(
             response_id, model, chat=False, logprobs=body.logprobs is not None, texts=self._texts
         )
@@ -205,12 +201,8 @@ class OpenAIApi:
             if body.max_completion_tokens is not None:
                 aliases["max_tokens"] = "max_completion_tokens"
             generations = await self._start([message], aliases)
-        except FieldError as e:
-            return HttpError(400, str(e), e.param).response()
-        except HttpError as e:
-            return e.response()
-        except EngineUnavailableError as e:
-            return unavailable(str(e)).response()
+        except (FieldError, HttpError, EngineUnavailableError) as e:
+            return _start_error(e).response()
         writer = ResponseWriter(
             response_id, model, chat=True, logprobs=body.logprobs, texts=self._texts
         )
@@ -324,3 +316,13 @@ async def _internal_error(request: Request, exc: Exception):
         error_body(500, "internal server error (the server's log has the details)"),
         status_code=500,
     )
+
+
+def _start_error(error: FieldError | HttpError | EngineUnavailableError) -> HttpError:
+    """The answer to an error raised before a generation starts: 400 naming the field, the
+    HttpError itself, or 503 while the engine is unavailable."""
+    if isinstance(error, FieldError):
+        return HttpError(400, str(error), error.param)
+    if isinstance(error, EngineUnavailableError):
+        return unavailable(str(error))
+    return error
