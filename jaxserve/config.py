@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # The demo model ships inside the package so `jaxserve serve` with no --model serves it.
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+
+def cache_root() -> Path:
+    """The folder of jaxserve's caches (the JAX compilation cache is `jax_cache` in it):
+    $JAXSERVE_CACHE_ROOT (as vLLM's VLLM_CACHE_ROOT), else ~/.cache/jaxserve. Read once,
+    when this module is imported."""
+    return Path(os.environ.get("JAXSERVE_CACHE_ROOT") or Path.home() / ".cache" / "jaxserve")
+
 
 # Weight/activation dtypes the engine runs (EngineConfig.dtype); "auto" (`--dtype auto`,
 # the default of `serve`) is resolved by `resolve_dtype` before the engine starts.
@@ -172,7 +181,7 @@ class EngineConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
     # JAX persistent compilation cache; None disables it.
-    compilation_cache_dir: str | None = str(Path.home() / ".cache" / "jaxserve" / "jax_cache")
+    compilation_cache_dir: str | None = str(cache_root() / "jax_cache")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,16 +1,34 @@
-"""Session fixtures shared by the engine tests: a tiny random Qwen3-MoE HF checkpoint
-(with a byte-level BPE tokenizer) and one compiled `EngineCore` on it.
+"""Session fixtures shared by every test file. Use them rather than building your own:
+an engine compile costs tens of seconds on the 2-core test machine, a server start seconds.
 
-Compiling the step buckets is the expensive part, so one engine serves every engine
-test; tests that need another KV pool size, token budget or prefix-cache setting swap
-in a fresh scheduler over the same compiled runner (`swap_scheduler`), which changes no
-compiled shape.
+Engines (one compiled `EngineCore` per config for the whole session; tests leave them idle):
+- `tiny_moe_dir`: a tiny random Qwen3-MoE HF checkpoint (with a byte-level BPE tokenizer);
+  `tiny_engine_config` / `tiny_engine`: the engine on it. Tests that need another KV pool
+  size, token budget or prefix-cache setting swap in a fresh scheduler over the same
+  compiled runner (`swap_scheduler`), which changes no compiled shape.
+- `hf_model`: the tiny checkpoint in HF transformers, the independent reference.
+- `demo_llm`: the offline `LLM` on the bundled demo model with `DEMO_ENGINE` settings
+  (tests/server_harness.py); a `jaxserve serve` with `serve_flags(DEMO_ENGINE)` starts
+  on the executables it compiled (the shared compilation cache below).
+
+Servers: `mock_model_dir`, a model folder for the mock engine (tests/mock_engine.py), whose
+server (`hostile_helpers.mock_server`) starts in about a second.
+
+Compilation cache: one JAX persistent compilation cache for the session, in a temporary
+folder (or `$JAXSERVE_TEST_CACHE_ROOT`, to keep it across runs), shared by this process
+and by every process a test starts: `JAXSERVE_CACHE_ROOT` is set for them, so the
+engine's default `compilation_cache_dir` points into it. It never masks a compile count:
+`CompileCounter` (jaxserve/engine/builder.py) counts persistent-cache hits as
+compilations, so "no compilation after warm-up" still means no executable was asked for.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,7 +36,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests use the first.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+
+def _session_cache_root() -> str:
+    root = os.environ.get("JAXSERVE_TEST_CACHE_ROOT")
+    if root:
+        return root
+    root = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+# Before jaxserve is imported: jaxserve.config reads it for its defaults.
+os.environ["JAXSERVE_CACHE_ROOT"] = _session_cache_root()
+SESSION_COMPILATION_CACHE_DIR = os.path.join(os.environ["JAXSERVE_CACHE_ROOT"], "jax_cache")
+
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    # Every jit of this process too (kernels, models, sharding), not only engines'.
+    from jaxserve.engine.builder import enable_compilation_cache
+
+    enable_compilation_cache(SESSION_COMPILATION_CACHE_DIR)
+
 
 TINY_BLOCK_SIZE = 8
 TINY_MAX_MODEL_LEN = 256
@@ -64,7 +104,7 @@ def tiny_engine_config(tiny_moe_dir):
             async_scheduling=True,
             num_decode_steps=TINY_DECODE_STEPS,
         ),
-        # The default persistent cache: reruns on one machine skip most compilation.
+        # The default compilation cache: the session's (see the module docstring).
     )
 
 
@@ -87,6 +127,32 @@ def hf_model(tiny_moe_dir):
     # to it (the attention mask is passed explicitly instead).
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture(scope="session")
+def compile_cache() -> str:
+    """The session's JAX compilation cache folder (already the engines' default)."""
+    return SESSION_COMPILATION_CACHE_DIR
+
+
+@pytest.fixture(scope="session")
+def mock_model_dir(tmp_path_factory) -> Path:
+    """A model folder for the mock engine: tokenizer.json and config.json (read-only)."""
+    from mock_engine import write_mock_model_dir
+
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+@pytest.fixture(scope="session")
+def demo_llm():
+    """The offline `LLM` on the bundled demo model, `DEMO_ENGINE` settings (tests leave
+    it idle)."""
+    from server_harness import DEMO_ENGINE
+
+    from jaxserve import LLM
+    from jaxserve.config import DEMO_MODEL_DIR
+
+    return LLM(model=DEMO_MODEL_DIR, **DEMO_ENGINE)
 
 
 @contextlib.contextmanager

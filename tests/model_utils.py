@@ -143,7 +143,7 @@ class ModelStepper:
     """Jitted paged and cache-less forwards of one model (compiled once per shape)."""
 
     def __init__(self, model):
-        self.config = model.config
+        self.model, self.config = model, model.config
         graphdef, state = nnx.split(model)
 
         @jax.jit
@@ -174,3 +174,66 @@ class ModelStepper:
         """Logits [T, vocab] of one sequence without a cache."""
         toks = jnp.asarray(tokens, jnp.int32)
         return np.asarray(self._cacheless(self._state, toks, jnp.arange(len(tokens))))
+
+
+# ----- HF parity of one model family (tests/test_models_hf.py, tests/test_dense_models.py)
+
+
+def load_family(hf_config, path: Path) -> tuple:
+    """Save `hf_config` as a random checkpoint (seed 0) in `path`, load it with the
+    jaxserve loader; returns (HF torch model, `ModelStepper`). Asserts that the loader
+    picked the HF architecture."""
+    from jaxserve.models.loader import load_model
+
+    hf_model = write_hf_checkpoint(hf_config, path, seed=0)
+    model, config = load_model(path)
+    assert config.architecture == type(hf_model).__name__
+    return hf_model, ModelStepper(model)
+
+
+def shuffled_blocks(seed: int, count: int, num_blocks: int) -> list[int]:
+    """`count` distinct KV block ids from 1..num_blocks-1 in a scrambled order (block 0
+    is the null block)."""
+    order = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
+    return [int(b) for b in order[:count]]
+
+
+def paged_greedy(
+    stepper: ModelStepper,
+    prompt: list[int],
+    new_tokens: int,
+    *,
+    block_size: int,
+    max_blocks: int,
+    num_blocks: int,
+    seed: int = 1,
+) -> list[int]:
+    """`new_tokens` greedy tokens after `prompt` through the paged cache: one prefill
+    step padded to 8 tokens / 2 request rows, then one decode step per token, on a
+    shuffled block table (`shuffled_blocks(seed, ...)`)."""
+    blocks = shuffled_blocks(seed, -(-(len(prompt) + new_tokens) // block_size), num_blocks)
+    kv_cache = stepper.new_cache(num_blocks, block_size)
+    tokens, positions, metadata = build_step(
+        [StepRequest(prompt, 0, blocks)], block_size, max_blocks, num_tokens=8, num_reqs=2
+    )
+    logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
+    generated = [int(np.argmax(np.asarray(logits)[len(prompt) - 1]))]
+    for _ in range(new_tokens - 1):
+        pos = len(prompt) + len(generated) - 1
+        tokens, positions, metadata = build_step(
+            [StepRequest([generated[-1]], pos, blocks)], block_size, max_blocks, num_reqs=2
+        )
+        step_logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
+        generated.append(int(np.argmax(np.asarray(step_logits)[0])))
+    return generated
+
+
+def hf_generate_greedy(hf_model, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF `generate(do_sample=False)`: the `new_tokens` tokens after `prompt`."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,23 @@ from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
+
+# Engine settings of the demo-model tests: few compiled buckets, so start-up stays short on
+# 2 cores. One set for all of them, so that every demo-model engine of the session (the
+# `demo_llm` fixture, each module's server) runs the same executables, compiled once into
+# the session's compilation cache (tests/conftest.py).
+DEMO_ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 128,
+    "max_model_len": 512,
+    "num_blocks": 256,
+}
+
+
+def serve_flags(settings: dict) -> tuple[str, ...]:
+    """`jaxserve serve` flags for `LLM` keyword settings: {"max_num_seqs": 16} ->
+    ("--max-num-seqs", "16")."""
+    return tuple(f for k, v in settings.items() for f in (f"--{k.replace('_', '-')}", str(v)))
 
 
 class ServerProcess:
@@ -104,6 +122,14 @@ class ServerProcess:
                 pass
         self.proc.wait(10)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for flags such as
+    --metrics-port that take no 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 from hostile_helpers import generate_request, mock_server, status_of, wait_idle
-from mock_engine import write_mock_model_dir
+from server_harness import free_port
 
 from jaxserve.engine.control import EngineControl
 from jaxserve.frontend.admission import AdmissionController, AdmissionError, AdmissionLimits
@@ -25,23 +25,10 @@ from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    metrics_port, http_port = _free_port(), _free_port()
+def server(mock_model_dir):
+    metrics_port, http_port = free_port(), free_port()
     srv = mock_server(
-        model_dir,
+        mock_model_dir,
         extra_args=(
             "--max-pending-requests", "4",
             "--max-queued-prompt-tokens", "64",
@@ -171,11 +158,11 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_frontend_memory_returns_near_idle_after_a_burst_of_large_requests(model_dir):
+def test_frontend_memory_returns_near_idle_after_a_burst_of_large_requests(mock_model_dir):
     """24 concurrent requests of 7M prompt token ids (7 MB each on the wire, ~60 MB each
     once copied): during the burst the frontend grows by hundreds of MB; 2 s after it,
     its RSS is back within 200 MB of idle (before: +1.6 GB stayed, issue 12)."""
-    srv = mock_server(model_dir)
+    srv = mock_server(mock_model_dir)
     try:
         options = [("grpc.max_send_message_length", 64 * 2**20)]
         with grpc.insecure_channel(srv.target, options=options) as channel:

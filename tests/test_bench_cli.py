@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from server_harness import REPO_DIR, ServerProcess
+from server_harness import DEMO_ENGINE, REPO_DIR, ServerProcess, serve_flags
 
 from jaxserve.benchmark import client, datasets, report
 from jaxserve.benchmark.backends import RequestOutput, Sampling
@@ -334,12 +334,9 @@ def test_driver_chains_turns_with_history():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("jax_cache"))
-    flags = (
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "512",
-        "--num-blocks", "128", "--compilation-cache-dir", cache, "--http-port", "0",
-    )  # fmt: skip
+def server():
+    # The demo-model tests' settings: their executables, compiled once per session.
+    flags = (*serve_flags(DEMO_ENGINE), "--http-port", "0")
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
     yield srv
     srv.kill()

@@ -14,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile_helpers import generate_request, mock_server, status_of, wait_idle
-from mock_engine import write_mock_model_dir
 
 from jaxserve import socket_dirs
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
@@ -25,13 +24,8 @@ GARBAGE = b"\x0a\x05\xff\xfe\xfd\xfc\xfb"  # field 1, length 5, invalid UTF-8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = mock_server(model_dir, extra_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
+def server(mock_model_dir):
+    srv = mock_server(mock_model_dir, extra_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
     yield srv
     srv.kill()
 
@@ -198,8 +192,8 @@ def test_aborts_the_engine_cannot_take_wait_and_are_sent_later():
     asyncio.run(scenario())
 
 
-def test_a_stalled_sidecar_is_named(model_dir):
-    srv = mock_server(model_dir, extra_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
+def test_a_stalled_sidecar_is_named(mock_model_dir):
+    srv = mock_server(mock_model_dir, extra_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
     try:
         with grpc.insecure_channel(srv.target) as ch:
             stub = pb_grpc.JaxserveStub(ch)

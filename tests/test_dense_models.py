@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 
 from jaxserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxserve.models.loader import load_model
 from jaxserve.models.registry import supported_architectures
 from tests.model_utils import (
-    ModelStepper,
     StepRequest,
     build_step,
+    hf_generate_greedy,
     hf_logits,
+    load_family,
+    paged_greedy,
+    shuffled_blocks,
     write_hf_checkpoint,
 )
 
@@ -67,23 +69,21 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model = write_hf_checkpoint(CONFIGS[request.param](), path, seed=0)
-    model, config = load_model(path)
-    assert config.architecture == type(hf_model).__name__
-    assert config.num_experts == 0 and model.moe_layers() == ()
-    return hf_model, ModelStepper(model)
-
-
-def _blocks(seed: int, count: int) -> list[int]:
-    order = np.random.default_rng(seed).permutation(np.arange(1, NUM_BLOCKS))
-    return [int(b) for b in order[:count]]
+    hf_model, stepper = load_family(
+        CONFIGS[request.param](), tmp_path_factory.mktemp(request.param)
+    )
+    assert stepper.config.num_experts == 0 and stepper.model.moe_layers() == ()
+    return hf_model, stepper
 
 
 def test_paged_and_cacheless_logits_match_hf(family):
     hf_model, stepper = family
     tokens, positions, metadata = build_step(
-        [StepRequest(PROMPT, 0, _blocks(0, 2))], BLOCK_SIZE, MAX_BLOCKS, num_tokens=8, num_reqs=2
+        [StepRequest(PROMPT, 0, shuffled_blocks(0, 2, NUM_BLOCKS))],
+        BLOCK_SIZE,
+        MAX_BLOCKS,
+        num_tokens=8,
+        num_reqs=2,
     )
     logits, _ = stepper.paged(
         tokens, positions, stepper.new_cache(NUM_BLOCKS, BLOCK_SIZE), metadata
@@ -94,29 +94,11 @@ def test_paged_and_cacheless_logits_match_hf(family):
 
 
 def test_greedy_decode_matches_hf_generate(family):
-    import torch
-
     hf_model, stepper = family
-    new_tokens = 12
-    blocks = _blocks(1, -(-(len(PROMPT) + new_tokens) // BLOCK_SIZE))
-    kv_cache = stepper.new_cache(NUM_BLOCKS, BLOCK_SIZE)
-    tokens, positions, metadata = build_step(
-        [StepRequest(PROMPT, 0, blocks)], BLOCK_SIZE, MAX_BLOCKS, num_tokens=8, num_reqs=2
+    generated = paged_greedy(
+        stepper, PROMPT, 12, block_size=BLOCK_SIZE, max_blocks=MAX_BLOCKS, num_blocks=NUM_BLOCKS
     )
-    logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
-    generated = [int(np.argmax(np.asarray(logits)[len(PROMPT) - 1]))]
-    for _ in range(new_tokens - 1):
-        pos = len(PROMPT) + len(generated) - 1
-        tokens, positions, metadata = build_step(
-            [StepRequest([generated[-1]], pos, blocks)], BLOCK_SIZE, MAX_BLOCKS, num_reqs=2
-        )
-        step_logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
-        generated.append(int(np.argmax(np.asarray(step_logits)[0])))
-    with torch.no_grad():
-        expected = hf_model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )[0, len(PROMPT) :].tolist()
-    assert generated == expected
+    assert generated == hf_generate_greedy(hf_model, PROMPT, 12)
 
 
 # ----- configs ----------------------------------------------------------------------------
@@ -176,7 +158,6 @@ def test_dense_config_needs_no_expert_fields():
 def test_dense_checkpoint_serves_like_hf_generate(tmp_path):
     """The offline engine (scheduler, paged cache, multi-step decode) on a Qwen2
     checkpoint: greedy output equals HF generate for two prompts batched together."""
-    import torch
     from mock_engine import train_test_tokenizer
 
     from jaxserve import LLM, SamplingParams
@@ -192,8 +173,4 @@ def test_dense_checkpoint_serves_like_hf_generate(tmp_path):
     prompts = [PROMPT, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0
-            )[0, len(prompt) :].tolist()
-        assert out.token_ids == want
+        assert out.token_ids == hf_generate_greedy(hf_model, prompt, 10)

@@ -12,21 +12,14 @@ import time
 
 import grpc
 import pytest
-from server_harness import ServerProcess, alive
+from server_harness import DEMO_ENGINE, ServerProcess, alive, serve_flags
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.client import JaxserveClient, collect_completions
 
 pytestmark = pytest.mark.slow
 
-# Small engine settings: few compiled buckets, so start-up stays short on 2 cores.
-ENGINE = {
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 128,
-    "max_model_len": 512,
-    "num_blocks": 256,
-}
 RPC_TIMEOUT_S = 120
 
 PROMPTS = [
@@ -60,23 +53,9 @@ def _client_kwargs(p: SamplingParams) -> dict:
     )  # fmt: skip
 
 
-def _engine_flags() -> tuple[str, ...]:
-    return (
-        "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-        "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-        "--max-model-len", str(ENGINE["max_model_len"]),
-        "--num-blocks", str(ENGINE["num_blocks"]),
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-@pytest.fixture(scope="module")
-def llm(compile_cache):
-    return LLM(model=DEMO_MODEL_DIR, compilation_cache_dir=compile_cache, **ENGINE)
+def llm(demo_llm):
+    return demo_llm
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +66,8 @@ def offline(llm):
 
 
 @pytest.fixture(scope="module")
-def server(offline, compile_cache):
-    flags = (*_engine_flags(), "--compilation-cache-dir", compile_cache)
+def server(offline):
+    flags = serve_flags(DEMO_ENGINE)
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
     yield srv
     srv.kill() if srv.proc.poll() is None else None

@@ -9,7 +9,6 @@ import threading
 import grpc
 import pytest
 from hostile_helpers import generate_request, mock_server, status_of, stream_gaps, wait_idle
-from mock_engine import write_mock_model_dir
 
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import (
@@ -26,13 +25,8 @@ MAX_GAP_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = mock_server(model_dir, step_delay_s=STEP_DELAY_S)
+def server(mock_model_dir):
+    srv = mock_server(mock_model_dir, step_delay_s=STEP_DELAY_S)
     yield srv
     srv.kill()
 

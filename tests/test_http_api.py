@@ -21,21 +21,14 @@ from contextlib import contextmanager
 import grpc
 import openai
 import pytest
-from mock_engine import write_mock_model_dir
-from server_harness import ServerProcess
+from server_harness import DEMO_ENGINE, ServerProcess, free_port, serve_flags
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.client import JaxserveClient
 
 pytestmark = pytest.mark.slow
 
-ENGINE = {
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 128,
-    "max_model_len": 512,
-    "num_blocks": 256,
-}
 TIMEOUT_S = 120
 CHATML = (
     "{% for message in messages %}"
@@ -83,19 +76,10 @@ def _sse_lines(url: str, body: dict):
         yield (line.decode().rstrip("\n") for line in r if line.strip())
 
 
-def _engine_flags() -> tuple[str, ...]:
-    return tuple(f for k, v in ENGINE.items() for f in (f"--{k.replace('_', '-')}", str(v)))
-
-
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-@pytest.fixture(scope="module")
-def llm(compile_cache):
+def llm(demo_llm):
     """The offline reference; built first so that the server starts on a warm cache."""
-    return LLM(model=DEMO_MODEL_DIR, compilation_cache_dir=compile_cache, **ENGINE)
+    return demo_llm
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +89,10 @@ def template_file(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(llm, compile_cache, template_file):
-    metrics_port = _free_port()
-    flags = (*_engine_flags(), "--compilation-cache-dir", compile_cache)
+def server(llm, template_file):
+    metrics_port = free_port()
+    flags = serve_flags(DEMO_ENGINE)
     flags += ("--http-port", "0", "--chat-template", str(template_file))
     flags += ("--metrics-port", str(metrics_port))
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=600).wait_ready()
@@ -496,8 +474,7 @@ def test_unknown_model_is_404_unknown_fields_are_ignored(server, client, model_n
 # ---------------------------------------------------------------- other servers (mock engine)
 
 
-def _mock_server(tmp_path, start_delay_s: float = 0.0, extra=()) -> ServerProcess:
-    model = write_mock_model_dir(tmp_path / "mock_model")
+def _mock_server(model, start_delay_s: float = 0.0, extra=()) -> ServerProcess:
     args = ("--engine-class", "mock_engine:MockEngineCore", "--http-port", "0", *extra)
     env = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.005", "JAXSERVE_MOCK_START_DELAY_S": str(start_delay_s)}
     return ServerProcess(model, extra_args=args, env=env, start_timeout_s=60)
@@ -529,8 +506,8 @@ def _raw_post_head(url: str, content_length: int, first_bytes: bytes) -> tuple[i
     return int(head.split()[1]), json.loads(body)
 
 
-def test_body_over_limit_is_413_and_bad_json_is_400(tmp_path):
-    srv = _mock_server(tmp_path).wait_ready()
+def test_body_over_limit_is_413_and_bad_json_is_400(mock_model_dir):
+    srv = _mock_server(mock_model_dir).wait_ready()
     try:
         status, body = _raw_post_head(srv.http_url, 32 * 1024 * 1024 + 1, b'{"prompt": "')
         assert status == 413 and body["error"]["code"] == "request_too_large"
@@ -543,8 +520,8 @@ def test_body_over_limit_is_413_and_bad_json_is_400(tmp_path):
         srv.terminate(15)
 
 
-def test_no_chat_template_is_400_and_starting_engine_is_503(tmp_path):
-    srv = _mock_server(tmp_path, start_delay_s=3.0)
+def test_no_chat_template_is_400_and_starting_engine_is_503(mock_model_dir):
+    srv = _mock_server(mock_model_dir, start_delay_s=3.0)
     try:
         r = _post(srv, "/v1/completions", {"prompt": "def ", "max_tokens": 2})
         assert r.status_code == 503, r.text
@@ -559,8 +536,8 @@ def test_no_chat_template_is_400_and_starting_engine_is_503(tmp_path):
         srv.terminate(15)
 
 
-def test_engine_death_ends_streams_and_answers_503(tmp_path):
-    srv = _mock_server(tmp_path).wait_ready()
+def test_engine_death_ends_streams_and_answers_503(mock_model_dir):
+    srv = _mock_server(mock_model_dir).wait_ready()
     try:
         body = {"prompt": "def ", "max_tokens": 3000, "stream": True, "extra": 1}
         body["ignore_eos"] = True
@@ -579,8 +556,8 @@ def test_engine_death_ends_streams_and_answers_503(tmp_path):
         srv.kill()
 
 
-def test_sigterm_with_an_open_stream_stops_within_10_s(tmp_path):
-    srv = _mock_server(tmp_path).wait_ready()
+def test_sigterm_with_an_open_stream_stops_within_10_s(mock_model_dir):
+    srv = _mock_server(mock_model_dir).wait_ready()
     try:
         body = {"prompt": "def ", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         lines = []

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from mock_engine import write_mock_model_dir
 from server_harness import ServerProcess, alive
 
 from jaxserve.frontend.client import JaxserveClient
@@ -25,17 +24,12 @@ EXIT_DEADLINE_S = 10.0  # the launcher's grace plus stopping the other child tak
 RPC_TIMEOUT_S = 30
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
-
-
-def _mock_server(model_dir: Path) -> ServerProcess:
+def _mock_server(mock_model_dir: Path) -> ServerProcess:
     # 5 ms per mock step: a 2000-token stream lasts >= 10 s, longer than the test.
     args = ("--num-blocks", "256", "--block-size", "16")
     args += ("--engine-class", "mock_engine:MockEngineCore")
     env = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.005"}
-    return ServerProcess(model_dir, extra_args=args, env=env).wait_ready()
+    return ServerProcess(mock_model_dir, extra_args=args, env=env).wait_ready()
 
 
 def _open_stream(target: str) -> tuple[threading.Thread, threading.Event, dict]:
@@ -63,8 +57,8 @@ def _open_stream(target: str) -> tuple[threading.Thread, threading.Event, dict]:
         ("detokenizer", "jaxserve.frontend.detokenizer_process"),
     ],
 )
-def test_child_death_ends_streams_and_exits_with_code_1(model_dir, name, module):
-    srv = _mock_server(model_dir)
+def test_child_death_ends_streams_and_exits_with_code_1(mock_model_dir, name, module):
+    srv = _mock_server(mock_model_dir)
     try:
         pids = list(srv.children)
         assert len(pids) == 2 and all(alive(p) for p in pids)

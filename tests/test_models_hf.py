@@ -11,15 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.models.loader import load_model
 from tests.model_utils import (
-    ModelStepper,
     StepRequest,
     build_step,
+    hf_generate_greedy,
     hf_logits,
+    load_family,
+    paged_greedy,
+    shuffled_blocks,
     tiny_mixtral_config,
     tiny_qwen3_moe_config,
-    write_hf_checkpoint,
 )
 
 BLOCK_SIZE = 4
@@ -45,18 +46,11 @@ PROMPT = [17, 200, 3, 45, 99, 120, 7]
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def family(request, tmp_path_factory):
     """(HF torch model, our stepper) for one config, sharing one saved checkpoint."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model = write_hf_checkpoint(CONFIGS[request.param](), path, seed=0)
-    model, config = load_model(path)
-    assert config.architecture == type(hf_model).__name__
-    return hf_model, ModelStepper(model)
+    return load_family(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
 
 
 def _shuffled_blocks(seed: int, count: int) -> list[int]:
-    # Block 0 is the null block; hand out the rest in a scrambled order.
-    return [
-        int(b) for b in np.random.default_rng(seed).permutation(np.arange(1, NUM_BLOCKS))[:count]
-    ]
+    return shuffled_blocks(seed, count, NUM_BLOCKS)
 
 
 def _prefill(stepper, prompt, blocks, kv_cache, num_tokens=None):
@@ -84,27 +78,11 @@ def test_cacheless_logits_match_hf(family):
 
 
 def test_greedy_decode_matches_hf_generate(family):
-    import torch
-
     hf_model, stepper = family
-    new_tokens = 16
-    blocks = _shuffled_blocks(1, -(-(len(PROMPT) + new_tokens) // BLOCK_SIZE))
-    kv_cache = stepper.new_cache(NUM_BLOCKS, BLOCK_SIZE)
-    logits, kv_cache = _prefill(stepper, PROMPT, blocks, kv_cache, num_tokens=8)
-    generated = [int(np.argmax(logits[-1]))]
-    for _ in range(new_tokens - 1):
-        pos = len(PROMPT) + len(generated) - 1
-        tokens, positions, metadata = build_step(
-            [StepRequest([generated[-1]], pos, blocks)], BLOCK_SIZE, MAX_BLOCKS, num_reqs=2
-        )
-        step_logits, kv_cache = stepper.paged(tokens, positions, kv_cache, metadata)
-        generated.append(int(np.argmax(np.asarray(step_logits)[0])))
-
-    with torch.no_grad():
-        expected = hf_model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )[0, len(PROMPT) :].tolist()
-    assert generated == expected
+    generated = paged_greedy(
+        stepper, PROMPT, 16, block_size=BLOCK_SIZE, max_blocks=MAX_BLOCKS, num_blocks=NUM_BLOCKS
+    )
+    assert generated == hf_generate_greedy(hf_model, PROMPT, 16)
 
 
 def test_batched_prompts_match_each_alone(family):

@@ -12,8 +12,7 @@ from jaxserve.sampling_params import MAX_N, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def both(tiny_engine, tiny_moe_dir, tmp_path_factory):
-    from mock_engine import write_mock_model_dir
+def both(tiny_engine, tiny_moe_dir, mock_model_dir):
     from server_harness import ServerProcess
 
     from jaxserve.frontend.client import JaxserveClient
@@ -21,7 +20,7 @@ def both(tiny_engine, tiny_moe_dir, tmp_path_factory):
 
     llm = LLM.from_engine(tiny_engine, tokenizer=tiny_moe_dir)
     limit = tiny_engine.max_model_len
-    model = write_mock_model_dir(tmp_path_factory.mktemp("mock_rules"))
+    model = mock_model_dir
     srv = ServerProcess(
         model,
         extra_args=("--engine-class", "mock_engine:MockEngineCore", "--max-model-len", str(limit)),

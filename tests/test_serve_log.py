@@ -75,13 +75,12 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "http://[::1]:9090/metrics" in block and "64 tokens" in block
 
 
-def test_a_running_server_logs_its_config_and_stats(tmp_path):
-    from mock_engine import write_mock_model_dir
+def test_a_running_server_logs_its_config_and_stats(mock_model_dir):
     from server_harness import ServerProcess
 
     from jaxserve.frontend.client import JaxserveClient
 
-    model = write_mock_model_dir(tmp_path / "mock")
+    model = mock_model_dir
     srv = ServerProcess(
         model,
         extra_args=("--engine-class", "mock_engine:MockEngineCore", "--stats-log-interval", "0.2"),

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from server_harness import free_port
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.models.config import SUPPORTED_ARCHITECTURES
@@ -123,12 +124,10 @@ def _has_ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
-def test_ipv6_host_serves(tmp_path):
-    from mock_engine import write_mock_model_dir
-
+def test_ipv6_host_serves(mock_model_dir):
     from jaxserve.frontend.client import JaxserveClient
 
-    model = write_mock_model_dir(tmp_path / "mock")
+    model = mock_model_dir
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", str(model), "--host", "::1",
          "--port", "0", *MOCK],
@@ -176,19 +175,13 @@ def test_engine_error_at_info_ends_with_the_cause_and_debug_shows_the_traceback(
 # ----- several processes ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy):
     """Process 0 fails at start (its gRPC port is busy: a failure only it sees); process
     1, already waiting in jax.distributed.initialize (300 s timeout), ends within
     seconds with one line naming the leader's cause."""
     import time
 
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     run = ("--num-processes", "2", "--coordinator-address", coordinator, "--log-level", "warning")
     env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", str(model_copy), *run]
@@ -232,7 +225,7 @@ def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     del tensors["model.norm.weight"]
     weights.unlink()
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     flags = ["--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
              "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning"]  # fmt: skip
     env = {

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from hostile_helpers import generate_request, mock_server, status_of
-from mock_engine import write_mock_model_dir
+from server_harness import free_port
 
 from jaxserve.frontend.auth import insecure_bind_warning, resolve_api_key
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
@@ -47,23 +47,10 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tls_server(model_dir, pki):
-    port = _free_port()
+def tls_server(mock_model_dir, pki):
+    port = free_port()
     srv = mock_server(
-        model_dir,
+        mock_model_dir,
         extra_args=(
             "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
             "--api-key", KEY, "--metrics-port", str(port),
@@ -134,9 +121,9 @@ def test_metrics_port_serves_https(tls_server, pki):
         urllib.request.urlopen(f"http://127.0.0.1:{tls_server.metrics_port}/metrics", timeout=5)
 
 
-def test_mutual_tls_requires_a_client_certificate(model_dir, pki):
+def test_mutual_tls_requires_a_client_certificate(mock_model_dir, pki):
     srv = mock_server(
-        model_dir,
+        mock_model_dir,
         extra_args=(
             "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
             "--tls-client-ca", str(pki / "ca.pem"),
@@ -179,7 +166,7 @@ def test_api_key_sources(tmp_path, monkeypatch):
         resolve_api_key("  ", None)
 
 
-def test_serve_warns_for_a_public_address_without_tls(model_dir):
+def test_serve_warns_for_a_public_address_without_tls(mock_model_dir):
     """The warning is logged at start-up, before anything binds; the server is stopped
     as soon as it appears."""
     import os
@@ -188,7 +175,7 @@ def test_serve_warns_for_a_public_address_without_tls(model_dir):
     from server_harness import REPO_DIR, TESTS_DIR
 
     env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(mock_model_dir),
            "--host", "0.0.0.0", "--port", "0",
            "--engine-class", "mock_engine:MockEngineCore"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_DIR, stderr=subprocess.PIPE, text=True)
@@ -206,14 +193,14 @@ def test_serve_warns_for_a_public_address_without_tls(model_dir):
         proc.wait(30)
 
 
-def test_http_port_speaks_tls_and_needs_the_key(model_dir, pki):
+def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
     """The OpenAI HTTP port gets the same TLS and API key: /health is open, every other
     path needs `Authorization: Bearer <key>` (401 otherwise)."""
     import json
 
-    http_port = _free_port()
+    http_port = free_port()
     srv = mock_server(
-        model_dir,
+        mock_model_dir,
         extra_args=(
             "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
             "--api-key", KEY, "--http-port", str(http_port),

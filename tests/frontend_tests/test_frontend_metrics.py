@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+from server_harness import free_port
 
 from frontend_tests.helpers import (
     RPC_TIMEOUT_S,
@@ -15,13 +15,6 @@ from frontend_tests.helpers import (
 from jaxserve.frontend.client import JaxserveClient
 
 # ---------------------------------------------------------------- metrics
-
-
-def _free_port() -> int:
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -41,7 +34,7 @@ def _scrape(port: int) -> dict[str, float]:
 def metrics_server(model_dir):
     """A server with --metrics-port, shared by the metrics tests (each compares the
     samples after its requests with those before)."""
-    port = _free_port()
+    port = free_port()
     srv = MockServer(model_dir, extra_args=("--metrics-port", str(port))).wait_ready()
     srv.metrics_port = port
     yield srv
