@@ -10,4 +10,8 @@ venv="${JAXSERVE_VENV:-.venv}"
 "$venv/bin/ruff" check .
 # Tests that need several devices get them from emulated CPU devices (see tests/conftest.py).
 # `gpu`-marked tests need an NVIDIA GPU; run them there with `pytest -m gpu`.
-exec "$venv/bin/python" -m pytest -q -m "not gpu" "$@"
+# The slowest tests are listed at the end (the suite's budget is 15 min on 2 cores); for a
+# table per file, add --junitxml=FILE and run scripts/test_file_times.py FILE.
+# The JAX compilation cache is one temporary folder per run (tests/conftest.py); set
+# JAXSERVE_TEST_CACHE_ROOT to a folder to keep it between runs.
+exec "$venv/bin/python" -m pytest -q -m "not gpu" --durations=25 "$@"
