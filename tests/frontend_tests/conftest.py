@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from mock_engine import write_mock_model_dir
 
 from frontend_tests.helpers import MockServer
 from jaxserve.frontend.client import JaxserveClient
@@ -18,8 +17,8 @@ from jaxserve.frontend.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+def model_dir(mock_model_dir):
+    return mock_model_dir
 
 
 @pytest.fixture(scope="session")
