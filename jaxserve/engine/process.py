@@ -112,6 +112,9 @@ class EngineLoop:
         self._last_stats_time = 0.0
         self._step = 0
         self._running = True
+        # Loop wait (blocked in poll, idle) vs work, seconds since start (layer metrics).
+        self._wait_s = 0.0
+        self._started = time.perf_counter()
 
     def run(self) -> None:
         """Send the ready handshake, then loop until a Shutdown message arrives."""
@@ -119,7 +122,9 @@ class EngineLoop:
         while self._running:
             if not self._core.has_work():
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
+                waited = time.perf_counter()
                 self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
+                self._wait_s += time.perf_counter() - waited
             if self._control_socket is not None:
                 self._drain_input(self._control_socket)
             self._drain_input()
@@ -181,7 +186,7 @@ class EngineLoop:
         self._step += 1
         self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)
         if outputs:
-            self._output.send(encode(EngineOutputs(outputs, self._step)))
+            self._output.send(encode(EngineOutputs(outputs, self._step, time.time())))
         self._send_stats(rate_limited=True)
 
     def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
@@ -190,10 +195,16 @@ class EngineLoop:
         at once, so a client sees its request counted by the time its tokens arrive."""
         stats = self._core.stats()
         stats.ready = True
-        stats.counters.requests_expired = self._control.num_expired
+        counters = stats.counters
+        counters.requests_expired = self._control.num_expired
         last = self._last_stats
+        if last is not None:  # the loop's clock alone is no change worth a message
+            counters.loop_wait_s = last.counters.loop_wait_s
+            counters.loop_work_s = last.counters.loop_work_s
         if not force and stats == last:
             return
+        counters.loop_wait_s = self._wait_s
+        counters.loop_work_s = time.perf_counter() - self._started - self._wait_s
         now = time.monotonic()
         if (
             rate_limited
