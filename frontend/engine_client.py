@@ -200,6 +200,17 @@ class AsyncEngineClient:
     def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
         self._stats_listeners.append(listener)
 
+    def send_control(self, msg) -> None:
+        """Send a control message (e.g. `ipc.ProfileRequest`) on the engine's control path
+        (its request queue without one). Raises EngineDeadError when the engine is dead,
+        starting or not taking messages."""
+        self._check_alive()
+        sock = self._to_control if self._to_control is not None else self._to_engine
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise EngineDeadError("the engine is not taking requests") from e
+
     def add_outputs_listener(self, listener: Callable[[TextOutputs], None]) -> None:
         """Call `listener(msg)` on each TextOutputs as it arrives, before its streams get
         it (the metrics' detokenizer lag)."""

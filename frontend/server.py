@@ -51,6 +51,7 @@ from jaxserve.frontend.requests import (
     SampleFailedError,
 )
 from jaxserve.ipc import TextOutput
+from jaxserve.observability import profile_rpc
 from jaxserve.observability.loop_lag import watch_loop_lag
 from jaxserve.observability.metrics import Metrics
 
@@ -247,6 +248,8 @@ class FrontendServer:
         self._health = health.aio.HealthServicer()
         servicer = JaxserveServicer(engine, tokenizer, requests=self._requests)
         add_servicer_to_server(servicer, self._server)
+        # `jaxserve profile`: a JSON method beside the service (observability/profile_rpc).
+        self._server.add_generic_rpc_handlers((profile_rpc.handler(engine),))
         # Health and reflection too, with deserializers that never raise: garbage bytes
         # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
         add_lenient_service(

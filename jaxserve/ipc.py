@@ -164,6 +164,15 @@ class Heartbeat:
 
 
 @dataclass(slots=True)
+class ProfileRequest:
+    """Frontend -> engine (control path): capture a profile for `seconds` into `out_dir`
+    (`observability.profile.ProfileSession`; the engine writes the files)."""
+
+    out_dir: str
+    seconds: float
+
+
+@dataclass(slots=True)
 class Shutdown:
     reason: str = ""
 
@@ -181,6 +190,7 @@ _TYPES = {
         Heartbeat,
         EngineCounters,
         EngineHistograms,
+        ProfileRequest,
         Shutdown,
     )
 }

@@ -38,6 +38,7 @@ from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.observability.peaks import engine_peak
+from jaxserve.observability.profile import TIMELINE
 from jaxserve.observability.stats import (
     LATENCY_BUCKETS_S,
     EngineCounters,
@@ -220,30 +221,30 @@ class EngineCore:
 
     def _step_sync(self) -> list[RequestOutput]:
         """schedule -> execute -> update, one step at a time."""
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if sched.is_empty:
             return self.scheduler.drain_finished()
         x = self._prepare(sched)
         samples = self._fetch(self._dispatch(x, sched))
-        return self.scheduler.update(sched, samples)
+        return self._update(sched, samples)
 
     def _step_async(self) -> list[RequestOutput]:
         """The batch queue of depth one: schedule and pack step N + 1 while N runs, then
         fetch N, dispatch N + 1 with N's tokens filled in, and update from N."""
         if self._inflight is None:
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             if sched.is_empty:
                 return self.scheduler.drain_finished()
             self._inflight = self._dispatch(self._prepare(sched), sched)
         done = self._inflight
-        nxt = self.scheduler.schedule()
+        nxt = self._schedule()
         x = None if nxt.is_empty else self._prepare(nxt, in_flight=done.sched)
         samples = self._fetch(done)
         self._inflight = None
         if x is not None:
             self.runner.fill_pending(x, samples)
             self._inflight = self._dispatch(x, nxt)
-        return self.scheduler.update(done.sched, samples)
+        return self._update(done.sched, samples)
 
     def _rebalance(self) -> list[RequestOutput]:
         """Re-place the experts if the EPLB plan changes any layer. The step in flight
@@ -255,8 +256,22 @@ class EngineCore:
         outputs = []
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
-            outputs = self.scheduler.update(done.sched, self._fetch(done))
+            outputs = self._update(done.sched, self._fetch(done))
         self.eplb.apply(plan)
+        return outputs
+
+    # The step's phases, each a span of the profiler's host timeline (observability.profile).
+
+    def _schedule(self) -> SchedulerOutput | DPSchedulerOutput:
+        t = TIMELINE.now()
+        sched = self.scheduler.schedule()
+        TIMELINE.span("schedule", t)
+        return sched
+
+    def _update(self, sched, samples) -> list[RequestOutput]:
+        t = TIMELINE.now()
+        outputs = self.scheduler.update(sched, samples)
+        TIMELINE.span("outputs", t)
         return outputs
 
     def _dispatch(self, x: StepInputs | DPStepInputs, sched) -> InFlightStep:
@@ -268,13 +283,17 @@ class EngineCore:
                 if row.seq.first_scheduled_time is None:
                     row.seq.first_scheduled_time = now
                     self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
+        t = TIMELINE.now()
         step = self.executor.dispatch(x, sched)
+        TIMELINE.span("dispatch", t)
         self.step_meter.dispatched(step, sched)
         return step
 
     def _fetch(self, step: InFlightStep):
         """`executor.fetch`, metered (the step's time: dispatch to results here)."""
+        t = TIMELINE.now()
         samples = self.executor.fetch(step)
+        TIMELINE.span("wait for device", t)
         self.step_meter.fetched(step)
         return samples
 
@@ -286,8 +305,10 @@ class EngineCore:
         """The runner's packed inputs of `sched` (tokens `in_flight` still samples left
         pending), after ending every request whose sampling row could not be packed
         (see `_end_unpackable_rows`)."""
+        t = TIMELINE.now()
         x = self.runner.prepare(sched, in_flight)
         self._end_unpackable_rows(sched, x)
+        TIMELINE.span("pack", t)
         return x
 
     def _end_unpackable_rows(

@@ -11,6 +11,11 @@ work, nothing waits on a socket; only an idle engine blocks, in `poll`. Stats (t
 handshake at start, then changes, at most every `stats_interval_s` while busy and always
 on going idle) travel on the outputs socket so they stay ordered with outputs.
 
+Profiling (`jaxserve profile`): a `ProfileRequest` on the control socket starts an
+`observability.profile.ProfileSession` (a JAX trace and the loop's host timeline), which
+the loop ends once its seconds are over; the loop's own time blocked in poll versus
+working is counted for the metrics (`EngineCounters.loop_wait_s` / `loop_work_s`).
+
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
 
@@ -47,6 +52,7 @@ from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
     Heartbeat,
+    ProfileRequest,
     RequestOutput,
     Shutdown,
     decode,
@@ -55,6 +61,7 @@ from jaxserve.ipc import (
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
 from jaxserve.logs import configure_logging, describe_error, report_start_failure
+from jaxserve.observability.profile import TIMELINE, ProfileSession
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -115,6 +122,7 @@ class EngineLoop:
         # Loop wait (blocked in poll, idle) vs work, seconds since start (layer metrics).
         self._wait_s = 0.0
         self._started = time.perf_counter()
+        self._profile: ProfileSession | None = None  # `jaxserve profile`, while it runs
 
     def run(self) -> None:
         """Send the ready handshake, then loop until a Shutdown message arrives."""
@@ -125,12 +133,17 @@ class EngineLoop:
                 waited = time.perf_counter()
                 self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
                 self._wait_s += time.perf_counter() - waited
+                TIMELINE.span("poll (idle)", waited)
+            t = TIMELINE.now()
             if self._control_socket is not None:
                 self._drain_input(self._control_socket)
             self._drain_input()
+            TIMELINE.span("drain inputs", t)
             self._tick()
             if self._running and self._core.has_work():
                 self._run_step()
+        if self._profile is not None:
+            self._profile.finish()
 
     def _tick(self) -> None:
         """Abort the requests whose deadline passed; send the heartbeat when due."""
@@ -140,6 +153,9 @@ class EngineLoop:
             self._core.abort_requests(expired)
         if self._control.heartbeat_due(time.monotonic()):
             self._output.send(encode(Heartbeat("engine", time.time())))
+        if self._profile is not None and self._profile.due(time.monotonic()):
+            self._profile.finish()
+            self._profile = None
 
     def _drain_input(self, sock: zmq.Socket | None = None) -> None:
         sock = self._input if sock is None else sock
@@ -161,6 +177,13 @@ class EngineLoop:
         elif isinstance(msg, AbortRequest):
             self._control.aborted(msg.request_ids)
             self._core.abort_requests(msg.request_ids)
+        elif isinstance(msg, ProfileRequest):
+            if self._profile is not None:  # one at a time: the newer one waits its turn
+                logger.warning("profile: a capture is running; ignoring one into %s", msg.out_dir)
+            else:
+                self._profile = ProfileSession(
+                    msg.out_dir, msg.seconds, jax_trace="jax" in sys.modules
+                )
         elif isinstance(msg, Shutdown):
             logger.info("shutting down: %s", msg.reason or "requested")
             self._running = False
@@ -182,12 +205,18 @@ class EngineLoop:
             self._output.send(encode(EngineOutputs([error], self._step)))
 
     def _run_step(self) -> None:
+        t = TIMELINE.now()
         outputs = self._core.step()
+        TIMELINE.span("step", t)
         self._step += 1
+        if self._profile is not None:
+            self._profile.steps += 1
+        t = TIMELINE.now()
         self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)
         if outputs:
             self._output.send(encode(EngineOutputs(outputs, self._step, time.time())))
         self._send_stats(rate_limited=True)
+        TIMELINE.span("send outputs", t)
 
     def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
         """Send the stats if they changed. Rate-limited sends skip gauge-only changes (KV
