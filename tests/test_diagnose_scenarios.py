@@ -26,11 +26,12 @@ from scenario_load import Background, burst, free_port
 from server_harness import REPO_DIR, ServerProcess
 
 from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.frontend.detokenizer_process import DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
 WINDOW_S = 8.0
-_ENGINE = ("--max-num-batched-tokens", "64", "--max-model-len", "256")
+_ENGINE = ("--max-num-batched-tokens", "64")
 
 
 def _serve(*flags: str, env: dict | None = None) -> tuple[ServerProcess, str]:
@@ -61,7 +62,9 @@ def _diagnose(metrics: str, load) -> dict:
 
 @pytest.fixture(scope="module")
 def small_server():
-    srv, metrics = _serve("--max-num-seqs", "2", "--num-blocks", "10", "--block-size", "16")
+    srv, metrics = _serve(
+        "--max-num-seqs", "2", "--num-blocks", "10", "--block-size", "16", "--max-model-len", "144"
+    )  # fmt: skip
     yield srv, metrics
     srv.kill()
 
@@ -124,3 +127,30 @@ def test_diagnose_errors_name_their_cause(tmp_path):
     proc = subprocess.run([*cmd, "--server", f"127.0.0.1:{port}", "--seconds", "1"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 1 and f"127.0.0.1:{port}/metrics" in proc.stderr
+
+
+def test_slow_detokenizer_is_the_application_layer():
+    srv, metrics = _serve("--max-num-seqs", "4", env={DELAY_ENV: "0.05"})
+    try:
+        result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 2, max_tokens=24))
+    finally:
+        srv.kill()
+    assert result["layer"] == "application (frontend / detokenizer)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["detokenizer_lag_mean_s"] >= 0.05
+
+
+def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
+    """4 emulated devices, one EP rank each (2 of the 8 experts per rank), EPLB off;
+    prompts of one repeated token id send every prefill token to the same top-2 experts,
+    so at most 2 of the 4 ranks get load: balancedness <= 0.5."""
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    srv, metrics = _serve("--mesh", "dp=1,tp=4", "--max-num-seqs", "4", env=env)
+    try:
+        prompt = [7] * 48  # token ids
+        result = _diagnose(metrics, lambda: burst(srv.target, [prompt] * 2, max_tokens=2))
+    finally:
+        srv.kill()
+    assert result["layer"] == "parallelism (expert load)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["expert_balancedness_mean"] < 0.8 and numbers["eplb_rebalances"] == 0

@@ -61,7 +61,7 @@ def test_profile_captures_trace_and_timeline_of_a_running_engine(server, tmp_pat
     end_us = (SECONDS + 1.0) * 1e6  # the loop stops within a poll of the window's end
     assert all(0 <= e["ts"] and e["ts"] + e["dur"] <= end_us for e in events)
     # The server kept serving: the same engine process answers afterwards.
-    assert burst(server.target, ["def "], 4) == [4]
+    assert burst(server.target, ["def "], 4)[0] > 0
 
 
 def test_profile_bad_arguments_are_usage_errors(server, tmp_path):

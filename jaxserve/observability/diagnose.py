@@ -25,8 +25,10 @@ of the window (or idle: then it says that the window saw no requests). The thres
 constants below, chosen so a server that keeps up with its load names no layer.
 
 `--from bench.json` reads a `jaxserve bench --out` file instead: client-side numbers only,
-so only the client-visible branches (queueing from TTFT's tail, stalls from ITL's tail,
-failures) can be told; it says so. No JAX here.
+so only the client-visible branches can be told, and it says so: failures; queueing (a
+median TTFT of more than `WAIT_STEPS` median inter-token gaps per `PREFILL_TOKENS` prompt
+tokens, or a TTFT p99 over `TAIL_RATIO` times its median); stalls (the same tail of ITL).
+No JAX here.
 """
 
 from __future__ import annotations
@@ -333,6 +335,10 @@ def diagnose_server(address: str, seconds: float, interval_s: float = 0.5) -> Di
 
 # Client-side rules of `--from bench.json`.
 TAIL_RATIO = 3.0  # p99 / median of TTFT (queueing) or ITL (stalls)
+# A prompt of up to PREFILL_TOKENS tokens is prefilled in about one step: a median TTFT
+# above WAIT_STEPS decode steps (ITL medians) per that many prompt tokens means waiting.
+PREFILL_TOKENS = 256
+WAIT_STEPS = 10.0
 
 
 def diagnose_bench(doc: dict, source: str) -> Diagnosis:
@@ -354,10 +360,15 @@ def diagnose_bench(doc: dict, source: str) -> Diagnosis:
             "application (errors)", "requests failed", {"failed": m["failed"]},
             "the failed requests' errors are in the bench JSON's requests; the server log",
         ))  # fmt: skip
-    if summary["ttft_p99_ms"] > TAIL_RATIO * max(summary["ttft_p50_ms"], 1e-9):
+    prompt = m.get("total_input_tokens", 0) / max(m.get("completed", 0), 1)
+    prefill_steps = max(1.0, prompt / PREFILL_TOKENS)
+    waited = summary["ttft_p50_ms"] > WAIT_STEPS * prefill_steps * summary["itl_p50_ms"]
+    if waited or summary["ttft_p99_ms"] > TAIL_RATIO * max(summary["ttft_p50_ms"], 1e-9):
         findings.append(Finding(
-            "scheduling (queue)", "TTFT has a long tail: requests wait before their prefill",
+            "scheduling (queue)", "requests wait before their prefill: TTFT is many decode "
+            "steps long, or has a long tail",
             {"ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
+             "itl_p50_ms": summary["itl_p50_ms"], "prompt_tokens_mean": prompt,
              "max_concurrency_observed": m.get("max_concurrency_observed", 0)},
             "jaxserve diagnose --server (queue time vs prefill); --max-num-seqs",
         ))  # fmt: skip
