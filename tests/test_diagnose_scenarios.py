@@ -141,11 +141,11 @@ def test_slow_detokenizer_is_the_application_layer():
 
 
 def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
-    """4 emulated devices, one EP rank each (2 of the 8 experts per rank), EPLB off;
-    prompts of one repeated token id send every prefill token to the same top-2 experts,
+    """4 emulated devices (dp=2, tp=2), one EP rank each (2 of the 8 experts per rank),
+    EPLB off; prompts of one repeated token id send every prefill token to the same top-2 experts,
     so at most 2 of the 4 ranks get load: balancedness <= 0.5."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    srv, metrics = _serve("--mesh", "dp=1,tp=4", "--max-num-seqs", "4", env=env)
+    srv, metrics = _serve("--mesh", "dp=2,tp=2", "--max-num-seqs", "4", env=env)
     try:
         prompt = [7] * 48  # token ids
         result = _diagnose(metrics, lambda: burst(srv.target, [prompt] * 2, max_tokens=2))

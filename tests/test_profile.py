@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
-from scenario_load import burst
+from scenario_load import Background, burst
 from server_harness import REPO_DIR, ServerProcess
 
 from jaxserve.config import DEMO_MODEL_DIR
@@ -44,10 +43,11 @@ def _profile(server, out, seconds=SECONDS):
 
 def test_profile_captures_trace_and_timeline_of_a_running_engine(server, tmp_path):
     out = tmp_path / "prof"
-    load = threading.Thread(target=burst, args=(server.target, ["def "] * 4, 48))
-    load.start()
-    proc = _profile(server, out)
-    load.join(300)
+    load = Background(lambda: burst(server.target, ["def "] * 4, 48))  # streams all along
+    try:
+        proc = _profile(server, out)
+    finally:
+        load.stop()
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "profile.json").read_text())
     assert manifest["error"] is None and manifest["steps"] > 0
