@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from scenario_load import Background, burst
@@ -53,13 +54,17 @@ def test_profile_captures_trace_and_timeline_of_a_running_engine(server, tmp_pat
     assert manifest["error"] is None and manifest["steps"] > 0
     # The printed lines name every file and where to open it.
     assert manifest["host_timeline"] in proc.stdout and "ui.perfetto.dev" in proc.stdout
-    assert manifest["xplane"] and all((out / p).stat().st_size > 0 for p in manifest["xplane"])
+    assert manifest["xplane"] and all(Path(p).stat().st_size > 0 for p in manifest["xplane"])
     events = json.loads((out / "host_timeline.json").read_text())["traceEvents"]
     names = {e["name"] for e in events}
     assert {"step", "schedule", "pack", "dispatch", "wait for device", "outputs"} <= names
     assert sum(e["name"] == "step" for e in events) == manifest["steps"]
-    end_us = (SECONDS + 1.0) * 1e6  # the loop stops within a poll of the window's end
-    assert all(0 <= e["ts"] and e["ts"] + e["dur"] <= end_us for e in events)
+    # The spans cover the window, and none starts after it ended plus the step that was
+    # running then and a loop turn (a poll, at most a heartbeat interval).
+    longest_step = max(e["dur"] for e in events if e["name"] == "step")
+    assert min(e["ts"] for e in events) >= 0
+    assert max(e["ts"] + e["dur"] for e in events) >= 0.9 * SECONDS * 1e6
+    assert max(e["ts"] for e in events) <= (SECONDS + 1.0) * 1e6 + longest_step
     # The server kept serving: the same engine process answers afterwards.
     assert burst(server.target, ["def "], 4)[0] > 0
 

@@ -142,8 +142,9 @@ class EngineLoop:
             self._tick()
             if self._running and self._core.has_work():
                 self._run_step()
-        if self._profile is not None:
-            self._profile.finish()
+        if self._profile is not None and self._profile.done is False:
+            if TIMELINE.active:
+                self._profile.finish()  # shutting down: write what was captured, now
 
     def _tick(self) -> None:
         """Abort the requests whose deadline passed; send the heartbeat when due."""
@@ -153,9 +154,12 @@ class EngineLoop:
             self._core.abort_requests(expired)
         if self._control.heartbeat_due(time.monotonic()):
             self._output.send(encode(Heartbeat("engine", time.time())))
-        if self._profile is not None and self._profile.due(time.monotonic()):
-            self._profile.finish()
-            self._profile = None
+        profile = self._profile
+        if profile is not None:
+            if profile.done:
+                self._profile = None
+            elif TIMELINE.active and profile.due(time.monotonic()):
+                profile.stop()  # the trace is written by a thread; the loop goes on
 
     def _drain_input(self, sock: zmq.Socket | None = None) -> None:
         sock = self._input if sock is None else sock
@@ -209,7 +213,7 @@ class EngineLoop:
         outputs = self._core.step()
         TIMELINE.span("step", t)
         self._step += 1
-        if self._profile is not None:
+        if self._profile is not None and TIMELINE.active:
             self._profile.steps += 1
         t = TIMELINE.now()
         self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)

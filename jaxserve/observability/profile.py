@@ -2,13 +2,17 @@
 
 `jaxserve profile` (observability/profile_rpc.py) asks the frontend, which sends the
 engine a `ipc.ProfileRequest(out_dir, seconds)`. The engine loop starts a
-`ProfileSession`: `jax.profiler.start_trace(out_dir, create_perfetto_trace=True)` (the
-XLA trace: TensorBoard / XProf read `plugins/profile/*/*.xplane.pb`, Perfetto
-`*.trace.json.gz`), and the host `Timeline` records the loop's phases (drain inputs,
-schedule, pack, dispatch, wait for the device, outputs, send, poll) as Chrome trace
-events. After `seconds` the loop stops both, writes `host_timeline.json` (chrome://tracing,
-ui.perfetto.dev), then `profile.json`, the manifest the frontend waits for: the files,
-the window, the steps recorded, or the error that stopped the capture.
+`ProfileSession`: `jax.profiler.start_trace(out_dir)` (the XLA trace: TensorBoard / XProf
+read `plugins/profile/*/*.xplane.pb`, Perfetto and chrome://tracing `*.trace.json.gz`),
+and the host `Timeline` records the loop's phases (drain inputs, schedule, pack,
+dispatch, wait for the device, outputs, send, poll) as Chrome trace events. After
+`seconds` the loop stops the timeline and hands the rest to a thread, so that the loop
+goes on stepping (and sending heartbeats) while `jax.profiler.stop_trace` collects and
+writes the trace, which takes seconds (measured: over 60 s on the loaded 2-core machine,
+long enough for the frontend to call a blocked engine stalled). The thread writes
+`host_timeline.json` (chrome://tracing, ui.perfetto.dev), then `profile.json`, the
+manifest the frontend waits for: the files, the window, the steps recorded, or the error
+that stopped the capture. One capture at a time: the next waits until the manifest.
 
 The timeline costs one `perf_counter` call and one attribute test per phase while no
 capture runs (`TIMELINE.active` False). No JAX at module level.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +39,8 @@ class Timeline:
     """Host-side spans of the engine loop, in Chrome trace event format (ph "X").
 
     `now()` is a timestamp (perf_counter seconds); `span(name, start)` records
-    [start, now) when a capture is active, and does nothing otherwise."""
+    [start, now) when a capture is active (a span begun before the capture is clipped to
+    its start), and does nothing otherwise."""
 
     def __init__(self) -> None:
         self.active = False
@@ -45,7 +51,7 @@ class Timeline:
 
     def span(self, name: str, start: float) -> None:
         if self.active and len(self.events) < MAX_EVENTS:
-            self.events.append((name, start, time.perf_counter()))
+            self.events.append((name, max(start, self._origin), time.perf_counter()))
 
     def start(self) -> None:
         self.events = []
@@ -97,7 +103,7 @@ class ProfileSession:
             if jax_trace:
                 import jax  # noqa: PLC0415 - the engine process only
 
-                jax.profiler.start_trace(str(self.out), create_perfetto_trace=True)
+                jax.profiler.start_trace(str(self.out))
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the engine
             self.error = f"{type(e).__name__}: {e}"
             self._end = 0.0
@@ -108,9 +114,25 @@ class ProfileSession:
     def due(self, now: float) -> bool:
         return now >= self._end
 
-    def finish(self) -> dict:
-        """Stop the trace and the timeline, write the files and the manifest; returns it."""
+    @property
+    def done(self) -> bool:
+        """The manifest is written (or the capture was never stopped)."""
+        return self._writer is not None and not self._writer.is_alive()
+
+    _writer: threading.Thread | None = None
+
+    def stop(self) -> None:
+        """End the capture: the timeline now, the JAX trace and the files in a thread."""
         events = TIMELINE.stop()
+        self._writer = threading.Thread(
+            target=self.finish, args=(events,), name="profile-writer", daemon=True
+        )
+        self._writer.start()
+
+    def finish(self, events: list[dict] | None = None) -> dict:
+        """Stop the JAX trace, write the files and the manifest (blocking); returns it."""
+        if events is None:
+            events = TIMELINE.stop()
         files = []
         if self.jax_trace:
             try:
@@ -129,7 +151,7 @@ class ProfileSession:
             manifest["files"] = files
             manifest["host_timeline"] = str((self.out / HOST_TIMELINE).resolve())
             manifest["xplane"] = [f for f in files if f.endswith(".xplane.pb")]
-            manifest["perfetto"] = [f for f in files if f.endswith(".trace.json.gz")]
+            manifest["trace_json"] = [f for f in files if f.endswith(".trace.json.gz")]
             tmp = self.out / (MANIFEST + ".tmp")
             tmp.write_text(json.dumps(manifest, indent=1))
             os.replace(tmp, self.out / MANIFEST)  # whole, or not at all

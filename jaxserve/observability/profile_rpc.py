@@ -70,7 +70,11 @@ def handler(engine) -> grpc.GenericRpcHandler:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "profile: a capture is running")
         async with busy:
             manifest = Path(out_dir) / MANIFEST
-            manifest.unlink(missing_ok=True)
+            try:  # here first, so that an unwritable folder is the caller's error at once
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                manifest.unlink(missing_ok=True)
+            except OSError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"out_dir: {e}")
             try:
                 engine.send_control(ProfileRequest(out_dir, seconds))
             except Exception as e:  # EngineDeadError: starting, dead, stalled
@@ -118,8 +122,8 @@ def describe(manifest: dict) -> str:
              f"{manifest['out_dir']}"]  # fmt: skip
     if manifest.get("error"):
         lines.append(f"  JAX trace failed: {manifest['error']}")
-    for path in manifest.get("perfetto", []):
-        lines.append(f"  XLA trace (Perfetto): {path}  -> open in https://ui.perfetto.dev")
+    for path in manifest.get("trace_json", []):
+        lines.append(f"  XLA trace: {path}  -> open in https://ui.perfetto.dev")
     if manifest.get("xplane"):
         lines.append(
             f"  XLA trace (TensorBoard / XProf): {Path(manifest['xplane'][0]).parent}  -> "
