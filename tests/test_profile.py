@@ -50,6 +50,7 @@ def test_profile_captures_trace_and_timeline_of_a_running_engine(server, tmp_pat
     finally:
         load.stop()
     assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)  # the command's output (pytest -s)
     manifest = json.loads((out / "profile.json").read_text())
     assert manifest["error"] is None and manifest["steps"] > 0
     # The printed lines name every file and where to open it.
