@@ -136,11 +136,11 @@ ENGINE_GAUGES = {
     ),
     "last_mfu": ("jaxserve_engine_mfu", "Model FLOP utilisation of the last step (FLOP/s / peak)"),
     "peak_bandwidth": (
-        "jaxserve_device_peak_bandwidth_bytes",
+        "jaxserve_device_peak_bandwidth_bytes_per_second",
         "Memory bandwidth peak of the engine's devices, bytes per second (CPU: measured)",
     ),
     "peak_flops": (
-        "jaxserve_device_peak_flops",
+        "jaxserve_device_peak_flops_per_second",
         "FLOP per second peak of the engine's devices at the compute dtype (CPU: measured)",
     ),
     "last_prefill_tokens": (
