@@ -192,3 +192,76 @@ def test_event_loop_lag_sees_a_blocked_loop():
     asyncio.run(main())
     assert max(lags) >= 0.15
     assert min(lags) < 0.1
+
+
+class _SleepyCore:
+    """EngineCore's loop interface: each request is 5 steps of 20 ms of work."""
+
+    def __init__(self) -> None:
+        self.steps_left = 0
+
+    def add_request(self, req) -> None:
+        self.steps_left += 5
+
+    def abort_requests(self, ids) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return self.steps_left > 0
+
+    def step(self):
+        time.sleep(0.02)
+        self.steps_left -= 1
+        return []
+
+    def stats(self):
+        from jaxserve.ipc import EngineStats
+
+        return EngineStats(num_running=min(self.steps_left, 1))
+
+
+def test_engine_loop_counts_socket_wait_and_work():
+    """Idle 0.4 s (blocked in poll), then one request of 5 x 20 ms steps: the stats after
+    the steps say the loop waited about the idle time and worked at least the steps."""
+    import threading
+
+    import zmq
+
+    from jaxserve.engine.process import EngineLoop
+    from jaxserve.ipc import EngineStats, Shutdown, decode, encode
+
+    ctx = zmq.Context()
+    to_loop, loop_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    loop_out, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    loop_in.bind("inproc://in")
+    to_loop.connect("inproc://in")
+    from_loop.bind("inproc://out")
+    loop_out.connect("inproc://out")
+    loop = EngineLoop(_SleepyCore(), loop_in, loop_out)
+    thread = threading.Thread(target=loop.run)
+    start = time.perf_counter()
+    thread.start()
+    time.sleep(0.4)
+    to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
+    time.sleep(0.3)
+    to_loop.send(encode(Shutdown("test")))
+    thread.join(10)
+    elapsed = time.perf_counter() - start
+    stats = [m for m in map(decode, iter_frames(from_loop)) if isinstance(m, EngineStats)]
+    last = stats[-1].counters
+    assert 0.35 <= last.loop_wait_s <= elapsed
+    assert last.loop_work_s >= 5 * 0.02
+    assert last.loop_wait_s + last.loop_work_s <= elapsed
+    for s in (to_loop, loop_in, loop_out, from_loop):
+        s.close(linger=0)
+    ctx.term()
+
+
+def iter_frames(sock):
+    import zmq
+
+    while True:
+        try:
+            yield sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
