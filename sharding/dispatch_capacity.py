@@ -136,3 +136,10 @@ def ideal_bytes_per_device(rows_off_device: float, hidden: int, itemsize: int) -
     """Bytes a dispatch that moves exactly the routed rows would send for
     `rows_off_device` rows routed from one device to the others."""
     return rows_off_device * row_bytes(hidden, itemsize)
+
+
+def ragged_bytes_per_device(rows_off_device: int, hidden: int, itemsize: int, ep: int) -> int:
+    """Bytes one device sends in one MoE layer step of the ragged dispatch
+    (`moe_ragged`, GPU): its routed rows out and back, plus three all_to_alls of [ep]
+    int32 (per-peer counts, receive offsets, send offsets) to the other ep - 1 devices."""
+    return rows_off_device * row_bytes(hidden, itemsize) + 3 * (ep - 1) * _ID_BYTES

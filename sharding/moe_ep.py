@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.moe_sparse import sparse_expert_ffn
+from jaxserve.sharding import moe_ragged
 from jaxserve.sharding.dispatch_capacity import (
     dispatch_bytes_per_device,
     dispatch_capacity,
@@ -251,18 +252,39 @@ def _all_to_all_body(
     rows, local_ids = xs[order // top_k], slot_sorted % num_local
     experts = (w_gate, w_up, w_down)
 
-    y_sorted = _round(rows, local_ids, dest, rank, 0, cap.main, experts)
-    if cap.overflow:
+    per_dest = jnp.diff(first_of_dest)  # [ep] rows to each device
+
+    def capacity_rounds(*_):
+        y_sorted = _round(rows, local_ids, dest, rank, 0, cap.main, experts)
+        if not cap.overflow:
+            return y_sorted
         # Rounds for the largest per-peer excess over the main round on any device:
         # the same count on every device, so the collectives in the loop meet.
-        per_dest = jnp.diff(first_of_dest)  # [ep] rows to each device
         rounds = overflow_rounds(lax.pmax(jnp.max(per_dest) - cap.main, EP), cap.overflow)
 
         def overflow_round(i, y):
             start = cap.main + i * cap.overflow
             return y + _round(rows, local_ids, dest, rank, start, cap.overflow, experts)
 
-        y_sorted = lax.fori_loop(0, rounds, overflow_round, y_sorted)
+        return lax.fori_loop(0, rounds, overflow_round, y_sorted)
+
+    if capacity_factor is not None and moe_ragged.ragged_supported():
+        # Exactly the routed rows (GPU), unless some device would receive more than
+        # ep * main rows: then every device takes the capacity rounds.
+        recv_sizes = lax.all_to_all(per_dest, EP, 0, 0, tiled=True)
+        recv_rows = ep * cap.main
+        fits = lax.pmax(jnp.sum(recv_sizes), EP) <= recv_rows
+
+        def ragged(*_):
+            ffn = functools.partial(local_expert_ffn, w_gate=w_gate, w_up=w_up, w_down=w_down)
+            send_offsets = first_of_dest[:ep]
+            return moe_ragged.ragged_dispatch(
+                rows, local_ids, send_offsets, per_dest, recv_sizes, recv_rows, num_local, ffn
+            )
+
+        y_sorted = lax.cond(fits, ragged, capacity_rounds)
+    else:
+        y_sorted = capacity_rounds()
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, top_k, hidden)
     # Weighted sum in float32, rounded once (the k expert outputs are already rounded).
     combined = jnp.einsum("nk,nkh->nh", weights.astype(jnp.float32), y.astype(jnp.float32))

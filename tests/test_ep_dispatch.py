@@ -209,3 +209,65 @@ def test_worst_case_dispatch_has_no_overflow_loop(weights):
 def test_ideal_bytes_are_the_routed_rows():
     assert ideal_bytes_per_device(10, HIDDEN, 2) == 10 * (2 * HIDDEN * 2 + 4)
     assert row_bytes(HIDDEN, 4) == 2 * HIDDEN * 4 + 4
+
+
+# ----- the ragged path (GPU only), its offsets checked on the CPU with an emulation -----
+
+
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`lax.ragged_all_to_all` as its docstring defines it, from all_gathers: device i
+    sends operand[input_offsets[j]:+send_sizes[j]] to device j, written there at
+    output_offsets[j] (one slice per device)."""
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [ep, N, ...]
+    starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [ep] from each source
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    at = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    assert_sizes = jnp.all(sizes == recv_sizes)
+    index = jnp.arange(output.shape[0])
+    for i in range(ops.shape[0]):
+        inside = (index >= at[i]) & (index < at[i] + sizes[i]) & assert_sizes
+        src = jnp.clip(index - at[i] + starts[i], 0, operand.shape[0] - 1)
+        mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(mask, ops[i][src], output)
+    return output
+
+
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_ragged_path_offsets_with_an_emulated_collective(weights, monkeypatch, kind):
+    # Random routing fits the receive buffer (ragged exchange); adversarial routing does
+    # not (every device falls back to the capacity rounds). Both equal the dense MoE.
+    monkeypatch.setenv("JAXSERVE_EP_RAGGED", "on")
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    mesh = build_mesh(8, 1)
+    fn = jax.jit(
+        lambda *a: moe_ep.expert_parallel_moe(
+            *a, mesh=mesh, capacity_factor=DEFAULT_CAPACITY_FACTOR
+        )
+    )
+    x, w, ids = _routing(96, kind, seed=2)
+    # Which branch this routing takes: rows each device receives against ep * main.
+    received = np.bincount(ids.reshape(-1) // 2, minlength=8)  # expert e on device e // 2
+    cap = dispatch_capacity(12, TOP_K, 8, 2, DEFAULT_CAPACITY_FACTOR)
+    assert (received.max() <= 8 * cap.main) == (kind == "random")
+    tokens = batch_sharding(mesh, 2)
+    experts = named_sharding(mesh, ("experts", None, None))
+    physical = [jax.device_put(weights[n], experts) for n in ("w_gate", "w_up", "w_down")]
+    args = [jax.device_put(a, tokens) for a in (x, w, ids)]
+    tables = jax.device_put(identity_placement(NUM_EXPERTS), replicated(mesh))
+    lowered = fn.lower(*args, *physical, tables).as_text()
+    assert "all_gather" in lowered  # the emulation is in the program: the ragged branch
+    out = np.asarray(fn(*args, *physical, tables))
+    np.testing.assert_allclose(out, _dense(weights, x, w, ids), atol=1e-5, rtol=0)
+
+
+def test_ragged_is_off_on_the_cpu(monkeypatch):
+    from jaxserve.sharding.moe_ragged import ragged_supported
+
+    monkeypatch.delenv("JAXSERVE_EP_RAGGED", raising=False)
+    assert not ragged_supported()
+    monkeypatch.setenv("JAXSERVE_EP_RAGGED", "maybe")
+    with pytest.raises(ValueError, match="JAXSERVE_EP_RAGGED"):
+        ragged_supported()
