@@ -470,9 +470,89 @@ def bench_coordination(steps: int) -> dict[int, dict]:
     return results
 
 
+# ----- part "agreement": the step channel alone at 2 / 4 / 8 processes ------------------
+
+
+def agreement_worker(process_id: int, num_processes: int, port: int, steps: int, out: str):
+    """One process of the agreement benchmark: process 0 publishes `steps` steps of
+    engine-shaped host inputs (plus 20 warm-up steps), 1 ms apart; the others receive
+    them and write their per-step transit (leader's send -> arrays unpacked)."""
+    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+
+    if process_id == 0:
+        channel = StepPublisher("127.0.0.1", port, num_processes - 1)
+        for i in range(steps + 20):
+            channel.publish(_step_host_inputs(i % 8), meta={"shape": [STEP_TOKENS, STEP_ROWS]})
+            time.sleep(0.001)
+        result = {"publish_s": channel.stats.samples_s[20:], "bytes": channel.bytes_sent}
+        channel.close()
+    else:
+        channel = StepSubscriber("127.0.0.1", port, process_id)
+        while channel.receive(timeout_s=120).kind != STOP:
+            pass
+        result = {"transit_s": channel.stats.samples_s[20:]}
+        channel.close()
+    Path(f"{out}.{process_id}.json").write_text(json.dumps(result))
+
+
+def bench_agreement(process_counts: list[int], steps: int) -> list[dict]:
+    """p50 / p99 of the step agreement latency (per step, the slowest follower's
+    transit) and of single follower transits, and the leader's publish time."""
+    import numpy as np
+
+    rows = []
+    for num_processes in process_counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "agreement")
+            port = _free_port()
+            cmd = [sys.executable, __file__, "--agreement-worker", str(num_processes), str(port)]
+            cmd += ["--steps", str(steps), "--out", out]
+            procs = [subprocess.Popen([*cmd, "--process-id", str(i)]) for i in range(num_processes)]
+            for p in procs:
+                if p.wait(timeout=600) != 0:
+                    raise RuntimeError(f"agreement worker failed with {p.returncode}")
+            results = [
+                json.loads(Path(f"{out}.{i}.json").read_text()) for i in range(num_processes)
+            ]
+        transit = np.array([r["transit_s"] for r in results[1:]])  # [followers, steps]
+        agreement = transit.max(axis=0)
+        row = {
+            "processes": num_processes,
+            "agreement_p50_us": 1e6 * float(np.median(agreement)),
+            "agreement_p99_us": 1e6 * float(np.percentile(agreement, 99)),
+            "transit_p50_us": 1e6 * float(np.median(transit)),
+            "publish_p50_us": 1e6 * float(np.median(results[0]["publish_s"])),
+            "bytes_per_step": results[0]["bytes"] / (steps + 20),
+        }
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def print_agreement(rows: list[dict]) -> None:
+    print(
+        "\n| processes | agreement p50 us | agreement p99 us | follower transit p50 us "
+        "| leader publish p50 us | bytes/step |"
+    )
+    print("|---" * 6 + "|")
+    for r in rows:
+        print(
+            f"| {r['processes']} | {r['agreement_p50_us']:.0f} | {r['agreement_p99_us']:.0f} "
+            f"| {r['transit_p50_us']:.0f} | {r['publish_p50_us']:.0f} "
+            f"| {r['bytes_per_step']:.0f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["moe", "dispatch", "coordination", "all"], default="all")
+    parser.add_argument(
+        "--part",
+        choices=["moe", "dispatch", "coordination", "agreement", "all"],
+        default="all",
+    )
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--agreement-worker", type=int, nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
@@ -491,6 +571,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         coordination_worker(args.steps, args.out)
+        return
+    if args.agreement_worker:
+        num_processes, port = args.agreement_worker
+        agreement_worker(args.process_id, num_processes, port, args.steps, args.out)
         return
     if args.simulate:
         _setup_cpu(1)
@@ -520,6 +604,15 @@ def main() -> None:
         rows = bench_dispatch(args.tokens, args.repeats, args.capacity_factor)
         print_dispatch(rows)
         path = Path("bench_results/ep_dispatch.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"uptime": uptime, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+    if args.part in ("agreement", "all"):
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(f"uptime: {uptime}")
+        rows = bench_agreement(args.processes, args.steps)
+        print_agreement(rows)
+        path = Path("bench_results/step_agreement.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"uptime": uptime, "rows": rows}, indent=1))
         print(f"wrote {path}")

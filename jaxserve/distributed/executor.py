@@ -28,7 +28,8 @@ class LeaderExecutor(Executor):
         runner: this process's compiled runner.
         publisher: the step channel to the followers (closed by `close`, which stops them).
 
-    Its time per step (publishing) is the `coordination_time_s` counter.
+    Its time per step (publishing) is the `coordination_time_s` counter; the followers'
+    reported transit, `step_agreement_s`; the bytes published, `coordination_bytes`.
     """
 
     def __init__(self, runner: ModelRunner, publisher: StepPublisher) -> None:
@@ -42,6 +43,8 @@ class LeaderExecutor(Executor):
             self._publisher.publish(x.buffers, meta={"shape": list(x.shape)})
             self.last_coordination_s = self._publisher.stats.last_s
             self.coordination_time_s += self.last_coordination_s
+            self.step_agreement_s = self._publisher.agreement_s
+            self.coordination_bytes = self._publisher.bytes_sent
         return super().dispatch(x, sched)
 
     def close(self) -> None:

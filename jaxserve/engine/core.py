@@ -335,6 +335,8 @@ class EngineCore:
             last_host_s=self.last_host_s,
             last_device_s=self.last_device_s,
             last_coordination_s=ex.last_coordination_s,
+            step_agreement_s=ex.step_agreement_s,
+            coordination_bytes=ex.coordination_bytes,
         )
 
 
