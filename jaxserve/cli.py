@@ -97,11 +97,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
         preflight.check_model_folder(config.model, check_model=args.engine_class is None)
-        if dist is not None and config.eplb.enabled:
-            raise ValueError(
-                "--enable-eplb: not supported with several processes yet (the followers "
-                "would need every new expert placement)"
-            )
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 RUN = "run"
 STOP = "stop"
+# A new EPLB expert placement: arrays = [physical_to_logical [M, S] int32]; meta "steps":
+# the RUN messages before it. Followers apply it before the next step, as the leader.
+PLACEMENT = "placement"
 _HELLO = b"hello"
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
@@ -95,7 +98,8 @@ class ChannelStats:
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step's decision: kind (RUN or STOP), a small metadata map, the input arrays."""
+    """One step's decision: kind (RUN, PLACEMENT or STOP), a small metadata map, the
+    input arrays."""
 
     step: int
     kind: str

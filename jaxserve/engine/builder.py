@@ -301,8 +301,9 @@ def check_eplb(config: EngineConfig) -> EplbConfig:
     a warning) on one device, where there is no expert parallelism to balance.
 
     Raises:
-        ValueError: an out-of-range field (named), or EPLB with several processes (the
-            followers would need every new placement: not supported yet).
+        ValueError: an out-of-range field (named). With several processes EPLB runs on
+            every process: the leader publishes each new placement on the step channel
+            and the followers apply it between the same two steps (`distributed.follow`).
     """
     ec = config.eplb
     ec.validate()
@@ -312,9 +313,4 @@ def check_eplb(config: EngineConfig) -> EplbConfig:
             "(dp*tp > 1), got dp=1,tp=1; running without EPLB and redundant experts"
         )
         return dataclasses.replace(ec, enabled=False, num_redundant_experts=0)
-    if ec.enabled and jax.process_count() > 1:
-        raise ValueError(
-            "enable_eplb (--enable-eplb): not supported with several processes yet (the "
-            "followers would need every new expert placement)"
-        )
     return ec

@@ -240,6 +240,7 @@ class EngineCore:
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
             outputs = self.scheduler.update(done.sched, self.executor.fetch(done))
+        self.executor.publish_placement(plan.physical_to_logical)
         self.eplb.apply(plan)
         return outputs
 

@@ -38,6 +38,10 @@ class Executor:
         self.step_agreement_s = 0.0
         self.coordination_bytes = 0
 
+    def publish_placement(self, physical_to_logical) -> None:
+        """Tell the other processes of a new EPLB placement, before applying it here
+        ([M, S] int32; nothing to do in one process)."""
+
     def dispatch(
         self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
     ) -> InFlightStep:

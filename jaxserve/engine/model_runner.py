@@ -250,7 +250,9 @@ class ModelRunner:
         keys = [expert_param_path(i, "physical_to_logical") for i in self.moe_layers]
         if not keys or keys[0] not in self._param_index:
             raise ValueError("physical_to_logical: the model has no expert placement tables")
-        return np.stack([np.asarray(self._params[self._param_index[k]]) for k in keys])
+        # replicated_to_host: with several processes the tables span non-addressable devices.
+        tables = [self._params[self._param_index[k]] for k in keys]
+        return np.stack(replicated_to_host(tables))
 
     def set_expert_placement(
         self, weights: list[tuple[jax.Array, ...]], tables: list[dict[str, jax.Array]]
