@@ -122,12 +122,8 @@ def load_model(
     buffers = abstract.initial_buffers()
     slot_experts = _slot_experts(buffers, config.num_experts)
     if is_orbax_checkpoint(model_dir):
-        if slot_experts:
-            raise ValueError(
-                f"num_redundant_experts: redundant expert slots are not supported with a "
-                f"`jaxserve convert` checkpoint ({model_dir}) yet; serve the HF folder"
-            )
-        restore_params(model_dir, variables, [p for p in variables if p not in buffers], place)
+        params = [p for p in variables if p not in buffers]
+        restore_params(model_dir, variables, params, place, slot_experts=slot_experts)
     else:
         specs = abstract.hf_weight_specs()
         _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})

@@ -61,3 +61,27 @@ def test_save_hf_weights_writes_each_expert_once_from_its_slots(checkpoint, tmp_
     assert sorted(saved) == sorted(original)
     for name, tensor in original.items():
         np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+
+def test_orbax_converted_checkpoint_restores_onto_redundant_slots(checkpoint, tmp_path):
+    from jaxserve.convert import convert
+
+    out = tmp_path / "converted"
+    convert(checkpoint, out)  # one device: [E, ...] experts in the checkpoint
+    model, _ = load_sharded_model(out, build_mesh(8, 1), num_redundant_experts=REDUNDANT)
+    state = dict(nnx.to_flat_state(nnx.state(model)))
+    blocks = [p[:-1] for p in state if p[-1] == "physical_to_logical"]
+    assert blocks
+    for block in blocks:
+        p2l = np.asarray(state[(*block, "physical_to_logical")].get_value())
+        assert len(p2l) == NUM_EXPERTS + REDUNDANT
+        w = np.asarray(jax.device_get(state[(*block, "w_up")].get_value()))
+        for s, e in enumerate(p2l):  # every replica slot holds its expert's weights
+            np.testing.assert_array_equal(w[s], w[int(e)])
+    saved = load_file(str(save_hf_weights(model, tmp_path / "hf")))
+    original = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        original.update(load_file(str(f)))
+    assert sorted(saved) == sorted(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
