@@ -31,9 +31,11 @@ all_to_alls, which wins when the batch is small.
 The array layout is the DP-attention flat batch: the T tokens are the concatenation of
 the dp ranks' T/dp tokens, so T must be divisible by dp.
 
-Avoided on purpose: `lax.ragged_dot` (dense over all groups on the CPU) and
-`lax.ragged_all_to_all` (unimplemented on the CPU). On an NVIDIA GPU the local expert
-FFN goes through `jaxserve.kernels.dispatch.moe_ffn` (the Pallas grouped matmul).
+Avoided on purpose: `lax.ragged_dot` (dense over all groups on the CPU). On an NVIDIA
+GPU the local expert FFN goes through `jaxserve.kernels.dispatch.moe_ffn` (the Pallas
+grouped matmul), and with a capacity factor the rows travel by `lax.ragged_all_to_all`
+(`moe_ragged`: exactly the routed rows; unimplemented on the CPU), the capacity rounds
+being its fallback when a device would receive more than its buffer.
 """
 
 from __future__ import annotations
