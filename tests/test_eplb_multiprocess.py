@@ -77,7 +77,7 @@ def test_two_process_eplb_applies_every_placement_everywhere(model_dir, tmp_path
         for i in range(2)
     ]
     try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
+        logs = [p.communicate(timeout=900)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
