@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.sharding import moe_ep
+from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 from jaxserve.sharding.placement import identity_placement
 from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
 
@@ -50,9 +51,11 @@ def time_moe_paths(
     dtype: jnp.dtype = jnp.float32,
     repeats: int = 5,
     seed: int = 0,
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
 ) -> dict[str, float]:
     """Median seconds of one MoE-experts call per path, on random inputs of these shapes
-    with uniform random routing (compilation excluded).
+    with uniform random routing (compilation excluded). capacity_factor: the all_to_all
+    path's, as `MeshParallelism` runs it (`dispatch_capacity`).
 
     num_tokens is the whole flat batch (a multiple of dp); experts are sharded over the
     mesh as in the model.
@@ -82,7 +85,11 @@ def time_moe_paths(
     placement = jax.device_put(identity_placement(num_experts), replicated(mesh))
     seconds = {}
     for path in (moe_ep.ALL_TO_ALL, moe_ep.REPLICATED):
-        fn = jax.jit(lambda *a, path=path: moe_ep.expert_parallel_moe(*a, mesh=mesh, path=path))
+        fn = jax.jit(
+            lambda *a, path=path: moe_ep.expert_parallel_moe(
+                *a, mesh=mesh, path=path, capacity_factor=capacity_factor
+            )
+        )
         args = (x, weights, ids, w_gate, w_up, w_down, placement)
         fn(*args).block_until_ready()  # compile and warm up
         runs = []
