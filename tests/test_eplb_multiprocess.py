@@ -50,6 +50,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_two_process_eplb_applies_every_placement_everywhere(model_dir, tmp_path):
     from engine_helpers import run_engine
     from multihost_engine_worker import engine_config, requests
