@@ -1,9 +1,12 @@
 """Expert-parallel MoE benchmarks on emulated CPU devices; prints tables.
 
-    .venv/bin/python scripts/bench_ep.py                 # both parts
+    .venv/bin/python scripts/bench_ep.py                 # every part
     .venv/bin/python scripts/bench_ep.py --part moe      # MoE layer vs number of devices
+    .venv/bin/python scripts/bench_ep.py --part dispatch --tokens 64 512 2048
     .venv/bin/python scripts/bench_ep.py --part coordination
     .venv/bin/python scripts/bench_ep.py --simulate       # analytical dispatch bytes only
+
+(The step agreement latency at 2 / 4 / 8 processes: scripts/bench_step_agreement.py.)
 
 Part "moe": one MoE layer (both paths of `jaxserve.sharding.moe_ep`) on a mesh of
 dp = D emulated CPU devices, D = 1..8, at a decode-sized and a prefill-sized step:
@@ -13,6 +16,13 @@ all_gather + reduce-scatter volumes). E logical experts live on S = ceil(E / D) 
 physical slots, the extra slots holding replicas (as EPLB would). On the CPU the
 "devices" share the host's cores and memory, so the times show the cost of the extra
 work and copies, not of a network.
+
+Part "dispatch": one MoE layer on 8 emulated CPU devices (dp = 8), the all_to_all path
+with worst-case buffers ("old", capacity_factor=None) and routing-sized ("new",
+--capacity-factor), calls interleaved, random and Zipf-skewed routing: median ms and the
+bytes per device (`moe_ep.all_to_all_bytes_per_device` with the step's overflow rounds,
+counted on the host from the routing as the step's pmax sees it); JSON in
+bench_results/ep_dispatch.json.
 
 Part "coordination": the per-step agreement between processes. A step loop like the
 engine's (build the step's host inputs, publish them on the step channel, run one MoE
@@ -30,20 +40,18 @@ device, three ways:
 - today: the static worst-case buffers of the all_to_all path, (ep - 1) x tokens x
   min(top_k, slots per device) rows (`sharding.moe_ep.all_to_all_bytes_per_device`);
 - ideal: the rows really routed off-device in the step;
-- proposed: a routing-sized dispatch: a main round of C rows per peer, C = the expected
-  rows to the busiest peer under the placement plus z Poisson standard deviations,
-  z = sqrt(2 ln(ep (ep - 1))) (about the expected max over the device pairs), and a
-  drop-free overflow round whose size every device agrees on (the largest per-peer
-  excess of the step, all-reduced, rounded up to a power of two: a few compiled sizes),
-  skipped when no device overflows; both together never above today's buffers.
+- new: the routing-sized dispatch the step runs (`sharding.dispatch_capacity`): a main
+  round of ceil(capacity_factor x mean) rows per peer and drop-free overflow rounds of
+  a quarter of that, as many as the step's busiest (device, peer) pair needs (the same
+  count on every device); sizes and bytes from the functions the dispatch itself uses.
 
 Routing: each layer's expert popularity is Zipf (1 / rank^s, --sim-zipf, default 1.0);
 a step's rows from one device to each peer are multinomial over the devices' shares of
 the load (a token's top-k choices drawn independently; a choice picks one copy of its
 expert evenly). "eplb": the placement `plan_placement` makes from the popularity, S = E
 + ep slots; "zipf": the checkpoint placement (expert e on device e // (E / ep), S = E),
-no EPLB. Mean over --sim-steps steps. This is the accounting of a proposed dispatch
-only: the step still runs today's buffers.
+no EPLB. Mean over --sim-steps steps. (On a GPU the ragged dispatch,
+`sharding.moe_ragged`, sends about the ideal: `dispatch_capacity.ragged_bytes_per_device`.)
 """
 
 from __future__ import annotations
@@ -470,89 +478,13 @@ def bench_coordination(steps: int) -> dict[int, dict]:
     return results
 
 
-# ----- part "agreement": the step channel alone at 2 / 4 / 8 processes ------------------
-
-
-def agreement_worker(process_id: int, num_processes: int, port: int, steps: int, out: str):
-    """One process of the agreement benchmark: process 0 publishes `steps` steps of
-    engine-shaped host inputs (plus 20 warm-up steps), 1 ms apart; the others receive
-    them and write their per-step transit (leader's send -> arrays unpacked)."""
-    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
-
-    if process_id == 0:
-        channel = StepPublisher("127.0.0.1", port, num_processes - 1)
-        for i in range(steps + 20):
-            channel.publish(_step_host_inputs(i % 8), meta={"shape": [STEP_TOKENS, STEP_ROWS]})
-            time.sleep(0.001)
-        result = {"publish_s": channel.stats.samples_s[20:], "bytes": channel.bytes_sent}
-        channel.close()
-    else:
-        channel = StepSubscriber("127.0.0.1", port, process_id)
-        while channel.receive(timeout_s=120).kind != STOP:
-            pass
-        result = {"transit_s": channel.stats.samples_s[20:]}
-        channel.close()
-    Path(f"{out}.{process_id}.json").write_text(json.dumps(result))
-
-
-def bench_agreement(process_counts: list[int], steps: int) -> list[dict]:
-    """p50 / p99 of the step agreement latency (per step, the slowest follower's
-    transit) and of single follower transits, and the leader's publish time."""
-    import numpy as np
-
-    rows = []
-    for num_processes in process_counts:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp) / "agreement")
-            port = _free_port()
-            cmd = [sys.executable, __file__, "--agreement-worker", str(num_processes), str(port)]
-            cmd += ["--steps", str(steps), "--out", out]
-            procs = [subprocess.Popen([*cmd, "--process-id", str(i)]) for i in range(num_processes)]
-            for p in procs:
-                if p.wait(timeout=600) != 0:
-                    raise RuntimeError(f"agreement worker failed with {p.returncode}")
-            results = [
-                json.loads(Path(f"{out}.{i}.json").read_text()) for i in range(num_processes)
-            ]
-        transit = np.array([r["transit_s"] for r in results[1:]])  # [followers, steps]
-        agreement = transit.max(axis=0)
-        row = {
-            "processes": num_processes,
-            "agreement_p50_us": 1e6 * float(np.median(agreement)),
-            "agreement_p99_us": 1e6 * float(np.percentile(agreement, 99)),
-            "transit_p50_us": 1e6 * float(np.median(transit)),
-            "publish_p50_us": 1e6 * float(np.median(results[0]["publish_s"])),
-            "bytes_per_step": results[0]["bytes"] / (steps + 20),
-        }
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
-def print_agreement(rows: list[dict]) -> None:
-    print(
-        "\n| processes | agreement p50 us | agreement p99 us | follower transit p50 us "
-        "| leader publish p50 us | bytes/step |"
-    )
-    print("|---" * 6 + "|")
-    for r in rows:
-        print(
-            f"| {r['processes']} | {r['agreement_p50_us']:.0f} | {r['agreement_p99_us']:.0f} "
-            f"| {r['transit_p50_us']:.0f} | {r['publish_p50_us']:.0f} "
-            f"| {r['bytes_per_step']:.0f} |"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part",
-        choices=["moe", "dispatch", "coordination", "agreement", "all"],
+        choices=["moe", "dispatch", "coordination", "all"],
         default="all",
     )
-    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--agreement-worker", type=int, nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
@@ -571,10 +503,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         coordination_worker(args.steps, args.out)
-        return
-    if args.agreement_worker:
-        num_processes, port = args.agreement_worker
-        agreement_worker(args.process_id, num_processes, port, args.steps, args.out)
         return
     if args.simulate:
         _setup_cpu(1)
@@ -604,15 +532,6 @@ def main() -> None:
         rows = bench_dispatch(args.tokens, args.repeats, args.capacity_factor)
         print_dispatch(rows)
         path = Path("bench_results/ep_dispatch.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"uptime": uptime, "rows": rows}, indent=1))
-        print(f"wrote {path}")
-    if args.part in ("agreement", "all"):
-        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        print(f"uptime: {uptime}")
-        rows = bench_agreement(args.processes, args.steps)
-        print_agreement(rows)
-        path = Path("bench_results/step_agreement.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"uptime": uptime, "rows": rows}, indent=1))
         print(f"wrote {path}")
