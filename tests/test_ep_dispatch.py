@@ -271,3 +271,16 @@ def test_ragged_is_off_on_the_cpu(monkeypatch):
     monkeypatch.setenv("JAXSERVE_EP_RAGGED", "maybe")
     with pytest.raises(ValueError, match="JAXSERVE_EP_RAGGED"):
         ragged_supported()
+
+
+def test_ragged_path_lowers_with_the_real_collective(weights, monkeypatch):
+    # The CPU cannot compile ragged_all_to_all, but the program must lower with it: rows
+    # and ids out, results back (3 ops), behind the capacity fallback.
+    monkeypatch.setenv("JAXSERVE_EP_RAGGED", "on")
+    mesh = build_mesh(4, 2)
+    fn = jax.jit(lambda *a: moe_ep.expert_parallel_moe(*a, mesh=mesh, capacity_factor=1.25))
+    x, w, ids = _routing(16, "random")
+    experts = [weights[n] for n in ("w_gate", "w_up", "w_down")]
+    placement = jax.tree.map(jnp.asarray, identity_placement(NUM_EXPERTS))
+    text = fn.lower(x, w, ids, *experts, placement).as_text()
+    assert text.count("ragged_all_to_all") == 3
