@@ -117,9 +117,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e, 2, dist)
     try:
-        preflight.check_bind("port", server.host, server.port)
-        if server.metrics_port is not None:
-            preflight.check_bind("metrics-port", server.host, server.metrics_port)
+        preflight.check_ports(server.host, server.port, server.metrics_port, server.http_port)
         return serve(
             config,
             server,
