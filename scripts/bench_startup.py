@@ -75,8 +75,10 @@ def start_to_first_token(
     ready = threading.Event()
     all_compiled = threading.Event()
     t0 = time.perf_counter()
+    # `python -m` puts the working directory first on sys.path: run a baseline tree from
+    # its own folder, or this checkout's jaxserve/ would shadow it.
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)  # fmt: skip
+                            env=env, cwd=src or None)  # fmt: skip
     log: list[str] = []
 
     def read() -> None:
@@ -103,7 +105,7 @@ def start_to_first_token(
                 if delta.token_ids or delta.text or delta.finish_reason:
                     marks["first_token_s"] = time.perf_counter() - t0
                     break
-        background = any("compile in the background" in line for line in log)
+        background = any("compile in the" in line and "background" in line for line in log)
         if not background:
             marks["all_compiled_s"] = marks["ready_s"]
         elif wait_background and all_compiled.wait(1800):
