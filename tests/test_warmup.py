@@ -87,3 +87,26 @@ def test_background_compile_serves_under_the_compiled_budget(
         assert again[rid].tokens == want[rid].tokens, rid
     assert runner.num_compile_waits == 0 and engine.num_compilations == before
     assert_idle(engine)
+
+
+def test_moe_calibration_stops_at_the_first_count_the_replicated_path_loses(monkeypatch):
+    """Start-up time on a mesh: the counts above the crossover cannot raise the threshold,
+    so one process does not time them; the threshold is the one of every count."""
+    from jaxserve.sharding import ep_calibration, moe_ep
+
+    timings = {8: (5.0, 1.0), 16: (5.0, 2.0), 32: (5.0, 6.0), 64: (5.0, 4.0), 128: (5.0, 9.0)}
+    timed = []
+
+    def fake(mesh, num_tokens, *args, **kwargs):
+        timed.append(num_tokens)
+        a2a, rep = timings[num_tokens]
+        return {moe_ep.ALL_TO_ALL: a2a, moe_ep.REPLICATED: rep}
+
+    monkeypatch.setattr(ep_calibration, "time_moe_paths", fake)
+
+    class Mesh:
+        shape = {"dp": 2, "tp": 1}
+
+    got = ep_calibration.measure_replicated_max_tokens(Mesh(), sorted(timings), 8, 8, 4, 2)
+    assert got == ep_calibration.replicated_threshold(timings) == 16
+    assert timed == [8, 16, 32]
