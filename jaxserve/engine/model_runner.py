@@ -205,14 +205,16 @@ class ModelRunner:
         shapes: list[StepShape],
         max_workers: int | None = None,
         what: str = "compiling step shapes",
+        progress: ProgressLog | None = None,
     ) -> float:
         """Compile the step for `shapes`, in that order. Returns the seconds taken.
 
         Tracing runs in this thread (it is Python); each shape's XLA compilation starts
         as soon as it is traced, in parallel threads (they release the GIL),
-        `max_workers` at a time (default: CPU count). A progress line (`what`) counts
-        the shapes done. While it runs, `run_buffers` on one of these shapes waits for
-        its executable (a multi-process follower compiling in the background).
+        `max_workers` at a time (default: CPU count). Progress lines (`what`, or the
+        caller's `progress` spanning several calls) count the shapes done. While it
+        runs, `run_buffers` on one of these shapes waits for its executable (a
+        multi-process follower compiling in the background).
 
         Raises:
             whatever tracing or compiling raises (the first failure; the others finish).
@@ -223,7 +225,8 @@ class ModelRunner:
             return 0.0
         futures = {shape: self._pending.setdefault(shape, Future()) for shape in shapes}
         workers = max_workers or min(len(shapes), os.cpu_count() or 1)
-        progress = ProgressLog(logger, what, len(shapes), "shapes")
+        if progress is None:
+            progress = ProgressLog(logger, what, len(shapes), "shapes")
 
         def compile_one(shape: StepShape, low: jax.stages.Lowered) -> None:
             try:

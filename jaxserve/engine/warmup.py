@@ -36,6 +36,7 @@ from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_inputs import StepShape, pick_bucket
+from jaxserve.logs import ProgressLog
 
 logger = logging.getLogger(__name__)
 
@@ -156,18 +157,14 @@ class WarmUp:
         start = time.perf_counter()
         rest = self.tiers[1:]
         progress_total = sum(len(s) for _, s in rest)
-        done = 0
         workers = max(1, self.max_workers - 1)
+        progress = ProgressLog(
+            logger, "compiling the other step shapes in the background", progress_total, "shapes"
+        )
         try:
             with CompileCounter.warming_up():
                 for t, shapes in rest:
-                    self.runner.compile_shapes(
-                        shapes,
-                        workers,
-                        f"background compile, token bucket {t} "
-                        f"({done + len(shapes)}/{progress_total} shapes after it)",
-                    )
-                    done += len(shapes)
+                    self.runner.compile_shapes(shapes, workers, progress=progress)
                     self.ready_tokens = t
         except BaseException as e:  # noqa: BLE001 - serving goes on with the ready tiers
             self.error = e
