@@ -224,3 +224,11 @@ def test_every_generate_flag_says_its_default():
         and "default" not in (a.help or "")
     ]
     assert not missing
+
+
+def test_serve_compiles_in_the_background_unless_told_otherwise():
+    from jaxserve.config import EngineConfig
+
+    assert EngineConfig().background_compile is False  # the offline LLM and tests
+    assert _config().background_compile is True
+    assert _config("--compile-all-at-start").background_compile is False
