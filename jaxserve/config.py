@@ -171,6 +171,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    # Compile all but the smallest step shapes in the background while serving, under a
+    # smaller step budget until they are ready (jaxserve/engine/warmup.py); `serve` turns
+    # it on, the offline LLM and tests compile everything before the first step.
+    background_compile: bool = False
     # JAX persistent compilation cache; None disables it.
     compilation_cache_dir: str | None = str(Path.home() / ".cache" / "jaxserve" / "jax_cache")
 

@@ -113,8 +113,11 @@ def measure_replicated_max_tokens(
     """Time both MoE paths at each of `token_counts` (whole-batch sizes, multiples of
     dp, e.g. the engine's token buckets times dp) and return `replicated_threshold`.
 
-    Logs one line per count and the decision. Costs two small compilations per count.
-    With several processes, all must call it; process 0's result is returned everywhere.
+    Logs one line per count and the decision. Costs two small compilations per count; in
+    one process the counts above the first where the replicated path loses are skipped
+    (they cannot raise the threshold: start-up time). With several processes, all must
+    call it and all measure every count (their collectives must match); process 0's
+    result is returned everywhere.
     """
     timings = {}
     for num_tokens in sorted(token_counts):
@@ -126,6 +129,8 @@ def measure_replicated_max_tokens(
             1e6 * timings[num_tokens][0],
             1e6 * timings[num_tokens][1],
         )
+        if jax.process_count() == 1 and timings[num_tokens][1] >= timings[num_tokens][0]:
+            break
     threshold = replicated_threshold(timings)
     if jax.process_count() > 1:
         # Every process must compile the same path, or the collectives would not match:

@@ -91,6 +91,7 @@ class EngineCore:
         self.block_manager = self.block_managers[0]
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.warmup = parts.warmup
         self.eplb_config = parts.eplb_config
         self.eplb = parts.eplb
         self.compile_time_s = parts.compile_time_s
@@ -202,6 +203,7 @@ class EngineCore:
         start = time.perf_counter()
         waited = self.runner.wait_time_s
         outputs, self._rejected = self._rejected, []
+        self.warmup.poll()  # the step budget of the shapes compiled so far
         if self.async_scheduling:
             outputs += self._step_async()
         else:
