@@ -18,7 +18,7 @@ Compilation cache: one JAX persistent compilation cache for the session, in a te
 folder (or `$JAXSERVE_TEST_CACHE_ROOT`, to keep it across runs), shared by this process
 and by every process a test starts: `JAXSERVE_CACHE_ROOT` is set for them, so the
 engine's default `compilation_cache_dir` points into it. It never masks a compile count:
-`CompileCounter` (jaxserve/engine/builder.py) counts persistent-cache hits as
+`CompileCounter` (jaxserve/engine/compile_counter.py) counts persistent-cache hits as
 compilations, so "no compilation after warm-up" still means no executable was asked for.
 """
 

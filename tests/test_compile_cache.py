@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.builder import CompileCounter
+from jaxserve.engine.compile_counter import CompileCounter
 
 
 def test_engines_default_to_the_session_cache(compile_cache):
