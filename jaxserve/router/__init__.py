@@ -1,0 +1,7 @@
+"""The request router across engine replicas (KV-aware prefix routing).
+
+prefix_index: which replica caches which full KV blocks (a radix tree over chained block
+hashes); load: each replica's active load from the router's own dispatches; policy: the
+choice (kv, round-robin, least-loaded, random); router: one decision per request;
+events: applying a replica's numbered KV events and snapshots to the index. No JAX.
+"""
