@@ -153,6 +153,7 @@ class AsyncEngineClient:
         self._serials = itertools.count()
         self._ready = asyncio.Event()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._output_listeners: list[Callable[[TextOutput], None]] = []
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self.stalled_reason: str | None = None  # set by the stall watchdog (liveness.py)
@@ -198,6 +199,11 @@ class AsyncEngineClient:
 
     def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
         self._stats_listeners.append(listener)
+
+    def add_output_listener(self, listener: Callable[[TextOutput], None]) -> None:
+        """Called with every output from the sidecar, before its stream gets it (the
+        router's load tracking, `jaxserve.router.replicas`)."""
+        self._output_listeners.append(listener)
 
     def is_running(self, request_id: str) -> bool:
         """True while the client request `request_id` has an open stream."""
@@ -369,6 +375,8 @@ class AsyncEngineClient:
 
     def _dispatch(self, outputs: list[TextOutput]) -> None:
         for out in outputs:
+            for listener in self._output_listeners:
+                listener(out)
             # None: a sample of a request whose stream already ended (late output).
             stream = self._by_engine_id.get(out.request_id)
             if stream is None:

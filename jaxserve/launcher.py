@@ -17,11 +17,17 @@ every open stream ends with UNAVAILABLE (new calls get it too), and after a shor
 (`ENGINE_DEATH_GRACE_S`, so those statuses reach the clients and health checkers) the
 gRPC server stops, the other child is terminated and `jaxserve serve` exits with code 1.
 A child that dies during start-up also gives exit code 1. No JAX in this process.
+
+With `--replicas N` (N > 1) there are N engine processes, each with its own sidecar
+and devices, behind one `jaxserve.router.replicas.ReplicaSet`: a dead child takes only
+its replica out of rotation (its streams end with UNAVAILABLE naming it; its other
+child is stopped), and the server exits with code 1 only when every replica is dead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -65,6 +71,7 @@ class _Child:
     name: str
     process: subprocess.Popen
     error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
+    replica: int | None = None  # with several replicas: the one it belongs to
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -76,11 +83,13 @@ class StartupError(RuntimeError):
     """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`)."""
 
 
-def _spawn(name: str, module: str, args: list[str], error_dir: str) -> _Child:
+def _spawn(
+    name: str, module: str, args: list[str], error_dir: str, env_extra: dict | None = None
+) -> _Child:
     # From the main thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
     cmd = [sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args]
-    error_file = os.path.join(error_dir, f"{name}.start-error")
-    env = {**os.environ, START_ERROR_FILE_ENV: error_file}
+    error_file = os.path.join(error_dir, f"{name.replace(' ', '-')}.start-error")
+    env = {**os.environ, START_ERROR_FILE_ENV: error_file, **(env_extra or {})}
     return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), error_file)
 
 
@@ -105,6 +114,7 @@ def serve(
     log_level: str = "INFO",
     distributed_args: list[str] | None = None,
     frontend_options: FrontendOptions | None = None,
+    router_options=None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM or until a child dies. Returns the process exit
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
@@ -117,6 +127,8 @@ def serve(
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
         process when it leads a multi-process run (process 0; see jaxserve.distributed).
     frontend_options: admission limits, stall timeout, TLS, API key (frontend.options).
+    router_options: a `jaxserve.router.options.RouterOptions` (replicas, policy); None:
+        one engine.
     """
     options = frontend_options or FrontendOptions()
     logger.info(
@@ -157,7 +169,18 @@ def serve(
     socket_dir = make_socket_dir()
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
+    num_replicas = router_options.replicas if router_options is not None else 1
     try:
+        if num_replicas > 1:
+            replica_addresses = _spawn_replicas(
+                engine_config, router_options, socket_dir, children, engine_class, log_level
+            )
+            return uvloop.run(
+                _run_frontend(
+                    replica_addresses, tokenizer, engine_config, server_config, children,
+                    metrics, chat_template, options, router_options,
+                )
+            )  # fmt: skip
         engine_args = [
             "--config-json", json.dumps(engine_config.to_dict()),
             "--engine-input", addresses.engine_input,
@@ -196,6 +219,71 @@ def serve(
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+def _spawn_replicas(
+    engine_config: EngineConfig, router_options, socket_dir: str, children: list[_Child],
+    engine_class: str | None, log_level: str,
+) -> list[IpcAddresses]:  # fmt: skip
+    """Start every replica's engine and sidecar (each replica's sockets in its own
+    folder, its engine given its own devices); returns their addresses."""
+    mesh_devices = engine_config.mesh.dp * engine_config.mesh.tp
+    result = []
+    for k in range(router_options.replicas):
+        folder = os.path.join(socket_dir, f"r{k}")
+        os.makedirs(folder, exist_ok=True)
+        addrs = IpcAddresses.in_dir(folder)
+        addrs = dataclasses.replace(addrs, kv_events=f"ipc://{os.path.join(folder, 'kv')}")
+        engine_args = [
+            "--config-json", json.dumps(engine_config.to_dict()),
+            "--engine-input", addrs.engine_input,
+            "--detokenizer-input", addrs.detokenizer_input,
+            "--engine-control", addrs.engine_control,
+            "--kv-events", addrs.kv_events,
+            "--log-level", log_level,
+        ]  # fmt: skip
+        if engine_class:
+            engine_args += ["--engine-class", engine_class]
+        env = router_options.device_env(k, mesh_devices)
+        engine = _spawn(f"replica {k} engine", "jaxserve.engine.process", engine_args, folder, env)
+        engine.replica = k
+        children.append(engine)
+        sidecar_args = [
+            "--model", engine_config.model,
+            "--detokenizer-input", addrs.detokenizer_input,
+            "--frontend-input", addrs.frontend_input,
+            "--engine-input", addrs.engine_control,
+            "--log-level", log_level,
+        ]  # fmt: skip
+        sidecar = _spawn(
+            f"replica {k} detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args,
+            folder,
+        )  # fmt: skip
+        sidecar.replica = k
+        children.append(sidecar)
+        result.append(addrs)
+    logger.info(
+        "%d engine replicas, router policy %s", router_options.replicas,
+        router_options.policy_name,
+    )  # fmt: skip
+    return result
+
+
+def _make_replica_set(addresses, engine_config, metrics, options, router_options):
+    from jaxserve.router.metrics import RouterMetrics  # noqa: PLC0415
+    from jaxserve.router.replicas import ReplicaSet  # noqa: PLC0415
+    from jaxserve.router.router import Router  # noqa: PLC0415
+
+    name = engine_config.served_model_name or os.path.basename(
+        os.path.normpath(engine_config.model)
+    )
+    router = Router(
+        engine_config.cache.block_size, router_options.policy_name,
+        weight=router_options.weight, temperature=router_options.temperature,
+    )  # fmt: skip
+    return ReplicaSet(
+        addresses, router, RouterMetrics(metrics.registry, name), options.stall_timeout_s
+    )
+
+
 async def _run_frontend(
     addresses,
     tokenizer,
@@ -205,13 +293,20 @@ async def _run_frontend(
     metrics: Metrics,
     chat_template,
     options: FrontendOptions,
+    router_options=None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = AsyncEngineClient(addresses)
+    replicas = None
+    if isinstance(addresses, list):
+        replicas = engine = _make_replica_set(
+            addresses, engine_config, metrics, options, router_options
+        )
+    else:
+        engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
     stats_log = StatsLogger()
@@ -219,7 +314,11 @@ async def _run_frontend(
     stats_task = None
     server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
-    watch = asyncio.create_task(_watch_children(children))
+    if replicas is not None:
+        replicas.add_serving_listener(server.set_serving)
+        watch = asyncio.create_task(_watch_replica_children(children, replicas))
+    else:
+        watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     liveness = None
     try:
@@ -232,9 +331,10 @@ async def _run_frontend(
         if ready.done() and not watch.done():
             stats = ready.result()
             await server.set_serving(True)
-            liveness = asyncio.create_task(
-                watch_liveness(engine, server.set_serving, options.stall_timeout_s)
-            )
+            if replicas is None:  # a ReplicaSet watches its replicas' heartbeats itself
+                liveness = asyncio.create_task(
+                    watch_liveness(engine, server.set_serving, options.stall_timeout_s)
+                )
             logger.info(
                 # num_blocks_total is the usable count: the engine's null block is not in it.
                 "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d usable KV blocks "
@@ -284,4 +384,25 @@ async def _watch_children(children: list[_Child]) -> str:
         for child in children:
             if child.process.poll() is not None:
                 return child.describe_exit()
+        await asyncio.sleep(CHILD_POLL_INTERVAL_S)
+
+
+async def _watch_replica_children(children: list[_Child], replicas) -> str:
+    """With several replicas: a dead child takes its replica out of rotation (and its
+    other child is stopped); returns a description once every replica is dead."""
+    down: set[int] = set()
+    while True:
+        for child in children:
+            k = child.replica
+            if k in down or child.process.poll() is None:
+                continue
+            reason = child.describe_exit()
+            down.add(k)
+            logger.error("%s: replica %d is out of rotation", reason, k)
+            replicas.replica_died(k, reason)
+            for other in children:
+                if other.replica == k and other.process.poll() is None:
+                    other.process.terminate()
+            if len(down) == len(replicas.replicas):
+                return f"every replica died (last: {reason})"
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)

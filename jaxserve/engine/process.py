@@ -52,6 +52,7 @@ from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
     Heartbeat,
+    KvSnapshot,
     KvSnapshotRequest,
     RequestOutput,
     Shutdown,
@@ -212,9 +213,13 @@ class EngineLoop:
             self._kv_log.flush(self._send_kv)
 
     def _send_kv_snapshot(self) -> None:
-        if self._kv_log is not None:
-            self._flush_kv_events()
-            self._send_kv(self._kv_log.snapshot())
+        if self._kv_socket is None:
+            return
+        if self._kv_log is None:  # no prefix cache to report: an empty one, for good
+            self._send_kv(KvSnapshot(0, -1, []))
+            return
+        self._flush_kv_events()
+        self._send_kv(self._kv_log.snapshot())
 
     def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
         """Send the stats if they changed. Rate-limited sends skip gauge-only changes (KV

@@ -86,7 +86,7 @@ class Router:
         prompt_token_ids: Sequence[int] | np.ndarray,
         candidates: Sequence[ReplicaId],
     ) -> Decision:
-        """Choose a replica for the request and book its load there (`dispatch`).
+        """Choose a replica for the request (`decide`) and book its load there (`dispatch`).
 
         Args:
             request_id: unique among active requests (the engine request id).
@@ -96,19 +96,30 @@ class Router:
         Raises:
             ValueError: no candidates, or request_id already active.
         """
+        decision = self.decide(prompt_token_ids, candidates)
+        self.dispatch(request_id, decision, len(prompt_token_ids))
+        return decision
+
+    def decide(
+        self, prompt_token_ids: Sequence[int] | np.ndarray, candidates: Sequence[ReplicaId]
+    ) -> Decision:
+        """The policy's choice for a prompt, without booking anything.
+
+        Raises:
+            ValueError: no candidates.
+        """
         if not candidates:
             raise ValueError("candidates: no live replica to route to")
         hashes = hash_token_blocks(prompt_token_ids, self.block_size)
         matched = self.index.match(hashes, candidates)
         choice = self.policy.choose(candidates, len(hashes), matched, self.load)
-        decision = Decision(
+        return Decision(
             choice.replica, self.policy.name, matched[choice.replica], len(hashes), choice.cost
         )
-        self.dispatch(request_id, decision, len(prompt_token_ids))
-        return decision
 
     def dispatch(self, request_id: str, decision: Decision, num_prompt_tokens: int) -> None:
-        """Book a decision's load and count it (done by `route`)."""
+        """Book a decision's load and count it (done by `route`; once per sample when
+        the n samples of a request share one decision)."""
         # The engine always computes the prompt's last token (block_manager.lookup_prefix).
         cached = min(decision.matched_blocks * self.block_size, max(num_prompt_tokens - 1, 0))
         self.load.dispatch(request_id, decision.replica, num_prompt_tokens, cached)
