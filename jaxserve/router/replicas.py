@@ -396,6 +396,8 @@ class ReplicaSet:
                     router_index_blocks=self.router.index.num_blocks(rep.index),
                     router_decisions=rep.decisions,
                     address=rep.addresses.engine_input,
+                    prefix_cache_queries=s.counters.prefix_cache_queries,
+                    prefix_cache_hits=s.counters.prefix_cache_hits,
                 )
             )
         return out
