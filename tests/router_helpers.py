@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 from server_harness import ServerProcess, child_pids
 
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
@@ -21,9 +22,14 @@ def wait_replicas(client, predicate, timeout: float, poll_s: float = 0.05) -> fl
     """Poll until predicate(replica_infos) holds; returns the seconds it took. Raises
     AssertionError with the last infos after `timeout`."""
     start = time.monotonic()
+    infos = None
     while True:
-        infos = replica_infos(client)
-        if predicate(infos):
+        try:
+            infos = replica_infos(client)
+        except grpc.RpcError as e:  # no replica serves (yet): GetServerInfo is UNAVAILABLE
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        if infos is not None and predicate(infos):
             return time.monotonic() - start
         if time.monotonic() - start > timeout:
             raise AssertionError(f"not within {timeout} s: {infos}")

@@ -263,7 +263,7 @@ class ReplicaSet:
     def replica_died(self, index: int, reason: str) -> None:
         """The replica's engine or sidecar exited: out of rotation, streams end naming it."""
         rep = self.replicas[index]
-        self._replica_down(rep, f"{rep.name}: {reason}", dead=True)
+        self._replica_down(rep, self._named(rep, reason), dead=True)
         if all(r.client.dead_reason is not None for r in self.replicas):
             self.dead_reason = f"every replica died (last: {rep.name}: {reason})"
         self._publish_stats()
@@ -281,9 +281,13 @@ class ReplicaSet:
             if r is rep and dead:
                 del self._by_stream[s]
 
+    @staticmethod
+    def _named(rep: Replica, reason: str) -> str:
+        return reason if rep.name in reason else f"{rep.name}: {reason}"
+
     def _unavailable(self) -> str:
         reasons = [
-            f"{rep.name}: {rep.client.dead_reason or rep.client.stalled_reason or 'starting'}"
+            self._named(rep, rep.client.dead_reason or rep.client.stalled_reason or "starting")
             for rep in self.replicas
         ]
         return "no replica serves (" + "; ".join(reasons) + ")"
@@ -310,7 +314,7 @@ class ReplicaSet:
                         if rep.events is not None:
                             rep.events.resync("back from a stall")
                     else:
-                        self._replica_down(rep, f"{rep.name}: {reason}", dead=False)
+                        self._replica_down(rep, self._named(rep, reason), dead=False)
                 if rep.events is not None:
                     rep.events.poll(now)
             self.stalled_reason = (
@@ -348,6 +352,8 @@ class ReplicaSet:
                 f"model {first.model!r} / block_size {self.router.block_size}",
             )
             return
+        if stats.ready and (rep.last_stats is None or not rep.last_stats.ready):
+            rep.heard_since = time.monotonic()  # heartbeats start with its loop
         rep.last_stats = stats
         self._publish_stats()
         if stats.ready and not self._ready.is_set():
