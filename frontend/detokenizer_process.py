@@ -226,10 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-input", required=True, help="where stop-string aborts go")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-name", default="detokenizer", help="the [tag] of its log lines")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    configure_logging(args.log_level, "detokenizer")
+    configure_logging(args.log_level, args.log_name)
     try:
         tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError) as e:

@@ -238,7 +238,7 @@ def _spawn_replicas(
             "--detokenizer-input", addrs.detokenizer_input,
             "--engine-control", addrs.engine_control,
             "--kv-events", addrs.kv_events,
-            "--log-level", log_level,
+            "--log-level", log_level, "--log-name", f"engine {k}",
         ]  # fmt: skip
         if engine_class:
             engine_args += ["--engine-class", engine_class]
@@ -251,7 +251,7 @@ def _spawn_replicas(
             "--detokenizer-input", addrs.detokenizer_input,
             "--frontend-input", addrs.frontend_input,
             "--engine-input", addrs.engine_control,
-            "--log-level", log_level,
+            "--log-level", log_level, "--log-name", f"detokenizer {k}",
         ]  # fmt: skip
         sidecar = _spawn(
             f"replica {k} detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args,

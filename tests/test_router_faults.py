@@ -9,8 +9,11 @@ One server serves the module; the kill test runs last (a killed replica stays de
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -30,9 +33,19 @@ def mock_model_dir(tmp_path_factory):
     return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+METRICS_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def server(mock_model_dir):
     flags = (
+        "--metrics-port", str(METRICS_PORT),
         "--engine-class", "mock_engine:MockEngineCore", "--replicas", "3",
         "--stall-timeout-s", str(STALL_TIMEOUT_S), "--router-policy", "kv",
     )  # fmt: skip
@@ -117,3 +130,22 @@ def test_a_killed_replica_ends_its_streams_naming_it_and_others_go_on(server, cl
     assert infos[0].router_decisions > 0 and infos[2].router_decisions > 0
     assert server.proc.poll() is None  # serve keeps running while a replica lives
     assert client.is_serving()
+
+
+def _metric(text: str, name: str, replica: int) -> float:
+    m = re.search(rf'^{name}{{[^}}]*replica="{replica}"[^}}]*}} (\S+)$', text, re.M)
+    assert m, f"{name} replica {replica} not exported"
+    return float(m.group(1))
+
+
+def test_metrics_show_each_replica_and_every_decision(server, client):
+    """After the kill above: replica 1 is down in the metrics, the others up, and the
+    decision counters add up to the requests routed (GetServerInfo's counts)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert [_metric(text, "jaxserve_replica_up", k) for k in range(3)] == [1.0, 0.0, 1.0]
+    infos = replica_infos(client)
+    for k in range(3):
+        decisions = _metric(text, "jaxserve_router_decisions_total", k)
+        assert decisions == infos[k].router_decisions
+    assert _metric(text, "jaxserve_replica_index_blocks", 1) == 0.0

@@ -422,11 +422,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-name", default="engine", help="the [tag] of its log lines")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    configure_logging(args.log_level, "engine")
+    configure_logging(args.log_level, args.log_name)
     config = EngineConfig.from_dict(json.loads(args.config_json))
     dist = distributed.from_arguments(args)
     distributed.initialize(dist)  # before any other JAX call
