@@ -35,6 +35,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import prometheus_client
@@ -63,6 +65,7 @@ CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children
 # After a child dies: how long open calls' UNAVAILABLE and health's NOT_SERVING are
 # served before the server stops (SIGINT/SIGTERM cuts it short).
 ENGINE_DEATH_GRACE_S = 2.0
+REPLICA_RESTART_BACKOFF_S = 1.0  # --restart-dead-replicas: the least time down
 EXIT_CHILD_DIED = 1  # `jaxserve serve`'s exit code when a child died (start-up or serving)
 
 
@@ -72,6 +75,7 @@ class _Child:
     process: subprocess.Popen
     error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
     replica: int | None = None  # with several replicas: the one it belongs to
+    respawn: Callable[[], _Child] | None = None  # starts it again (a replica's children)
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -243,8 +247,9 @@ def _spawn_replicas(
         if engine_class:
             engine_args += ["--engine-class", engine_class]
         env = router_options.device_env(k, mesh_devices)
-        engine = _spawn(f"replica {k} engine", "jaxserve.engine.process", engine_args, folder, env)
-        engine.replica = k
+        engine = _replica_child(
+            k, "engine", "jaxserve.engine.process", engine_args, folder, env
+        )  # fmt: skip
         children.append(engine)
         sidecar_args = [
             "--model", engine_config.model,
@@ -253,11 +258,9 @@ def _spawn_replicas(
             "--engine-input", addrs.engine_control,
             "--log-level", log_level, "--log-name", f"detokenizer {k}",
         ]  # fmt: skip
-        sidecar = _spawn(
-            f"replica {k} detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args,
-            folder,
+        sidecar = _replica_child(
+            k, "detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, folder, {}
         )  # fmt: skip
-        sidecar.replica = k
         children.append(sidecar)
         result.append(addrs)
     logger.info(
@@ -265,6 +268,17 @@ def _spawn_replicas(
         router_options.policy_name,
     )  # fmt: skip
     return result
+
+
+def _replica_child(
+    k: int, role: str, module: str, args: list[str], folder: str, env: dict
+) -> _Child:
+    def start() -> _Child:
+        child = _spawn(f"replica {k} {role}", module, args, folder, env)
+        child.replica, child.respawn = k, start
+        return child
+
+    return start()
 
 
 def _make_replica_set(addresses, engine_config, metrics, options, router_options):
@@ -316,7 +330,8 @@ async def _run_frontend(
     ready = asyncio.create_task(engine.wait_ready())
     if replicas is not None:
         replicas.add_serving_listener(server.set_serving)
-        watch = asyncio.create_task(_watch_replica_children(children, replicas))
+        restart = router_options.restart_dead_replicas
+        watch = asyncio.create_task(_watch_replica_children(children, replicas, restart))
     else:
         watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
@@ -387,17 +402,19 @@ async def _watch_children(children: list[_Child]) -> str:
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)
 
 
-async def _watch_replica_children(children: list[_Child], replicas) -> str:
+async def _watch_replica_children(children: list[_Child], replicas, restart: bool) -> str:
     """With several replicas: a dead child takes its replica out of rotation (and its
-    other child is stopped); returns a description once every replica is dead."""
-    down: set[int] = set()
+    other child is stopped). With `restart`, the replica's children are started again
+    (at most once per `REPLICA_RESTART_BACKOFF_S`) and it rejoins with empty entries.
+    Returns a description once every replica is dead at the same time."""
+    down: dict[int, float] = {}  # replica -> when it went down
     while True:
-        for child in children:
+        for child in list(children):
             k = child.replica
             if k in down or child.process.poll() is None:
                 continue
             reason = child.describe_exit()
-            down.add(k)
+            down[k] = time.monotonic()
             logger.error("%s: replica %d is out of rotation", reason, k)
             replicas.replica_died(k, reason)
             for other in children:
@@ -405,4 +422,16 @@ async def _watch_replica_children(children: list[_Child], replicas) -> str:
                     other.process.terminate()
             if len(down) == len(replicas.replicas):
                 return f"every replica died (last: {reason})"
+        if restart:
+            for k, since in list(down.items()):
+                mine = [c for c in children if c.replica == k]
+                if time.monotonic() - since < REPLICA_RESTART_BACKOFF_S or any(
+                    c.process.poll() is None for c in mine
+                ):
+                    continue  # its other child is still stopping, or too soon
+                for old in mine:
+                    children[children.index(old)] = old.respawn()
+                logger.warning("replica %d: restarted; it rejoins with empty entries", k)
+                await replicas.rejoin(k)
+                del down[k]
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)

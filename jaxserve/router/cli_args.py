@@ -37,6 +37,11 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         help="kv policy: 0 takes the lowest cost; > 0 samples among the near-best "
         "(default: 0)",
     )  # fmt: skip
+    g.add_argument(
+        "--restart-dead-replicas", action="store_true",
+        help="start a replica whose engine or detokenizer died again; it rejoins with "
+        "empty entries in the router (default: off: it stays out of rotation)",
+    )  # fmt: skip
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
@@ -47,4 +52,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         policy=args.router_policy,
         weight=args.router_weight,
         temperature=args.router_temperature,
+        restart_dead_replicas=args.restart_dead_replicas,
     )

@@ -24,6 +24,7 @@ class RouterOptions:
     policy: str | None = None
     weight: float = 1.0
     temperature: float = 0.0
+    restart_dead_replicas: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -117,6 +117,7 @@ class ReplicaSet:
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self._serving_listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._watch: asyncio.Task | None = None
+        self._retired: list[EngineStats] = []  # last stats of replaced engines (counters)
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self.stalled_reason: str | None = None  # set only when every live replica is stalled
@@ -260,6 +261,25 @@ class ReplicaSet:
 
     # ----- replica health -----------------------------------------------------------------
 
+    async def rejoin(self, index: int) -> None:
+        """The replica's processes were started again: a fresh engine client on its
+        addresses; its entries are empty until its new engine's events (a new epoch,
+        from event 0) or a snapshot fill them."""
+        rep = self.replicas[index]
+        await rep.client.close()
+        rep.client = AsyncEngineClient(rep.addresses)
+        await rep.client.start()
+        rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
+        rep.client.add_output_listener(lambda o, rep=rep: self._on_output(rep, o))
+        self.router.remove_replica(rep.index)
+        rep.active.clear()
+        if rep.last_stats is not None:  # its counters stay in the server's totals
+            self._retired.append(rep.last_stats)
+        rep.last_stats = None
+        if rep.events is not None:
+            rep.events.reset()
+        self.dead_reason = None
+
     def replica_died(self, index: int, reason: str) -> None:
         """The replica's engine or sidecar exited: out of rotation, streams end naming it."""
         rep = self.replicas[index]
@@ -360,7 +380,7 @@ class ReplicaSet:
             self._ready.set()
 
     def _publish_stats(self) -> None:
-        seen = [r.last_stats for r in self.replicas if r.last_stats is not None]
+        seen = [r.last_stats for r in self.replicas if r.last_stats is not None] + self._retired
         if not seen:
             return
         live = [r.last_stats for r in self.replicas if r.last_stats is not None and r.client.ready]
