@@ -27,7 +27,6 @@ child is stopped), and the server exits with code 1 only when every replica is d
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -35,7 +34,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,7 +63,6 @@ CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children
 # After a child dies: how long open calls' UNAVAILABLE and health's NOT_SERVING are
 # served before the server stops (SIGINT/SIGTERM cuts it short).
 ENGINE_DEATH_GRACE_S = 2.0
-REPLICA_RESTART_BACKOFF_S = 1.0  # --restart-dead-replicas: the least time down
 EXIT_CHILD_DIED = 1  # `jaxserve serve`'s exit code when a child died (start-up or serving)
 
 
@@ -176,7 +173,9 @@ def serve(
     num_replicas = router_options.replicas if router_options is not None else 1
     try:
         if num_replicas > 1:
-            replica_addresses = _spawn_replicas(
+            from jaxserve.router import launch as replica_launch  # noqa: PLC0415
+
+            replica_addresses = replica_launch.spawn_replicas(
                 engine_config, router_options, socket_dir, children, engine_class, log_level
             )
             return uvloop.run(
@@ -223,81 +222,6 @@ def serve(
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-def _spawn_replicas(
-    engine_config: EngineConfig, router_options, socket_dir: str, children: list[_Child],
-    engine_class: str | None, log_level: str,
-) -> list[IpcAddresses]:  # fmt: skip
-    """Start every replica's engine and sidecar (each replica's sockets in its own
-    folder, its engine given its own devices); returns their addresses."""
-    mesh_devices = engine_config.mesh.dp * engine_config.mesh.tp
-    result = []
-    for k in range(router_options.replicas):
-        folder = os.path.join(socket_dir, f"r{k}")
-        os.makedirs(folder, exist_ok=True)
-        addrs = IpcAddresses.in_dir(folder)
-        addrs = dataclasses.replace(addrs, kv_events=f"ipc://{os.path.join(folder, 'kv')}")
-        engine_args = [
-            "--config-json", json.dumps(engine_config.to_dict()),
-            "--engine-input", addrs.engine_input,
-            "--detokenizer-input", addrs.detokenizer_input,
-            "--engine-control", addrs.engine_control,
-            "--kv-events", addrs.kv_events,
-            "--log-level", log_level, "--log-name", f"engine {k}",
-        ]  # fmt: skip
-        if engine_class:
-            engine_args += ["--engine-class", engine_class]
-        env = router_options.device_env(k, mesh_devices)
-        engine = _replica_child(
-            k, "engine", "jaxserve.engine.process", engine_args, folder, env
-        )  # fmt: skip
-        children.append(engine)
-        sidecar_args = [
-            "--model", engine_config.model,
-            "--detokenizer-input", addrs.detokenizer_input,
-            "--frontend-input", addrs.frontend_input,
-            "--engine-input", addrs.engine_control,
-            "--log-level", log_level, "--log-name", f"detokenizer {k}",
-        ]  # fmt: skip
-        sidecar = _replica_child(
-            k, "detokenizer", "jaxserve.frontend.detokenizer_process", sidecar_args, folder, {}
-        )  # fmt: skip
-        children.append(sidecar)
-        result.append(addrs)
-    logger.info(
-        "%d engine replicas, router policy %s", router_options.replicas,
-        router_options.policy_name,
-    )  # fmt: skip
-    return result
-
-
-def _replica_child(
-    k: int, role: str, module: str, args: list[str], folder: str, env: dict
-) -> _Child:
-    def start() -> _Child:
-        child = _spawn(f"replica {k} {role}", module, args, folder, env)
-        child.replica, child.respawn = k, start
-        return child
-
-    return start()
-
-
-def _make_replica_set(addresses, engine_config, metrics, options, router_options):
-    from jaxserve.router.metrics import RouterMetrics  # noqa: PLC0415
-    from jaxserve.router.replicas import ReplicaSet  # noqa: PLC0415
-    from jaxserve.router.router import Router  # noqa: PLC0415
-
-    name = engine_config.served_model_name or os.path.basename(
-        os.path.normpath(engine_config.model)
-    )
-    router = Router(
-        engine_config.cache.block_size, router_options.policy_name,
-        weight=router_options.weight, temperature=router_options.temperature,
-    )  # fmt: skip
-    return ReplicaSet(
-        addresses, router, RouterMetrics(metrics.registry, name), options.stall_timeout_s
-    )
-
-
 async def _run_frontend(
     addresses,
     tokenizer,
@@ -316,7 +240,9 @@ async def _run_frontend(
 
     replicas = None
     if isinstance(addresses, list):
-        replicas = engine = _make_replica_set(
+        from jaxserve.router import launch as replica_launch  # noqa: PLC0415
+
+        replicas = engine = replica_launch.make_replica_set(
             addresses, engine_config, metrics, options, router_options
         )
     else:
@@ -331,7 +257,9 @@ async def _run_frontend(
     if replicas is not None:
         replicas.add_serving_listener(server.set_serving)
         restart = router_options.restart_dead_replicas
-        watch = asyncio.create_task(_watch_replica_children(children, replicas, restart))
+        watch = asyncio.create_task(
+            replica_launch.watch_replica_children(children, replicas, restart)
+        )
     else:
         watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
@@ -399,39 +327,4 @@ async def _watch_children(children: list[_Child]) -> str:
         for child in children:
             if child.process.poll() is not None:
                 return child.describe_exit()
-        await asyncio.sleep(CHILD_POLL_INTERVAL_S)
-
-
-async def _watch_replica_children(children: list[_Child], replicas, restart: bool) -> str:
-    """With several replicas: a dead child takes its replica out of rotation (and its
-    other child is stopped). With `restart`, the replica's children are started again
-    (at most once per `REPLICA_RESTART_BACKOFF_S`) and it rejoins with empty entries.
-    Returns a description once every replica is dead at the same time."""
-    down: dict[int, float] = {}  # replica -> when it went down
-    while True:
-        for child in list(children):
-            k = child.replica
-            if k in down or child.process.poll() is None:
-                continue
-            reason = child.describe_exit()
-            down[k] = time.monotonic()
-            logger.error("%s: replica %d is out of rotation", reason, k)
-            replicas.replica_died(k, reason)
-            for other in children:
-                if other.replica == k and other.process.poll() is None:
-                    other.process.terminate()
-            if len(down) == len(replicas.replicas):
-                return f"every replica died (last: {reason})"
-        if restart:
-            for k, since in list(down.items()):
-                mine = [c for c in children if c.replica == k]
-                if time.monotonic() - since < REPLICA_RESTART_BACKOFF_S or any(
-                    c.process.poll() is None for c in mine
-                ):
-                    continue  # its other child is still stopping, or too soon
-                for old in mine:
-                    children[children.index(old)] = old.respawn()
-                logger.warning("replica %d: restarted; it rejoins with empty entries", k)
-                await replicas.rejoin(k)
-                del down[k]
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)

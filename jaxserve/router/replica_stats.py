@@ -8,6 +8,7 @@ every replica ever seen, dead ones included at their last value, so that a repli
 death never makes a counter go down; the `last_*` step timings are the maximum (the
 slowest replica's last step). Model limits come from the first replica (they agree:
 `ReplicaSet` refuses a replica whose model or block size differs).
+`replica_info` and `update_gauges` give each replica's line (GetServerInfo, metrics).
 """
 
 from __future__ import annotations
@@ -47,3 +48,44 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         ready=bool(live),
         counters=counters,
     )
+
+
+def update_gauges(metrics, replicas, router) -> None:
+    """Set each replica's gauges (`router.metrics.RouterMetrics.replica`)."""
+    for rep in replicas:
+        s = rep.last_stats or EngineStats()
+        metrics.replica(
+            rep.index,
+            up=float(rep.client.ready),
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_blocks_free=s.num_blocks_free,
+            load_blocks=router.load.load(rep.index),
+            index_blocks=router.index.num_blocks(rep.index),
+        )
+
+
+def replica_info(replicas, router) -> list[dict]:
+    """Per replica (`replicas.Replica`), the fields of GetServerInfo's `ReplicaInfo`."""
+    out = []
+    for rep in replicas:
+        s = rep.last_stats or EngineStats()
+        out.append(
+            dict(
+                replica=rep.index,
+                state=rep.state,
+                reason=rep.client.dead_reason or rep.client.stalled_reason or "",
+                kv_blocks_total=s.num_blocks_total,
+                kv_blocks_free=s.num_blocks_free,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                router_requests=router.load.num_requests(rep.index),
+                router_load_blocks=router.load.load(rep.index),
+                router_index_blocks=router.index.num_blocks(rep.index),
+                router_decisions=rep.decisions,
+                address=rep.addresses.engine_input,
+                prefix_cache_queries=s.counters.prefix_cache_queries,
+                prefix_cache_hits=s.counters.prefix_cache_hits,
+            )
+        )
+    return out

@@ -50,7 +50,7 @@ from jaxserve.ipc import (
 )
 from jaxserve.router.events import ReplicaEvents
 from jaxserve.router.metrics import RouterMetrics
-from jaxserve.router.replica_stats import aggregate_stats
+from jaxserve.router.replica_stats import aggregate_stats, replica_info, update_gauges
 from jaxserve.router.router import Decision, Router
 
 logger = logging.getLogger("jaxserve.router")
@@ -389,41 +389,9 @@ class ReplicaSet:
             listener(self.stats)
 
     def _update_gauges(self) -> None:
-        if self.metrics is None:
-            return
-        for rep in self.replicas:
-            s = rep.last_stats or EngineStats()
-            self.metrics.replica(
-                rep.index,
-                up=float(rep.client.ready),
-                running=s.num_running,
-                waiting=s.num_waiting,
-                kv_blocks_free=s.num_blocks_free,
-                load_blocks=self.router.load.load(rep.index),
-                index_blocks=self.router.index.num_blocks(rep.index),
-            )
+        if self.metrics is not None:
+            update_gauges(self.metrics, self.replicas, self.router)
 
     def replica_info(self) -> list[dict]:
         """Per replica, the fields of GetServerInfo's `ReplicaInfo`."""
-        out = []
-        for rep in self.replicas:
-            s = rep.last_stats or EngineStats()
-            out.append(
-                dict(
-                    replica=rep.index,
-                    state=rep.state,
-                    reason=rep.client.dead_reason or rep.client.stalled_reason or "",
-                    kv_blocks_total=s.num_blocks_total,
-                    kv_blocks_free=s.num_blocks_free,
-                    num_running=s.num_running,
-                    num_waiting=s.num_waiting,
-                    router_requests=self.router.load.num_requests(rep.index),
-                    router_load_blocks=self.router.load.load(rep.index),
-                    router_index_blocks=self.router.index.num_blocks(rep.index),
-                    router_decisions=rep.decisions,
-                    address=rep.addresses.engine_input,
-                    prefix_cache_queries=s.counters.prefix_cache_queries,
-                    prefix_cache_hits=s.counters.prefix_cache_hits,
-                )
-            )
-        return out
+        return replica_info(self.replicas, self.router)
