@@ -5,9 +5,10 @@ GetServerInfo and the metrics.
 counters (`observability.metrics.Metrics.update_from_engine`) read as one engine's:
 gauges (running, waiting, KV blocks) over the live replicas; cumulative counters over
 every replica ever seen, dead ones included at their last value, so that a replica's
-death never makes a counter go down; the `last_*` step timings are the maximum (the
-slowest replica's last step). Model limits come from the first replica (they agree:
-`ReplicaSet` refuses a replica whose model or block size differs).
+death never makes a counter go down (the engine histograms too, bucket by bucket); the
+`last_*` step values and the `peak_*` device peaks are the maximum. Model limits come
+from the first replica (they agree: `ReplicaSet` refuses a replica whose model or block
+size differs).
 `replica_info` and `update_gauges` give each replica's line (GetServerInfo, metrics).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.ipc import EngineStats
-from jaxserve.observability.stats import EngineCounters
+from jaxserve.observability.stats import EngineCounters, EngineHistograms
 
 
 def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> EngineStats:
@@ -35,7 +36,17 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         values = [getattr(s.counters, f.name) for s in all_seen]
         if not values:
             continue
-        setattr(counters, f.name, max(values) if f.name.startswith("last_") else sum(values))
+        keep_max = f.name.startswith(("last_", "peak_"))  # a step's value, a device's peak
+        setattr(counters, f.name, max(values) if keep_max else sum(values))
+    histograms = EngineHistograms()
+    for stats in all_seen:
+        h = stats.histograms
+        if h.queue_time_counts:
+            mine = histograms.queue_time_counts or [0] * len(h.queue_time_counts)
+            histograms.queue_time_counts = [
+                a + b for a, b in zip(mine, h.queue_time_counts, strict=True)
+            ]
+        histograms.queue_time_sum_s += h.queue_time_sum_s
     return EngineStats(
         model=first.model,
         max_model_len=first.max_model_len,
@@ -47,6 +58,7 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         num_waiting=sum(s.num_waiting for s in live),
         ready=bool(live),
         counters=counters,
+        histograms=histograms,
     )
 
 

@@ -131,7 +131,7 @@ class ReplicaSet:
         for rep in self.replicas:
             await rep.client.start()
             rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
-            rep.client.add_output_listener(lambda o, rep=rep: self._on_output(rep, o))
+            rep.client.add_outputs_listener(lambda m, rep=rep: self._on_outputs(rep, m.outputs))
             if rep.addresses.kv_events:
                 self._start_events(rep)
         self._watch = asyncio.create_task(self._watch_replicas(), name="replica-watch")
@@ -270,7 +270,7 @@ class ReplicaSet:
         rep.client = AsyncEngineClient(rep.addresses)
         await rep.client.start()
         rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
-        rep.client.add_output_listener(lambda o, rep=rep: self._on_output(rep, o))
+        rep.client.add_outputs_listener(lambda m, rep=rep: self._on_outputs(rep, m.outputs))
         self.router.remove_replica(rep.index)
         rep.active.clear()
         if rep.last_stats is not None:  # its counters stay in the server's totals
@@ -352,14 +352,15 @@ class ReplicaSet:
     def _key(rep: Replica, engine_id: str) -> str:
         return f"{rep.index}/{engine_id}"
 
-    def _on_output(self, rep: Replica, out: TextOutput) -> None:
-        key = self._key(rep, out.request_id)
-        if key not in rep.active:
-            return
-        finished = out.finish_reason is not None
-        self.router.on_output(key, len(out.token_ids), finished)
-        if finished:
-            rep.active.discard(key)
+    def _on_outputs(self, rep: Replica, outputs: list[TextOutput]) -> None:
+        for out in outputs:
+            key = self._key(rep, out.request_id)
+            if key not in rep.active:
+                continue
+            finished = out.finish_reason is not None
+            self.router.on_output(key, len(out.token_ids), finished)
+            if finished:
+                rep.active.discard(key)
 
     def _on_stats(self, rep: Replica, stats: EngineStats) -> None:
         first = self.replicas[0].last_stats or stats
