@@ -44,6 +44,7 @@ from jaxserve.ipc import (
     KvSnapshot,
     KvSnapshotRequest,
     TextOutput,
+    TextOutputs,
     decode,
     encode,
     make_socket,
@@ -115,6 +116,7 @@ class ReplicaSet:
         self._sync_ctx: zmq.Context | None = None
         self._ready = asyncio.Event()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._outputs_listeners: list[Callable[[TextOutputs], None]] = []
         self._serving_listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._watch: asyncio.Task | None = None
         self._retired: list[EngineStats] = []  # last stats of replaced engines (counters)
@@ -131,7 +133,7 @@ class ReplicaSet:
         for rep in self.replicas:
             await rep.client.start()
             rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
-            rep.client.add_outputs_listener(lambda m, rep=rep: self._on_outputs(rep, m.outputs))
+            self._listen(rep)
             if rep.addresses.kv_events:
                 self._start_events(rep)
         self._watch = asyncio.create_task(self._watch_replicas(), name="replica-watch")
@@ -196,6 +198,26 @@ class ReplicaSet:
     def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Listeners get the server-wide stats (`replica_stats.aggregate_stats`)."""
         self._stats_listeners.append(listener)
+
+    def add_outputs_listener(self, listener: Callable[[TextOutputs], None]) -> None:
+        """Called with each TextOutputs of any replica, before its streams get it."""
+        self._outputs_listeners.append(listener)
+        for rep in self.replicas:
+            rep.client.add_outputs_listener(listener)
+
+    def _listen(self, rep: Replica) -> None:
+        rep.client.add_outputs_listener(lambda m, rep=rep: self._on_outputs(rep, m.outputs))
+        for listener in self._outputs_listeners:
+            rep.client.add_outputs_listener(listener)
+
+    def send_control(self, msg) -> None:
+        """Send a control message (a `ProfileRequest`) to the first replica that serves
+        (a profile captures one replica). Raises EngineDeadError when none serves."""
+        for rep in self.replicas:
+            if rep.client.ready:
+                rep.client.send_control(msg)
+                return
+        raise EngineDeadError(self._unavailable())
 
     def add_serving_listener(self, listener: Callable[[bool], Awaitable[None]]) -> None:
         """Awaited with `ready` whenever a replica's health changes (health service)."""
@@ -270,7 +292,7 @@ class ReplicaSet:
         rep.client = AsyncEngineClient(rep.addresses)
         await rep.client.start()
         rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
-        rep.client.add_outputs_listener(lambda m, rep=rep: self._on_outputs(rep, m.outputs))
+        self._listen(rep)
         self.router.remove_replica(rep.index)
         rep.active.clear()
         if rep.last_stats is not None:  # its counters stay in the server's totals
