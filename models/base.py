@@ -131,6 +131,7 @@ class KVLayout:
     v_heads: int
     v_dim: int
     shard_heads: bool = True
+    label: str = "per-head K/V"
 
     @classmethod
     def per_head(cls, num_kv_heads: int, head_dim: int) -> KVLayout:

@@ -47,7 +47,9 @@ _LORA_NORM_EPS = 1e-6
 def mla_kv_layout(mla: MlaConfig) -> KVLayout:
     """The latent cache: (c_kv [.., 1, kv_lora_rank], k_rope [.., 1, qk_rope_head_dim])
     per token and layer, replicated over tp."""
-    return KVLayout(1, mla.kv_lora_rank, 1, mla.qk_rope_head_dim, shard_heads=False)
+    return KVLayout(
+        1, mla.kv_lora_rank, 1, mla.qk_rope_head_dim, shard_heads=False, label="MLA latent"
+    )
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, float]:

@@ -87,3 +87,36 @@ YARN = {
 def new_cache(model, num_blocks: int, block_size: int):
     """A zero paged cache in the model's own layout (`model.kv_layout()`)."""
     return model.kv_layout().allocate(model.config.num_hidden_layers, num_blocks, block_size)
+
+
+def write_deepseek_checkpoint(hf_config, path, seed: int = 0):
+    """Like `model_utils.write_hf_checkpoint`, but V3's e_score_correction_bias (zeros at
+    init) is drawn at random first, so a test sees whether the gate uses it. Returns the
+    eval-mode torch model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+class DeepseekStepper:
+    """`model_utils.ModelStepper` with the cache in the model's own layout."""
+
+    def __init__(self, model):
+        from tests.model_utils import ModelStepper
+
+        self._inner = ModelStepper(model)
+        self.layout = model.kv_layout()
+        self.config = model.config
+        self.paged = self._inner.paged
+        self.cacheless = self._inner.cacheless
+
+    def new_cache(self, num_blocks: int, block_size: int):
+        return self.layout.allocate(self.config.num_hidden_layers, num_blocks, block_size)
