@@ -120,3 +120,19 @@ class DeepseekStepper:
 
     def new_cache(self, num_blocks: int, block_size: int):
         return self.layout.allocate(self.config.num_hidden_layers, num_blocks, block_size)
+
+
+def write_deepseek_folder(path, **overrides):
+    """A random DeepSeek-V3 HF folder with the test tokenizer (config.json,
+    model.safetensors, tokenizer.json), no EOS id. Returns the torch model, generation
+    set to run to max_new_tokens."""
+    from mock_engine import train_test_tokenizer
+
+    tok = train_test_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    config = tiny_deepseek_v3_config(
+        vocab_size=tok.get_vocab_size(), **{"rope_parameters": YARN, **overrides}
+    )
+    model = write_deepseek_checkpoint(config, path, seed=0)
+    model.generation_config.eos_token_id = None
+    return model
