@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.models import deepseek_config
+from jaxserve.models import deepseek_config, fp8
 from jaxserve.models.deepseek_config import MLA_ARCHITECTURES, GroupedGateConfig, MlaConfig
 
 # The families this project implements, by HF `architectures` name (`registry.py` maps
@@ -46,6 +46,8 @@ class ModelConfig:
     num_key_value_heads = 1, the latent, and head_dim = qk_head_dim), `grouped_gate` (the
     gate and shared experts), `num_mtp_layers` (multi-token-prediction layers the
     checkpoint may hold after the decoder layers; not served). None / 0 elsewhere.
+    `fp8_weight_block`: (rows, cols) of the scale blocks of an FP8 block-quantized
+    checkpoint (`quantization_config`, see `fp8.py`), None for a plain one.
     """
 
     architecture: str
@@ -73,6 +75,7 @@ class ModelConfig:
     mla: MlaConfig | None = None
     grouped_gate: GroupedGateConfig | None = None
     num_mtp_layers: int = 0
+    fp8_weight_block: tuple[int, int] | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) uses the MoE block instead of a dense MLP.
@@ -106,8 +109,9 @@ class ModelConfig:
             )
         hidden = _require(hf, "hidden_size", int)
         heads = _require(hf, "num_attention_heads", int)
+        block = fp8.weight_block(hf)
         if architecture in MLA_ARCHITECTURES:
-            return cls._from_hf_deepseek(hf, architecture)
+            return cls._from_hf_deepseek(hf, architecture, block)
         if architecture in MOE_ARCHITECTURES:
             num_experts = hf.get("num_local_experts", hf.get("num_experts"))
             if num_experts is None:
@@ -141,10 +145,13 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
             attention_qkv_bias=architecture in _QKV_BIAS,
+            fp8_weight_block=block,
         )
 
     @classmethod
-    def _from_hf_deepseek(cls, hf: dict[str, Any], architecture: str) -> ModelConfig:
+    def _from_hf_deepseek(
+        cls, hf: dict[str, Any], architecture: str, block: tuple[int, int] | None
+    ) -> ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
@@ -167,6 +174,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
+            fp8_weight_block=block,
             **deepseek_config.parse_deepseek(hf, architecture),
         )
 

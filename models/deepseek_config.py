@@ -217,7 +217,8 @@ def parse_deepseek(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
         head_dim=mla.qk_head_dim,
         mla=mla,
         grouped_gate=gate,
-        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        # DeepSeek's name; transformers 5.x writes num_mtp_layers.
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0),
     )
 
 

@@ -136,3 +136,70 @@ def write_deepseek_folder(path, **overrides):
     model = write_deepseek_checkpoint(config, path, seed=0)
     model.generation_config.eos_token_id = None
     return model
+
+
+def write_fp8_folders(src, fp8_dir, ref_dir, block, num_shards: int = 2, mtp_layers: int = 1):
+    """From the HF folder `src`, write `fp8_dir` in DeepSeek's FP8 format and `ref_dir`
+    with the same weights dequantized (float32), both with src's config.json.
+
+    FP8 format (DeepSeek-V3 on the Hub): every 2-D linear weight except the embedding,
+    the LM head and the gate is float8_e4m3fn, with a float32 `<name>_scale_inv` of one
+    scale per `block` (amax / 448, partial blocks at the edges); config.json gets
+    `quantization_config` and `num_nextn_predict_layers`, and `mtp_layers` random
+    multi-token-prediction layers follow the decoder layers (model.layers.{L}...). The
+    tensors are spread over `num_shards` files with a model.safetensors.index.json.
+    Quantization and dequantization here are torch, independent of `models/fp8.py`.
+    """
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    br, bc = block
+    fp8, ref = {}, {}
+    for name, t in tensors.items():
+        keep = any(s in name for s in ("embed_tokens", "lm_head", "mlp.gate.weight"))
+        if t.ndim != 2 or keep:
+            fp8[name] = ref[name] = t
+            continue
+        rows, cols = t.shape
+        nr, nc = -(-rows // br), -(-cols // bc)
+        padded = torch.zeros(nr * br, nc * bc)
+        padded[:rows, :cols] = t
+        blocks = padded.view(nr, br, nc, bc)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [nr, nc]
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+        q = (t / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale.float().contiguous()
+        ref[name] = q.float() * full
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    for i in range(layers, layers + mtp_layers):
+        fp8[f"model.layers.{i}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden)
+        fp8[f"model.layers.{i}.enorm.weight"] = torch.ones(hidden)
+        fp8[f"model.layers.{i}.shared_head.norm.weight"] = torch.ones(hidden)
+    for d in (fp8_dir, ref_dir):
+        d.mkdir(parents=True, exist_ok=True)
+        for extra in ("tokenizer.json", "generation_config.json"):
+            if (src / extra).is_file():
+                shutil.copy(src / extra, d / extra)
+    names = sorted(fp8)
+    weight_map = {}
+    for s in range(num_shards):
+        file = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: fp8[n].contiguous() for n in names[s::num_shards]}
+        save_file(part, str(fp8_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (fp8_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    fp8_config = {
+        **config,
+        "quantization_config": {**quant, "weight_block_size": list(block)},
+        "num_nextn_predict_layers": mtp_layers,
+    }
+    (fp8_dir / "config.json").write_text(json.dumps(fp8_config))
+    save_file({n: t.contiguous() for n, t in ref.items()}, str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text(json.dumps(config))
+    return tensors, ref
