@@ -45,6 +45,20 @@ class Parallelism(Protocol):
         self, step: Callable, q, k, v, kv: KVPair, positions, metadata
     ) -> tuple[jax.Array, KVPair]: ...
 
+    def mla_paged_attention(
+        self,
+        step: Callable,
+        q_latent,
+        q_rope,
+        latent,
+        k_rope,
+        kv: KVPair,
+        positions,
+        metadata,
+        *,
+        scale: float,
+    ) -> tuple[jax.Array, KVPair]: ...
+
     def moe_experts(
         self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement: dict[str, jax.Array]
     ) -> jax.Array: ...
