@@ -18,19 +18,21 @@ from tests.deepseek_utils import YARN, tiny_deepseek_v3_config, write_deepseek_c
 
 pytestmark = pytest.mark.slow
 
-MAX_LEN = 32
+MAX_LEN = 24
 BLOCK_SIZE = 4
 MAX_NUM_SEQS = 4
-NUM_NEW = 6
+NUM_NEW = 5
 NUM_EXPERTS = 16
 REDUNDANT = 8
 
 
 @pytest.fixture(scope="module")
 def ds_mesh_dir(tmp_path_factory):
-    """8 query heads (1 per device at tp 8), 16 experts in 4 groups (2 per device)."""
+    """8 query heads (1 per device at tp 8), 16 experts in 4 groups (2 per device); a
+    dense layer, then an MoE one."""
     path = tmp_path_factory.mktemp("ds_mesh")
     config = tiny_deepseek_v3_config(
+        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=8,
         n_routed_experts=NUM_EXPERTS,
@@ -47,7 +49,7 @@ def _config(model_dir, dp: int, tp: int, eplb: EplbConfig | None = None) -> Engi
         model=str(model_dir),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4),
         scheduler=SchedulerConfig(
-            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
+            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=16, num_decode_steps=1
         ),
         mesh=MeshConfig(dp, tp),
         eplb=eplb or EplbConfig(),
@@ -55,7 +57,7 @@ def _config(model_dir, dp: int, tp: int, eplb: EplbConfig | None = None) -> Engi
 
 
 def _requests():
-    prompts = random_prompts(random.Random(0), 10, 2, 20, 256)
+    prompts = random_prompts(random.Random(0), 8, 2, 16, 256)
     return [(f"r{i}", p, greedy(NUM_NEW)) for i, p in enumerate(prompts)]
 
 
