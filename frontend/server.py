@@ -173,6 +173,8 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             vocab_size=s.vocab_size,
+            kv_bytes_per_token=s.kv_bytes_per_token,
+            kv_layout=s.kv_layout,
         )
 
 

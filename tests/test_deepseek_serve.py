@@ -54,4 +54,5 @@ def test_serve_streams_deepseek_over_grpc(served):
         info = client.server_info(timeout=RPC_TIMEOUT_S)
     assert info.block_size == 8 and info.kv_blocks_total == 63
     # 3 layers * (kv_lora_rank 24 + qk_rope_head_dim 8) * 4 bytes (float32).
+    assert info.kv_bytes_per_token == 384 and info.kv_layout == "MLA latent"
     assert "KV 384 bytes per token (MLA latent)" in srv.log()

@@ -161,6 +161,9 @@ class ModelRunner:
         self._param_index = _leaf_index(self.state)
         # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
         self.kv_layout: KVLayout = model.kv_layout()
+        self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
+            model_config.num_hidden_layers, kv_dtype
+        )
         self.kv_cache: KVCache = self.kv_layout.allocate(
             model_config.num_hidden_layers,
             num_blocks,
