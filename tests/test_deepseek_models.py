@@ -36,8 +36,8 @@ PROMPT = [17, 200, 3, 45, 99, 120, 7, 64, 33]
 STEP = (16, 3)
 
 CONFIGS = {
-    # q LoRA, 4 groups / top-2 groups, layer 0 dense, renormalized, plain RoPE.
-    "v3_qlora_groups": lambda: tiny_deepseek_v3_config(),
+    # q LoRA, 4 groups / top-2 groups, layer 0 dense, renormalized, YaRN (interleaved).
+    "v3_qlora_groups_yarn": lambda: tiny_deepseek_v3_config(rope_parameters=YARN),
     # No q LoRA, 2 groups / top-1, YaRN on half-split RoPE, raw weights, no dense layer.
     "v3_yarn_halves": lambda: tiny_deepseek_v3_config(
         q_lora_rank=None,
@@ -48,11 +48,7 @@ CONFIGS = {
         rope_parameters=YARN,
         rope_interleave=False,
     ),
-    # No group limit, YaRN interleaved, two dense-first layers of three.
-    "v3_yarn_dense2": lambda: tiny_deepseek_v3_config(
-        n_group=1, topk_group=1, first_k_dense_replace=2, rope_parameters=YARN
-    ),
-    # V2 softmax greedy gate, no q LoRA, every layer MoE.
+    # V2 softmax greedy gate, no q LoRA, every layer MoE, plain RoPE.
     "v2_greedy": lambda: tiny_deepseek_v2_config(),
     # V2 group-limited greedy, q LoRA, YaRN, layer 0 dense.
     "v2_group_yarn": lambda: tiny_deepseek_v2_config(
