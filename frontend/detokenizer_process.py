@@ -14,12 +14,19 @@ One request's bad data (a token id the tokenizer cannot decode, a malformed `fir
 fails only that request: its final TextOutput has finish_reason "error" and an error
 starting with "detokenizer:", the engine is told to abort it, and every other stream goes
 on. A frame that does not decode is logged (one line) and dropped.
+
+Test hook: the environment variable `JAXSERVE_TEST_DETOKENIZER_DELAY_S` (seconds, default
+0) makes the sidecar sleep that long before each batch of engine outputs, an artificial
+slow detokenizer: `jaxserve diagnose` must then name the application layer (its scenario
+test, tests/test_diagnose_scenarios.py). Never set it in production. Each TextOutputs
+carries its EngineOutputs' `sent_time` (`engine_time`): the frontend's detokenizer lag.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +54,9 @@ from jaxserve.lifetime import die_with_parent, ignore_sigint
 from jaxserve.logs import configure_logging
 
 logger = logging.getLogger("jaxserve.detokenizer")
+
+# The test hook of the module docstring.
+DELAY_ENV = "JAXSERVE_TEST_DETOKENIZER_DELAY_S"
 
 
 def _name_prompt_logprobs(entries: list | None, prompt_ids: list[int] | None) -> list | None:
@@ -174,11 +184,13 @@ def run_detokenizer(
     frontend_input: str,
     engine_input: str,
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+    delay_s: float = 0.0,
 ) -> None:
     """Serve until a Shutdown message arrives (or the process is terminated).
 
     engine_input: where stop-string aborts go (the engine's control path). The engine's
     Heartbeats are forwarded; this process sends its own every `heartbeat_interval_s`.
+    delay_s: the test hook's sleep before each batch of outputs (module docstring).
     """
     ctx = zmq.Context()
     pull = make_socket(ctx, zmq.PULL, detokenizer_input, bind=True)
@@ -201,11 +213,13 @@ def run_detokenizer(
                 logger.warning("dropping a frame that does not decode: %s", e)
                 continue
             if isinstance(msg, EngineOutputs):
+                if delay_s > 0:
+                    time.sleep(delay_s)
                 texts, aborts = processor.process(msg.outputs)
                 if aborts:  # first, so the engine stops spending steps on them
                     to_engine.send(encode(AbortRequest(aborts)))
                 if texts:
-                    to_frontend.send(encode(TextOutputs(texts)))
+                    to_frontend.send(encode(TextOutputs(texts, msg.sent_time)))
             elif isinstance(msg, (EngineStats, Heartbeat)):
                 to_frontend.send(frame)
             elif isinstance(msg, Shutdown):
@@ -235,7 +249,17 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         logger.error("%s", e)
         sys.exit(2)
-    run_detokenizer(tokenizer, args.detokenizer_input, args.frontend_input, args.engine_input)
+    try:
+        delay_s = float(os.environ.get(DELAY_ENV) or 0.0)
+    except ValueError:
+        logger.error("%s: expected seconds, got %r", DELAY_ENV, os.environ[DELAY_ENV])
+        sys.exit(2)
+    if delay_s > 0:
+        logger.warning("%s=%s: test hook, every output batch is delayed", DELAY_ENV, delay_s)
+    run_detokenizer(
+        tokenizer, args.detokenizer_input, args.frontend_input, args.engine_input,
+        delay_s=delay_s,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ class AsyncEngineClient:
         self._serials = itertools.count()
         self._ready = asyncio.Event()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._outputs_listeners: list[Callable[[TextOutputs], None]] = []
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self.stalled_reason: str | None = None  # set by the stall watchdog (liveness.py)
@@ -198,6 +199,22 @@ class AsyncEngineClient:
 
     def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
         self._stats_listeners.append(listener)
+
+    def send_control(self, msg) -> None:
+        """Send a control message (e.g. `ipc.ProfileRequest`) on the engine's control path
+        (its request queue without one). Raises EngineDeadError when the engine is dead,
+        starting or not taking messages."""
+        self._check_alive()
+        sock = self._to_control if self._to_control is not None else self._to_engine
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise EngineDeadError("the engine is not taking requests") from e
+
+    def add_outputs_listener(self, listener: Callable[[TextOutputs], None]) -> None:
+        """Call `listener(msg)` on each TextOutputs as it arrives, before its streams get
+        it (the metrics' detokenizer lag)."""
+        self._outputs_listeners.append(listener)
 
     def is_running(self, request_id: str) -> bool:
         """True while the client request `request_id` has an open stream."""
@@ -357,6 +374,8 @@ class AsyncEngineClient:
             try:
                 msg = decode(frame)
                 if isinstance(msg, TextOutputs):
+                    for listener in self._outputs_listeners:
+                        listener(msg)
                     self._dispatch(msg.outputs)
                 elif isinstance(msg, EngineStats):
                     self._on_stats(msg)

@@ -51,6 +51,8 @@ from jaxserve.frontend.requests import (
     SampleFailedError,
 )
 from jaxserve.ipc import TextOutput
+from jaxserve.observability import profile_rpc
+from jaxserve.observability.loop_lag import watch_loop_lag
 from jaxserve.observability.metrics import Metrics
 
 logger = logging.getLogger("jaxserve.frontend")
@@ -230,6 +232,12 @@ class FrontendServer:
         self._requests = RequestPath(engine, tokenizer, metrics, admission=admission)
         self._chat_template = chat_template
         self._http = None
+        # Application-layer metrics: detokenizer lag per output batch, event-loop lag
+        # (a task from `start` to `stop`).
+        self._metrics = metrics
+        self._loop_lag: asyncio.Task | None = None
+        if metrics is not None:
+            engine.add_outputs_listener(metrics.outputs_received)
         interceptors = [ApiKeyInterceptor(options.api_key)] if options.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share the port.
         self._server = grpc.aio.server(
@@ -242,6 +250,8 @@ class FrontendServer:
         self._health = health.aio.HealthServicer()
         servicer = JaxserveServicer(engine, tokenizer, requests=self._requests)
         add_servicer_to_server(servicer, self._server)
+        # `jaxserve profile`: a JSON method beside the service (observability/profile_rpc).
+        self._server.add_generic_rpc_handlers((profile_rpc.handler(engine),))
         # Health and reflection too, with deserializers that never raise: garbage bytes
         # get INVALID_ARGUMENT, never UNKNOWN and a logged traceback.
         add_lenient_service(
@@ -288,6 +298,10 @@ class FrontendServer:
         if bound == 0:
             raise RuntimeError(f"port: cannot bind {host}:{port} ({_bind_error(host, port)})")
         await self._server.start()
+        if self._metrics is not None and self._loop_lag is None:
+            self._loop_lag = asyncio.create_task(
+                watch_loop_lag(self._metrics.event_loop_lag.observe)
+            )
         return bound
 
     async def set_serving(self, serving: bool) -> None:
@@ -307,6 +321,8 @@ class FrontendServer:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting calls; open calls get `grace_s` seconds, then are cancelled."""
         await self._health.enter_graceful_shutdown()
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
         if self._http is not None:
             await asyncio.gather(self._server.stop(grace_s), self._http.stop(grace_s))
         else:

@@ -3,6 +3,8 @@
     jaxserve serve [MODEL] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
     jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
+    jaxserve diagnose --server HOST:METRICS_PORT | --from bench.json [--json] (observability/)
+    jaxserve profile --server HOST:PORT --seconds N --out DIR (observability/)
 
 Each subcommand is a `_cmd_*` function registered in `build_parser`; the flags of `serve`
 live in `serve_args.py`. Imports that pull in
@@ -22,6 +24,7 @@ from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import ServerConfig
 from jaxserve.hub import resolve_model
 from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
+from jaxserve.observability import cli as observability_cli
 from jaxserve.serve_args import POSITIVE, add_serve_arguments, model_argument, server_config
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
@@ -312,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
     bench_cli.add_subparser(sub)  # `jaxserve bench`: the serving benchmark client
+    observability_cli.add_subparsers(sub)  # `jaxserve diagnose`, `jaxserve profile`
     return parser
 
 

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from jaxserve.observability.stats import EngineCounters
+from jaxserve.observability.stats import EngineCounters, EngineHistograms
 
 _NDARRAY_EXT = 1
 
@@ -86,10 +86,12 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class EngineOutputs:
-    """Everything one engine step produced."""
+    """Everything one engine step produced. sent_time: the engine's time.time() when it
+    sent them (0 unknown): the start of the detokenizer lag (`observability.metrics`)."""
 
     outputs: list[RequestOutput]
     step: int = 0
+    sent_time: float = 0.0
 
 
 @dataclass(slots=True)
@@ -114,7 +116,10 @@ class TextOutput:
 
 @dataclass(slots=True)
 class TextOutputs:
+    """The text of one `EngineOutputs`; engine_time: its `sent_time` (0 unknown)."""
+
     outputs: list[TextOutput]
+    engine_time: float = 0.0
 
 
 @dataclass(slots=True)
@@ -122,6 +127,7 @@ class EngineStats:
     """Engine facts and gauges, sent at start-up (ready=True) and after steps that change them.
 
     counters: the engine core's counters and last-step timings (`EngineCounters`).
+    histograms: the histograms it keeps (`EngineHistograms`: queue time).
     Expert load (MoE models only; empty / 0 otherwise), from the engine's
     `eplb.recorder.ExpertLoadRecorder`:
     expert_layers: decoder-layer index of each MoE layer.
@@ -143,6 +149,7 @@ class EngineStats:
     num_waiting: int = 0
     ready: bool = False
     counters: EngineCounters = field(default_factory=EngineCounters)
+    histograms: EngineHistograms = field(default_factory=EngineHistograms)
     expert_layers: list[int] = field(default_factory=list)
     expert_balancedness: list[float] = field(default_factory=list)
     expert_routed_tokens: int = 0
@@ -158,6 +165,15 @@ class Heartbeat:
 
     source: str
     time: float = 0.0
+
+
+@dataclass(slots=True)
+class ProfileRequest:
+    """Frontend -> engine (control path): capture a profile for `seconds` into `out_dir`
+    (`observability.profile.ProfileSession`; the engine writes the files)."""
+
+    out_dir: str
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -177,6 +193,8 @@ _TYPES = {
         EngineStats,
         Heartbeat,
         EngineCounters,
+        EngineHistograms,
+        ProfileRequest,
         Shutdown,
     )
 }

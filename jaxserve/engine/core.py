@@ -37,7 +37,15 @@ from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
-from jaxserve.observability.stats import EngineCounters
+from jaxserve.observability.peaks import engine_peak
+from jaxserve.observability.profile import TIMELINE
+from jaxserve.observability.stats import (
+    LATENCY_BUCKETS_S,
+    EngineCounters,
+    EngineHistograms,
+    Histogram,
+)
+from jaxserve.observability.step_cost import StepCostModel, StepMeter
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,6 +110,13 @@ class EngineCore:
         self.device_time_s = 0.0
         self.last_host_s = 0.0
         self.last_device_s = 0.0
+        # Layer metrics (observability.step_cost): per-step cost and time, queue time,
+        # the KV high-water mark.
+        self.step_meter = StepMeter(
+            StepCostModel(self.model_config, config.dtype), engine_peak(self.mesh), config.dtype
+        )
+        self.queue_time = Histogram(LATENCY_BUCKETS_S)
+        self.kv_blocks_used_max = 0
 
     @property
     def num_compilations(self) -> int:
@@ -200,34 +215,36 @@ class EngineCore:
         self.last_host_s = time.perf_counter() - start - self.last_device_s
         self.device_time_s += self.last_device_s
         self.host_time_s += self.last_host_s
+        used = sum(bm.num_usable_blocks - bm.num_free_blocks for bm in self.block_managers)
+        self.kv_blocks_used_max = max(self.kv_blocks_used_max, used)
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
         """schedule -> execute -> update, one step at a time."""
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if sched.is_empty:
             return self.scheduler.drain_finished()
         x = self._prepare(sched)
-        samples = self.executor.fetch(self.executor.dispatch(x, sched))
-        return self.scheduler.update(sched, samples)
+        samples = self._fetch(self._dispatch(x, sched))
+        return self._update(sched, samples)
 
     def _step_async(self) -> list[RequestOutput]:
         """The batch queue of depth one: schedule and pack step N + 1 while N runs, then
         fetch N, dispatch N + 1 with N's tokens filled in, and update from N."""
         if self._inflight is None:
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             if sched.is_empty:
                 return self.scheduler.drain_finished()
-            self._inflight = self.executor.dispatch(self._prepare(sched), sched)
+            self._inflight = self._dispatch(self._prepare(sched), sched)
         done = self._inflight
-        nxt = self.scheduler.schedule()
+        nxt = self._schedule()
         x = None if nxt.is_empty else self._prepare(nxt, in_flight=done.sched)
-        samples = self.executor.fetch(done)
+        samples = self._fetch(done)
         self._inflight = None
         if x is not None:
             self.runner.fill_pending(x, samples)
-            self._inflight = self.executor.dispatch(x, nxt)
-        return self.scheduler.update(done.sched, samples)
+            self._inflight = self._dispatch(x, nxt)
+        return self._update(done.sched, samples)
 
     def _rebalance(self) -> list[RequestOutput]:
         """Re-place the experts if the EPLB plan changes any layer. The step in flight
@@ -239,9 +256,46 @@ class EngineCore:
         outputs = []
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
-            outputs = self.scheduler.update(done.sched, self.executor.fetch(done))
+            outputs = self._update(done.sched, self._fetch(done))
         self.eplb.apply(plan)
         return outputs
+
+    # The step's phases, each a span of the profiler's host timeline (observability.profile).
+
+    def _schedule(self) -> SchedulerOutput | DPSchedulerOutput:
+        t = TIMELINE.now()
+        sched = self.scheduler.schedule()
+        TIMELINE.span("schedule", t)
+        return sched
+
+    def _update(self, sched, samples) -> list[RequestOutput]:
+        t = TIMELINE.now()
+        outputs = self.scheduler.update(sched, samples)
+        TIMELINE.span("outputs", t)
+        return outputs
+
+    def _dispatch(self, x: StepInputs | DPStepInputs, sched) -> InFlightStep:
+        """`executor.dispatch`, metered: queue times of first-scheduled requests, the
+        step's shapes and its start (`observability.step_cost.StepMeter`)."""
+        now = time.time()
+        for rank in getattr(sched, "ranks", None) or [sched]:
+            for row in rank.requests:
+                if row.seq.first_scheduled_time is None:
+                    row.seq.first_scheduled_time = now
+                    self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
+        t = TIMELINE.now()
+        step = self.executor.dispatch(x, sched)
+        TIMELINE.span("dispatch", t)
+        self.step_meter.dispatched(step, sched)
+        return step
+
+    def _fetch(self, step: InFlightStep):
+        """`executor.fetch`, metered (the step's time: dispatch to results here)."""
+        t = TIMELINE.now()
+        samples = self.executor.fetch(step)
+        TIMELINE.span("wait for device", t)
+        self.step_meter.fetched(step)
+        return samples
 
     def _prepare(
         self,
@@ -251,8 +305,10 @@ class EngineCore:
         """The runner's packed inputs of `sched` (tokens `in_flight` still samples left
         pending), after ending every request whose sampling row could not be packed
         (see `_end_unpackable_rows`)."""
+        t = TIMELINE.now()
         x = self.runner.prepare(sched, in_flight)
         self._end_unpackable_rows(sched, x)
+        TIMELINE.span("pack", t)
         return x
 
     def _end_unpackable_rows(
@@ -302,6 +358,7 @@ class EngineCore:
             num_waiting=s.num_waiting,
             ready=True,
             counters=self.counters(),
+            histograms=EngineHistograms(list(self.queue_time.counts), self.queue_time.sum),
             **self.expert_load_stats(),
         )
 
@@ -337,6 +394,26 @@ class EngineCore:
             last_host_s=self.last_host_s,
             last_device_s=self.last_device_s,
             last_coordination_s=ex.last_coordination_s,
+            **self.layer_counters(),
+        )
+
+    def layer_counters(self) -> dict:
+        """The `EngineCounters` fields of the layer metrics (per-step tokens and cost,
+        MBU / MFU, the KV high-water mark); see `observability.stats`."""
+        m = self.step_meter
+        return dict(
+            kv_blocks_used_max=self.kv_blocks_used_max,
+            step_time_s=m.step_time_s,
+            model_bytes=m.model_bytes,
+            model_flops=m.model_flops,
+            last_mbu=m.last_mbu,
+            last_mfu=m.last_mfu,
+            peak_bandwidth=m.peak_bytes_per_s,
+            peak_flops=m.peak_flops_per_s,
+            prefill_steps=m.prefill_steps,
+            decode_steps=m.decode_steps,
+            last_prefill_tokens=m.last_prefill_tokens,
+            last_decode_tokens=m.last_decode_tokens,
         )
 
 

@@ -11,6 +11,11 @@ work, nothing waits on a socket; only an idle engine blocks, in `poll`. Stats (t
 handshake at start, then changes, at most every `stats_interval_s` while busy and always
 on going idle) travel on the outputs socket so they stay ordered with outputs.
 
+Profiling (`jaxserve profile`): a `ProfileRequest` on the control socket starts an
+`observability.profile.ProfileSession` (a JAX trace and the loop's host timeline), which
+the loop ends once its seconds are over; the loop's own time blocked in poll versus
+working is counted for the metrics (`EngineCounters.loop_wait_s` / `loop_work_s`).
+
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
 
@@ -47,6 +52,7 @@ from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
     Heartbeat,
+    ProfileRequest,
     RequestOutput,
     Shutdown,
     decode,
@@ -55,6 +61,7 @@ from jaxserve.ipc import (
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
 from jaxserve.logs import configure_logging, describe_error, report_start_failure
+from jaxserve.observability.profile import TIMELINE, ProfileSession
 
 logger = logging.getLogger("jaxserve.engine")
 
@@ -112,6 +119,10 @@ class EngineLoop:
         self._last_stats_time = 0.0
         self._step = 0
         self._running = True
+        # Loop wait (blocked in poll, idle) vs work, seconds since start (layer metrics).
+        self._wait_s = 0.0
+        self._started = time.perf_counter()
+        self._profile: ProfileSession | None = None  # `jaxserve profile`, while it runs
 
     def run(self) -> None:
         """Send the ready handshake, then loop until a Shutdown message arrives."""
@@ -119,13 +130,21 @@ class EngineLoop:
         while self._running:
             if not self._core.has_work():
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
+                waited = time.perf_counter()
                 self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
+                self._wait_s += time.perf_counter() - waited
+                TIMELINE.span("poll (idle)", waited)
+            t = TIMELINE.now()
             if self._control_socket is not None:
                 self._drain_input(self._control_socket)
             self._drain_input()
+            TIMELINE.span("drain inputs", t)
             self._tick()
             if self._running and self._core.has_work():
                 self._run_step()
+        if self._profile is not None and self._profile.done is False:
+            if TIMELINE.active:
+                self._profile.finish()  # shutting down: write what was captured, now
 
     def _tick(self) -> None:
         """Abort the requests whose deadline passed; send the heartbeat when due."""
@@ -135,6 +154,12 @@ class EngineLoop:
             self._core.abort_requests(expired)
         if self._control.heartbeat_due(time.monotonic()):
             self._output.send(encode(Heartbeat("engine", time.time())))
+        profile = self._profile
+        if profile is not None:
+            if profile.done:
+                self._profile = None
+            elif TIMELINE.active and profile.due(time.monotonic()):
+                profile.stop()  # the trace is written by a thread; the loop goes on
 
     def _drain_input(self, sock: zmq.Socket | None = None) -> None:
         sock = self._input if sock is None else sock
@@ -156,6 +181,13 @@ class EngineLoop:
         elif isinstance(msg, AbortRequest):
             self._control.aborted(msg.request_ids)
             self._core.abort_requests(msg.request_ids)
+        elif isinstance(msg, ProfileRequest):
+            if self._profile is not None:  # one at a time: the newer one waits its turn
+                logger.warning("profile: a capture is running; ignoring one into %s", msg.out_dir)
+            else:
+                self._profile = ProfileSession(
+                    msg.out_dir, msg.seconds, jax_trace="jax" in sys.modules
+                )
         elif isinstance(msg, Shutdown):
             logger.info("shutting down: %s", msg.reason or "requested")
             self._running = False
@@ -177,12 +209,18 @@ class EngineLoop:
             self._output.send(encode(EngineOutputs([error], self._step)))
 
     def _run_step(self) -> None:
+        t = TIMELINE.now()
         outputs = self._core.step()
+        TIMELINE.span("step", t)
         self._step += 1
+        if self._profile is not None and TIMELINE.active:
+            self._profile.steps += 1
+        t = TIMELINE.now()
         self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)
         if outputs:
-            self._output.send(encode(EngineOutputs(outputs, self._step)))
+            self._output.send(encode(EngineOutputs(outputs, self._step, time.time())))
         self._send_stats(rate_limited=True)
+        TIMELINE.span("send outputs", t)
 
     def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
         """Send the stats if they changed. Rate-limited sends skip gauge-only changes (KV
@@ -190,10 +228,16 @@ class EngineLoop:
         at once, so a client sees its request counted by the time its tokens arrive."""
         stats = self._core.stats()
         stats.ready = True
-        stats.counters.requests_expired = self._control.num_expired
+        counters = stats.counters
+        counters.requests_expired = self._control.num_expired
         last = self._last_stats
+        if last is not None:  # the loop's clock alone is no change worth a message
+            counters.loop_wait_s = last.counters.loop_wait_s
+            counters.loop_work_s = last.counters.loop_work_s
         if not force and stats == last:
             return
+        counters.loop_wait_s = self._wait_s
+        counters.loop_work_s = time.perf_counter() - self._started - self._wait_s
         now = time.monotonic()
         if (
             rate_limited

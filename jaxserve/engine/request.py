@@ -77,6 +77,7 @@ class Request:
     cache_group: str | None = None
     num_preemptions: int = 0
     first_output_sent: bool = False
+    first_scheduled_time: float | None = None  # time.time() of its first step (queue time)
     finish_reason: str | None = None
     stop_reason: int | None = None
     error: str | None = None

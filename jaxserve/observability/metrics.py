@@ -25,18 +25,43 @@ balanced), its mean over layers `jaxserve_expert_balancedness_mean`, and
 `jaxserve_eplb_rebalances_total` and their time `jaxserve_eplb_rebalance_seconds_total`
 (engine counters, 0 while EPLB is off). They are registered on the first stats of an MoE
 model, so a dense model's exposition has none of them.
+
+Layer metrics (issue 11), one per layer of the diagnosis tree (`observability.diagnose`):
+- scheduling: `jaxserve_request_queue_time_seconds` (arrival to first schedule), a
+  histogram kept in the engine (`ENGINE_HISTOGRAMS`, exported by a collector from the
+  engine's cumulative bucket counts, `EngineStats.histograms`); prefill / decode tokens
+  per step: the steps with each (`jaxserve_engine_{prefill,decode}_steps_total`, so
+  rate(prefill_tokens) / rate(prefill_steps) is the mean) and the last step's
+  (`jaxserve_engine_last_step_{prefill,decode}_tokens`); the engine loop's time blocked
+  on its sockets versus working (`jaxserve_engine_loop_{wait,work}_seconds_total`);
+- hardware / kernel: per step, bytes read and FLOPs estimated from its shapes over its
+  time (`observability.step_cost`): `jaxserve_engine_mbu` / `jaxserve_engine_mfu` (the
+  last step), `jaxserve_engine_model_{bytes,flops}_total` and
+  `jaxserve_engine_step_seconds_total` (rate(bytes) / rate(seconds) / peak is the MBU of a
+  window), and the peak they are measured against (`jaxserve_device_peak_*`,
+  `observability.peaks`);
+- memory: `jaxserve_kv_blocks_used` and its high-water mark `jaxserve_kv_blocks_used_max`;
+- application: `jaxserve_detokenizer_lag_seconds` (engine sends a step's outputs -> their
+  text reaches the frontend: the sidecar and both IPC hops) and
+  `jaxserve_frontend_event_loop_lag_seconds` (`observability.loop_lag`: how late the
+  frontend's event loop runs a timer, i.e. how long a ready client write waits);
+- router: the replica router's decision metrics register on this registry too (see
+  `Metrics.registry`; none until replicas exist).
 No JAX here.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import time
 
-# Latency buckets in seconds: sub-millisecond ITL on a GPU up to minute-long CPU requests.
-_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-)  # fmt: skip
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+
+from jaxserve.observability.stats import LATENCY_BUCKETS_S
+
+_LATENCY_BUCKETS = LATENCY_BUCKETS_S
+# Event-loop lag: a healthy loop runs a timer within a millisecond.
+_LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Cumulative `EngineCounters` fields: field -> (counter name, help).
 # prometheus_client appends `_total` to a counter's name in the exposition.
@@ -73,6 +98,23 @@ ENGINE_COUNTERS = {
         "jaxserve_engine_requests_expired",
         "Requests the engine aborted because their client's deadline had passed",
     ),
+    "loop_wait_s": (
+        "jaxserve_engine_loop_wait_seconds", "Engine loop time blocked on its sockets (idle), s"
+    ),
+    "loop_work_s": (
+        "jaxserve_engine_loop_work_seconds",
+        "Engine loop time working (sockets drained, steps, outputs sent), s",
+    ),
+    "step_time_s": (
+        "jaxserve_engine_step_seconds",
+        "Dispatch-to-results time of the engine steps (an upper bound of device time), s",
+    ),
+    "model_bytes": (
+        "jaxserve_engine_model_bytes", "Bytes the steps read (weights + KV), from their shapes"
+    ),
+    "model_flops": ("jaxserve_engine_model_flops", "FLOPs of the steps, from their shapes"),
+    "prefill_steps": ("jaxserve_engine_prefill_steps", "Engine steps with prefill tokens"),
+    "decode_steps": ("jaxserve_engine_decode_steps", "Engine steps with decode tokens"),
 }  # fmt: skip
 
 # `EngineCounters` fields that are values of the last step, exported as gauges (name, help).
@@ -86,7 +128,75 @@ ENGINE_GAUGES = {
         "jaxserve_engine_last_coordination_seconds",
         "Multi-process step coordination time of the last step, s",
     ),
+    "kv_blocks_used_max": (
+        "jaxserve_kv_blocks_used_max", "High-water mark of KV blocks held by requests"
+    ),
+    "last_mbu": (
+        "jaxserve_engine_mbu", "Model bandwidth utilisation of the last step (bytes/s / peak)"
+    ),
+    "last_mfu": ("jaxserve_engine_mfu", "Model FLOP utilisation of the last step (FLOP/s / peak)"),
+    "peak_bandwidth": (
+        "jaxserve_device_peak_bandwidth_bytes_per_second",
+        "Memory bandwidth peak of the engine's devices, bytes per second (CPU: measured)",
+    ),
+    "peak_flops": (
+        "jaxserve_device_peak_flops_per_second",
+        "FLOP per second peak of the engine's devices at the compute dtype (CPU: measured)",
+    ),
+    "last_prefill_tokens": (
+        "jaxserve_engine_last_step_prefill_tokens", "Prefill tokens of the last engine step"
+    ),
+    "last_decode_tokens": (
+        "jaxserve_engine_last_step_decode_tokens", "Decode tokens of the last engine step"
+    ),
 }  # fmt: skip
+
+# Histograms the engine keeps (`observability.stats.EngineHistograms`): name -> (counts
+# field, sum field, bucket bounds, help).
+ENGINE_HISTOGRAMS = {
+    "jaxserve_request_queue_time_seconds": (
+        "queue_time_counts", "queue_time_sum_s", LATENCY_BUCKETS_S,
+        "Queue time: request arrival to its first scheduling in the engine, s",
+    ),
+}  # fmt: skip
+
+
+class _EngineHistograms:
+    """A prometheus_client collector of `ENGINE_HISTOGRAMS` from the engine's last
+    cumulative counts; counts that go down (an engine restart) are added to a base."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+        self._last: dict[str, tuple[list[int], float]] = {}
+        self._base: dict[str, tuple[list[int], float]] = {}
+
+    def update(self, histograms) -> None:
+        for name, (counts_key, sum_key, bounds, _) in ENGINE_HISTOGRAMS.items():
+            counts = list(getattr(histograms, counts_key)) or [0] * (len(bounds) + 1)
+            total = float(getattr(histograms, sum_key))
+            last = self._last.get(name)
+            if last is not None and sum(counts) < sum(last[0]):  # restarted: keep the old
+                base = self._base.get(name, ([0] * len(counts), 0.0))
+                self._base[name] = (
+                    [a + b for a, b in zip(base[0], last[0], strict=True)],
+                    base[1] + last[1],
+                )
+            self._last[name] = (counts, total)
+
+    def collect(self):
+        for name, (_, _, bounds, doc) in ENGINE_HISTOGRAMS.items():
+            counts, total = self._last.get(name, ([0] * (len(bounds) + 1), 0.0))
+            base = self._base.get(name)
+            if base is not None:
+                counts = [a + b for a, b in zip(counts, base[0], strict=True)]
+                total += base[1]
+            family = HistogramMetricFamily(name, doc, labels=["model"])
+            cumulative, buckets = 0, []
+            for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            family.add_metric([self._model], buckets, total)
+            yield family
 
 
 # Expert-load metric names (see the module docstring).
@@ -148,6 +258,21 @@ class Metrics:
             "jaxserve_kv_blocks_total", "Usable KV cache blocks (the null block excluded)",
             ["model"], registry=r,
         ).labels(**labels)  # fmt: skip
+        self.kv_blocks_used = Gauge(
+            "jaxserve_kv_blocks_used", "KV cache blocks held by requests (total - free)",
+            ["model"], registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.detokenizer_lag = hist(
+            "jaxserve_detokenizer_lag_seconds",
+            "Engine sends a step's outputs -> their text reaches the frontend (sidecar + IPC)",
+        )
+        self.event_loop_lag = Histogram(
+            "jaxserve_frontend_event_loop_lag_seconds",
+            "How late the frontend's event loop runs a timer (observability.loop_lag)",
+            labelnames=["model"], buckets=_LOOP_LAG_BUCKETS, registry=r,
+        ).labels(**labels)  # fmt: skip
+        self._engine_histograms = _EngineHistograms(model)
+        r.register(self._engine_histograms)
         self.engine_counters = {
             key: Counter(name, doc, ["model"], registry=r).labels(**labels)
             for key, (name, doc) in ENGINE_COUNTERS.items()
@@ -182,7 +307,9 @@ class Metrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_free.set(stats.num_blocks_free)
         self.kv_blocks_total.set(stats.num_blocks_total)
+        self.kv_blocks_used.set(stats.num_blocks_total - stats.num_blocks_free)
         counters = stats.counters
+        self._engine_histograms.update(stats.histograms)
         for key, counter in self.engine_counters.items():
             self._advance_engine_counter(key, float(getattr(counters, key)), counter)
         for key, gauge in self.engine_gauges.items():
@@ -191,6 +318,12 @@ class Metrics:
             self.prefix_cache_hit_rate.set(counters.prefix_cache_hits / queries)
         if stats.expert_layers:
             self._update_expert_load(stats)
+
+    def outputs_received(self, msg) -> None:
+        """An `ipc.TextOutputs` reached the frontend: observe its detokenizer lag (an
+        `AsyncEngineClient` outputs listener)."""
+        if msg.engine_time:
+            self.detokenizer_lag.observe(max(time.time() - msg.engine_time, 0.0))
 
     def _update_expert_load(self, stats) -> None:
         """Per-layer and mean balancedness gauges, routed-token counter (MoE only)."""

@@ -2,14 +2,44 @@
 boundaries (msgpack, `jaxserve.ipc`) field by field.
 
 `EngineCounters` is the engine core's: cumulative counters since its start (exported as
-Prometheus counters, `metrics.ENGINE_COUNTERS`) and the last step's timings (gauges,
-`metrics.ENGINE_GAUGES`). Every field has a metric: a new field needs one there.
+Prometheus counters, `metrics.ENGINE_COUNTERS`), the last step's timings and utilisation
+(gauges, `metrics.ENGINE_GAUGES`). Every field has a metric: a new field needs one there.
+`EngineHistograms` holds the histograms kept in the engine (`metrics.ENGINE_HISTOGRAMS`:
+per-bucket counts and a sum, cumulative, so that a stats message the engine skips loses
+nothing); `Histogram` is the engine-side accumulator of one.
 No JAX here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
+
+# Latency buckets in seconds: sub-millisecond ITL on a GPU up to minute-long CPU requests.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+
+
+class Histogram:
+    """A cumulative histogram over fixed upper bounds (Prometheus' `le` buckets).
+
+    `counts[i]` is the number of observations in (bounds[i-1], bounds[i]] (not cumulative;
+    the last entry counts those above bounds[-1]); `sum` is their total. O(log buckets)
+    per observation.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
 
 @dataclass(slots=True)
@@ -33,6 +63,24 @@ class EngineCounters:
     last_host_s / last_device_s / last_coordination_s: the same times of the last step.
     requests_expired: requests aborted because their client's deadline passed (set by
         the engine loop, `jaxserve.engine.control`, not the core).
+
+    Layer metrics (issue 11; `observability.step_cost`, `observability.peaks`):
+    loop_wait_s / loop_work_s: seconds the engine loop blocked on its sockets (idle, in
+        poll) / spent on everything else (draining sockets, steps, sending outputs); set
+        by the engine loop (`jaxserve.engine.process`), not the core.
+    kv_blocks_used_max: high-water mark of KV blocks held by requests (all dp ranks).
+    step_time_s: seconds from dispatching each step to its results on the host, summed:
+        the device time of the steps, an upper bound (it also holds the host work the
+        device waited behind), so the MBU/MFU below are lower bounds.
+    model_bytes / model_flops: bytes the steps read (weights + KV cache) and FLOPs they
+        did, estimated from their shapes (`step_cost.StepCostModel`), summed.
+    last_mbu / last_mfu: the last step's model bandwidth / FLOP utilisation in [0, 1]:
+        its bytes (FLOPs) over its step time over the peak.
+    peak_bandwidth / peak_flops: that peak in bytes/s and FLOP/s (all devices of the
+        mesh; on the CPU a ceiling measured at start-up), 0 when unknown (MBU/MFU stay 0).
+    prefill_steps / decode_steps: steps that computed any prefill / decode tokens (so
+        prefill_tokens / prefill_steps is the mean prefill tokens per such step).
+    last_prefill_tokens / last_decode_tokens: those tokens of the last step dispatched.
     """
 
     num_steps: int = 0
@@ -51,3 +99,31 @@ class EngineCounters:
     last_device_s: float = 0.0
     last_coordination_s: float = 0.0
     requests_expired: int = 0
+    loop_wait_s: float = 0.0
+    loop_work_s: float = 0.0
+    kv_blocks_used_max: int = 0
+    step_time_s: float = 0.0
+    model_bytes: float = 0.0
+    model_flops: float = 0.0
+    last_mbu: float = 0.0
+    last_mfu: float = 0.0
+    peak_bandwidth: float = 0.0
+    peak_flops: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    last_prefill_tokens: int = 0
+    last_decode_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineHistograms:
+    """Histograms the engine keeps (`EngineStats.histograms`), cumulative since its start,
+    exported by `metrics.ENGINE_HISTOGRAMS`.
+
+    queue_time_counts / queue_time_sum_s: per-bucket counts (`Histogram.counts`, over
+        `LATENCY_BUCKETS_S`) and total of the seconds from a request's arrival to its
+        first scheduling; empty before the engine filled them.
+    """
+
+    queue_time_counts: list[int] = field(default_factory=list)
+    queue_time_sum_s: float = 0.0

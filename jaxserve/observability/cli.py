@@ -1,0 +1,87 @@
+"""The `jaxserve diagnose` and `jaxserve profile` subcommands (argument parsing and
+printing only; the work is `observability.diagnose` and `observability.profile`).
+
+    jaxserve diagnose --server HOST:METRICS_PORT [--seconds 10] [--json]
+    jaxserve diagnose --from bench.json [--json]
+    jaxserve profile --server HOST:PORT --seconds N --out DIR
+
+Exit status: 0 done, 1 the server or file could not be read, 2 a usage error. No JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_subparsers(sub) -> None:
+    """Register `diagnose` and `profile` on the `jaxserve` subparsers."""
+    d = sub.add_parser(
+        "diagnose",
+        help="sample a server's metrics and name the layer that holds it back",
+        description="Sample the metrics of a running server (its --metrics-port) for a while, "
+        "walk the symptom -> layer -> tool tree, print the suspected layer, the numbers that "
+        "point there and the next tool or flag to try.",
+    )
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--server", metavar="HOST:PORT", help="the server's metrics endpoint")
+    src.add_argument("--from", dest="from_file", metavar="BENCH.json",
+                     help="a jaxserve bench --out file (client-side numbers only)")  # fmt: skip
+    d.add_argument("--seconds", type=float, default=10.0,
+                   help="sampling window (default %(default)s)")  # fmt: skip
+    d.add_argument("--interval", type=float, default=0.5,
+                   help="seconds between scrapes (default %(default)s)")  # fmt: skip
+    d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    d.set_defaults(func=_cmd_diagnose)
+
+    p = sub.add_parser(
+        "profile",
+        help="capture a JAX profiler trace and the engine loop's timeline of a running server",
+        description="Ask a running server's engine to record a JAX profiler trace "
+        "(Perfetto / TensorBoard / XProf) and a Chrome-trace timeline of its loop phases "
+        "for N seconds, without a restart. DIR is written by the engine, on its host.",
+    )
+    p.add_argument("--server", required=True, metavar="HOST:PORT", help="the gRPC address")
+    p.add_argument(
+        "--seconds", type=float, default=5.0, help="capture length (default %(default)s)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--api-key", help="the server's API key, if it requires one")
+    p.set_defaults(func=_cmd_profile)
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from jaxserve.observability import diagnose
+
+    try:
+        if not 0 < args.interval <= args.seconds:
+            raise ValueError(f"--interval: must be in (0, --seconds], got {args.interval}")
+        if args.from_file:
+            result = diagnose.load_bench(args.from_file)
+        else:
+            result = diagnose.diagnose_server(args.server, args.seconds, args.interval)
+    except ValueError as e:
+        print(f"jaxserve diagnose: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = args.from_file or f"http://{args.server}/metrics"
+        print(f"jaxserve diagnose: error: cannot read {where}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from jaxserve.observability import profile_rpc as profile
+
+    try:
+        result = profile.request_profile(args.server, args.seconds, args.out, args.api_key)
+    except ValueError as e:
+        print(f"jaxserve profile: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as e:
+        print(f"jaxserve profile: error: {e}", file=sys.stderr)
+        return 1
+    print(profile.describe(result))
+    return 0

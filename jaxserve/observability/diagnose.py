@@ -1,0 +1,395 @@
+"""`jaxserve diagnose`: sample a server's metrics, walk the symptom -> layer -> tool tree.
+
+The tree is the layer map of the design notes (hardware, kernel, memory/KV, scheduling,
+parallelism, application, router), applied in this order to one window of metrics
+(`Window`: the change of every counter and histogram between the first and the last of
+several scrapes of `--metrics-port`, and the highest value each gauge took):
+
+1. memory: preemptions in the window, or KV blocks in use near the pool's size;
+2. application: the detokenizer lag (engine output -> frontend) or the frontend's event
+   loop lag is a large part of the time per output token;
+3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
+   max below `BALANCE_MIN`), with EPLB not re-placing them;
+4. router: one replica much busier than the others (needs per-replica series: a
+   `replica` label; none before the replica router lands);
+5. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
+   requests waiting: more requests than the engine runs at once;
+6. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
+   on the host (scheduling, packing, output processing), not waiting for the device;
+7. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
+   time is not spent moving weights and KV at the device's bandwidth).
+
+Every branch that holds is a `Finding` (the layer, the numbers that point there, the next
+tool or flag); the first is the suspect. No finding: the server is healthy under the load
+of the window (or idle: then it says that the window saw no requests). The thresholds are
+constants below, chosen so a server that keeps up with its load names no layer.
+
+`--from bench.json` reads a `jaxserve bench --out` file instead: client-side numbers only,
+so only the client-visible branches can be told, and it says so: failures; queueing (a
+median TTFT of more than `WAIT_STEPS` median inter-token gaps per `PREFILL_TOKENS` prompt
+tokens, or a TTFT p99 over `TAIL_RATIO` times its median); stalls (the same tail of ITL).
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Thresholds of the tree (see the module docstring).
+KV_FULL = 0.9  # KV blocks in use / usable blocks
+LAG_SHARE = 0.3  # detokenizer or event-loop lag / TPOT
+LAG_MIN_S = 0.02  # lag below this is never a finding
+BALANCE_MIN = 0.8  # expert balancedness (mean / max load)
+QUEUE_SHARE = 0.5  # queue time / TTFT
+QUEUE_MIN_S = 0.1
+HOT_REPLICA = 1.5  # busiest replica's running requests / the mean
+BUSY = 0.9  # engine loop work / (work + wait): saturated
+HOST_SHARE = 0.6  # host time / (host + device time) of the steps
+MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
+MAX_SECONDS = 3600.0
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """One scrape of a Prometheus text endpoint: {series: value}, a series named as
+    `name{label="v",...}` without the `model` label (sorted labels; just `name` when none).
+
+    Raises OSError (urllib.error.URLError) when the endpoint cannot be read."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model"}
+            key = s.name
+            if labels:
+                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+@dataclass
+class Window:
+    """Metrics over a sampling window: `first` and `last` scrape, `peak` of each series
+    over all scrapes, and the window's length in seconds."""
+
+    first: dict[str, float]
+    last: dict[str, float]
+    peak: dict[str, float]
+    seconds: float
+
+    def delta(self, name: str) -> float:
+        """Change of a counter (or histogram _sum / _count) over the window."""
+        return self.last.get(name, 0.0) - self.first.get(name, 0.0)
+
+    def mean(self, histogram: str) -> float | None:
+        """Mean of a histogram's observations in the window (None: none)."""
+        n = self.delta(f"{histogram}_count")
+        return self.delta(f"{histogram}_sum") / n if n > 0 else None
+
+    def gauge(self, name: str) -> float:
+        return self.last.get(name, 0.0)
+
+    def max(self, name: str) -> float:
+        return self.peak.get(name, 0.0)
+
+    def labelled(self, name: str, label: str) -> dict[str, float]:
+        """The last values of `name{label=...}` series: label value -> value."""
+        prefix = f'{name}{{{label}="'
+        return {k[len(prefix) : -2]: v for k, v in self.last.items() if k.startswith(prefix)}
+
+
+def sample(
+    url: str,
+    seconds: float,
+    interval_s: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Window:
+    """Scrape `url` every `interval_s` for `seconds` (at least twice) into a Window."""
+    start = clock()
+    first = scrape(url)
+    peak = dict(first)
+    last = first
+    while True:
+        sleep(min(interval_s, max(0.0, start + seconds - clock())))
+        last = scrape(url)
+        for k, v in last.items():
+            peak[k] = max(peak.get(k, v), v)
+        if clock() - start >= seconds:
+            break
+    return Window(first, last, peak, clock() - start)
+
+
+@dataclass
+class Finding:
+    """One branch of the tree that holds: its layer, the numbers, the next step."""
+
+    layer: str
+    symptom: str
+    numbers: dict[str, float | str]
+    next: str
+
+
+@dataclass
+class Diagnosis:
+    """The findings, the first being the suspect; `summary` holds the window's numbers."""
+
+    source: str
+    findings: list[Finding]
+    summary: dict[str, float | str] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def layer(self) -> str | None:
+        return self.findings[0].layer if self.findings else None
+
+    def to_json(self) -> dict:
+        findings = [asdict(f) for f in self.findings]
+        return {"source": self.source, "layer": self.layer, "note": self.note,
+                "summary": self.summary, "findings": findings}  # fmt: skip
+
+    def render(self) -> str:
+        """A few lines a person can act on."""
+        lines = [f"jaxserve diagnose: {self.source}"]
+        s = self.summary
+        if s:
+            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in s.items()))
+        if not self.findings:
+            lines.append(self.note or "healthy: no layer holds the server back")
+            return "\n".join(lines)
+        for i, f in enumerate(self.findings):
+            head = "suspect" if i == 0 else "also"
+            lines.append(f"{head}: {f.layer}: {f.symptom}")
+            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in f.numbers.items()))
+            lines.append(f"  next: {f.next}")
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def diagnose_window(w: Window, source: str) -> Diagnosis:
+    """Walk the tree (module docstring) over one window of a server's metrics."""
+    finished = sum(v for k, v in w.last.items() if k.startswith("jaxserve_request_success_total"))
+    finished -= sum(v for k, v in w.first.items() if k.startswith("jaxserve_request_success_total"))
+    steps = w.delta("jaxserve_engine_steps_total")
+    ttft = w.mean("jaxserve_time_to_first_token_seconds")
+    tpot = w.mean("jaxserve_time_per_output_token_seconds")
+    queue = w.mean("jaxserve_request_queue_time_seconds")
+    out_tokens = w.delta("jaxserve_generation_tokens_total")
+    summary: dict[str, float | str] = {
+        "window_s": round(w.seconds, 1),
+        "requests_finished": finished,
+        "output_tok_s": _ratio(out_tokens, w.seconds),
+    }
+    if ttft is not None:
+        summary["ttft_mean_s"] = ttft
+    if tpot is not None:
+        summary["tpot_mean_s"] = tpot
+    if steps == 0 and finished == 0 and w.max("jaxserve_num_requests_running") == 0:
+        note = "idle: no requests in the window; diagnose while the load runs (jaxserve bench)"
+        return Diagnosis(source, [], summary, note)
+    findings: list[Finding] = []
+
+    # 1. memory
+    total = w.gauge("jaxserve_kv_blocks_total")
+    used_peak = w.max("jaxserve_kv_blocks_used")
+    if w.delta("jaxserve_kv_blocks_used_max") > 0:  # a new high-water mark, between scrapes
+        used_peak = max(used_peak, w.gauge("jaxserve_kv_blocks_used_max"))
+    preempted = w.delta("jaxserve_num_preemptions_total")
+    if preempted > 0 or (total and used_peak / total >= KV_FULL):
+        findings.append(Finding(
+            "memory (KV cache)", "KV blocks run out: requests are preempted and recomputed"
+            if preempted else "the KV pool is near full",
+            {"preemptions": preempted, "kv_blocks_used_peak": used_peak,
+             "kv_blocks_total": total, "kv_used_peak_share": _ratio(used_peak, total)},
+            "more KV blocks (--num-blocks, --gpu-memory-utilization, a smaller --block-size "
+            "waste) or fewer sequences at once (--max-num-seqs); prefix caching shares "
+            "prompts' blocks",
+        ))  # fmt: skip
+
+    # 2. application
+    detok = w.mean("jaxserve_detokenizer_lag_seconds")
+    loop_lag = w.mean("jaxserve_frontend_event_loop_lag_seconds")
+    per_token = tpot or 0.0
+    for name, lag, what, nxt in (
+        ("detokenizer_lag_mean_s", detok, "outputs wait in the detokenizer sidecar / IPC",
+         "profile the sidecar (py-spy dump --pid of jaxserve.frontend.detokenizer_process), "
+         "scripts/bench_detokenizer.py; check it has a core of its own"),
+        ("event_loop_lag_mean_s", loop_lag, "the frontend's event loop runs late",
+         "py-spy the frontend process: a handler blocks the loop (tokenizing huge prompts, "
+         "synchronous work); fewer streams per frontend"),
+    ):  # fmt: skip
+        if lag is not None and lag >= LAG_MIN_S and lag >= LAG_SHARE * per_token:
+            findings.append(Finding(
+                "application (frontend / detokenizer)", what,
+                {name: lag, "tpot_mean_s": per_token, "lag_share_of_tpot": _ratio(lag, per_token)},
+                nxt,
+            ))  # fmt: skip
+
+    # 3. parallelism
+    balance = w.labelled("jaxserve_expert_balancedness", "layer")
+    rebalances = w.delta("jaxserve_eplb_rebalances_total")
+    routed = w.delta("jaxserve_expert_routed_tokens_total")
+    if balance and routed > 0:
+        mean_b = sum(balance.values()) / len(balance)
+        worst_layer, worst = min(balance.items(), key=lambda kv: kv[1])
+        if mean_b < BALANCE_MIN:
+            findings.append(Finding(
+                "parallelism (expert load)", "the experts' load is unbalanced over the EP "
+                "ranks: the busiest rank is the straggler of every MoE layer",
+                {"expert_balancedness_mean": mean_b, "worst_layer": worst_layer,
+                 "worst_balancedness": worst, "eplb_rebalances": rebalances},
+                "--enable-eplb (and --num-redundant-experts for hot experts)" if rebalances == 0
+                else "EPLB is on but cannot balance: more --num-redundant-experts, a shorter "
+                "--eplb-step-interval",
+            ))  # fmt: skip
+
+    # 4. router (per-replica series only exist with several replicas)
+    running = w.labelled("jaxserve_num_requests_running", "replica")
+    if len(running) > 1:
+        mean_r = sum(running.values()) / len(running)
+        hot, hot_v = max(running.items(), key=lambda kv: kv[1])
+        if mean_r > 0 and hot_v / mean_r >= HOT_REPLICA:
+            findings.append(Finding(
+                "router", f"replica {hot} is much busier than the others",
+                {"hot_replica": hot, "running_there": hot_v, "running_mean": mean_r},
+                "check the router's prefix-affinity vs load balance; more replicas",
+            ))  # fmt: skip
+
+    # 5. scheduling: queue
+    waiting_peak = w.max("jaxserve_num_requests_waiting")
+    running_peak = w.max("jaxserve_num_requests_running")
+    if queue is not None and ttft and queue >= QUEUE_MIN_S and queue >= QUEUE_SHARE * ttft:
+        findings.append(Finding(
+            "scheduling (queue)", "TTFT is mostly queue time: more requests arrive than the "
+            "engine runs at once",
+            {"queue_time_mean_s": queue, "ttft_mean_s": ttft,
+             "queue_share_of_ttft": _ratio(queue, ttft), "waiting_peak": waiting_peak,
+             "running_peak": running_peak},
+            "raise --max-num-seqs / --max-num-batched-tokens if the KV pool allows, or add "
+            "replicas; jaxserve bench --max-concurrency N finds the knee",
+        ))  # fmt: skip
+
+    # 6-7. throughput with a busy engine: host gaps, or a slow device step
+    wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
+    work = w.delta("jaxserve_engine_loop_work_seconds_total")
+    busy = _ratio(work, wait + work)
+    host = w.delta("jaxserve_engine_host_time_seconds_total")
+    device = w.delta("jaxserve_engine_device_time_seconds_total")
+    host_share = _ratio(host, host + device)
+    step_s = w.delta("jaxserve_engine_step_seconds_total")
+    peak_bw = w.gauge("jaxserve_device_peak_bandwidth_bytes_per_second")
+    peak_fl = w.gauge("jaxserve_device_peak_flops_per_second")
+    mbu = _ratio(_ratio(w.delta("jaxserve_engine_model_bytes_total"), step_s), peak_bw)
+    mfu = _ratio(_ratio(w.delta("jaxserve_engine_model_flops_total"), step_s), peak_fl)
+    summary.update(engine_busy=busy, host_share=host_share, mbu=mbu, mfu=mfu)
+    if queue is not None:
+        summary["queue_time_mean_s"] = queue
+    if busy >= BUSY and steps > 0:
+        if host_share >= HOST_SHARE:
+            findings.append(Finding(
+                "scheduling (host gaps)", "the engine is saturated and its steps spend most "
+                "of their time on the host (schedule, pack, dispatch, outputs)",
+                {"engine_busy": busy, "host_share": host_share,
+                 "host_s_per_step": _ratio(host, steps),
+                 "device_s_per_step": _ratio(device, steps)},
+                "jaxserve profile (the host timeline shows which phase); keep async "
+                "scheduling on, --num-decode-steps > 1 amortizes the host per token",
+            ))  # fmt: skip
+        elif peak_bw and mbu < MBU_LOW and mfu < MBU_LOW:
+            findings.append(Finding(
+                "hardware / kernel", "device-bound steps far below the device's bandwidth "
+                "and FLOP peaks",
+                {"mbu": mbu, "mfu": mfu, "step_s": _ratio(step_s, steps)},
+                "jaxserve profile (the XLA trace: which kernel dominates); "
+                "scripts/bench_kernels.py; larger batches (--max-num-seqs) raise MBU",
+            ))  # fmt: skip
+    return Diagnosis(source, findings, summary)
+
+
+def diagnose_server(address: str, seconds: float, interval_s: float = 0.5) -> Diagnosis:
+    """Sample http://ADDRESS/metrics (the server's --metrics-port) for `seconds` and walk
+    the tree. Raises ValueError naming `seconds` out of (0, MAX_SECONDS], OSError when the
+    endpoint cannot be read."""
+    if not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"seconds: must be in (0, {MAX_SECONDS:g}], got {seconds}")
+    url = address if address.startswith("http") else f"http://{address}/metrics"
+    return diagnose_window(sample(url, seconds, interval_s), f"{address}, {seconds:g} s window")
+
+
+# Client-side rules of `--from bench.json`.
+TAIL_RATIO = 3.0  # p99 / median of TTFT (queueing) or ITL (stalls)
+# A prompt of up to PREFILL_TOKENS tokens is prefilled in about one step: a median TTFT
+# above WAIT_STEPS decode steps (ITL medians) per that many prompt tokens means waiting.
+PREFILL_TOKENS = 256
+WAIT_STEPS = 10.0
+
+
+def diagnose_bench(doc: dict, source: str) -> Diagnosis:
+    """The tree's client-visible branches over a `jaxserve bench --out` document.
+
+    Raises ValueError("from: ...") when the document has no `metrics` of a bench run."""
+    m = doc.get("metrics") if isinstance(doc, dict) else None
+    if not isinstance(m, dict) or "ttft_ms" not in m:
+        raise ValueError("from: not a jaxserve bench --out file (no metrics.ttft_ms)")
+    ttft, itl = m["ttft_ms"], m["itl_ms"]
+    summary = {"requests": m.get("completed", 0), "failed": m.get("failed", 0),
+               "output_tok_s": m.get("output_throughput", 0.0),
+               "ttft_p50_ms": ttft["median"], "ttft_p99_ms": ttft.get("p99", ttft["median"]),
+               "itl_p50_ms": itl["median"],
+               "itl_p99_ms": itl.get("p99", itl["median"])}  # fmt: skip
+    findings = []
+    if m.get("failed"):
+        findings.append(Finding(
+            "application (errors)", "requests failed", {"failed": m["failed"]},
+            "the failed requests' errors are in the bench JSON's requests; the server log",
+        ))  # fmt: skip
+    prompt = m.get("total_input_tokens", 0) / max(m.get("completed", 0), 1)
+    prefill_steps = max(1.0, prompt / PREFILL_TOKENS)
+    waited = summary["ttft_p50_ms"] > WAIT_STEPS * prefill_steps * summary["itl_p50_ms"]
+    if waited or summary["ttft_p99_ms"] > TAIL_RATIO * max(summary["ttft_p50_ms"], 1e-9):
+        findings.append(Finding(
+            "scheduling (queue)", "requests wait before their prefill: TTFT is many decode "
+            "steps long, or has a long tail",
+            {"ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
+             "itl_p50_ms": summary["itl_p50_ms"], "prompt_tokens_mean": prompt,
+             "max_concurrency_observed": m.get("max_concurrency_observed", 0)},
+            "jaxserve diagnose --server (queue time vs prefill); --max-num-seqs",
+        ))  # fmt: skip
+    if summary["itl_p99_ms"] > TAIL_RATIO * max(summary["itl_p50_ms"], 1e-9):
+        findings.append(Finding(
+            "memory or scheduling (stalls)", "inter-token gaps have a long tail: streams "
+            "stall (preemption, long prefills between decodes, host gaps)",
+            {"itl_p50_ms": summary["itl_p50_ms"], "itl_p99_ms": summary["itl_p99_ms"]},
+            "jaxserve diagnose --server during the same load names which",
+        ))  # fmt: skip
+    note = ("client-side numbers only: run jaxserve diagnose --server HOST:METRICS_PORT "
+            "during the load to see the layer")  # fmt: skip
+    return Diagnosis(source, findings, summary, note)
+
+
+def load_bench(path: str) -> Diagnosis:
+    """`diagnose_bench` of a file. Raises ValueError("from: ...") on a file that is not
+    JSON or not a bench result, OSError when it cannot be read."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"from: {path} is not JSON ({e})") from None
+    return diagnose_bench(doc, f"{path} (jaxserve bench)")

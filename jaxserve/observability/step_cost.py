@@ -1,0 +1,213 @@
+"""What one engine step costs, from its shapes: bytes read, FLOPs, and so MBU and MFU.
+
+`StepCostModel` estimates, for one forward pass over a step's rows (each row: a chunk of
+`q` new tokens of a request whose first `start` tokens are cached), the bytes the device
+must read and the FLOPs it must do, from the model's `ModelConfig` only:
+
+- weights: attention projections (q, k, v, o), dense MLPs, the gates, the LM head, read
+  once per pass; an MoE layer reads only the experts its tokens route to: under uniform
+  routing of T tokens with top-k of E experts, E * (1 - (1 - k/E)^T) distinct experts
+  are expected (the occupancy estimate of T draws of k from E; a skewed load reads
+  fewer, a lower bound of its time);
+- KV cache: each layer reads the K and V of every cached or new position of each row and
+  writes those of its new tokens (`2 * kv_heads * head_dim` values per token and layer);
+- FLOPs: 2 per multiply-add of every weight a token meets (k experts per MoE layer, the
+  LM head for one position per row), plus attention's two products, 4 * heads * head_dim
+  per (query, visible key) pair, causal: a chunk of q tokens after `start` cached ones
+  sees q * start + q (q + 1) / 2 pairs. Sliding windows are not capped (an upper bound).
+
+`StepMeter` applies it to the engine's steps: `dispatched` when a step leaves for the
+device, `fetched` when its results are on the host; the time between is the step's time
+(an upper bound of its device time), and MBU = bytes / time / peak bandwidth, MFU =
+FLOPs / time / peak FLOP/s (`observability.peaks`). It also counts the prefill and decode
+tokens of each step (the steps with each, the last step's). Python arithmetic per row,
+no arrays; no JAX here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from jaxserve.observability.peaks import Peak
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """One step's estimate: bytes read or written (weights + KV) and FLOPs."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+class StepCostModel:
+    """Bytes and FLOPs of forward passes of one model (see the module docstring).
+
+    Args:
+        cfg: the model's `models.config.ModelConfig`.
+        dtype: weight dtype name ("float32", "bfloat16", "float16").
+        kv_dtype: KV cache dtype name (default: `dtype`).
+
+    Attributes (elements unless named *_bytes):
+        attn_params / dense_mlp_params / expert_params / gate_params: per layer (one
+            expert for expert_params).
+        lm_head_params: vocab_size * hidden_size.
+        total_weight_bytes: every weight of the model (all experts, embeddings).
+        kv_bytes_per_token: KV cache bytes of one token over all layers.
+    """
+
+    def __init__(self, cfg, dtype: str = "float32", kv_dtype: str | None = None) -> None:
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_layers = cfg.num_hidden_layers
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
+        self.itemsize = _ITEMSIZE[dtype]
+        self.kv_itemsize = _ITEMSIZE[kv_dtype or dtype]
+        self.attn_params = 2 * d * self.heads * hd + 2 * d * self.kv_heads * hd
+        self.dense_mlp_params = 3 * d * cfg.intermediate_size
+        self.expert_params = 3 * d * cfg.moe_intermediate_size
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.gate_params = d * cfg.num_experts
+        self.moe_layers = sum(cfg.is_moe_layer(i) for i in range(self.num_layers))
+        self.dense_layers = self.num_layers - self.moe_layers
+        self.lm_head_params = cfg.vocab_size * d
+        self.embed_params = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
+        self.hidden = d
+        norms = d * (2 * self.num_layers + 1) + 2 * hd * self.num_layers  # + q/k norms
+        self.total_weight_bytes = self.itemsize * (
+            self.num_layers * self.attn_params
+            + self.dense_layers * self.dense_mlp_params
+            + self.moe_layers * (self.gate_params + self.num_experts * self.expert_params)
+            + self.lm_head_params
+            + self.embed_params
+            + norms
+        )
+        self.kv_bytes_per_token = 2 * self.kv_heads * hd * self.kv_itemsize * self.num_layers
+
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts one MoE layer is expected to read for `num_tokens` tokens
+        under uniform top-k routing: E * (1 - (1 - k / E) ** T)."""
+        e, k = self.num_experts, self.top_k
+        if e == 0 or num_tokens == 0:
+            return 0.0
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+    def cost(self, rows: list[tuple[int, int]]) -> StepCost:
+        """One forward pass over `rows`, each (start, q): q new tokens after `start`
+        cached ones (a decode row is (context - 1, 1)). Every row emits one position
+        of logits."""
+        t = sum(q for _, q in rows)
+        if t == 0:
+            return StepCost(0.0, 0.0, 0.0)
+        positions = sum(s + q for s, q in rows)  # KV positions read per layer
+        pairs = sum(q * s + q * (q + 1) / 2 for s, q in rows)  # causal (query, key) pairs
+        experts = self.expected_experts(t)
+        weights = (
+            self.num_layers * self.attn_params
+            + self.dense_layers * self.dense_mlp_params
+            + self.moe_layers * (self.gate_params + experts * self.expert_params)
+            + self.lm_head_params
+        )
+        per_token_kv = 2 * self.kv_heads * self.head_dim * self.kv_itemsize * self.num_layers
+        kv = per_token_kv * (positions + t)  # read every position, write the new ones
+        macs = (
+            t
+            * (
+                self.num_layers * self.attn_params
+                + self.dense_layers * self.dense_mlp_params
+                + self.moe_layers * (self.gate_params + self.top_k * self.expert_params)
+            )
+            + len(rows) * self.lm_head_params
+        )
+        attention = 4 * self.heads * self.head_dim * pairs * self.num_layers
+        return StepCost(weights * self.itemsize + t * self.hidden * self.itemsize, kv,
+                        2 * macs + attention)  # fmt: skip
+
+
+def step_rows(sched) -> tuple[list[tuple[int, int]], int, int, int]:
+    """A step's rows for `StepCostModel.cost`, over every dp rank, and its token counts.
+
+    sched: a `SchedulerOutput` or `DPSchedulerOutput` (anything with `ranks`, or rows in
+    `requests` with seq / start / num_tokens / samples and `num_steps`).
+
+    Returns (rows, num_passes, prefill_tokens, decode_tokens); a multi-step decode call
+    is num_passes > 1 passes over its decode rows (rows as of the first pass).
+    """
+    ranks = getattr(sched, "ranks", None) or [sched]
+    rows: list[tuple[int, int]] = []
+    prefill = decode = 0
+    num_steps = sched.num_steps
+    for rank in ranks:
+        for r in rank.requests:
+            rows.append((r.start, r.num_tokens))
+            if num_steps > 1 or (
+                r.samples and r.num_tokens == 1 and r.start >= r.seq.num_prompt_tokens
+            ):
+                decode += r.num_tokens * num_steps
+            else:
+                prefill += r.num_tokens
+    return rows, num_steps, prefill, decode
+
+
+class StepMeter:
+    """Per-step cost, time and utilisation of an engine (see the module docstring).
+
+    Args:
+        model: the `StepCostModel` of the served model.
+        peak: the peak of the mesh (`peaks.mesh_peak`), or None (MBU/MFU stay 0).
+        dtype: the compute dtype (chooses the peak FLOP/s).
+        clock: seconds, monotonic (default time.perf_counter).
+    """
+
+    def __init__(self, model: StepCostModel, peak: Peak | None, dtype: str = "float32",
+                 clock=time.perf_counter) -> None:  # fmt: skip
+        self.model = model
+        self.peak_bytes_per_s = peak.bytes_per_s if peak else 0.0
+        self.peak_flops_per_s = peak.flops(dtype) if peak else 0.0
+        self._clock = clock
+        self._inflight: dict[int, tuple[float, StepCost]] = {}
+        self.step_time_s = 0.0
+        self.model_bytes = 0.0
+        self.model_flops = 0.0
+        self.last_mbu = 0.0
+        self.last_mfu = 0.0
+        self.prefill_steps = 0
+        self.decode_steps = 0
+        self.last_prefill_tokens = 0
+        self.last_decode_tokens = 0
+
+    def dispatched(self, handle: object, sched) -> None:
+        """A step left for the device (`handle`: what `fetched` will be given)."""
+        rows, passes, prefill, decode = step_rows(sched)
+        self.prefill_steps += prefill > 0
+        self.decode_steps += decode > 0
+        self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
+        c = self.model.cost(rows)
+        for p in range(1, passes):  # a multi-step decode: one more position per pass
+            more = self.model.cost([(s + q + p - 1, 1) for s, q in rows])
+            c = StepCost(c.weight_bytes + more.weight_bytes, c.kv_bytes + more.kv_bytes,
+                         c.flops + more.flops)  # fmt: skip
+        self._inflight[id(handle)] = (self._clock(), c)
+
+    def fetched(self, handle: object) -> None:
+        """A step's results are on the host: its time, bytes, FLOPs, MBU and MFU."""
+        start, c = self._inflight.pop(id(handle), (None, None))
+        if start is None:
+            return
+        dt = max(self._clock() - start, 1e-9)
+        self.step_time_s += dt
+        self.model_bytes += c.bytes
+        self.model_flops += c.flops
+        if self.peak_bytes_per_s:
+            self.last_mbu = c.bytes / dt / self.peak_bytes_per_s
+            self.last_mfu = c.flops / dt / self.peak_flops_per_s

@@ -1,0 +1,156 @@
+"""`jaxserve diagnose` against real running servers (issue 11 part 6): each branch of the
+tree is reached by a constructed scenario, not by fabricated metric values.
+
+One server (the demo model, --max-num-seqs 2, a KV pool of 9 usable blocks of 16 tokens)
+serves three scenarios in turn, each diagnosed over its own window while its load runs:
+  healthy: one short request at a time -> no layer;
+  queueing: bursts of 12 short requests (6x --max-num-seqs; they fit the KV pool) ->
+      scheduling (queue);
+  memory: pairs of long requests (140 tokens each, two need 18 of the 9 blocks) ->
+      memory (KV cache).
+A second server runs with the detokenizer test hook (`JAXSERVE_TEST_DETOKENIZER_DELAY_S`,
+frontend/detokenizer_process.py) -> application; a third on an emulated 4-device
+expert-parallel mesh with EPLB off, fed prompts of one repeated token (every token picks
+the same top-k experts) -> parallelism (expert load).
+Diagnose runs as the user runs it: `python -m jaxserve.cli diagnose --server ... --json`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from scenario_load import Background, burst, free_port
+from server_harness import REPO_DIR, ServerProcess
+
+from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.frontend.detokenizer_process import DELAY_ENV
+
+pytestmark = pytest.mark.slow
+
+WINDOW_S = 8.0
+_ENGINE = ("--max-num-batched-tokens", "64")
+
+
+def _serve(*flags: str, env: dict | None = None) -> tuple[ServerProcess, str]:
+    port = free_port()
+    srv = ServerProcess(
+        DEMO_MODEL_DIR, extra_args=(*_ENGINE, *flags, "--metrics-port", str(port)),
+        env=env, start_timeout_s=900,
+    ).wait_ready()  # fmt: skip
+    return srv, f"127.0.0.1:{port}"
+
+
+def _diagnose(metrics: str, load) -> dict:
+    """Run `load` in a loop while `jaxserve diagnose --json` samples the server."""
+    bg = Background(load)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxserve.cli", "diagnose", "--server", metrics,
+             "--seconds", str(WINDOW_S), "--json"],
+            cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        bg.stop()
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    print(json.dumps(result, indent=1))  # the report's diagnose outputs (pytest -s)
+    return result
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    srv, metrics = _serve(
+        "--max-num-seqs", "2", "--num-blocks", "10", "--block-size", "16", "--max-model-len", "144"
+    )  # fmt: skip
+    yield srv, metrics
+    srv.kill()
+
+
+def test_healthy_server_names_no_layer(small_server):
+    srv, metrics = small_server
+    result = _diagnose(metrics, lambda: burst(srv.target, ["def "], max_tokens=16))
+    assert result["layer"] is None, result
+    assert result["findings"] == []
+    assert result["summary"]["requests_finished"] > 0
+
+
+def test_burst_beyond_max_num_seqs_is_queueing(small_server):
+    srv, metrics = small_server
+    result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 12, max_tokens=16))
+    assert result["layer"] == "scheduling (queue)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["queue_share_of_ttft"] >= 0.5 and numbers["waiting_peak"] > 0
+
+
+def test_tiny_kv_pool_under_a_burst_is_memory(small_server):
+    srv, metrics = small_server
+    long_prompt = "import os\nimport sys\n" * 6  # ~60 tokens
+    result = _diagnose(metrics, lambda: burst(srv.target, [long_prompt] * 2, max_tokens=80))
+    assert result["layer"] == "memory (KV cache)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["preemptions"] > 0 or numbers["kv_used_peak_share"] >= 0.9
+
+
+def test_from_bench_json_of_a_burst_sees_the_queue(small_server, tmp_path):
+    """`jaxserve bench` (12 requests at once on 2 slots) then `diagnose --from` its JSON:
+    the TTFT tail of the requests that waited points at the queue."""
+    srv, _ = small_server
+    out = tmp_path / "b.json"
+    bench = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "bench", "--server", srv.target,
+         "--num-prompts", "12", "--input-len", "8", "--output-len", "16", "--ignore-eos",
+         "--no-progress", "--out", str(out)],
+        cwd=REPO_DIR, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "diagnose", "--from", str(out), "--json"],
+        cwd=REPO_DIR, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    print(json.dumps(result, indent=1))
+    assert result["layer"] == "scheduling (queue)", result
+    assert "client-side" in result["note"]
+
+
+def test_diagnose_errors_name_their_cause(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"not": "a bench"}')
+    cmd = [sys.executable, "-m", "jaxserve.cli", "diagnose"]
+    proc = subprocess.run([*cmd, "--from", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "from: not a jaxserve bench" in proc.stderr
+    port = free_port()  # nothing listens there
+    proc = subprocess.run([*cmd, "--server", f"127.0.0.1:{port}", "--seconds", "1"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1 and f"127.0.0.1:{port}/metrics" in proc.stderr
+
+
+def test_slow_detokenizer_is_the_application_layer():
+    srv, metrics = _serve("--max-num-seqs", "4", env={DELAY_ENV: "0.05"})
+    try:
+        result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 2, max_tokens=24))
+    finally:
+        srv.kill()
+    assert result["layer"] == "application (frontend / detokenizer)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["detokenizer_lag_mean_s"] >= 0.05
+
+
+def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
+    """4 emulated devices (dp=2, tp=2), one EP rank each (2 of the 8 experts per rank),
+    EPLB off; prompts of one repeated token id send every prefill token to the same top-2 experts,
+    so at most 2 of the 4 ranks get load: balancedness <= 0.5."""
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    srv, metrics = _serve("--mesh", "dp=2,tp=2", "--max-num-seqs", "4", env=env)
+    try:
+        prompt = [7] * 48  # token ids
+        result = _diagnose(metrics, lambda: burst(srv.target, [prompt] * 2, max_tokens=2))
+    finally:
+        srv.kill()
+    assert result["layer"] == "parallelism (expert load)", result
+    numbers = result["findings"][0]["numbers"]
+    assert numbers["expert_balancedness_mean"] < 0.8 and numbers["eplb_rebalances"] == 0
