@@ -275,9 +275,9 @@ def _engine(model_dir: Path, args):
     return EngineCore(
         EngineConfig(
             model=str(model_dir),
-            cache=CacheConfig(block_size=16, num_blocks=1 + 32 * 8),
+            cache=CacheConfig(block_size=16, num_blocks=1 + args.max_batch * 8),
             scheduler=SchedulerConfig(
-                max_num_seqs=32, max_num_batched_tokens=512, max_model_len=128
+                max_num_seqs=args.max_batch, max_num_batched_tokens=256, max_model_len=128
             ),
         )
     )
@@ -301,6 +301,7 @@ def _tok_s(engine, batch: int, args, seed: int) -> float:
 
 def cmd_offline(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
+    args.max_batch = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
         sizes = {
             "deepseek_v3": write_random(SMALL_DEEPSEEK, Path(tmp) / "ds"),
@@ -343,7 +344,7 @@ def main() -> None:
     kv.add_argument("--pool-gib", type=float, default=64.0)
     kv.add_argument("--block-size", type=int, default=16)
     off = sub.add_parser("offline")
-    off.add_argument("--batches", default="1,8,32")
+    off.add_argument("--batches", default="1,8")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--prompt-len", type=int, default=64)
     off.add_argument("--max-tokens", type=int, default=32)
