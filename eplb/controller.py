@@ -140,10 +140,33 @@ class EplbController:
     def apply(self, plan: PlannedPlacement) -> None:
         """Move the weights to `plan`, swap them and the new tables into the runner, and
         empty the load window. No step may be in flight (the old weights are donated).
-        Logs one line; counts `num_rebalances` and `rebalance_time_s`."""
+        Logs one line; counts `num_rebalances` and `rebalance_time_s`.
+
+        With several processes every process must apply the same placement between the
+        same two steps (the leader publishes it first: `LeaderExecutor.publish_placement`;
+        a follower calls `apply_table`)."""
+        stats = self.apply_table(plan.physical_to_logical)
+        logger.info(
+            "EPLB: re-placed %d MoE layer(s): %d slot(s) changed (%d copied on-device, %d "
+            "moved across devices, %.1f MiB, %.1f MiB on the wire) in %.3f s; "
+            "balancedness %.3f -> %.3f expected",
+            plan.layers_changed,
+            plan.slots_changed,
+            stats.slots_copied_local,
+            stats.slots_moved_remote,
+            stats.bytes_moved / 2**20,
+            stats.bytes_on_wire / 2**20,
+            stats.seconds,
+            plan.balancedness_before,
+            plan.balancedness_after,
+        )
+
+    def apply_table(self, physical_to_logical: np.ndarray):
+        """`apply` from the new [M, S] physical_to_logical alone (a follower process's
+        side of a re-placement); returns the executor's `ReplacementStats`."""
         current = self.runner.physical_to_logical()
         weights, tables, stats = self.executor.apply(
-            self.runner.expert_weights(), current, plan.physical_to_logical
+            self.runner.expert_weights(), current, physical_to_logical
         )
         # Not `dataclasses.asdict`: it deep-copies, and copying a device array runs (and
         # compiles) a copy program.
@@ -153,15 +176,4 @@ class EplbController:
         self.runner.expert_load.reset()
         self.num_rebalances += 1
         self.rebalance_time_s += stats.seconds
-        logger.info(
-            "EPLB: re-placed %d MoE layer(s): %d slot(s) changed (%d copied on-device, %d "
-            "moved across devices, %.1f MiB) in %.3f s; balancedness %.3f -> %.3f expected",
-            plan.layers_changed,
-            plan.slots_changed,
-            stats.slots_copied_local,
-            stats.slots_moved_remote,
-            stats.bytes_moved / 2**20,
-            stats.seconds,
-            plan.balancedness_before,
-            plan.balancedness_after,
-        )
+        return stats

@@ -16,22 +16,24 @@ How a re-placement runs (one compiled function per model, built once):
    so far, to keep the per-link transfer count, and so the buffers, small).
 2. `transfer_tables` turns the sources into int32 index tables: a local gather per
    device, and for each ring shift r = 1 .. ep-1 which of its slots device d sends to
-   device (d + r) % ep and where the receiver puts them.
+   device (d + r) % ep and where the receiver puts them, and how many transfers each
+   round needs.
 3. One jitted `shard_map` takes the weights (donated: the old buffers are reused, so a
    re-placement needs no second copy of the model's experts) and the tables (traced:
    a new placement is new data, not a new program). Per device and weight: gather the
-   local sources, then ep - 1 `ppermute` rounds of at most `max_transfer_slots` slots
-   each, scattered into place. Arrays and rounds run one after the other, so the
-   scratch memory is about one array's slots of one device plus one round's buffers
+   local sources, then ep - 1 ring rounds of one-slot `ppermute`s, as many as the
+   round needs (at most `max_transfer_slots`), scattered into place. Arrays, rounds
+   and transfers run one after the other, so the scratch memory is about one array's
+   slots of one device plus one slot's buffers
    (`PlacementExecutor.temp_bytes_per_device`).
 
-Every round moves a fixed number of slots (the padded capacity `max_transfer_slots`),
-because collective sizes are static: a placement that moves few slots still pays
-(ep - 1) * max_transfer_slots slots per device on the wire. Set the capacity to the
-most slots the planner may move between two devices (`minimize_movement` keeps moves
-few); the default, S / ep, accepts any placement. A variable-size exchange
-(`lax.ragged_all_to_all`, which sends only the real rows) would remove the padding on
-GPU/TPU, but it is unimplemented on the CPU, so this version uses `ppermute` only.
+A ring round sends as many one-slot transfers (a `fori_loop` of `ppermute`s, its trip
+count a table entry) as its busiest device needs, and a round where no slot crosses
+devices sends nothing: a re-placement that changes few slots moves few (per round every
+device sends that many: collective permutes are all-device). `max_transfer_slots`
+bounds the slots one device may take from one other (the table width), default S / ep:
+any placement. A variable-size exchange (`lax.ragged_all_to_all`) would remove the
+per-round padding on a GPU but is unimplemented on the CPU.
 
 Same idea as vLLM's EPLB `rearrange_expert_weights_inplace`
 (vllm/distributed/eplb/rebalance_execute.py) and SGLang's `expert_location_updater`:
@@ -70,11 +72,14 @@ class TransferTables:
         entries are 0 (sent, then dropped by the receiver).
     recv_slots: [ep, L, ep - 1, C], device d writes row k received in round r into its
         new local slot recv_slots[d, l, r, k]; S/ep marks an unused row (dropped).
+    round_slots: [ep, L, ep - 1], the slots round r of layer l sends: the most any
+        device sends in it (the same on every device, so all run as many transfers).
     """
 
     local_source: np.ndarray
     send_slots: np.ndarray
     recv_slots: np.ndarray
+    round_slots: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,11 @@ class ReplacementStats:
     slots_moved_remote: slots copied from another device.
     bytes_moved: bytes of the remote copies (slots_moved_remote x bytes per slot, all
         weight arrays of the layer): the data that has to cross devices.
-    bytes_on_wire: bytes the ppermute rounds send, capacity padding included
-        (L x ep x (ep - 1) x max_transfer_slots x bytes per slot).
+    bytes_on_wire: bytes the ppermute transfers send, all devices: each round sends
+        one slot per transfer from every device, as many transfers as the busiest
+        device of the round needs (`TransferTables.round_slots`), so rounds where no
+        slot moves cost nothing; = bytes_moved when every device of a round moves as
+        many slots.
     seconds: host wall time of the call, tables included, until the outputs are ready.
     """
 
@@ -169,6 +177,7 @@ def transfer_tables(sources: np.ndarray, ep: int, capacity: int) -> TransferTabl
     local = np.tile(np.arange(per_device, dtype=np.int32), (ep, num_layers, 1))
     send = np.zeros((ep, num_layers, rounds, capacity), np.int32)
     recv = np.full((ep, num_layers, rounds, capacity), per_device, np.int32)
+    round_slots = np.zeros((ep, num_layers, rounds), np.int32)
     for layer in range(num_layers):
         used = np.zeros((ep, rounds), np.int64)  # rows used per (receiver, round)
         for slot, source in enumerate(src[layer].tolist()):
@@ -187,7 +196,8 @@ def transfer_tables(sources: np.ndarray, ep: int, capacity: int) -> TransferTabl
             send[src_dev, layer, r, k] = i
             recv[dst_dev, layer, r, k] = j
             used[dst_dev, r] += 1
-    return TransferTables(local, send, recv)
+        round_slots[:, layer] = used.max(axis=0)
+    return TransferTables(local, send, recv, round_slots)
 
 
 class PlacementExecutor:
@@ -209,8 +219,8 @@ class PlacementExecutor:
         max_replicas: width of the tables' logical_to_physical, the same as the model's
             `PlacementTable` state (kept fixed so swapping tables needs no recompile).
         max_transfer_slots: C, most slots one device may receive from one other device
-            in one apply; default S / ep (any placement). Every apply sends
-            L * (ep - 1) * C slots per device (see the module docstring).
+            in one apply; default S / ep (any placement). An apply sends per ring round
+            as many slots as its busiest device needs (see the module docstring).
 
     Raises:
         ValueError: an empty `weights`, layers with different slot counts, S not
@@ -296,13 +306,15 @@ class PlacementExecutor:
                 f"built for ({_describe(structs)} vs {_describe(self._structs)})"
             )
         device_tables = [
-            jax.device_put(t, self._table_sharding)
-            for t in (tables.local_source, tables.send_slots, tables.recv_slots)
+            _put(t, self._table_sharding)
+            for t in (tables.local_source, tables.send_slots, tables.recv_slots, tables.round_slots)
         ]
         new_weights = self._compiled(tuple(tuple(layer) for layer in weights), *device_tables)
-        device_placements = [jax.device_put(p, self._placement_sharding) for p in placements]
+        device_placements = [
+            jax.tree.map(lambda a: _put(a, self._placement_sharding), p) for p in placements
+        ]
         jax.block_until_ready((new_weights, device_placements))
-        stats = self._stats(cur, new, sources, time.perf_counter() - start)
+        stats = self._stats(cur, new, sources, tables, time.perf_counter() - start)
         return [tuple(layer) for layer in new_weights], device_placements, stats
 
     def _check_tables(self, p2l: np.ndarray, name: str) -> np.ndarray:
@@ -314,19 +326,19 @@ class PlacementExecutor:
             raise ValueError(f"{name}: entries must be in [0, {self.num_experts})")
         return table.astype(np.int64)
 
-    def _stats(self, cur, new, sources, seconds: float) -> ReplacementStats:
+    def _stats(self, cur, new, sources, tables, seconds: float) -> ReplacementStats:
         per_device = self.num_slots // self.ep
         slots = np.arange(self.num_slots)
         changed = cur != new
         remote = (sources // per_device) != (slots // per_device)[None, :]
         remote_per_layer = remote.sum(1)
-        wire_slots = self.ep * (self.ep - 1) * self.max_transfer_slots
+        wire_slots_per_layer = self.ep * tables.round_slots[0].sum(axis=1)
         return ReplacementStats(
             slots_kept=int((~changed).sum()),
             slots_copied_local=int((changed & ~remote).sum()),
             slots_moved_remote=int(remote.sum()),
             bytes_moved=int(np.dot(remote_per_layer, self.slot_bytes)),
-            bytes_on_wire=int(wire_slots * sum(self.slot_bytes)),
+            bytes_on_wire=int(np.dot(wire_slots_per_layer, self.slot_bytes)),
             seconds=seconds,
         )
 
@@ -340,12 +352,13 @@ class PlacementExecutor:
             jax.ShapeDtypeStruct((ep, self.num_layers, per_device), np.int32, sharding=table),
             jax.ShapeDtypeStruct((ep, self.num_layers, rounds, capacity), np.int32, sharding=table),
             jax.ShapeDtypeStruct((ep, self.num_layers, rounds, capacity), np.int32, sharding=table),
+            jax.ShapeDtypeStruct((ep, self.num_layers, rounds), np.int32, sharding=table),
         )
         weight_specs = tuple(tuple(P(EP) for _ in layer) for layer in self._structs)
         moved = jax.shard_map(
             _move_body,
             mesh=self.mesh,
-            in_specs=(weight_specs, P(EP), P(EP), P(EP)),
+            in_specs=(weight_specs, P(EP), P(EP), P(EP), P(EP)),
             out_specs=weight_specs,
         )
         out_shardings = tuple(tuple(w.sharding for w in layer) for layer in self._structs)
@@ -353,7 +366,7 @@ class PlacementExecutor:
         return jitted.lower(self._structs, *table_structs).compile()
 
 
-def _move_body(weights, local_source, send_slots, recv_slots):
+def _move_body(weights, local_source, send_slots, recv_slots, round_slots):
     """Per-device body: weights [L] tuples of [S/ep, ...] local slots; tables with a
     leading device axis of 1 (see `TransferTables`). Returns the new local slots.
 
@@ -365,7 +378,12 @@ def _move_body(weights, local_source, send_slots, recv_slots):
     ep = lax.axis_size(EP)
     moved: list[jax.Array] = []
     for layer, arrays in enumerate(weights):
-        tables = (local_source[0, layer], send_slots[0, layer], recv_slots[0, layer])
+        tables = (
+            local_source[0, layer],
+            send_slots[0, layer],
+            recv_slots[0, layer],
+            round_slots[0, layer],
+        )
         for w in arrays:
             if moved:
                 moved[-1], w = lax.optimization_barrier((moved[-1], w))
@@ -374,18 +392,32 @@ def _move_body(weights, local_source, send_slots, recv_slots):
     return tuple(tuple(next(it) for _ in arrays) for arrays in weights)
 
 
-def _move_array(w, local, send, recv, ep: int) -> jax.Array:
-    """One array's new local slots: the local gather, then ep - 1 ring rounds, each
-    started after the previous one landed (one round's buffers live at a time)."""
+def _move_array(w, local, send, recv, count, ep: int) -> jax.Array:
+    """One array's new local slots: the local gather, then ep - 1 ring rounds of
+    count[r] one-slot transfers each (0: the round sends nothing), each round started
+    after the previous one landed (one slot's buffers live at a time)."""
     new = w[local]
     for r in range(ep - 1):
         # Ring shift r + 1: every device sends to the one r + 1 after it.
         perm = [(d, (d + r + 1) % ep) for d in range(ep)]
-        got = lax.ppermute(w[send[r]], EP, perm)
-        new = new.at[recv[r]].set(got, mode="drop")
+
+        def transfer(k, new, w=w, r=r, perm=perm):
+            got = lax.ppermute(lax.dynamic_index_in_dim(w, send[r, k], keepdims=False), EP, perm)
+            # recv = S/ep marks a padding transfer: dropped.
+            return new.at[recv[r, k]].set(got, mode="drop")
+
+        new = lax.fori_loop(0, count[r], transfer, new)
         if r < ep - 2:
             new, w = lax.optimization_barrier((new, w))
     return new
+
+
+def _put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Host table onto the mesh; with several processes (each holds the same whole
+    table) each places its own devices' shards."""
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _check_weights(mesh: Mesh, weights) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:

@@ -17,6 +17,13 @@ field; UNAVAILABLE means the engine is starting or gone; RESOURCE_EXHAUSTED mean
 request message is over the server's 32 MiB limit (`server.MAX_RECEIVE_MESSAGE_BYTES`).
 Leaving the `generate` loop early cancels the call, which aborts the request (every
 sample) in the engine and frees its request_id for a new request at once.
+
+A server started with `--tls-cert/--tls-key` (and `--api-key`) is reached with the
+matching options (frontend/auth.py): `tls=True` (the system's root certificates) or
+`tls_ca_cert="ca.pem"`, `tls_cert`/`tls_key` for mutual TLS, `api_key="..."` (sent as
+`authorization: Bearer KEY`, the OpenAI convention, on every call):
+
+    with JaxserveClient("host:50051", tls_ca_cert="ca.pem", api_key=key) as client: ...
 """
 
 from __future__ import annotations
@@ -189,11 +196,57 @@ def build_generate_request(
     return req
 
 
-class JaxserveClient:
-    """Blocking client over one channel; thread-safe (one channel, many calls)."""
+def _read_pem(option: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{option}: cannot read {path} ({e.strerror})") from None
 
-    def __init__(self, target: str = "127.0.0.1:50051") -> None:
-        self._channel = grpc.insecure_channel(target)
+
+class JaxserveClient:
+    """Blocking client over one channel; thread-safe (one channel, many calls).
+
+    Args:
+        target: the server's host:port ("[::1]:50051" for IPv6).
+        tls: use TLS, verifying the server against the system's root certificates
+            (implied by tls_ca_cert or tls_cert).
+        tls_ca_cert: PEM file of the CA that signed the server's certificate.
+        tls_cert / tls_key: PEM files of this client's certificate and key, for a server
+            that requires client certificates (`serve --tls-client-ca`); both or neither.
+        api_key: the server's `--api-key`, sent on every call (None: none).
+
+    Raises:
+        ValueError: naming the option, for a file that cannot be read or a tls_cert
+            without tls_key (or the reverse).
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        tls: bool = False,
+        tls_ca_cert: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert: give both tls_cert and tls_key (mutual TLS), or neither")
+        if tls or tls_ca_cert or tls_cert:
+            files = {"tls_ca_cert": tls_ca_cert, "tls_cert": tls_cert, "tls_key": tls_key}
+            pem = {k: _read_pem(k, v) for k, v in files.items()}
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=pem["tls_ca_cert"],
+                private_key=pem["tls_key"],
+                certificate_chain=pem["tls_cert"],
+            )
+            self._channel = grpc.secure_channel(target, credentials)
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._stub = pb_grpc.JaxserveStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -208,7 +261,9 @@ class JaxserveClient:
             temperature, top_k, top_p, seed, stop, ...). timeout: seconds for the call.
         Raises grpc.RpcError on a bad request (INVALID_ARGUMENT) or a dead engine.
         """
-        call = self._stub.Generate(build_generate_request(prompt, **params), timeout=timeout)
+        call = self._stub.Generate(
+            build_generate_request(prompt, **params), timeout=timeout, metadata=self._metadata
+        )
         try:
             for resp in call:
                 yield _delta(resp)
@@ -226,10 +281,14 @@ class JaxserveClient:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a running request (every sample of it); returns False if no such request
         was running."""
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found
+        return self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
+        ).found
 
     def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        info = self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        info = self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+        )
         return ServerInfo(**{f: getattr(info, f) for f in ServerInfo.__slots__})
 
     def is_serving(self, *, timeout: float | None = 5.0) -> bool:

@@ -51,7 +51,7 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
-from jaxserve.logs import configure_logging
+from jaxserve.logs import configure_logging, report_start_failure
 
 logger = logging.getLogger("jaxserve.detokenizer")
 
@@ -178,6 +178,10 @@ class OutputProcessor:
         return text
 
 
+class SidecarStartError(RuntimeError):
+    """The sidecar cannot start serving (its message names the cause)."""
+
+
 def run_detokenizer(
     tokenizer: Tokenizer,
     detokenizer_input: str,
@@ -191,11 +195,24 @@ def run_detokenizer(
     engine_input: where stop-string aborts go (the engine's control path). The engine's
     Heartbeats are forwarded; this process sends its own every `heartbeat_interval_s`.
     delay_s: the test hook's sleep before each batch of outputs (module docstring).
+
+    Raises:
+        SidecarStartError: a socket cannot be bound or connected (names the address).
     """
     ctx = zmq.Context()
-    pull = make_socket(ctx, zmq.PULL, detokenizer_input, bind=True)
-    to_frontend = make_socket(ctx, zmq.PUSH, frontend_input, bind=False)
-    to_engine = make_socket(ctx, zmq.PUSH, engine_input, bind=False)
+    opened: list[zmq.Socket] = []
+    try:
+        for kind, address, bind in (
+            (zmq.PULL, detokenizer_input, True),
+            (zmq.PUSH, frontend_input, False),
+            (zmq.PUSH, engine_input, False),
+        ):
+            opened.append(make_socket(ctx, kind, address, bind=bind))
+    except zmq.ZMQError as e:
+        ctx.destroy(linger=0)  # closes the failed socket too (term would wait for it)
+        what = "bind" if not opened else "connect to"
+        raise SidecarStartError(f"cannot {what} {address} ({e})") from e
+    pull, to_frontend, to_engine = opened
     processor = OutputProcessor(tokenizer)
     last_beat = float("-inf")
     try:
@@ -244,22 +261,32 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(args.parent_pid)
     ignore_sigint()
     configure_logging(args.log_level, "detokenizer")
+    # Start-up failures are one line (to the parent's start-error file, which `serve`
+    # prints last), the traceback only at --log-level debug; exit code 2.
     try:
         tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError) as e:
-        logger.error("%s", e)
+        report_start_failure("detokenizer", e, logger)
         sys.exit(2)
     try:
         delay_s = float(os.environ.get(DELAY_ENV) or 0.0)
     except ValueError:
-        logger.error("%s: expected seconds, got %r", DELAY_ENV, os.environ[DELAY_ENV])
+        report_start_failure(
+            "detokenizer",
+            ValueError(f"{DELAY_ENV}: expected seconds, got {os.environ[DELAY_ENV]!r}"),
+            logger,
+        )
         sys.exit(2)
     if delay_s > 0:
         logger.warning("%s=%s: test hook, every output batch is delayed", DELAY_ENV, delay_s)
-    run_detokenizer(
-        tokenizer, args.detokenizer_input, args.frontend_input, args.engine_input,
-        delay_s=delay_s,
-    )  # fmt: skip
+    try:
+        run_detokenizer(
+            tokenizer, args.detokenizer_input, args.frontend_input, args.engine_input,
+            delay_s=delay_s,
+        )  # fmt: skip
+    except SidecarStartError as e:
+        report_start_failure("detokenizer", e, logger)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,13 @@ from tokenizers import Tokenizer
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.ipc import EngineRequest
-from jaxserve.sampling_params import MAX_N, SamplingParams, check_lengths
+from jaxserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    SamplingParams,
+    check_lengths,
+    logit_bias_count_error,
+)
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_LEN = 256
@@ -57,8 +63,8 @@ def build_engine_request(
         check_lengths(len(prompt_ids), limits.max_model_len)
     except ValueError as e:
         raise RequestValidationError(str(e)) from e
-    params = sampling_params_from_proto(request, len(prompt_ids), limits.max_model_len)
     try:
+        params = sampling_params_from_proto(request, len(prompt_ids), limits.max_model_len)
         params.validate(vocab_size=limits.vocab_size)
         check_lengths(len(prompt_ids), limits.max_model_len, params.max_tokens)
     except ValueError as e:
@@ -117,8 +123,10 @@ def sampling_params_from_proto(
 ) -> SamplingParams:
     """SamplingParams from the request, unset fields taking their documented defaults.
 
-    An unset max_tokens is DEFAULT_MAX_TOKENS cut to the room left after the prompt; the
-    result is not validated (call .validate()).
+    An unset max_tokens is DEFAULT_MAX_TOKENS cut to the room left after the prompt.
+
+    Raises ValueError naming a field out of range (SamplingParams validates at
+    construction); token ids against the vocabulary are `.validate(vocab_size)`'s.
     """
     s = request.sampling
 
@@ -129,6 +137,8 @@ def sampling_params_from_proto(
         max_tokens = request.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:  # before copying a hostile map
+        raise RequestValidationError(logit_bias_count_error(len(s.logit_bias)))
     n = opt(s, "n", 1)
     if not 1 <= n <= MAX_N:
         raise RequestValidationError(f"n: must be in [1, {MAX_N}], got {n}")

@@ -100,11 +100,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
         preflight.check_model_folder(config.model, check_model=args.engine_class is None)
-        if dist is not None and config.eplb.enabled:
-            raise ValueError(
-                "--enable-eplb: not supported with several processes yet (the followers "
-                "would need every new expert placement)"
-            )
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
@@ -120,9 +115,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(e, 2, dist)
     try:
-        preflight.check_bind("port", server.host, server.port)
-        if server.metrics_port is not None:
-            preflight.check_bind("metrics-port", server.host, server.metrics_port)
+        preflight.check_ports(server.host, server.port, server.metrics_port, server.http_port)
         return serve(
             config,
             server,
@@ -208,6 +201,74 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
 
 
+def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    """The flags of `jaxserve generate`; an unset sampling flag takes the server's default,
+    which the help names (frontend/proto/jaxserve.proto)."""
+    from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS
+
+    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
+    g.add_argument(
+        "--server",
+        default=f"{ServerConfig().host}:{ServerConfig().port}",
+        help="the server's gRPC host:port (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"most tokens to generate (default: the server's, {DEFAULT_MAX_TOKENS}, cut to "
+        "the room the prompt leaves)",
+    )
+    g.add_argument("--temperature", type=float, help="0 is greedy (default: the server's, 1.0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: -1, off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1.0, off)")
+    g.add_argument(
+        "--min-p", type=float, help="drop tokens below min_p x the top one (default: 0.0, off)"
+    )
+    g.add_argument("--seed", type=int, help="sampling seed (default: none, unseeded)")
+    g.add_argument(
+        "-n", "--n", type=int, help="samples of the prompt, printed one by one (default: 1)"
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string (repeatable; a shell passes \\n literally: use $'\\n') (default: none)",
+    )
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="go on past the EOS token (default: off)"
+    )
+    g.add_argument("--timeout", type=float, help="seconds for the whole call (default: no limit)")
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print each sample's finish reason and token counts to stderr (default: off)",
+    )
+    auth = g.add_argument_group("TLS and API key (as the server's --tls-cert / --api-key)")
+    auth.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS, checking the server against the system's root "
+        "certificates (default: off; on with --tls-ca-cert or --tls-cert)",
+    )
+    auth.add_argument(
+        "--tls-ca-cert",
+        help="PEM file of the CA that signed the server's certificate (default: none)",
+    )
+    auth.add_argument(
+        "--tls-cert",
+        help="PEM file of this client's certificate, for a server with --tls-client-ca "
+        "(with --tls-key) (default: none)",
+    )
+    auth.add_argument("--tls-key", help="PEM file of this client's key (default: none)")
+    auth.add_argument(
+        "--api-key",
+        help="the server's API key (also --api-key-file, or the JAXSERVE_API_KEY "
+        "variable) (default: none)",
+    )
+    auth.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -228,7 +289,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params["n"] = args.n
     last = None
     completions = []
-    with JaxserveClient(args.server) as client:
+    from jaxserve.frontend.auth import resolve_api_key
+
+    try:
+        client = JaxserveClient(
+            args.server,
+            tls=args.tls,
+            tls_ca_cert=args.tls_ca_cert,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            api_key=resolve_api_key(args.api_key, args.api_key_file),
+        )
+    except ValueError as e:
+        option, sep, rest = str(e).partition(":")  # JaxserveClient's argument -> the flag
+        print(f"jaxserve generate: error: {option.replace('_', '-')}{sep}{rest}", file=sys.stderr)
+        return 2
+    with client:
         try:
             if args.n is not None and args.n > 1:
                 # n samples interleave in the stream: print each whole once all are done.
@@ -288,29 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a server to the terminal")
-    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
-    g.add_argument("--server", default=f"{ServerConfig().host}:{ServerConfig().port}")
-    g.add_argument("--max-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("-n", "--n", type=int, help="samples of the prompt (printed one by one)")
-    g.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        help="stop string (repeatable; a shell passes \\n literally: use $'\\n')",
-    )
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--timeout", type=float, help="seconds for the whole call")
-    g.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="print each sample's finish reason and token counts to stderr",
-    )
+    _add_generate_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint

@@ -116,8 +116,8 @@ class EplbConfig:
 
     enabled: re-place experts from their measured load every `step_interval` engine
         steps. Needs an expert-parallel mesh (dp * tp > 1): on one device the engine
-        logs a warning and runs without it. Not supported with several processes yet
-        (the followers would need the new placement): the engine refuses to start.
+        logs a warning and runs without it. With several processes the leader plans
+        and every process applies each new placement between the same two steps.
     num_redundant_experts: R, extra expert slots per MoE layer (S = E + R physical
         slots, S divisible by dp * tp) holding replicas of hot experts. They start as
         replicas of experts 0..R-1 and cost R experts' weights per layer. Used on any
@@ -171,6 +171,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    # Compile all but the smallest step shapes in the background while serving, under a
+    # smaller step budget until they are ready (jaxserve/engine/warmup.py); `serve` turns
+    # it on, the offline LLM and tests compile everything before the first step.
+    background_compile: bool = False
     # JAX persistent compilation cache; None disables it.
     compilation_cache_dir: str | None = str(Path.home() / ".cache" / "jaxserve" / "jax_cache")
 

@@ -222,11 +222,13 @@ async def _run_frontend(
     watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     liveness = None
+    http = ""
     try:
         port = await server.start(server_config.host, server_config.port)
         if server_config.http_port is not None:
             http_port = await server.start_http(server_config.host, server_config.http_port)
             logger.info("HTTP (OpenAI API) listening on %s:%d", server_config.host, http_port)
+            http = f", OpenAI HTTP API on http://{_host_port(server_config.host, http_port)}/v1"
         logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():
@@ -237,9 +239,9 @@ async def _run_frontend(
             )
             logger.info(
                 # num_blocks_total is the usable count: the engine's null block is not in it.
-                "jaxserve ready: serving %s on %s:%d (max_model_len %d, %d usable KV blocks "
-                "of %d tokens)",
-                stats.model, server_config.host, port,
+                "jaxserve ready: serving %s on %s:%d (gRPC)%s (max_model_len %d, %d usable "
+                "KV blocks of %d tokens)",
+                stats.model, server_config.host, port, http,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
             logger.info(
@@ -266,6 +268,12 @@ async def _run_frontend(
                 task.cancel()
         await server.stop(GRPC_GRACE_S)
         await engine.close()
+
+
+def _host_port(host: str, port: int) -> str:
+    """host:port for a URL (an IPv6 literal in brackets)."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
 async def _child_died(server: FrontendServer, reason: str, stopping: asyncio.Task) -> None:

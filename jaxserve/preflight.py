@@ -4,8 +4,8 @@ not a traceback from a child process a minute later.
 
 What is checked here: the model folder (config.json present, valid JSON, a supported
 architecture with the fields it needs, weights and tokenizer present) and the
-addresses (`--host` resolves to an address of this machine, `--port` and
-`--metrics-port` are free). What needs the devices (a mesh that cannot hold the model,
+addresses (`--host` resolves to an address of this machine; `--port`, `--metrics-port`
+and `--http-port` are distinct and free). What needs the devices (a mesh that cannot hold the model,
 memory) is checked by the engine, which reports its start-up error through
 `jaxserve.logs.report_start_failure`. No JAX here (the frontend runs this).
 """
@@ -102,3 +102,23 @@ def check_bind(flag: str, host: str, port: int) -> None:
             f"host: cannot bind {shown} ({e}); {host} is not an address of this machine "
             "(use 127.0.0.1, ::1, 0.0.0.0 or ::)"
         ) from None
+
+
+def check_ports(
+    host: str, port: int, metrics_port: int | None = None, http_port: int | None = None
+) -> None:
+    """Raise ValueError naming the flag if the gRPC `port`, `metrics_port` or `http_port`
+    (None: not served) is taken by another of them or cannot be bound (`check_bind`).
+    Port 0 (any free port) is never a clash."""
+    ports = [("port", port), ("metrics-port", metrics_port), ("http-port", http_port)]
+    given = [(flag, p) for flag, p in ports if p is not None]
+    seen: dict[int, str] = {}
+    for flag, p in given:
+        if p and p in seen:
+            raise ValueError(
+                f"{flag}: {p} is also --{seen[p]}; give each of --port, --metrics-port "
+                "and --http-port its own port"
+            )
+        seen[p] = flag
+    for flag, p in given:
+        check_bind(flag, host, p)

@@ -23,7 +23,12 @@ import numpy as np
 # sampler computes this many alternatives for every row.
 MAX_LOGPROBS = 20
 # Most logit_bias entries per request: the sampler's bias arrays are [rows, MAX_LOGIT_BIAS].
+# (OpenAI documents no count limit, only the value range; 64 leaves room for the usual
+# ban / boost lists.)
 MAX_LOGIT_BIAS = 64
+# A logit_bias value lies in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE], as OpenAI's
+# API requires ("values from -100 to 100"); 100 already bans or forces a token.
+MAX_LOGIT_BIAS_VALUE = 100.0
 # The most samples one request may ask for (OpenAI's limit for `n`, also vLLM's default
 # bound through its OpenAI server): each sample is a full engine request. The gRPC
 # frontend and the offline LLM both enforce it (through `validate`).
@@ -70,12 +75,19 @@ class SamplingParams:
     ignore_eos: keep going past the EOS token.
     skip_special_tokens: drop special tokens from the text.
     repetition_penalty / presence_penalty / frequency_penalty: as in vLLM (1.0 / 0 / 0 disable).
-    logit_bias: token id -> additive bias on the logit (at most MAX_LOGIT_BIAS entries).
+    logit_bias: token id -> additive bias on the logit (at most MAX_LOGIT_BIAS entries,
+        each value in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE] = [-100, 100]).
     n: number of samples for the prompt, in [1, MAX_N].
     logprobs: return the log-prob of each chosen token and of the top-N alternatives (None: off).
     prompt_logprobs: return log-probs of the prompt tokens, with top-N alternatives (None: off).
 
     Every float must be finite with |x| <= FLOAT32_MAX (the sampler computes in float32).
+
+    Validated at construction, as vLLM's SamplingParams is (`validate()` without a vocab
+    size): a bad field raises ValueError naming it. Token ids are checked against the
+    model's vocabulary by `validate(vocab_size)`, which the engine, the frontend and the
+    offline LLM call once they know it. A field assigned after construction is checked
+    by that call only.
     """
 
     temperature: float = 1.0
@@ -99,6 +111,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # vLLM's `stop: str | list[str]`
             self.stop = [self.stop]
+        self.validate()
 
     @property
     def greedy(self) -> bool:
@@ -198,10 +211,7 @@ class SamplingParams:
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(
-                f"logit_bias: at most {MAX_LOGIT_BIAS} entries are supported, "
-                f"got {len(self.logit_bias)}"
-            )
+            raise ValueError(logit_bias_count_error(len(self.logit_bias)))
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id)
             if vocab_size is not None and not 0 <= token_id < vocab_size:
@@ -209,6 +219,11 @@ class SamplingParams:
             if not isinstance(bias, Real):
                 raise ValueError(f"logit_bias: the bias of token {token_id} is not a number")
             _check_float32("logit_bias", bias, f"the bias of token {token_id}")
+            if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(
+                    f"logit_bias: the bias of token {token_id} must be in "
+                    f"[{-MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}"
+                )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -229,6 +244,12 @@ class SamplingParams:
             except (AttributeError, TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias: must map token ids to numbers ({e})") from None
         return cls(**d)
+
+
+def logit_bias_count_error(count: int) -> str:
+    """The message of a logit_bias map past MAX_LOGIT_BIAS entries (the gRPC and HTTP
+    frontends check the count before reading the map, with these words)."""
+    return f"logit_bias: at most {MAX_LOGIT_BIAS} entries are supported, got {count}"
 
 
 def check_lengths(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> None:

@@ -128,6 +128,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
         served_model_name=served,
         **given(seed=args.seed),
     )
+    config.background_compile = not args.compile_all_at_start
     if args.no_compilation_cache:
         config.compilation_cache_dir = None
     elif args.compilation_cache_dir is not None:
@@ -384,6 +385,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--no-compilation-cache",
         action="store_true",
         help="do not read or write the persistent compilation cache (default: off)",
+    )
+    comp.add_argument(
+        "--compile-all-at-start",
+        action="store_true",
+        help="compile every step shape before serving (default: off: serve once the "
+        "smallest shapes are compiled and compile the others in the background, with "
+        "smaller steps until they are ready; jaxserve/engine/warmup.py)",
     )
     # module:Class run instead of EngineCore; used by tests to serve a mock engine.
     s.add_argument("--engine-class", help=argparse.SUPPRESS)

@@ -78,6 +78,7 @@ def restore_params(
     param_paths: list[ParamPath],
     place: Callable[[str, tuple[str, ...]], jax.sharding.Sharding],
     max_batch_bytes: int | None = None,
+    slot_experts: dict[tuple, np.ndarray] | None = None,
 ) -> None:
     """Fill the abstract `variables` at `param_paths` from `model_dir/weights`, each
     restored directly onto `place(path, logical axes)` and cast to the variable's dtype.
@@ -86,11 +87,19 @@ def restore_params(
     RESTORE_BATCH_BYTES; one parameter alone if larger): Orbax stages a batch in host
     memory before placing it, so the batch size bounds the host memory a restore needs.
 
+    slot_experts: module path -> [S] logical expert of each physical slot, for MoE
+        blocks with redundant (or re-placed) slots: their expert weights are [E, ...]
+        in the checkpoint and [S, ...] in the model; each is restored replicated (one
+        array's E experts on every device for a moment), slot s gets a copy of expert
+        slot_experts[s], then it is placed on its sharding.
+
     Raises:
         ValueError: the marker names another format, or a parameter is missing from the
             checkpoint or has another shape (names it).
     """
     import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    slot_experts = slot_experts or {}
 
     model_dir = Path(model_dir).resolve()
     marker = json.loads((model_dir / MARKER_FILE).read_text())
@@ -101,6 +110,7 @@ def restore_params(
     checkpointer = ocp.PyTreeCheckpointer()
     saved = checkpointer.metadata(model_dir / WEIGHTS_DIR).item_metadata.tree
     targets = {}
+    gathered = set()  # slot-indexed expert weights restored as [E, ...]
     for path in param_paths:
         var = variables[path]
         node = saved
@@ -108,14 +118,19 @@ def restore_params(
             if not isinstance(node, Mapping) or str(key) not in node:
                 raise ValueError(f"Orbax checkpoint {model_dir} has no parameter {path_str(path)}")
             node = node[str(key)]
-        if tuple(node.shape) != tuple(var.shape):
+        axes = tuple(var.get_metadata().get("out_sharding") or ())
+        shape = tuple(var.shape)
+        sharding = place(path_str(path), axes)
+        if axes and axes[0] == "experts" and path[:-1] in slot_experts:
+            shape = (int(slot_experts[path[:-1]].max()) + 1, *shape[1:])
+            sharding = place(path_str(path), ())  # replicated; slots gathered below
+            gathered.add(path)
+        if tuple(node.shape) != shape:
             raise ValueError(
                 f"parameter {path_str(path)}: checkpoint shape {tuple(node.shape)} "
-                f"!= model shape {tuple(var.shape)}"
+                f"!= model shape {shape}"
             )
-        axes = tuple(var.get_metadata().get("out_sharding") or ())
-        sharding = place(path_str(path), axes)
-        targets[path] = jax.ShapeDtypeStruct(var.shape, np.dtype(var.dtype), sharding=sharding)
+        targets[path] = jax.ShapeDtypeStruct(shape, np.dtype(var.dtype), sharding=sharding)
     for batch in _batches(targets, max_batch_bytes or RESTORE_BATCH_BYTES):
         tree = _nested(batch)
         args = ocp.args.PyTreeRestore(
@@ -128,6 +143,11 @@ def restore_params(
             node = restored
             for key in path:
                 node = node[str(key)]
+            if path in gathered:
+                axes = tuple(variables[path].get_metadata().get("out_sharding") or ())
+                node = jax.device_put(
+                    node[np.asarray(slot_experts[path[:-1]])], place(path_str(path), axes)
+                )
             variables[path].set_value(node)
 
 

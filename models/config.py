@@ -32,6 +32,19 @@ _FALLBACK_ROPE_THETA = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """RoPE frequency scaling of Llama 3.1+ (`rope_type: "llama3"`): wavelengths above
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those
+    below original / high_freq_factor kept, the ones between interpolated (transformers'
+    `_compute_llama3_parameters`; Meta's llama-models `apply_scaling`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Hyper-parameters shared by the decoder-only families, MoE and dense.
 
@@ -72,6 +85,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention_qkv_bias: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
     mla: MlaConfig | None = None
     grouped_gate: GroupedGateConfig | None = None
     num_mtp_layers: int = 0
@@ -146,6 +160,7 @@ class ModelConfig:
             eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
             attention_qkv_bias=architecture in _QKV_BIAS,
             fp8_weight_block=block,
+            rope_scaling=_rope_scaling(hf),
         )
 
     @classmethod
@@ -214,15 +229,38 @@ def _rope_theta(hf: dict[str, Any], architecture: str) -> float:
     return float(theta)
 
 
+def _rope_scaling(hf: dict[str, Any]) -> Llama3RopeScaling | None:
+    """The "llama3" RoPE scaling of rope_parameters (5.x) or rope_scaling (4.x), or None.
+    Raises ValueError naming a missing or non-numeric field of it."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key) or {}
+        if rope.get("rope_type", rope.get("type")) != "llama3":
+            continue
+        values = {}
+        for name in Llama3RopeScaling.__slots__:
+            value = rope.get(name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"config.json: {key}.{name}: a number is required, got {value!r}")
+            values[name] = value
+        if not values["high_freq_factor"] > values["low_freq_factor"] > 0 < values["factor"]:
+            raise ValueError(
+                f"config.json: {key}: expected high_freq_factor > low_freq_factor > 0 and "
+                f"factor > 0, got {values}"
+            )
+        values["original_max_position_embeddings"] = int(values["original_max_position_embeddings"])
+        return Llama3RopeScaling(**values)
+    return None
+
+
 def _check_supported(hf: dict[str, Any], architecture: str) -> None:
     # transformers 5.x keeps the rope type in rope_parameters; 4.x in rope_scaling.
     for key in ("rope_parameters", "rope_scaling"):
         rope = hf.get(key) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ("default", "llama3"):
             raise ValueError(
                 f"config.json: {key}.rope_type={rope_type!r} is not supported "
-                "(only plain RoPE, rope_type 'default')"
+                "(only plain RoPE, rope_type 'default', and Llama 3.1's 'llama3')"
             )
     if hf.get("attention_bias"):
         raise ValueError("config.json: attention_bias=true is not supported")

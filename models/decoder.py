@@ -66,6 +66,7 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             parallel=parallel,
             qkv_bias=c.attention_qkv_bias,
+            rope_scaling=c.rope_scaling,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
         if c.is_moe_layer(layer):

@@ -18,15 +18,18 @@ gate softmax in float32, attention softmax in float32.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
+from jaxserve.models.config import Llama3RopeScaling
 from jaxserve.models.moe_sparse import moe_experts_sparse
 
 KVPair = tuple[jax.Array, jax.Array]
@@ -113,14 +116,42 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def llama3_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling) -> np.ndarray:
+    """[head_dim / 2] float32: RoPE inverse frequencies with Llama 3.1's scaling
+    (`Llama3RopeScaling`; the arithmetic of transformers' `_compute_llama3_parameters`,
+    in float32 as there)."""
+    f32 = np.float32
+    inv_freq = f32(1.0) / (f32(theta) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = f32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / f32(scaling.factor), inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / f32(scaling.factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
+
+
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    scaling: Llama3RopeScaling | None = None,
+) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, RoFormer), HF `rotate_half` convention:
     the two halves of head_dim (not interleaved pairs) form the rotated pairs.
 
     x: [T, heads, head_dim]; positions: [T] int. Math in float32, result in x.dtype.
+    scaling: Llama 3.1's frequency scaling (`llama3_inv_freq`), or None for plain RoPE.
     """
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = jnp.asarray(llama3_inv_freq(head_dim, theta, scaling))
+    else:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, head_dim]
     x32 = x.astype(jnp.float32)
@@ -217,6 +248,7 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         parallel: Parallelism | None = None,
         qkv_bias: bool = False,
+        rope_scaling: Llama3RopeScaling | None = None,
     ):
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -224,6 +256,7 @@ class Attention(nnx.Module):
                 f"num_key_value_heads={num_kv_heads}"
             )
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.sliding_window = sliding_window
         self.parallel = parallel
         self.scale = head_dim**-0.5
@@ -267,8 +300,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
+        q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
+        k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
 
         if kv is None:
             if metadata is not None:

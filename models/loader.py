@@ -124,12 +124,8 @@ def load_model(
     buffers = abstract.initial_buffers()
     slot_experts = _slot_experts(buffers, config.num_experts)
     if is_orbax_checkpoint(model_dir):
-        if slot_experts:
-            raise ValueError(
-                f"num_redundant_experts: redundant expert slots are not supported with a "
-                f"`jaxserve convert` checkpoint ({model_dir}) yet; serve the HF folder"
-            )
-        restore_params(model_dir, variables, [p for p in variables if p not in buffers], place)
+        params = [p for p in variables if p not in buffers]
+        restore_params(model_dir, variables, params, place, slot_experts=slot_experts)
     else:
         specs = abstract.hf_weight_specs()
         _check_specs_cover(specs, {p: v for p, v in variables.items() if p not in buffers})
@@ -201,17 +197,27 @@ def save_hf_weights(model: DecoderOnlyLM, path: str | Path) -> Path:
     """Write the model's weights as HF-named safetensors (the inverse of the name map).
 
     Experts are written per expert (`...experts.{e}.gate_proj.weight`), the layout that
-    transformers `from_pretrained` reads for both families. `path` is a folder; the file
+    transformers `from_pretrained` reads for both families; a model on a mesh with
+    redundant (or EPLB re-placed) expert slots writes each logical expert once, from the
+    first slot holding it. `path` is a folder; the file
     is `path/model.safetensors` (the whole model passes through host memory: meant for
     small models such as the demo model). config.json is the caller's to write.
     """
     out_dir = Path(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    state = dict(nnx.to_flat_state(nnx.state(model)))
     tensors: dict[str, np.ndarray] = {}
     for spec in model.hf_weight_specs():
         layout = next(lay for lay in spec.layouts if lay.from_param is not None)
-        value = np.asarray(jax.device_get(variables[spec.path].get_value()))
+        var = variables[spec.path]
+        value = np.asarray(jax.device_get(var.get_value()))
+        # Slot-indexed experts (a mesh with redundant slots, or re-placed by EPLB): each
+        # logical expert from its first slot (replicas hold the same weights).
+        l2p = state.get((*spec.path[:-1], "logical_to_physical"))
+        axes = var.get_metadata().get("out_sharding") or ()
+        if l2p is not None and axes and axes[0] == "experts":
+            value = value[np.asarray(jax.device_get(l2p.get_value()))[:, 0]]
         for name, tensor in zip(layout.names, layout.from_param(value), strict=True):
             tensors[name] = np.ascontiguousarray(tensor)
     target = out_dir / SINGLE_FILE

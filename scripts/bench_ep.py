@@ -1,9 +1,12 @@
 """Expert-parallel MoE benchmarks on emulated CPU devices; prints tables.
 
-    .venv/bin/python scripts/bench_ep.py                 # both parts
+    .venv/bin/python scripts/bench_ep.py                 # every part
     .venv/bin/python scripts/bench_ep.py --part moe      # MoE layer vs number of devices
+    .venv/bin/python scripts/bench_ep.py --part dispatch --tokens 64 512 2048
     .venv/bin/python scripts/bench_ep.py --part coordination
     .venv/bin/python scripts/bench_ep.py --simulate       # analytical dispatch bytes only
+
+(The step agreement latency at 2 / 4 / 8 processes: scripts/bench_step_agreement.py.)
 
 Part "moe": one MoE layer (both paths of `jaxserve.sharding.moe_ep`) on a mesh of
 dp = D emulated CPU devices, D = 1..8, at a decode-sized and a prefill-sized step:
@@ -13,6 +16,13 @@ all_gather + reduce-scatter volumes). E logical experts live on S = ceil(E / D) 
 physical slots, the extra slots holding replicas (as EPLB would). On the CPU the
 "devices" share the host's cores and memory, so the times show the cost of the extra
 work and copies, not of a network.
+
+Part "dispatch": one MoE layer on 8 emulated CPU devices (dp = 8), the all_to_all path
+with worst-case buffers ("old", capacity_factor=None) and routing-sized ("new",
+--capacity-factor), calls interleaved, random and Zipf-skewed routing: median ms and the
+bytes per device (`moe_ep.all_to_all_bytes_per_device` with the step's overflow rounds,
+counted on the host from the routing as the step's pmax sees it); JSON in
+bench_results/ep_dispatch.json.
 
 Part "coordination": the per-step agreement between processes. A step loop like the
 engine's (build the step's host inputs, publish them on the step channel, run one MoE
@@ -30,20 +40,18 @@ device, three ways:
 - today: the static worst-case buffers of the all_to_all path, (ep - 1) x tokens x
   min(top_k, slots per device) rows (`sharding.moe_ep.all_to_all_bytes_per_device`);
 - ideal: the rows really routed off-device in the step;
-- proposed: a routing-sized dispatch: a main round of C rows per peer, C = the expected
-  rows to the busiest peer under the placement plus z Poisson standard deviations,
-  z = sqrt(2 ln(ep (ep - 1))) (about the expected max over the device pairs), and a
-  drop-free overflow round whose size every device agrees on (the largest per-peer
-  excess of the step, all-reduced, rounded up to a power of two: a few compiled sizes),
-  skipped when no device overflows; both together never above today's buffers.
+- new: the routing-sized dispatch the step runs (`sharding.dispatch_capacity`): a main
+  round of ceil(capacity_factor x mean) rows per peer and drop-free overflow rounds of
+  a quarter of that, as many as the step's busiest (device, peer) pair needs (the same
+  count on every device); sizes and bytes from the functions the dispatch itself uses.
 
 Routing: each layer's expert popularity is Zipf (1 / rank^s, --sim-zipf, default 1.0);
 a step's rows from one device to each peer are multinomial over the devices' shares of
 the load (a token's top-k choices drawn independently; a choice picks one copy of its
 expert evenly). "eplb": the placement `plan_placement` makes from the popularity, S = E
 + ep slots; "zipf": the checkpoint placement (expert e on device e // (E / ep), S = E),
-no EPLB. Mean over --sim-steps steps. This is the accounting of a proposed dispatch
-only: the step still runs today's buffers.
+no EPLB. Mean over --sim-steps steps. (On a GPU the ragged dispatch,
+`sharding.moe_ragged`, sends about the ideal: `dispatch_capacity.ragged_bytes_per_device`.)
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 512, 256, 16, 2
 # A step's host inputs as the engine packs them: token/request buckets, block-table width.
@@ -138,6 +148,104 @@ def bench_moe(token_counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+# ----- part "dispatch": worst-case vs routing-sized all_to_all on 8 devices -------------
+
+
+def step_overflow_rounds(ids, placement, ep: int, cap) -> int:
+    """The overflow rounds the dispatch runs for this routing (dp = ep, tp = 1): the
+    largest (device, peer) row count over `cap.main`, as the step's pmax sees it.
+
+    ids: [T, k] logical experts of the flat batch; placement: NumPy tables."""
+    import numpy as np
+
+    token = np.arange(ids.shape[0])[:, None]
+    slots = placement.logical_to_physical[ids, token % placement.replica_counts[ids]]
+    per_device = slots.shape[0] // ep
+    dest = slots.reshape(ep, per_device * ids.shape[1]) // (placement.num_slots // ep)
+    counts = np.stack([np.bincount(d, minlength=ep) for d in dest])
+    return cap.overflow_rounds(int(counts.max()) - cap.main)
+
+
+def bench_dispatch(token_counts: list[int], repeats: int, factor: float) -> list[dict]:
+    """One MoE layer on 8 emulated CPU devices (dp = 8), the all_to_all path with
+    worst-case buffers ("old") and routing-sized ("new"), calls interleaved; random
+    (near-balanced) and Zipf-1.0-skewed routing over 2 slots per device."""
+    _setup_cpu(8)
+    import jax
+    import numpy as np
+
+    from jaxserve.sharding import moe_ep
+    from jaxserve.sharding.dispatch_capacity import dispatch_capacity
+    from jaxserve.sharding.mesh import build_mesh
+    from jaxserve.sharding.placement import identity_placement
+    from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
+
+    ep = 8
+    mesh = build_mesh(ep, 1)
+    rng = np.random.default_rng(0)
+    scale = 1 / math.sqrt(HIDDEN)
+    experts = named_sharding(mesh, ("experts", None, None))
+    shapes = [(NUM_EXPERTS, HIDDEN, INTERMEDIATE)] * 2 + [(NUM_EXPERTS, INTERMEDIATE, HIDDEN)]
+    weights = [
+        jax.device_put((rng.standard_normal(s) * scale).astype(np.float32), experts) for s in shapes
+    ]
+    placement = identity_placement(NUM_EXPERTS)
+    tables = jax.device_put(placement, replicated(mesh))
+    fns = {
+        name: jax.jit(lambda *a, f=f: moe_ep.expert_parallel_moe(*a, mesh=mesh, capacity_factor=f))
+        for name, f in (("old", None), ("new", factor))
+    }
+    zipf = 1.0 / np.arange(1, NUM_EXPERTS + 1)
+    rows = []
+    for num_tokens in token_counts:
+        for routing in ("random", "zipf"):
+            p = None if routing == "random" else rng.permutation(zipf / zipf.sum())
+            ids = np.stack(
+                [rng.choice(NUM_EXPERTS, TOP_K, replace=False, p=p) for _ in range(num_tokens)]
+            ).astype(np.int32)
+            x = rng.standard_normal((num_tokens, HIDDEN)).astype(np.float32)
+            w = np.full((num_tokens, TOP_K), 1 / TOP_K, np.float32)
+            args = [jax.device_put(a, batch_sharding(mesh, 2)) for a in (x, w, ids)]
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            outs = {n: fn(*args, *weights, tables).block_until_ready() for n, fn in fns.items()}
+            assert np.allclose(outs["old"], outs["new"], atol=1e-5), "old and new differ"
+            for _ in range(repeats):
+                for name, fn in fns.items():
+                    start = time.perf_counter()
+                    fn(*args, *weights, tables).block_until_ready()
+                    times[name].append(time.perf_counter() - start)
+            cap = dispatch_capacity(num_tokens // ep, TOP_K, ep, NUM_EXPERTS // ep, factor)
+            rounds = step_overflow_rounds(ids, placement, ep, cap)
+            row = {
+                "tokens": num_tokens,
+                "routing": routing,
+                "old_ms": 1e3 * statistics.median(times["old"]),
+                "new_ms": 1e3 * statistics.median(times["new"]),
+                "old_kib": moe_ep.all_to_all_bytes_per_device(
+                    num_tokens, HIDDEN, TOP_K, mesh, NUM_EXPERTS, 4
+                )
+                / 1024,
+                "new_kib": moe_ep.all_to_all_bytes_per_device(
+                    num_tokens, HIDDEN, TOP_K, mesh, NUM_EXPERTS, 4, factor, rounds
+                )
+                / 1024,
+                "overflow_rounds": rounds,
+            }
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def print_dispatch(rows: list[dict]) -> None:
+    print("\n| tokens | routing | old ms | new ms | old KiB/dev | new KiB/dev | overflow rounds |")
+    print("|---" * 7 + "|")
+    for r in rows:
+        print(
+            f"| {r['tokens']} | {r['routing']} | {r['old_ms']:.2f} | {r['new_ms']:.2f} "
+            f"| {r['old_kib']:.1f} | {r['new_kib']:.1f} | {r['overflow_rounds']} |"
+        )
+
+
 # ----- --simulate: analytical bytes per device per MoE layer step ------------------------
 
 # (name, hidden, experts, top_k, ep values): the models' Hugging Face configs.
@@ -164,57 +272,54 @@ def _device_shares(popularity, placement: str, num_experts: int, ep: int):
     return load / load.sum(), slots
 
 
-def simulate(zipf: float, steps: int) -> list[dict]:
-    from types import SimpleNamespace
-
+def simulate(zipf: float, steps: int, factor: float) -> list[dict]:
     import numpy as np
 
-    from jaxserve.sharding import moe_ep
-    from jaxserve.sharding.rules import DP, TP
+    from jaxserve.sharding.dispatch_capacity import (
+        dispatch_bytes_per_device,
+        dispatch_capacity,
+        ideal_bytes_per_device,
+    )
 
     rng = np.random.default_rng(0)
     rows = []
     for name, hidden, num_experts, top_k, eps in SIM_MODELS:
         weight = 1.0 / np.arange(1, num_experts + 1) ** zipf
         popularity = rng.permutation(weight / weight.sum())
-        row_bytes = 2 * hidden * BF16 + 4  # dispatch row + int32 id, result row back
         for ep in eps:
-            # The formula needs only the mesh's size and dp/tp extents.
-            mesh = SimpleNamespace(size=ep, shape={DP: ep, TP: 1})
             for placement in ("eplb", "zipf"):
                 share, slots = _device_shares(popularity, placement, num_experts, ep)
                 for tokens in SIM_TOKENS:
-                    today = moe_ep.all_to_all_bytes_per_device(
-                        tokens * ep, hidden, top_k, mesh, slots, BF16
-                    )
-                    worst_rows = moe_ep.capacity(tokens, top_k, slots // ep)
-                    expected = tokens * top_k * share.max()
-                    # z: about the expected max of ep * (ep - 1) standard normals.
-                    z = math.sqrt(2 * math.log(ep * (ep - 1)))
-                    main = min(worst_rows, math.ceil(expected + z * math.sqrt(expected)))
-                    ideal, proposed, overflowed = [], [], 0
+                    # The same sizes and byte counts as the compiled dispatch uses.
+                    old = dispatch_capacity(tokens, top_k, ep, slots // ep, None)
+                    new = dispatch_capacity(tokens, top_k, ep, slots // ep, factor)
+                    ideal, sent_new, rounds = [], [], []
                     for _ in range(steps):
                         # sent[i, j]: rows device i routes to device j this step.
                         sent = rng.multinomial(tokens * top_k, share, size=ep)
                         off = sent.sum(1) - np.diag(sent)
-                        ideal.append(off.mean() * row_bytes)
-                        excess = np.where(np.eye(ep, dtype=bool), 0, sent - main).max()
-                        extra = 0 if excess <= 0 else 1 << int(math.ceil(math.log2(excess)))
-                        overflowed += excess > 0
-                        # Never more than today's buffers: at worst, main + overflow are
-                        # the worst-case capacity.
-                        proposed.append((ep - 1) * min(main + extra, worst_rows) * row_bytes)
+                        ideal.append(ideal_bytes_per_device(off.mean(), hidden, BF16))
+                        # The dispatch's pmax: the largest excess of any (device, peer)
+                        # pair, a device's rows to itself included (they use the buffer).
+                        # (Independent draws can exceed what distinct top-k experts
+                        # allow, tokens x min(k, slots per device): clamped.)
+                        r = new.overflow_rounds(min(int(sent.max()), new.worst) - new.main)
+                        rounds.append(r)
+                        sent_new.append(dispatch_bytes_per_device(new, hidden, BF16, r))
                     row = {
                         "model": name,
                         "ep": ep,
                         "routing": placement,
                         "slots": slots,
                         "tokens_per_device": tokens,
-                        "today_bytes": today,
+                        "capacity_factor": factor,
+                        "today_bytes": dispatch_bytes_per_device(old, hidden, BF16),
                         "ideal_bytes": statistics.mean(ideal),
-                        "proposed_bytes": statistics.mean(proposed),
-                        "main_rows_per_peer": main,
-                        "overflow_steps": overflowed / steps,
+                        "new_bytes": statistics.mean(sent_new),
+                        "main_rows_per_peer": new.main,
+                        "overflow_rows_per_round": new.overflow,
+                        "overflow_steps": sum(r > 0 for r in rounds) / steps,
+                        "mean_overflow_rounds": statistics.mean(rounds),
                         "max_device_share_x_ep": float(share.max() * ep),
                     }
                     rows.append(row)
@@ -223,16 +328,18 @@ def simulate(zipf: float, steps: int) -> list[dict]:
 
 def print_simulation(rows: list[dict]) -> None:
     print(
-        "\n| model | ep | routing | tokens/dev | today MiB | ideal MiB | proposed MiB "
-        "| today/ideal | proposed/ideal | overflow steps | busiest device x mean |"
+        "\n| model | ep | routing | tokens/dev | today MiB | ideal MiB | new MiB "
+        "| today/ideal | new/ideal | main rows/peer | overflow steps | rounds/step "
+        "| busiest device x mean |"
     )
-    print("|---" * 11 + "|")
+    print("|---" * 13 + "|")
     for r in rows:
-        mib = [r[k] / 2**20 for k in ("today_bytes", "ideal_bytes", "proposed_bytes")]
+        mib = [r[k] / 2**20 for k in ("today_bytes", "ideal_bytes", "new_bytes")]
         print(
             f"| {r['model']} | {r['ep']} | {r['routing']} | {r['tokens_per_device']} "
             f"| {mib[0]:.3f} | {mib[1]:.3f} | {mib[2]:.3f} | {mib[0] / mib[1]:.1f}x "
-            f"| {mib[2] / mib[1]:.2f}x | {r['overflow_steps']:.0%} "
+            f"| {mib[2] / mib[1]:.2f}x | {r['main_rows_per_peer']} "
+            f"| {r['overflow_steps']:.0%} | {r['mean_overflow_rounds']:.2f} "
             f"| {r['max_device_share_x_ep']:.2f} |"
         )
 
@@ -373,13 +480,23 @@ def bench_coordination(steps: int) -> dict[int, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["moe", "coordination", "all"], default="all")
+    parser.add_argument(
+        "--part",
+        choices=["moe", "dispatch", "coordination", "all"],
+        default="all",
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--simulate", action="store_true", help="analytical bytes only")
     parser.add_argument("--sim-zipf", type=float, default=1.0)
     parser.add_argument("--sim-steps", type=int, default=20)
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=DEFAULT_CAPACITY_FACTOR,
+        help="main round over the mean rows per peer (sharding.dispatch_capacity)",
+    )
     parser.add_argument("--json", default="bench_results/ep_simulate.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -391,11 +508,13 @@ def main() -> None:
         _setup_cpu(1)
         uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         print(f"uptime: {uptime}")
-        rows = simulate(args.sim_zipf, args.sim_steps)
+        rows = simulate(args.sim_zipf, args.sim_steps, args.capacity_factor)
         print_simulation(rows)
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"zipf": args.sim_zipf, "rows": rows}, indent=1))
+        path.write_text(
+            json.dumps({"zipf": args.sim_zipf, "uptime": uptime, "rows": rows}, indent=1)
+        )
         print(f"wrote {path}")
         return
     if args.part in ("moe", "all"):
@@ -407,6 +526,15 @@ def main() -> None:
             cells += [f"{r['all_to_all_kib']:.1f}", f"{r['replicated_ms']:.2f}"]
             cells += [f"{r['replicated_kib']:.1f}"]
             print("| " + " | ".join(map(str, cells)) + " |")
+    if args.part in ("dispatch", "all"):
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(f"uptime: {uptime}")
+        rows = bench_dispatch(args.tokens, args.repeats, args.capacity_factor)
+        print_dispatch(rows)
+        path = Path("bench_results/ep_dispatch.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"uptime": uptime, "rows": rows}, indent=1))
+        print(f"wrote {path}")
     if args.part in ("coordination", "all"):
         res = bench_coordination(args.steps)
         print("\n| processes x devices | step us | leader publish us | follower transit us |")

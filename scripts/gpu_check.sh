@@ -116,7 +116,7 @@ fi
 want tests && stage "pytest -m gpu" "$OUT/pytest.log" "$TEST_S" \
     "$PY" -m pytest -m gpu -q -rA "${TIMEOUT_ARGS[@]}" -p no:cacheprovider \
     --continue-on-collection-errors \
-    tests/test_kernels.py tests/test_kernel_model.py
+    tests/test_kernels.py tests/test_kernel_model.py tests/test_ep_dispatch_gpu.py
 
 # --- 2. benchmark ----------------------------------------------------------------------
 BENCH_ARGS=(--extra-path /tmp/site)

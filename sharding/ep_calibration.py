@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.sharding import moe_ep
+from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 from jaxserve.sharding.placement import identity_placement
 from jaxserve.sharding.rules import batch_sharding, named_sharding, replicated
 
@@ -50,9 +51,11 @@ def time_moe_paths(
     dtype: jnp.dtype = jnp.float32,
     repeats: int = 5,
     seed: int = 0,
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
 ) -> dict[str, float]:
     """Median seconds of one MoE-experts call per path, on random inputs of these shapes
-    with uniform random routing (compilation excluded).
+    with uniform random routing (compilation excluded). capacity_factor: the all_to_all
+    path's, as `MeshParallelism` runs it (`dispatch_capacity`).
 
     num_tokens is the whole flat batch (a multiple of dp); experts are sharded over the
     mesh as in the model.
@@ -82,7 +85,11 @@ def time_moe_paths(
     placement = jax.device_put(identity_placement(num_experts), replicated(mesh))
     seconds = {}
     for path in (moe_ep.ALL_TO_ALL, moe_ep.REPLICATED):
-        fn = jax.jit(lambda *a, path=path: moe_ep.expert_parallel_moe(*a, mesh=mesh, path=path))
+        fn = jax.jit(
+            lambda *a, path=path: moe_ep.expert_parallel_moe(
+                *a, mesh=mesh, path=path, capacity_factor=capacity_factor
+            )
+        )
         args = (x, weights, ids, w_gate, w_up, w_down, placement)
         fn(*args).block_until_ready()  # compile and warm up
         runs = []
@@ -106,8 +113,11 @@ def measure_replicated_max_tokens(
     """Time both MoE paths at each of `token_counts` (whole-batch sizes, multiples of
     dp, e.g. the engine's token buckets times dp) and return `replicated_threshold`.
 
-    Logs one line per count and the decision. Costs two small compilations per count.
-    With several processes, all must call it; process 0's result is returned everywhere.
+    Logs one line per count and the decision. Costs two small compilations per count; in
+    one process the counts above the first where the replicated path loses are skipped
+    (they cannot raise the threshold: start-up time). With several processes, all must
+    call it and all measure every count (their collectives must match); process 0's
+    result is returned everywhere.
     """
     timings = {}
     for num_tokens in sorted(token_counts):
@@ -119,6 +129,8 @@ def measure_replicated_max_tokens(
             1e6 * timings[num_tokens][0],
             1e6 * timings[num_tokens][1],
         )
+        if jax.process_count() == 1 and timings[num_tokens][1] >= timings[num_tokens][0]:
+            break
     threshold = replicated_threshold(timings)
     if jax.process_count() > 1:
         # Every process must compile the same path, or the collectives would not match:

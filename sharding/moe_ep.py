@@ -8,15 +8,19 @@ sum of its experts' outputs. Two paths, the same result:
 all_to_all path (any batch; DeepSpeed-MoE / GShard-style dispatch and combine):
     1. each device takes 1/tp of its dp rank's tokens;
     2. every (token, choice) gets a physical slot (`choose_slots`), hence a device;
-    3. assignments are sorted by slot and scattered into a send buffer [ep, C, H] with
-       capacity C = tokens_per_device * min(k, slots_per_device): the most rows one
-       device can send to another (a token's k experts are distinct, so at most
-       min(k, slots per device) of them sit on one device). No token is ever dropped,
-       even if every token picks the same experts;
+    3. assignments are sorted by slot and scattered into a send buffer [ep, C, H];
     4. `all_to_all` the rows (and their local expert ids) to the devices holding them;
     5. grouped matmul over the local experts (`local_expert_ffn`);
-    6. `all_to_all` the results back, un-sort, weighted sum over the k choices;
-    7. `all_gather` over tp restores the dp rank's tokens.
+    6. `all_to_all` the results back;
+    7. with a capacity factor (`dispatch_capacity`): C is about the mean rows per peer,
+       and the rows past it go through steps 3-6 again in overflow rounds of a smaller
+       static size, as many as the busiest (device, peer) pair of the step needs (a
+       `pmax` of the excess, so every device loops the same count); without one, C is
+       the worst case, tokens_per_device * min(k, slots_per_device) (a token's k
+       experts are distinct), in one round. Either way no token is ever dropped, even
+       if every token picks the experts of one device;
+    8. un-sort, weighted sum over the k choices; `all_gather` over tp restores the dp
+       rank's tokens.
 
 replicated-token path (small batches): every device gathers all tokens, runs its local
 experts on the (token, choice) pairs that chose them (sparse off the GPU: `moe_sparse`),
@@ -27,12 +31,16 @@ all_to_alls, which wins when the batch is small.
 The array layout is the DP-attention flat batch: the T tokens are the concatenation of
 the dp ranks' T/dp tokens, so T must be divisible by dp.
 
-Avoided on purpose: `lax.ragged_dot` (dense over all groups on the CPU) and
-`lax.ragged_all_to_all` (unimplemented on the CPU). On an NVIDIA GPU the local expert
-FFN goes through `jaxserve.kernels.dispatch.moe_ffn` (the Pallas grouped matmul).
+Avoided on purpose: `lax.ragged_dot` (dense over all groups on the CPU). On an NVIDIA
+GPU the local expert FFN goes through `jaxserve.kernels.dispatch.moe_ffn` (the Pallas
+grouped matmul), and with a capacity factor the rows travel by `lax.ragged_all_to_all`
+(`moe_ragged`: exactly the routed rows; unimplemented on the CPU), the capacity rounds
+being its fallback when a device would receive more than its buffer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +49,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.moe_sparse import sparse_expert_ffn
+from jaxserve.sharding import moe_ragged
+from jaxserve.sharding.dispatch_capacity import (
+    dispatch_bytes_per_device,
+    dispatch_capacity,
+    worst_case_rows,
+)
 from jaxserve.sharding.placement import ExpertPlacement, choose_slots
 from jaxserve.sharding.rules import DP, EP, TP
 
@@ -51,20 +65,42 @@ REPLICATED = "replicated"
 def capacity(tokens_per_device: int, top_k: int, slots_per_device: int) -> int:
     """Rows one device may send to one other device in one MoE step: the worst case, so
     no token is dropped (every token choosing experts of one device)."""
-    return tokens_per_device * min(top_k, slots_per_device)
+    return worst_case_rows(tokens_per_device, top_k, slots_per_device)
 
 
 def all_to_all_bytes_per_device(
-    num_tokens: int, hidden: int, top_k: int, mesh: Mesh, num_slots: int, itemsize: int
+    num_tokens: int,
+    hidden: int,
+    top_k: int,
+    mesh: Mesh,
+    num_slots: int,
+    itemsize: int,
+    capacity_factor: float | None = None,
+    overflow_rounds: int = 0,
 ) -> int:
     """Bytes one device sends to the other devices in one MoE layer step of the
     all_to_all path: dispatched rows with their int32 expert ids, then the results back,
     capacity padding included (the buffers are static; the chunk a device keeps for
-    itself is not sent)."""
-    ep = mesh.size
-    per_device = -(-(num_tokens // mesh.shape[DP]) // mesh.shape[TP])
-    cap = capacity(per_device, top_k, num_slots // ep)
-    return (ep - 1) * cap * (2 * hidden * itemsize + 4)
+    itself is not sent).
+
+    num_tokens: the whole flat batch (all dp ranks). capacity_factor: as passed to
+    `expert_parallel_moe` (None: the worst-case buffers). overflow_rounds: the overflow
+    rounds of this step (`DispatchCapacity.overflow_rounds`; 0: none).
+    Same accounting as `dispatch_capacity.dispatch_bytes_per_device`, which it calls.
+    """
+    cap = dispatch_capacity(
+        per_device_tokens(num_tokens, mesh),
+        top_k,
+        mesh.size,
+        num_slots // mesh.size,
+        capacity_factor,
+    )
+    return dispatch_bytes_per_device(cap, hidden, itemsize, overflow_rounds)
+
+
+def per_device_tokens(num_tokens: int, mesh: Mesh) -> int:
+    """Tokens one device dispatches in the all_to_all path: its 1/tp of its dp rank's."""
+    return -(-(num_tokens // mesh.shape[DP]) // mesh.shape[TP])
 
 
 def replicated_bytes_per_device(
@@ -153,7 +189,41 @@ def _token_chunk(a: jax.Array, chunk: int, index: jax.Array) -> jax.Array:
     return lax.dynamic_slice_in_dim(padded, index * chunk, chunk)
 
 
-def _all_to_all_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement):
+def _exchange(send, send_ids, w_gate, w_up, w_down):
+    """One dispatch round: all_to_all the rows [ep, C, H] and their local expert ids
+    [ep, C] to their devices, run the local experts, all_to_all the results back."""
+    ep, cap, hidden = send.shape
+    recv = lax.all_to_all(send, EP, 0, 0, tiled=True)
+    recv_ids = lax.all_to_all(send_ids, EP, 0, 0, tiled=True)
+    out = local_expert_ffn(
+        recv.reshape(ep * cap, hidden), recv_ids.reshape(-1), w_gate, w_up, w_down
+    )
+    return lax.all_to_all(out.reshape(ep, cap, hidden), EP, 0, 0, tiled=True)
+
+
+def _round(rows, local_ids, dest, rank, start, size, weights):
+    """Rows of rank [start, start + size) per destination through one dispatch round;
+    returns [N, H] results in the rows' order (0 for rows outside the round)."""
+    ep = lax.axis_size(EP)
+    num_local = weights[0].shape[0]
+    inside = (rank >= start) & (rank < start + size)
+    # Rows outside the round go to an index past the buffer: dropped by the scatter.
+    at = jnp.where(inside, rank - start, size)
+    send = jnp.zeros((ep, size, rows.shape[1]), rows.dtype).at[dest, at].set(rows, mode="drop")
+    send_ids = jnp.full((ep, size), num_local, jnp.int32).at[dest, at].set(local_ids, mode="drop")
+    back = _exchange(send, send_ids, *weights)
+    return back.at[dest, at].get(mode="fill", fill_value=0)
+
+
+def overflow_rounds(excess: jax.Array, overflow: int) -> jax.Array:
+    """ceil(excess / overflow) for excess > 0, else 0 (int32): the traced twin of
+    `DispatchCapacity.overflow_rounds`."""
+    return (jnp.maximum(excess, 0) + overflow - 1) // overflow
+
+
+def _all_to_all_body(
+    x, topk_weights, topk_ids, w_gate, w_up, w_down, placement, *, capacity_factor
+):
     """Per-device body of the all_to_all path (see the module docstring).
 
     x: [T_dp, H] this dp rank's tokens (replicated over tp); topk_*: [T_dp, k];
@@ -164,7 +234,7 @@ def _all_to_all_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement)
     ep, tp = lax.axis_size(EP), lax.axis_size(TP)
     num_local = w_gate.shape[0]
     n = -(-t_dp // tp)  # tokens handled by this device
-    cap = capacity(n, top_k, num_local)
+    cap = dispatch_capacity(n, top_k, ep, num_local, capacity_factor)
     tp_index, dp_index = lax.axis_index(TP), lax.axis_index(DP)
 
     xs = _token_chunk(x, n, tp_index)
@@ -178,23 +248,45 @@ def _all_to_all_body(x, topk_weights, topk_ids, w_gate, w_up, w_down, placement)
 
     order = jnp.argsort(slots, stable=True)
     slot_sorted = slots[order]
-    dest = slot_sorted // num_local
-    first_of_dest = jnp.searchsorted(dest, jnp.arange(ep, dtype=dest.dtype), side="left")
-    rank = jnp.arange(n * top_k) - first_of_dest[jnp.minimum(dest, ep - 1)]
-    token_sorted = order // top_k
+    dest = slot_sorted // num_local  # ep for padding: outside every buffer
+    first_of_dest = jnp.searchsorted(dest, jnp.arange(ep + 1, dtype=dest.dtype), side="left")
+    rank = jnp.arange(n * top_k) - first_of_dest[dest]
+    rows, local_ids = xs[order // top_k], slot_sorted % num_local
+    experts = (w_gate, w_up, w_down)
 
-    send = jnp.zeros((ep, cap, hidden), x.dtype).at[dest, rank].set(xs[token_sorted], mode="drop")
-    send_ids = jnp.full((ep, cap), num_local, jnp.int32)
-    send_ids = send_ids.at[dest, rank].set(slot_sorted % num_local, mode="drop")
-    recv = lax.all_to_all(send, EP, 0, 0, tiled=True)
-    recv_ids = lax.all_to_all(send_ids, EP, 0, 0, tiled=True)
+    per_dest = jnp.diff(first_of_dest)  # [ep] rows to each device
 
-    out = local_expert_ffn(
-        recv.reshape(ep * cap, hidden), recv_ids.reshape(-1), w_gate, w_up, w_down
-    )
-    back = lax.all_to_all(out.reshape(ep, cap, hidden), EP, 0, 0, tiled=True)
+    def capacity_rounds(*_):
+        y_sorted = _round(rows, local_ids, dest, rank, 0, cap.main, experts)
+        if not cap.overflow:
+            return y_sorted
+        # Rounds for the largest per-peer excess over the main round on any device:
+        # the same count on every device, so the collectives in the loop meet.
+        rounds = overflow_rounds(lax.pmax(jnp.max(per_dest) - cap.main, EP), cap.overflow)
 
-    y_sorted = back.at[dest, rank].get(mode="fill", fill_value=0)
+        def overflow_round(i, y):
+            start = cap.main + i * cap.overflow
+            return y + _round(rows, local_ids, dest, rank, start, cap.overflow, experts)
+
+        return lax.fori_loop(0, rounds, overflow_round, y_sorted)
+
+    if capacity_factor is not None and moe_ragged.ragged_supported():
+        # Exactly the routed rows (GPU), unless some device would receive more than
+        # ep * main rows: then every device takes the capacity rounds.
+        recv_sizes = lax.all_to_all(per_dest, EP, 0, 0, tiled=True)
+        recv_rows = ep * cap.main
+        fits = lax.pmax(jnp.sum(recv_sizes), EP) <= recv_rows
+
+        def ragged(*_):
+            ffn = functools.partial(local_expert_ffn, w_gate=w_gate, w_up=w_up, w_down=w_down)
+            send_offsets = first_of_dest[:ep]
+            return moe_ragged.ragged_dispatch(
+                rows, local_ids, send_offsets, per_dest, recv_sizes, recv_rows, num_local, ffn
+            )
+
+        y_sorted = lax.cond(fits, ragged, capacity_rounds)
+    else:
+        y_sorted = capacity_rounds()
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, top_k, hidden)
     # Weighted sum in float32, rounded once (the k expert outputs are already rounded).
     combined = jnp.einsum("nk,nkh->nh", weights.astype(jnp.float32), y.astype(jnp.float32))
@@ -238,6 +330,7 @@ def expert_parallel_moe(
     *,
     mesh: Mesh,
     path: str = ALL_TO_ALL,
+    capacity_factor: float | None = None,
 ) -> jax.Array:
     """The experts of an MoE layer over a (dp, tp) mesh, experts on all dp * tp devices.
 
@@ -250,16 +343,27 @@ def expert_parallel_moe(
         placement: the tables (traced: a new placement needs no recompile).
         mesh: the (dp, tp) mesh (`mesh.build_mesh`).
         path: ALL_TO_ALL or REPLICATED (same result; see the module docstring).
+        capacity_factor: all_to_all path only: the main round's rows per peer over the
+            mean (`dispatch_capacity`), with a drop-free overflow round; None = one
+            round of worst-case buffers. The result does not depend on it.
 
     Returns:
         [T, H] in x.dtype: sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
     Raises:
-        ValueError: T not divisible by dp, S not divisible by dp * tp, or unknown path.
+        ValueError: T not divisible by dp, S not divisible by dp * tp, unknown path, or
+            capacity_factor <= 0.
     """
-    bodies = {ALL_TO_ALL: _all_to_all_body, REPLICATED: _replicated_body}
+    bodies = {
+        ALL_TO_ALL: functools.partial(_all_to_all_body, capacity_factor=capacity_factor),
+        REPLICATED: _replicated_body,
+    }
     if path not in bodies:
         raise ValueError(f"expert_parallel_moe: path must be one of {sorted(bodies)}, got {path!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(
+            f"expert_parallel_moe: capacity_factor must be > 0 or None, got {capacity_factor}"
+        )
     dp = mesh.shape[DP]
     if x.shape[0] % dp:
         raise ValueError(

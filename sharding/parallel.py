@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.base import AttentionMetadata
 from jaxserve.sharding import moe_ep
+from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 from jaxserve.sharding.placement import ExpertPlacement, choose_slots, placement_from_slots
 from jaxserve.sharding.rules import (
     DP,
@@ -67,11 +68,14 @@ class MeshParallelism:
     num_redundant_experts: R, expert slots per MoE layer beyond the E logical experts
         (replicas of hot experts, DeepSeek-V3's redundant experts); E + R must be
         divisible by the mesh size (checked by `sharding.mesh.check_model_fits`).
+    capacity_factor: the all_to_all path's routing-sized dispatch
+        (`dispatch_capacity`); None = worst-case buffers.
     """
 
     mesh: Mesh
     replicated_max_tokens: int = 0
     num_redundant_experts: int = 0
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
 
     @property
     def dp(self) -> int:
@@ -193,6 +197,7 @@ class MeshParallelism:
             ExpertPlacement(**placement),
             mesh=self.mesh,
             path=self.moe_path(x.shape[0]),
+            capacity_factor=self.capacity_factor,
         )
 
     def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array:

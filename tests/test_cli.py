@@ -211,3 +211,24 @@ def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
     got = kv_sizing.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
     assert got == int(pages * page * 0.25) // block_bytes
     assert kv_sizing.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1
+
+
+def test_every_generate_flag_says_its_default():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        "/".join(a.option_strings)
+        for a in sub.choices["generate"]._actions
+        if a.option_strings
+        and not isinstance(a, argparse._HelpAction)
+        and "default" not in (a.help or "")
+    ]
+    assert not missing
+
+
+def test_serve_compiles_in_the_background_unless_told_otherwise():
+    from jaxserve.config import EngineConfig
+
+    assert EngineConfig().background_compile is False  # the offline LLM and tests
+    assert _config().background_compile is True
+    assert _config("--compile-all-at-start").background_compile is False

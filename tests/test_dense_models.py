@@ -46,6 +46,19 @@ _TINY = dict(
 )
 
 
+# Llama 3.1's rope scaling, its real factors with a short original context so that every
+# band (kept, interpolated, divided by `factor`) holds some of head_dim 16's frequencies.
+LLAMA31_ROPE = dict(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+)
+
+
 def tiny_dense_config(family: str, **overrides):
     """A small random-init HF config of a dense family (float32)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -62,6 +75,7 @@ CONFIGS = {
     "qwen2": lambda: tiny_dense_config("qwen2", rope_theta=1_000_000.0),
     "llama": lambda: tiny_dense_config("llama", rope_theta=500_000.0),
     "llama_head_dim": lambda: tiny_dense_config("llama", head_dim=8),
+    "llama31_rope": lambda: tiny_dense_config("llama", rope_theta=10_000.0, **LLAMA31_ROPE),
 }
 
 
@@ -198,3 +212,30 @@ def test_dense_checkpoint_serves_like_hf_generate(tmp_path):
                 torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert out.token_ids == want
+
+
+def test_llama31_rope_scaling_is_parsed_and_matters(tmp_path):
+    """The llama31_rope parity above can fail: its scaling changes HF's logits, and every
+    band of the scaling holds a frequency of the test's head_dim."""
+    import math
+
+    import torch
+
+    from jaxserve.models.layers import llama3_inv_freq
+
+    scaled = tiny_dense_config("llama", rope_theta=10_000.0, **LLAMA31_ROPE)
+    plain = tiny_dense_config("llama", rope_theta=10_000.0)
+    hf = json.loads(scaled.to_json_string())
+    config = ModelConfig.from_hf({**hf, "architectures": ["LlamaForCausalLM"]})
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 8.0
+    inv = llama3_inv_freq(16, 10_000.0, config.rope_scaling)
+    base = 1.0 / 10_000.0 ** (np.arange(0, 16, 2) / 16)
+    wavelen = 2 * math.pi / base
+    assert (wavelen < 16).any() and (wavelen > 64).any() and ((wavelen > 16) & (wavelen < 64)).any()
+    np.testing.assert_allclose(inv[wavelen < 16], base[wavelen < 16], rtol=1e-6)
+    np.testing.assert_allclose(inv[wavelen > 64], base[wavelen > 64] / 8, rtol=1e-6)
+    a = write_hf_checkpoint(scaled, tmp_path / "scaled", seed=0)
+    b = write_hf_checkpoint(plain, tmp_path / "plain", seed=0)
+    prompt = list(range(1, 40))
+    with torch.no_grad():
+        assert np.abs(hf_logits(a, prompt) - hf_logits(b, prompt)).max() > 100 * ATOL

@@ -200,3 +200,37 @@ def test_skip_special_tokens(tok):
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError, match="^stop:"):
         IncrementalDetokenizer(tok, stop=["x", ""])
+
+
+@pytest.mark.parametrize("error_file", [False, True])
+def test_sidecar_start_failure_is_one_line(tmp_path, error_file):
+    """A socket the sidecar cannot bind: one line (to the start-error file `serve` reads,
+    or to stderr), exit code 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxserve.config import DEMO_MODEL_DIR
+    from jaxserve.logs import START_ERROR_FILE_ENV
+
+    bad = f"ipc://{tmp_path}/no-such-dir/detok"
+    path = tmp_path / "detokenizer.start-error"
+    env = {k: v for k, v in os.environ.items() if k != START_ERROR_FILE_ENV}
+    if error_file:
+        env[START_ERROR_FILE_ENV] = str(path)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.frontend.detokenizer_process",
+         "--model", str(DEMO_MODEL_DIR), "--detokenizer-input", bad,
+         "--frontend-input", f"ipc://{tmp_path}/f", "--engine-input", f"ipc://{tmp_path}/e",
+         "--parent-pid", str(os.getpid())],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    want = f"detokenizer failed to start: cannot bind {bad} ("
+    if error_file:
+        assert path.read_text().startswith(want) and "\n" not in path.read_text()
+        assert out.stderr == ""
+    else:
+        lines = out.stderr.splitlines()
+        assert len(lines) == 1 and want in lines[0], out.stderr

@@ -166,11 +166,12 @@ def test_redundant_slots_must_divide_ep(model_dir):
         EngineCore(_config(model_dir, 2, 4, eplb))
 
 
-def test_eplb_refused_with_several_processes(monkeypatch):
+def test_eplb_accepted_with_several_processes(monkeypatch):
+    # Issue 16 item 3: EPLB runs on several processes (tests/test_eplb_multiprocess.py);
+    # this test used to assert the start-up refusal.
     monkeypatch.setattr(builder.jax, "process_count", lambda: 2)
     config = EngineConfig(mesh=MeshConfig(2, 4), eplb=EplbConfig(enabled=True))
-    with pytest.raises(ValueError, match="enable-eplb"):
-        builder.check_eplb(config)
+    assert builder.check_eplb(config).enabled
 
 
 @pytest.mark.parametrize(

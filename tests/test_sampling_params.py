@@ -18,11 +18,11 @@ def test_logit_bias_limit_is_the_samplers():
     md = sampler.prepare_sampling_metadata([], 1, VOCAB, 0)
     assert md.logit_bias_ids.shape[1] == MAX_LOGIT_BIAS == sampler.MAX_LOGIT_BIAS
     SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS)}).validate(VOCAB)
-    too_many = SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)})
+    too_many = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     with pytest.raises(ValueError, match=f"^logit_bias: at most {MAX_LOGIT_BIAS} entries"):
-        too_many.validate(VOCAB)
+        SamplingParams(logit_bias=too_many).validate(VOCAB)
     with pytest.raises(ValueError, match="^logit_bias"):
-        too_many.validate()  # also without a vocabulary
+        SamplingParams(logit_bias=too_many)  # also without a vocabulary: at construction
 
 
 def test_float32_max_is_numpys():
@@ -61,7 +61,6 @@ def test_floats_beyond_float32_are_rejected_naming_the_field(kwargs, field):
         dict(repetition_penalty=FLOAT32_MAX),
         dict(repetition_penalty=1e-40),  # a float32 subnormal, still > 0
         dict(top_p=1e-40),
-        dict(logit_bias={5: FLOAT32_MAX, 6: -FLOAT32_MAX}),
     ],
 )
 def test_float32_extremes_are_accepted(kwargs):
@@ -110,3 +109,28 @@ def test_from_dict_names_logit_bias_on_bad_entries():
         SamplingParams.from_dict({"logit_bias": {"1": None}})
     params = SamplingParams.from_dict({"logit_bias": {"3": 2}})
     assert params.logit_bias == {3: 2.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(stop=[""]), "stop"),
+        (dict(logit_bias={5: 101.0}), "logit_bias"),
+        (dict(logprobs=21), "logprobs"),
+    ],
+)
+def test_validated_at_construction_as_vllm(kwargs, field):
+    """vLLM's SamplingParams raises at construction; so does ours, naming the field."""
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SamplingParams(**kwargs)
+
+
+def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    params = SamplingParams(stop_token_ids=[10**6])  # no vocabulary known yet
+    with pytest.raises(ValueError, match="^stop_token_ids: token id 1000000 outside"):
+        params.validate(VOCAB)

@@ -107,6 +107,49 @@ def test_busy_port(model_copy):
     assert f"port: cannot bind 127.0.0.1:{port} ([Errno" in one_error_line(lines)
 
 
+def test_busy_http_port_fails_before_any_process_starts(model_copy):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The real engine (no mock): it would take many seconds to compile; preflight
+        # ends it well before.
+        code, lines = serve(str(model_copy), "--http-port", str(port), timeout=30)
+    assert code == 1
+    line = one_error_line(lines)
+    assert f"http-port: cannot bind 127.0.0.1:{port} ([Errno" in line
+    assert "choose another --http-port" in line
+
+
+def test_one_port_for_two_services_is_one_line(model_copy):
+    code, lines = serve(str(model_copy), "--port", "50999", "--metrics-port", "50999", *MOCK)
+    assert code == 1
+    assert "metrics-port: 50999 is also --port" in one_error_line(lines)
+
+
+def test_ready_line_names_the_http_address(tmp_path):
+    import urllib.request
+
+    from mock_engine import write_mock_model_dir
+
+    model = write_mock_model_dir(tmp_path / "mock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", str(model), "--port", "0",
+         "--http-port", "0", *MOCK],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+    )  # fmt: skip
+    try:
+        ready = next((line for line in proc.stderr if "jaxserve ready" in line), "")
+        assert "(gRPC), OpenAI HTTP API on http://127.0.0.1:" in ready, ready
+        url = ready.split("OpenAI HTTP API on ")[1].split()[0]
+        with urllib.request.urlopen(f"{url}/models", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 @pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
 def test_bad_host(model_copy, host):
     code, lines = serve(str(model_copy), "--host", host, *MOCK)

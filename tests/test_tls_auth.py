@@ -236,3 +236,41 @@ def test_http_port_speaks_tls_and_needs_the_key(model_dir, pki):
         assert urllib.request.urlopen(req, context=ctx, timeout=10).status == 200
     finally:
         srv.kill()
+
+
+def test_client_and_generate_speak_tls_with_the_key(tls_server, pki):
+    import os
+    import sys
+
+    from server_harness import REPO_DIR, TESTS_DIR
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    ca = str(pki / "ca.pem")
+    with JaxserveClient(tls_server.target, tls_ca_cert=ca, api_key=KEY) as client:
+        (c,) = client.complete([5, 6], max_tokens=3, timeout=30)
+        assert c.completion_tokens == 3 and client.server_info(timeout=10).max_model_len > 0
+    with JaxserveClient(tls_server.target, tls_ca_cert=ca) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.complete([5, 6], max_tokens=3, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(ValueError, match="^tls_cert: give both"):
+        JaxserveClient(tls_server.target, tls_cert=str(pki / "client.pem"))
+
+    def generate(*flags, env=None):
+        return subprocess.run(
+            [sys.executable, "-m", "jaxserve.cli", "generate", "--server", tls_server.target,
+             "--max-tokens", "3", "--tls-ca-cert", ca, *flags, "hello"],
+            capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+            env={**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})},
+        )  # fmt: skip
+
+    ok = generate("--api-key", KEY)
+    assert ok.returncode == 0 and ok.stdout.endswith("\n"), ok.stderr
+    from_env = generate(env={"JAXSERVE_API_KEY": KEY})
+    assert from_env.returncode == 0 and from_env.stdout == ok.stdout, from_env.stderr
+    denied = generate()
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    missing = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "nope.pem"))
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("jaxserve generate: error: tls-ca-cert: cannot read")

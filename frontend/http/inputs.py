@@ -25,6 +25,7 @@ from jaxserve.frontend.http.protocol import (
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -74,6 +75,8 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
     if body.seed is not None:
         s.seed = body.seed
     if body.logit_bias:
+        if len(body.logit_bias) > MAX_LOGIT_BIAS:  # before a loop over a hostile map
+            raise FieldError("logit_bias", logit_bias_count_error(len(body.logit_bias)))
         for key, bias in body.logit_bias.items():
             try:
                 token_id = int(key)

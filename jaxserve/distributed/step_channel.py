@@ -20,7 +20,10 @@ long as the run:
 - at start-up the follower sends its process id on it once its subscription received
   a hello, which confirms the subscription (a PUB drops messages sent before a
   subscriber has joined: the "slow joiner");
-- then it is the liveness check. A process that dies closes its connections (the
+- every REPORT_EVERY steps the follower sends on it the median transit it measured
+  (leader's send -> arrays unpacked), so that the leader exports the step agreement
+  latency (`StepPublisher.agreement_s`) for `diagnose`;
+- and it is the liveness check. A process that dies closes its connections (the
   kernel does, even on SIGKILL), so the other end reads EOF at once and names the lost
   process (`on_follower_lost` / `on_leader_lost`); TCP keepalive bounds the time to
   notice a host that vanished without closing anything. A clean stop says so first
@@ -49,9 +52,16 @@ logger = logging.getLogger(__name__)
 
 RUN = "run"
 STOP = "stop"
+# A new EPLB expert placement: arrays = [physical_to_logical [M, S] int32]; meta "steps":
+# the RUN messages before it. Followers apply it before the next step, as the leader.
+PLACEMENT = "placement"
 _HELLO = b"hello"
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
+# A follower's transit report on its membership connection: b"t <microseconds>\n", the
+# median over its last REPORT_EVERY steps.
+_REPORT = b"t"
+REPORT_EVERY = 64
 # TCP keepalive on membership connections: a peer host that vanished without closing them
 # (power, network) is noticed after about IDLE + INTERVAL * COUNT seconds = 11 s.
 _KEEPALIVE_IDLE_S = 5
@@ -64,8 +74,9 @@ class ChannelStats:
     """Seconds per step: on the leader, packing and sending (`StepPublisher.stats`); on
     a follower, the transit from the leader's send to the unpacked arrays
     (`StepSubscriber.stats`; wall clocks, so across hosts it is as good as their clock
-    sync) and, separately, the time blocked waiting (`StepSubscriber.wait_stats`,
-    which includes the leader's own work between steps).
+    sync; reported to the leader, `StepPublisher.agreement_s`) and, separately, the
+    time blocked waiting (`StepSubscriber.wait_stats`, which includes the leader's own
+    work between steps).
     """
 
     steps: int = 0
@@ -87,7 +98,8 @@ class ChannelStats:
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step's decision: kind (RUN or STOP), a small metadata map, the input arrays."""
+    """One step's decision: kind (RUN, PLACEMENT or STOP), a small metadata map, the
+    input arrays."""
 
     step: int
     kind: str
@@ -131,6 +143,9 @@ class StepPublisher:
         self._members: dict[int, socket.socket] = {}
         self._step = 0
         self.stats = ChannelStats()
+        self.bytes_sent = 0
+        # Each follower's last reported median transit (s), `REPORT_EVERY` steps each.
+        self.follower_transit_s: dict[int, float] = {}
         self.lost_followers: list[int] = []
         self._on_lost = on_follower_lost
         self._closing = threading.Event()
@@ -207,18 +222,38 @@ class StepPublisher:
             sel.register(self._wake_r, selectors.EVENT_READ)
             for process_id, conn in self._members.items():
                 sel.register(conn, selectors.EVENT_READ, process_id)
+            partial: dict[int, bytes] = {}
             while len(sel.get_map()) > 1:
                 for key, _ in sel.select():
                     if key.fileobj is self._wake_r or self._closing.is_set():
                         return
                     try:
-                        data = key.fileobj.recv(64)
+                        data = key.fileobj.recv(256)
                     except OSError:  # reset, or keepalive timed out
                         data = b""
                     if data:
-                        continue  # followers send nothing after joining; ignore it
+                        partial[key.data] = self._read_reports(
+                            key.data, partial.get(key.data, b"") + data
+                        )
+                        continue
                     sel.unregister(key.fileobj)
                     self._follower_lost(key.data)
+
+    def _read_reports(self, process_id: int, buffered: bytes) -> bytes:
+        """Record the complete transit reports ("t <microseconds>\\n") in `buffered`
+        from follower `process_id`; return the incomplete tail. Other lines are ignored."""
+        *lines, tail = buffered.split(b"\n")
+        for line in lines:
+            kind, _, value = line.partition(b" ")
+            if kind == _REPORT and value.strip().isdigit():
+                self.follower_transit_s[process_id] = int(value) / 1e6
+        return tail[-64:]
+
+    @property
+    def agreement_s(self) -> float:
+        """The step agreement latency: the slowest follower's last reported median
+        transit (leader's send -> follower has the arrays), s; 0 before any report."""
+        return max(self.follower_transit_s.values(), default=0.0)
 
     def _follower_lost(self, process_id: int) -> None:
         if self._closing.is_set():
@@ -243,7 +278,9 @@ class StepPublisher:
             "arrays": [(a.dtype.str, a.shape) for a in arrays],
             "sent": time.time(),
         }
-        self._pub.send_multipart([msgpack.packb(header), *arrays], copy=True)
+        frames = [msgpack.packb(header), *arrays]
+        self._pub.send_multipart(frames, copy=True)
+        self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
 
@@ -362,7 +399,21 @@ class StepSubscriber:
         ]
         self.wait_stats.record(time.perf_counter() - start)
         self.stats.record(max(0.0, time.time() - header["sent"]))
+        if self.stats.steps % REPORT_EVERY == 0:
+            self._report()
         return StepMessage(header["step"], header["kind"], header["meta"], arrays)
+
+    def _report(self) -> None:
+        """Send the leader the median transit of the last REPORT_EVERY steps (a few
+        bytes on the membership connection; a lost leader is the watcher's to report)."""
+        recent = sorted(self.stats.samples_s[-REPORT_EVERY:])
+        if not recent:
+            return
+        micros = round(1e6 * recent[len(recent) // 2])
+        try:
+            self._member.sendall(_REPORT + b" %d\n" % micros)
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Leave the run (after STOP) and close the sockets."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, EplbConfig
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.compile_counter import BACKEND_COMPILE_EVENT, CompileCounter  # noqa: F401
 from jaxserve.engine.dp_scheduler import DPScheduler
 from jaxserve.engine.kv_sizing import (
     check_max_model_len,
@@ -33,6 +34,7 @@ from jaxserve.engine.kv_sizing import (
 from jaxserve.engine.model_runner import MIN_TOKEN_BUCKET, ModelRunner
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
+from jaxserve.engine.warmup import WarmUp
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_config, load_model
 
@@ -42,29 +44,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class CompileCounter:
-    """Counts XLA executables built in this process (persistent-cache hits included),
-    through JAX's monitoring events. One listener for the process, installed once."""
-
-    count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if not cls._installed:
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-            cls._installed = True
-
-    @classmethod
-    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            cls.count += 1
-
-
-# The event JAX records around every backend compilation (jax/_src/dispatch.py).
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
@@ -91,9 +70,12 @@ class EngineParts:
     block_managers: one per dp rank; scheduler: a `Scheduler` (dp = 1) or a
         `DPScheduler` over one per rank.
     runner: the compiled `ModelRunner`.
+    warmup: its `WarmUp`: with background compilation, the shapes still compiling and
+        the budget the schedulers run under meanwhile (`poll` before each decision).
     eplb_config: the EPLB settings in force (`check_eplb`); eplb: the controller, or
         None when EPLB is off.
-    compile_time_s / startup_time_s: seconds compiling the steps / building it all.
+    compile_time_s / startup_time_s: seconds compiling the steps (before ready: with
+        background compilation, the first tier only) / building it all.
     compiles_at_ready: `CompileCounter.count` once built (the base of the engine's
         num_compilations).
     """
@@ -105,6 +87,7 @@ class EngineParts:
     block_managers: list[BlockManager]
     scheduler: Scheduler | DPScheduler
     runner: ModelRunner
+    warmup: WarmUp
     eplb_config: EplbConfig
     eplb: EplbController | None
     compile_time_s: float
@@ -193,7 +176,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     # Built (its move compiled) before the start-up compilations are counted.
     eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
-    compile_time_s = runner.compile_all()
+    warmup = WarmUp(runner, ranks, background=config.background_compile)
+    compile_time_s = warmup.start()
     parts = EngineParts(
         model_config=mc,
         mesh=mesh,
@@ -202,6 +186,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         block_managers=block_managers,
         scheduler=ranks[0] if dp == 1 else DPScheduler(ranks),
         runner=runner,
+        warmup=warmup,
         eplb_config=eplb_config,
         eplb=eplb,
         compile_time_s=compile_time_s,
@@ -311,8 +296,9 @@ def check_eplb(config: EngineConfig) -> EplbConfig:
     a warning) on one device, where there is no expert parallelism to balance.
 
     Raises:
-        ValueError: an out-of-range field (named), or EPLB with several processes (the
-            followers would need every new placement: not supported yet).
+        ValueError: an out-of-range field (named). With several processes EPLB runs on
+            every process: the leader publishes each new placement on the step channel
+            and the followers apply it between the same two steps (`distributed.follow`).
     """
     ec = config.eplb
     ec.validate()
@@ -322,9 +308,4 @@ def check_eplb(config: EngineConfig) -> EplbConfig:
             "(dp*tp > 1), got dp=1,tp=1; running without EPLB and redundant experts"
         )
         return dataclasses.replace(ec, enabled=False, num_redundant_experts=0)
-    if ec.enabled and jax.process_count() > 1:
-        raise ValueError(
-            "enable_eplb (--enable-eplb): not supported with several processes yet (the "
-            "followers would need every new expert placement)"
-        )
     return ec

@@ -91,6 +91,7 @@ class EngineCore:
         self.block_manager = self.block_managers[0]
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.warmup = parts.warmup
         self.eplb_config = parts.eplb_config
         self.eplb = parts.eplb
         self.compile_time_s = parts.compile_time_s
@@ -202,6 +203,7 @@ class EngineCore:
         start = time.perf_counter()
         waited = self.runner.wait_time_s
         outputs, self._rejected = self._rejected, []
+        self.warmup.poll()  # the step budget of the shapes compiled so far
         if self.async_scheduling:
             outputs += self._step_async()
         else:
@@ -257,6 +259,7 @@ class EngineCore:
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
             outputs = self._update(done.sched, self._fetch(done))
+        self.executor.publish_placement(plan.physical_to_logical)
         self.eplb.apply(plan)
         return outputs
 
@@ -394,6 +397,8 @@ class EngineCore:
             last_host_s=self.last_host_s,
             last_device_s=self.last_device_s,
             last_coordination_s=ex.last_coordination_s,
+            step_agreement_s=ex.step_agreement_s,
+            coordination_bytes=ex.coordination_bytes,
             **self.layer_counters(),
         )
 

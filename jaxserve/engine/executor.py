@@ -26,12 +26,21 @@ class Executor:
     Attributes:
         coordination_time_s / last_coordination_s: seconds spent agreeing on steps with
             other processes, since start-up / in the last step (0 in one process).
+        step_agreement_s: the followers' step agreement latency (slowest follower's
+            median transit, `StepPublisher.agreement_s`; 0 in one process).
+        coordination_bytes: bytes published to the followers since start-up.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.coordination_time_s = 0.0
         self.last_coordination_s = 0.0
+        self.step_agreement_s = 0.0
+        self.coordination_bytes = 0
+
+    def publish_placement(self, physical_to_logical) -> None:
+        """Tell the other processes of a new EPLB placement, before applying it here
+        ([M, S] int32; nothing to do in one process)."""
 
     def dispatch(
         self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput

@@ -41,7 +41,7 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
+from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.outputs import StepSamples, samples_arrays, step_samples
 from jaxserve.engine.request import Request
@@ -110,6 +111,8 @@ class ModelRunner:
         moe_layers: decoder-layer index of each row of the expert counts.
         last_wait_s / wait_time_s: seconds `fetch` blocked waiting for the device, in
             the last fetch / since start-up.
+        num_compile_waits: steps that waited for their shape's compilation (`run_buffers`;
+            0 on the engine's leader process, by `engine.warmup`'s budget).
     """
 
     def __init__(
@@ -175,8 +178,13 @@ class ModelRunner:
         self._input_sharding = None if mesh is None else batch_sharding(mesh, 1)
         self._output_sharding = None if mesh is None else replicated(mesh)
         self._executables: dict[StepShape, jax.stages.Compiled] = {}
+        # Shapes being compiled (`compile_shapes`): their executables, once ready.
+        self._pending: dict[StepShape, Future] = {}
+        self._param_specs = [_spec(p) for p in self._params]
+        self._kv_specs = jax.tree.map(_spec, self.kv_cache)
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
+        self.num_compile_waits = 0
 
     # ----- compilation -------------------------------------------------------------------
 
@@ -189,28 +197,88 @@ class ModelRunner:
         return self.builder.rows_for(t_bucket)
 
     def compile_all(self, max_workers: int | None = None) -> float:
-        """Compile the step for every shape. Returns the seconds taken.
+        """Compile the step for every shape (`buckets()`). Returns the seconds taken."""
+        elapsed = self.compile_shapes(self.buckets(), max_workers)
+        logger.info("compiled %d step shapes in %.1f s", len(self.buckets()), elapsed)
+        return elapsed
 
-        Tracing runs in this thread (it is Python); XLA compilations run in parallel
-        threads (they release the GIL), `max_workers` at a time (default: CPU count).
+    def compile_shapes(
+        self,
+        shapes: list[StepShape],
+        max_workers: int | None = None,
+        what: str = "compiling step shapes",
+        progress: ProgressLog | None = None,
+    ) -> float:
+        """Compile the step for `shapes`, in that order. Returns the seconds taken.
+
+        Tracing runs in this thread (it is Python); each shape's XLA compilation starts
+        as soon as it is traced, in parallel threads (they release the GIL),
+        `max_workers` at a time (default: CPU count). Progress lines (`what`, or the
+        caller's `progress` spanning several calls) count the shapes done. While it
+        runs, `run_buffers` on one of these shapes waits for its executable (a
+        multi-process follower compiling in the background).
+
+        Raises:
+            whatever tracing or compiling raises (the first failure; the others finish).
         """
         start = time.perf_counter()
-        shapes = self.buckets()
-        lowered = [self._lower(shape) for shape in shapes]
+        shapes = [s for s in shapes if s not in self._executables]
+        if not shapes:
+            return 0.0
+        futures = {shape: self._pending.setdefault(shape, Future()) for shape in shapes}
         workers = max_workers or min(len(shapes), os.cpu_count() or 1)
-        progress = ProgressLog(logger, "compiling step shapes", len(shapes), "shapes")
+        if progress is None:
+            progress = ProgressLog(logger, what, len(shapes), "shapes")
 
-        def compile_one(low: jax.stages.Lowered) -> jax.stages.Compiled:
-            exe = low.compile()
+        def compile_one(shape: StepShape, low: jax.stages.Lowered) -> None:
+            try:
+                with CompileCounter.warming_up():
+                    exe = low.compile()
+            except BaseException as e:
+                if not futures[shape].done():
+                    futures[shape].set_exception(e)
+                raise
+            self._executables[shape] = exe
+            futures[shape].set_result(exe)
             progress.advance()
-            return exe
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            compiled = list(pool.map(compile_one, lowered))
-        self._executables = dict(zip(shapes, compiled, strict=True))
-        elapsed = time.perf_counter() - start
-        logger.info("compiled %d step shapes in %.1f s", len(shapes), elapsed)
-        return elapsed
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                jobs = []
+                for shape in shapes:
+                    try:
+                        with CompileCounter.warming_up():
+                            low = self._lower(shape)
+                    except BaseException as e:
+                        for f in futures.values():
+                            if not f.done():
+                                f.set_exception(e)
+                        raise
+                    jobs.append(pool.submit(compile_one, shape, low))
+                for job in jobs:
+                    job.result()
+        finally:
+            for shape in shapes:
+                self._pending.pop(shape, None)
+        return time.perf_counter() - start
+
+    def expect_shapes(self, shapes: list[StepShape]) -> None:
+        """Announce shapes a later `compile_shapes` will compile: until then
+        `run_buffers` on one waits for it instead of raising."""
+        for shape in shapes:
+            if shape not in self._executables:
+                self._pending.setdefault(shape, Future())
+
+    def fail_pending(self, error: BaseException) -> None:
+        """End every announced, not compiled shape's wait with `error`."""
+        for shape, future in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(error)
+            self._pending.pop(shape, None)
+
+    def is_compiled(self, shape: StepShape) -> bool:
+        """Whether `shape`'s executable is ready."""
+        return shape in self._executables
 
     def _lower(self, shape: StepShape) -> jax.stages.Lowered:
         fn = functools.partial(
@@ -230,7 +298,9 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((self.dp * b.size,), b.dtype, sharding=self._input_sharding)
                 for b in buffers
             ]
-        return jitted.lower(self._params, self.kv_cache, *buffers)
+        # Abstract arguments: a background compilation traces while steps donate (delete)
+        # the KV cache and EPLB swaps parameters of the same shapes.
+        return jitted.lower(self._param_specs, self._kv_specs, *buffers)
 
     # ----- expert placement (EPLB) --------------------------------------------------------
 
@@ -252,7 +322,9 @@ class ModelRunner:
         keys = [expert_param_path(i, "physical_to_logical") for i in self.moe_layers]
         if not keys or keys[0] not in self._param_index:
             raise ValueError("physical_to_logical: the model has no expert placement tables")
-        return np.stack([np.asarray(self._params[self._param_index[k]]) for k in keys])
+        # replicated_to_host: with several processes the tables span non-addressable devices.
+        tables = [self._params[self._param_index[k]] for k in keys]
+        return np.stack(replicated_to_host(tables))
 
     def set_expert_placement(
         self, weights: list[tuple[jax.Array, ...]], tables: list[dict[str, jax.Array]]
@@ -353,7 +425,13 @@ class ModelRunner:
         """
         executable = self._executables.get(shape)
         if executable is None:
-            raise RuntimeError(f"step shape {shape} was not compiled; call compile_all()")
+            pending = self._pending.get(shape)
+            if pending is None:
+                raise RuntimeError(f"step shape {shape} was not compiled; call compile_all()")
+            # A multi-process follower ahead of its background compilation (the leader's
+            # `WarmUp` budget never schedules a shape that is not compiled there).
+            self.num_compile_waits += 1
+            executable = pending.result()
         if self.mesh is not None:
             buffers = put_on_mesh(buffers, self._input_sharding)
         out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
@@ -397,6 +475,10 @@ class ModelRunner:
             )
             result.append(step_samples(part, rank, lambda tree: tree)[0])
         return result, full[7]
+
+
+def _spec(a: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
 
 
 def _rows(sched: SchedulerOutput) -> dict[Request, int]:

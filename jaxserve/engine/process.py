@@ -333,7 +333,10 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
     # it, and with it the run (the leader sees it gone).
     signal.signal(signal.SIGTERM, lambda *_: _leave_on_sigterm(dist.process_id))
     try:
-        runner = build_engine(config).runner
+        parts = build_engine(config)
+        runner = parts.runner
+        # EPLB: the leader's new placements, applied here between the same two steps.
+        on_placement = None if parts.eplb is None else parts.eplb.apply_table
         port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
         channel = StepSubscriber(
             dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
@@ -342,7 +345,7 @@ def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> i
         report_start_failure(f"follower {dist.process_id}", e, logger)
         exit_now(EXIT_START_FAILED)
     try:
-        steps = follow(runner, channel)
+        steps = follow(runner, channel, on_placement=on_placement)
     except Exception:
         logger.exception("follower %d: a step failed; the process exits", dist.process_id)
         time.sleep(_PEER_LOSS_GRACE_S)  # a dead leader: let the watcher name it

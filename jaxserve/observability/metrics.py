@@ -94,6 +94,10 @@ ENGINE_COUNTERS = {
     "eplb_rebalance_s": (
         "jaxserve_eplb_rebalance_seconds", "Time spent moving expert weights for EPLB, s"
     ),
+    "coordination_bytes": (
+        "jaxserve_engine_coordination_bytes",
+        "Bytes the multi-process leader published to the followers (step inputs)",
+    ),
     "requests_expired": (
         "jaxserve_engine_requests_expired",
         "Requests the engine aborted because their client's deadline had passed",
@@ -127,6 +131,11 @@ ENGINE_GAUGES = {
     "last_coordination_s": (
         "jaxserve_engine_last_coordination_seconds",
         "Multi-process step coordination time of the last step, s",
+    ),
+    "step_agreement_s": (
+        "jaxserve_engine_step_agreement_seconds",
+        "Multi-process: slowest follower's median time from the leader's publish to "
+        "having the step, s",
     ),
     "kv_blocks_used_max": (
         "jaxserve_kv_blocks_used_max", "High-water mark of KV blocks held by requests"

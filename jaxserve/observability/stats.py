@@ -61,6 +61,9 @@ class EngineCounters:
     eplb_rebalances / eplb_rebalance_s: EPLB expert re-placements applied, and seconds
         spent moving weights for them (0 with EPLB off).
     last_host_s / last_device_s / last_coordination_s: the same times of the last step.
+    step_agreement_s: multi-process leader: the slowest follower's median time from the
+        leader's publish to its having the step's inputs (0 in one process).
+    coordination_bytes: bytes the leader published to the followers (0 in one process).
     requests_expired: requests aborted because their client's deadline passed (set by
         the engine loop, `jaxserve.engine.control`, not the core).
 
@@ -99,6 +102,8 @@ class EngineCounters:
     last_device_s: float = 0.0
     last_coordination_s: float = 0.0
     requests_expired: int = 0
+    step_agreement_s: float = 0.0
+    coordination_bytes: int = 0
     loop_wait_s: float = 0.0
     loop_work_s: float = 0.0
     kv_blocks_used_max: int = 0

@@ -1,0 +1,112 @@
+"""Start-up compilation in tiers (jaxserve/engine/warmup.py): the first tier is the
+smallest bucket's two steps; with background compilation the engine serves at once,
+under the budget of what is compiled, and no step ever waits on a compilation."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+
+import pytest
+from engine_helpers import assert_idle, greedy, random_prompts, run_engine
+
+from jaxserve.engine.warmup import WarmUp, warmup_tiers
+
+
+def test_tiers_cover_every_shape_once_smallest_first(tiny_engine):
+    runner = tiny_engine.runner
+    tiers = warmup_tiers(runner)
+    flat = [s for _, shapes in tiers for s in shapes]
+    assert sorted(flat) == sorted(runner.buckets()) and len(flat) == len(set(flat))
+    t0, first = tiers[0]
+    assert t0 == runner.token_buckets[0]
+    assert {(s.num_tokens, s.num_steps) for s in first} == {(t0, 1)} and len(first) == 2
+    # A tier of T only holds shapes that steps of <= T tokens use.
+    for t, shapes in tiers:
+        assert all(s.num_tokens <= t for s in shapes)
+    assert [t for t, _ in tiers] == sorted(t for t, _ in tiers)
+
+
+@pytest.fixture
+def gated_background(monkeypatch):
+    """Background compilation that starts only when the test sets the event."""
+    gate = threading.Event()
+    original = WarmUp._compile_rest
+
+    def gated(self):
+        assert gate.wait(600)
+        original(self)
+
+    monkeypatch.setattr(WarmUp, "_compile_rest", gated)
+    return gate
+
+
+def test_background_compile_serves_under_the_compiled_budget(
+    tiny_engine, tiny_engine_config, gated_background
+):
+    from jaxserve.engine.core import EngineCore
+
+    config = dataclasses.replace(tiny_engine_config, background_compile=True)
+    engine = EngineCore(config)
+    warmup, runner = engine.warmup, engine.runner
+    t0 = runner.token_buckets[0]
+    assert not warmup.done.is_set()
+    compiled = [s for s in runner.buckets() if runner.is_compiled(s)]
+    assert sorted(compiled) == sorted(warmup_tiers(runner)[0][1])
+    assert warmup.budget() == (t0, min(t0, config.scheduler.max_num_seqs), 1)
+
+    rng = random.Random(5)
+    vocab = engine.model_config.vocab_size
+    prompts = random_prompts(rng, 6, 20, 50, vocab)  # longer than the first bucket
+    reqs = [(f"g{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    reqs.append(("pen", prompts[0], greedy(8, repetition_penalty=1.3)))
+    reqs.append(("lp", prompts[1], greedy(4, prompt_logprobs=2, logprobs=2)))
+    steps = []
+    before = engine.num_compilations
+    got = run_engine(engine, reqs, on_step=lambda _: steps.append(engine.scheduler.max_num_seqs))
+    assert engine.scheduler.max_num_batched_tokens == t0 and set(steps) == {min(t0, 8)}
+    assert runner.num_compile_waits == 0 and engine.num_compilations == before
+    # The same greedy tokens as the fully compiled engine.
+    want = run_engine(tiny_engine, reqs)
+    for rid, _, _ in reqs:
+        assert got[rid].error is None and got[rid].tokens == want[rid].tokens, rid
+    assert_idle(engine)
+
+    gated_background.set()
+    assert warmup.wait(600) and warmup.error is None
+    assert all(runner.is_compiled(s) for s in runner.buckets())
+    sc = config.scheduler
+    assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
+        sc.max_num_batched_tokens,
+        sc.max_num_seqs,
+    )
+    assert engine.scheduler.num_decode_steps == sc.num_decode_steps
+    again = run_engine(engine, reqs[:3])
+    for rid, _, _ in reqs[:3]:
+        assert again[rid].tokens == want[rid].tokens, rid
+    assert runner.num_compile_waits == 0 and engine.num_compilations == before
+    assert_idle(engine)
+
+
+def test_moe_calibration_stops_at_the_first_count_the_replicated_path_loses(monkeypatch):
+    """Start-up time on a mesh: the counts above the crossover cannot raise the threshold,
+    so one process does not time them; the threshold is the one of every count."""
+    from jaxserve.sharding import ep_calibration, moe_ep
+
+    timings = {8: (5.0, 1.0), 16: (5.0, 2.0), 32: (5.0, 6.0), 64: (5.0, 4.0), 128: (5.0, 9.0)}
+    timed = []
+
+    def fake(mesh, num_tokens, *args, **kwargs):
+        timed.append(num_tokens)
+        a2a, rep = timings[num_tokens]
+        return {moe_ep.ALL_TO_ALL: a2a, moe_ep.REPLICATED: rep}
+
+    monkeypatch.setattr(ep_calibration, "time_moe_paths", fake)
+
+    class Mesh:
+        shape = {"dp": 2, "tp": 1}
+
+    got = ep_calibration.measure_replicated_max_tokens(Mesh(), sorted(timings), 8, 8, 4, 2)
+    assert got == ep_calibration.replicated_threshold(timings) == 16
+    assert timed == [8, 16, 32]
