@@ -175,6 +175,8 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             vocab_size=s.vocab_size,
+            kv_bytes_per_token=s.kv_bytes_per_token,
+            kv_layout=s.kv_layout,
         )
         # Several replicas (jaxserve.router.replicas.ReplicaSet): one entry each.
         for replica in getattr(self._engine, "replica_info", list)():

@@ -137,6 +137,8 @@ class EngineStats:
         loads over the recorder's window, in (0, 1] (1.0: balanced, or no load yet).
     expert_routed_tokens: (token, top-k choice) pairs routed to experts since start-up,
         summed over MoE layers (cumulative).
+    kv_bytes_per_token: KV-cache bytes of one token over all layers, in the model's
+        layout `kv_layout` ("per-head K/V" or "MLA latent"; `models.base.KVLayout`).
     """
 
     model: str = ""
@@ -153,6 +155,8 @@ class EngineStats:
     expert_layers: list[int] = field(default_factory=list)
     expert_balancedness: list[float] = field(default_factory=list)
     expert_routed_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    kv_layout: str = ""
 
 
 @dataclass(slots=True)
