@@ -108,6 +108,8 @@ class ServerInfo:
     num_running: int
     num_waiting: int
     vocab_size: int
+    kv_bytes_per_token: int = 0
+    kv_layout: str = ""
 
 
 def _logprobs(entries) -> list[tuple[int, float, list[tuple[int, float]]]] | None:

@@ -257,10 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-input", required=True, help="where stop-string aborts go")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-name", default="detokenizer", help="the [tag] of its log lines")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    configure_logging(args.log_level, "detokenizer")
+    configure_logging(args.log_level, args.log_name)
     # Start-up failures are one line (to the parent's start-error file, which `serve`
     # prints last), the traceback only at --log-level debug; exit code 2.
     try:

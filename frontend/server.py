@@ -166,7 +166,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
         if not self._engine.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._requests.unavailable_message())
         s = self._engine.stats
-        return pb.ServerInfo(
+        info = pb.ServerInfo(
             model=s.model,
             max_model_len=s.max_model_len,
             block_size=s.block_size,
@@ -175,7 +175,13 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             vocab_size=s.vocab_size,
+            kv_bytes_per_token=s.kv_bytes_per_token,
+            kv_layout=s.kv_layout,
         )
+        # Several replicas (jaxserve.router.replicas.ReplicaSet): one entry each.
+        for replica in getattr(self._engine, "replica_info", list)():
+            info.replicas.append(pb.ReplicaInfo(**replica))
+        return info
 
 
 def add_servicer_to_server(servicer: pb_grpc.JaxserveServicer, server: grpc.aio.Server) -> None:

@@ -112,6 +112,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = server_config(args)
     try:
         options = _frontend_options(args)
+        from jaxserve.router.cli_args import router_options as _router_options
+
+        routing = _router_options(args)
+        if routing.replicas > 1 and dist is not None:
+            raise ValueError("--replicas: not supported with several processes per replica yet")
     except ValueError as e:
         return _fail(e, 2, dist)
     try:
@@ -123,6 +128,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             distributed_args=dist_args,
             frontend_options=options,
+            router_options=routing,
         )
     except StartupError as e:  # a child's cause; the engine told the followers itself
         return _fail(e, 1)

@@ -11,6 +11,8 @@ The paths (see README.md, Architecture); each socket is bound by the process tha
     engine      --EngineOutputs/EngineStats/Heartbeat-->  detokenizer
     detokenizer --AbortRequest (stop string)---->  engine (control path)
     detokenizer --TextOutputs/EngineStats/Heartbeat-->  frontend
+    engine      --KvEvents/KvSnapshot------------>  frontend (router; optional)
+    frontend    --KvSnapshotRequest------------->  engine (control path)
 Stats travel the same path as outputs, so the frontend sees them in step order. Aborts
 have a socket of their own, which the engine drains first: never stuck behind requests.
 """
@@ -135,6 +137,8 @@ class EngineStats:
         loads over the recorder's window, in (0, 1] (1.0: balanced, or no load yet).
     expert_routed_tokens: (token, top-k choice) pairs routed to experts since start-up,
         summed over MoE layers (cumulative).
+    kv_bytes_per_token: KV-cache bytes of one token over all layers, in the model's
+        layout `kv_layout` ("per-head K/V" or "MLA latent"; `models.base.KVLayout`).
     """
 
     model: str = ""
@@ -151,6 +155,8 @@ class EngineStats:
     expert_layers: list[int] = field(default_factory=list)
     expert_balancedness: list[float] = field(default_factory=list)
     expert_routed_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    kv_layout: str = ""
 
 
 @dataclass(slots=True)
@@ -177,6 +183,40 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class KvEvents:
+    """Numbered prefix-cache events of one engine replica (`engine.kv_events`), on the
+    engine's KV events socket to the router.
+
+    epoch: the engine process's random id (a new one after a restart).
+    events: [seq, kind, parent hash or None, [block hash, ...]] with kind "stored",
+        "removed" or "cleared", seq consecutive from 0 within an epoch; hashes are the
+        16-byte chained hashes of `engine.block_hash`.
+    """
+
+    epoch: int
+    events: list
+
+
+@dataclass(slots=True)
+class KvSnapshotRequest:
+    """Router -> engine (control path): send a `KvSnapshot` of the prefix cache."""
+
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class KvSnapshot:
+    """Every full block in an engine replica's prefix cache, after the events up to `seq`.
+
+    blocks: [parent hash or None, block hash] pairs, parents first where known.
+    """
+
+    epoch: int
+    seq: int
+    blocks: list
+
+
 _TYPES = {
     cls.__name__: cls
     for cls in (
@@ -192,6 +232,9 @@ _TYPES = {
         EngineHistograms,
         ProfileRequest,
         Shutdown,
+        KvEvents,
+        KvSnapshotRequest,
+        KvSnapshot,
     )
 }
 
@@ -254,6 +297,7 @@ class IpcAddresses:
     detokenizer_input: str  # EngineOutputs/EngineStats/Heartbeat in; bound by the sidecar
     frontend_input: str  # TextOutputs/EngineStats/Heartbeat in; bound by the frontend
     engine_control: str = ""  # AbortRequest in; bound by the engine ("" none)
+    kv_events: str = ""  # KvEvents/KvSnapshot in; bound by the frontend ("" none)
 
     @classmethod
     def in_dir(cls, directory: str | Path) -> IpcAddresses:

@@ -17,6 +17,11 @@ every open stream ends with UNAVAILABLE (new calls get it too), and after a shor
 (`ENGINE_DEATH_GRACE_S`, so those statuses reach the clients and health checkers) the
 gRPC server stops, the other child is terminated and `jaxserve serve` exits with code 1.
 A child that dies during start-up also gives exit code 1. No JAX in this process.
+
+With `--replicas N` (N > 1) there are N engine processes, each with its own sidecar
+and devices, behind one `jaxserve.router.replicas.ReplicaSet`: a dead child takes only
+its replica out of rotation (its streams end with UNAVAILABLE naming it; its other
+child is stopped), and the server exits with code 1 only when every replica is dead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import prometheus_client
@@ -65,6 +71,8 @@ class _Child:
     name: str
     process: subprocess.Popen
     error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
+    replica: int | None = None  # with several replicas: the one it belongs to
+    respawn: Callable[[], _Child] | None = None  # starts it again (a replica's children)
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -76,11 +84,13 @@ class StartupError(RuntimeError):
     """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`)."""
 
 
-def _spawn(name: str, module: str, args: list[str], error_dir: str) -> _Child:
+def _spawn(
+    name: str, module: str, args: list[str], error_dir: str, env_extra: dict | None = None
+) -> _Child:
     # From the main thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
     cmd = [sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args]
-    error_file = os.path.join(error_dir, f"{name}.start-error")
-    env = {**os.environ, START_ERROR_FILE_ENV: error_file}
+    error_file = os.path.join(error_dir, f"{name.replace(' ', '-')}.start-error")
+    env = {**os.environ, START_ERROR_FILE_ENV: error_file, **(env_extra or {})}
     return _Child(name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env), error_file)
 
 
@@ -105,6 +115,7 @@ def serve(
     log_level: str = "INFO",
     distributed_args: list[str] | None = None,
     frontend_options: FrontendOptions | None = None,
+    router_options=None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM or until a child dies. Returns the process exit
     code: 0 after a requested shutdown, 1 (`EXIT_CHILD_DIED`) when the engine or the
@@ -117,6 +128,8 @@ def serve(
     distributed_args: --coordinator-address/--num-processes/--process-id for the engine
         process when it leads a multi-process run (process 0; see jaxserve.distributed).
     frontend_options: admission limits, stall timeout, TLS, API key (frontend.options).
+    router_options: a `jaxserve.router.options.RouterOptions` (replicas, policy); None:
+        one engine.
     """
     options = frontend_options or FrontendOptions()
     logger.info(
@@ -157,7 +170,20 @@ def serve(
     socket_dir = make_socket_dir()
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
+    num_replicas = router_options.replicas if router_options is not None else 1
     try:
+        if num_replicas > 1:
+            from jaxserve.router import launch as replica_launch  # noqa: PLC0415
+
+            replica_addresses = replica_launch.spawn_replicas(
+                engine_config, router_options, socket_dir, children, engine_class, log_level
+            )
+            return uvloop.run(
+                _run_frontend(
+                    replica_addresses, tokenizer, engine_config, server_config, children,
+                    metrics, chat_template, options, router_options,
+                )
+            )  # fmt: skip
         engine_args = [
             "--config-json", json.dumps(engine_config.to_dict()),
             "--engine-input", addresses.engine_input,
@@ -205,13 +231,22 @@ async def _run_frontend(
     metrics: Metrics,
     chat_template,
     options: FrontendOptions,
+    router_options=None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = AsyncEngineClient(addresses)
+    replicas = None
+    if isinstance(addresses, list):
+        from jaxserve.router import launch as replica_launch  # noqa: PLC0415
+
+        replicas = engine = replica_launch.make_replica_set(
+            addresses, engine_config, metrics, options, router_options
+        )
+    else:
+        engine = AsyncEngineClient(addresses)
     await engine.start()
     engine.add_stats_listener(metrics.update_from_engine)
     stats_log = StatsLogger()
@@ -219,7 +254,14 @@ async def _run_frontend(
     stats_task = None
     server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
-    watch = asyncio.create_task(_watch_children(children))
+    if replicas is not None:
+        replicas.add_serving_listener(server.set_serving)
+        restart = router_options.restart_dead_replicas
+        watch = asyncio.create_task(
+            replica_launch.watch_replica_children(children, replicas, restart)
+        )
+    else:
+        watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     liveness = None
     http = ""
@@ -234,9 +276,10 @@ async def _run_frontend(
         if ready.done() and not watch.done():
             stats = ready.result()
             await server.set_serving(True)
-            liveness = asyncio.create_task(
-                watch_liveness(engine, server.set_serving, options.stall_timeout_s)
-            )
+            if replicas is None:  # a ReplicaSet watches its replicas' heartbeats itself
+                liveness = asyncio.create_task(
+                    watch_liveness(engine, server.set_serving, options.stall_timeout_s)
+                )
             logger.info(
                 # num_blocks_total is the usable count: the engine's null block is not in it.
                 "jaxserve ready: serving %s on %s:%d (gRPC)%s (max_model_len %d, %d usable "

@@ -393,6 +393,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "smallest shapes are compiled and compile the others in the background, with "
         "smaller steps until they are ready; jaxserve/engine/warmup.py)",
     )
+    from jaxserve.router.cli_args import add_router_arguments  # noqa: PLC0415
+
+    add_router_arguments(s)  # --replicas, --router-policy, ... (jaxserve.router)
     # module:Class run instead of EngineCore; used by tests to serve a mock engine.
     s.add_argument("--engine-class", help=argparse.SUPPRESS)
     distributed.add_arguments(s)

@@ -13,6 +13,11 @@ A token at position p of a request lives in slot
     block_table[p // block_size] * block_size + p % block_size.
 Block 0 is the *null block*: never handed to a request, so padded block-table entries
 may point at it safely.
+
+A model declares its own layout (`KVLayout`, from the model's `kv_layout()`): the
+per-head K/V above, or for Multi-head Latent Attention (DeepSeek-V2/V3) one latent
+"head" per token, the pair holding the compressed latent [.., 1, kv_lora_rank] and the
+RoPE key part [.., 1, qk_rope_head_dim]. The engine sizes and allocates the pool from it.
 """
 
 from __future__ import annotations
@@ -107,6 +112,49 @@ def expert_param_path(layer: int, name: str) -> tuple:
     """The NNX state path of MoE layer `layer`'s expert weight or placement table `name`
     (e.g. ("layers", 3, "mlp", "w_gate")): the model contract's expert-weight access."""
     return ("layers", layer, "mlp", name)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token of one layer occupies in the paged cache: the two arrays of the
+    layer's pair are [num_blocks, block_size, k_heads, k_dim] and [.., v_heads, v_dim].
+
+    Per-head K/V (GQA): k = v = (num_kv_heads, head_dim), heads sharded over tp.
+    MLA latent: k = (1, kv_lora_rank) the compressed latent c_kv, v = (1,
+    qk_rope_head_dim) the RoPE key part; `shard_heads=False`: one latent "head" cannot
+    be split, so tp replicates the latent cache (each tp device attends its own query
+    heads against the whole latent, as vLLM's MLA backend does).
+    """
+
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+    shard_heads: bool = True
+    label: str = "per-head K/V"
+
+    @classmethod
+    def per_head(cls, num_kv_heads: int, head_dim: int) -> KVLayout:
+        return cls(num_kv_heads, head_dim, num_kv_heads, head_dim)
+
+    def values_per_token(self) -> int:
+        """Cached values per token and layer (both arrays)."""
+        return self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def bytes_per_token(self, num_layers: int, dtype) -> int:
+        """Bytes of one token's KV over all layers (one device's share on tp > 1 is this
+        / tp when `shard_heads`, all of it otherwise)."""
+        return num_layers * self.values_per_token() * jnp.dtype(dtype).itemsize
+
+    def allocate(
+        self, num_layers: int, num_blocks: int, block_size: int, dtype=jnp.float32, sharding=None
+    ) -> KVCache:
+        """Zero-filled cache in this layout: one pair per layer."""
+        k_shape = (num_blocks, block_size, self.k_heads, self.k_dim)
+        v_shape = (num_blocks, block_size, self.v_heads, self.v_dim)
+        make_k = jax.jit(lambda: jnp.zeros(k_shape, dtype), out_shardings=sharding)
+        make_v = jax.jit(lambda: jnp.zeros(v_shape, dtype), out_shardings=sharding)
+        return [(make_k(), make_v()) for _ in range(num_layers)]
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):

@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.models import deepseek_config, fp8
+from jaxserve.models.deepseek_config import MLA_ARCHITECTURES, GroupedGateConfig, MlaConfig
+
 # The families this project implements, by HF `architectures` name (`registry.py` maps
 # each to its class; a test checks that the two agree). Dense families have no expert
 # fields in their config.json.
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", *MLA_ARCHITECTURES)
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(sorted(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 
@@ -52,6 +55,12 @@ class ModelConfig:
     `eos_token_ids` is always a tuple (HF allows an int, a list or null).
     `sliding_window` is None for full attention, else the number of most recent keys
     (including the query's own) each query sees.
+    DeepSeek-V2/V3 (`deepseek_config`): `mla` (Multi-head Latent Attention; then
+    num_key_value_heads = 1, the latent, and head_dim = qk_head_dim), `grouped_gate` (the
+    gate and shared experts), `num_mtp_layers` (multi-token-prediction layers the
+    checkpoint may hold after the decoder layers; not served). None / 0 elsewhere.
+    `fp8_weight_block`: (rows, cols) of the scale blocks of an FP8 block-quantized
+    checkpoint (`quantization_config`, see `fp8.py`), None for a plain one.
     """
 
     architecture: str
@@ -77,6 +86,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention_qkv_bias: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    mla: MlaConfig | None = None
+    grouped_gate: GroupedGateConfig | None = None
+    num_mtp_layers: int = 0
+    fp8_weight_block: tuple[int, int] | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) uses the MoE block instead of a dense MLP.
@@ -110,6 +123,9 @@ class ModelConfig:
             )
         hidden = _require(hf, "hidden_size", int)
         heads = _require(hf, "num_attention_heads", int)
+        block = fp8.weight_block(hf)
+        if architecture in MLA_ARCHITECTURES:
+            return cls._from_hf_deepseek(hf, architecture, block)
         if architecture in MOE_ARCHITECTURES:
             num_experts = hf.get("num_local_experts", hf.get("num_experts"))
             if num_experts is None:
@@ -143,7 +159,38 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
             attention_qkv_bias=architecture in _QKV_BIAS,
+            fp8_weight_block=block,
             rope_scaling=_rope_scaling(hf),
+        )
+
+    @classmethod
+    def _from_hf_deepseek(
+        cls, hf: dict[str, Any], architecture: str, block: tuple[int, int] | None
+    ) -> ModelConfig:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        _require(hf, "num_hidden_layers", int)
+        _require(hf, "max_position_embeddings", int)
+        intermediate = _require(hf, "intermediate_size", int)
+        return cls(
+            architecture=architecture,
+            vocab_size=_require(hf, "vocab_size", int),
+            hidden_size=_require(hf, "hidden_size", int),
+            intermediate_size=intermediate,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or intermediate),
+            num_hidden_layers=_require(hf, "num_hidden_layers", int),
+            num_attention_heads=_require(hf, "num_attention_heads", int),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=deepseek_config.rope_theta(hf),
+            max_position_embeddings=_require(hf, "max_position_embeddings", int),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=normalize_token_ids(hf.get("eos_token_id")),
+            fp8_weight_block=block,
+            **deepseek_config.parse_deepseek(hf, architecture),
         )
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache
+from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache, KVLayout
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import (
     MLP,
@@ -202,6 +202,12 @@ class DecoderOnlyLM(nnx.Module):
                 counts.append(layer_counts)
         expert_counts = jnp.stack(counts) if counts else jnp.zeros((0, 0), jnp.int32)
         return self.norm(x), (None if kv_cache is None else new_cache), expert_counts
+
+    def kv_layout(self) -> KVLayout:
+        """What the paged cache holds per token and layer (per-head K and V here; MLA
+        families override it with their latent layout)."""
+        c = self.config
+        return KVLayout.per_head(c.num_key_value_heads, c.head_dim)
 
     def moe_layers(self) -> tuple[int, ...]:
         """Decoder-layer indices of the MoE layers, in the row order of expert counts."""

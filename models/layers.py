@@ -48,6 +48,20 @@ class Parallelism(Protocol):
         self, step: Callable, q, k, v, kv: KVPair, positions, metadata
     ) -> tuple[jax.Array, KVPair]: ...
 
+    def mla_paged_attention(
+        self,
+        step: Callable,
+        q_latent,
+        q_rope,
+        latent,
+        k_rope,
+        kv: KVPair,
+        positions,
+        metadata,
+        *,
+        scale: float,
+    ) -> tuple[jax.Array, KVPair]: ...
+
     def moe_experts(
         self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement: dict[str, jax.Array]
     ) -> jax.Array: ...
@@ -449,6 +463,12 @@ class MoeBlock(nnx.Module):
             return {}
         return self.parallel.initial_placement(self.num_experts)
 
+    def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate: x [T, embed] -> (topk_weights [T, k] in x.dtype, topk_ids [T, k]
+        int32 logical experts). Softmax top-k here; a family with another gate (DeepSeek's
+        grouped gate, `models/deepseek_moe.py`) overrides this method only."""
+        return route(x, self.gate[...], self.top_k, self.norm_topk_prob)
+
     def __call__(
         self, x: jax.Array, token_mask: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
@@ -459,7 +479,7 @@ class MoeBlock(nnx.Module):
         on a mesh the slot each pair is dispatched to, replicas included), the expert load
         that EPLB records (`jaxserve.eplb.recorder`).
         """
-        weights, ids = route(x, self.gate[...], self.top_k, self.norm_topk_prob)
+        weights, ids = self.select_experts(x)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         num_slots = self.w_gate.shape[0]
         if self.parallel is None:

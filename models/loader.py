@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from jaxserve.logs import ProgressLog
 from jaxserve.models.checkpoint import is_orbax_checkpoint, restore_params
 from jaxserve.models.config import ModelConfig, normalize_token_ids
 from jaxserve.models.decoder import DecoderOnlyLM
+from jaxserve.models.fp8 import DEFAULT_BLOCK, RAW_DTYPES, SCALE_SUFFIX, RawReader, dequantize_block
 from jaxserve.models.layers import Parallelism
 from jaxserve.models.registry import model_class
 from jaxserve.models.weight_map import CheckpointLayout, ParamPath, WeightSpec, path_str
@@ -159,7 +161,7 @@ def _read_safetensors(
     of expert slot_experts[s]."""
     slot_experts = slot_experts or {}
     progress = ProgressLog(logger, f"loading weights of {model_dir.name}", len(specs), "tensors")
-    with _CheckpointReader(model_dir) as checkpoint:
+    with _CheckpointReader(model_dir, config.fp8_weight_block) as checkpoint:
         for spec in specs:
             progress.advance()
             var = variables[spec.path]
@@ -224,10 +226,14 @@ def save_hf_weights(model: DecoderOnlyLM, path: str | Path) -> Path:
 
 
 class _CheckpointReader(contextlib.AbstractContextManager):
-    """Tensor-by-tensor reads across the safetensors files of a folder."""
+    """Tensor-by-tensor reads across the safetensors files of a folder. An FP8 tensor
+    with a `<name>_scale_inv` beside it is dequantized to float32 as it is read
+    (`models.fp8`; scale blocks of `fp8_block`, default 128x128)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, fp8_block: tuple[int, int] | None = None):
         self._files: dict[str, Path] = _tensor_files(model_dir)
+        self._fp8_block = fp8_block or DEFAULT_BLOCK
+        self._raw = RawReader()
         self._handles: dict[Path, object] = {}
         self._stack = contextlib.ExitStack()
         self.read_names: set[str] = set()
@@ -253,7 +259,14 @@ class _CheckpointReader(contextlib.AbstractContextManager):
                 f"checkpoint tensor {name!r} has shape {shape}, expected {tuple(expected_shape)}"
             )
         self.read_names.add(name)
-        return handle.get_tensor(name)
+        if handle.get_slice(name).get_dtype() not in RAW_DTYPES:
+            return handle.get_tensor(name)
+        tensor = self._raw.read(file, name)
+        scale = name + SCALE_SUFFIX
+        if scale not in self._files:
+            return tensor.astype(np.float32)
+        blocks = tuple(-(-n // b) for n, b in zip(shape, self._fp8_block, strict=True))
+        return dequantize_block(tensor, self.read(scale, blocks), self._fp8_block)
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -296,8 +309,27 @@ def _check_specs_cover(specs: list[WeightSpec], variables: dict[ParamPath, nnx.V
         )
 
 
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def _report_unused(checkpoint: _CheckpointReader, config: ModelConfig) -> None:
     unused = sorted(checkpoint.names() - checkpoint.read_names)
+    if config.num_mtp_layers:
+        # DeepSeek's multi-token-prediction modules follow the decoder layers
+        # (model.layers.{num_hidden_layers}...): speculative-decoding weights, not served.
+        mtp = [
+            n
+            for n in unused
+            if (m := _LAYER_NAME.match(n)) and int(m.group(1)) >= config.num_hidden_layers
+        ]
+        if mtp:
+            layers = sorted({int(_LAYER_NAME.match(n).group(1)) for n in mtp})
+            logger.info(
+                "skipping %d tensors of the multi-token-prediction layer(s) %s (not served)",
+                len(mtp),
+                layers,
+            )
+            unused = [n for n in unused if n not in set(mtp)]
     harmless = [
         n
         for n in unused

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jaxserve.models.config import SUPPORTED_ARCHITECTURES
 from jaxserve.models.decoder import DecoderOnlyLM
+from jaxserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.qwen2 import Qwen2ForCausalLM
@@ -20,6 +21,8 @@ MODEL_REGISTRY: dict[str, type[DecoderOnlyLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 

@@ -105,7 +105,8 @@ def check_model_fits(config: ModelConfig, mesh: Mesh, num_physical_experts: int 
             f"{where}: num_attention_heads={config.num_attention_heads} is not divisible by "
             f"tp={tp} (query heads are sharded over tp)"
         )
-    if config.num_key_value_heads % tp:
+    # An MLA latent (DeepSeek) is one KV "head" replicated over tp, never split.
+    if config.mla is None and config.num_key_value_heads % tp:
         raise MeshError(
             f"{where}: num_key_value_heads={config.num_key_value_heads} is not divisible by "
             f"tp={tp} (KV heads and the KV cache are sharded over tp)"
@@ -116,4 +117,11 @@ def check_model_fits(config: ModelConfig, mesh: Mesh, num_physical_experts: int 
         raise MeshError(
             f"{where}: intermediate_size={config.intermediate_size} is not divisible by "
             f"tp={tp} (dense MLP layers are sharded over tp)"
+        )
+    gate = config.grouped_gate
+    if gate is not None and (config.moe_intermediate_size * gate.n_shared_experts) % tp:
+        raise MeshError(
+            f"{where}: moe_intermediate_size * n_shared_experts = "
+            f"{config.moe_intermediate_size * gate.n_shared_experts} is not divisible by "
+            f"tp={tp} (the shared experts are a dense MLP sharded over tp)"
         )

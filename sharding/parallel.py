@@ -25,6 +25,7 @@ The single-device model (parallel=None) never touches this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,14 @@ from jaxserve.models.base import AttentionMetadata
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 from jaxserve.sharding.placement import ExpertPlacement, choose_slots, placement_from_slots
-from jaxserve.sharding.rules import DP, HIDDEN_AXES, KV_CACHE_AXES, TP, logical_to_spec
+from jaxserve.sharding.rules import (
+    DP,
+    HIDDEN_AXES,
+    KV_CACHE_AXES,
+    KV_LATENT_AXES,
+    TP,
+    logical_to_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +126,48 @@ class MeshParallelism:
             out_specs=(heads, (cache, cache)),
         )
         return sharded(q, k, v, kv, positions, metadata)
+
+    def mla_paged_attention(
+        self,
+        step: AttentionStep,
+        q_latent: jax.Array,
+        q_rope: jax.Array,
+        latent: jax.Array,
+        k_rope: jax.Array,
+        kv: KVPair,
+        positions: jax.Array,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+    ) -> tuple[jax.Array, KVPair]:
+        """Multi-head Latent Attention's `step` (`models.mla.mla_paged_step`: latent-cache
+        write + absorbed attention) on every device.
+
+        What tp does with the latent: it is one "head" shared by all query heads, so it
+        cannot be split by head. The query heads (q_latent [T, H, L], q_rope [T, H, R])
+        are split over tp; the step's latent [T, 1, L] / k_rope [T, 1, R] and the latent
+        cache [dp * N, block_size, 1, L or R] are replicated over tp (blocks over dp, as
+        for GQA): every tp device writes the same latent and attends its H / tp heads
+        against the whole of it (vLLM's MLA backend does the same under TP). The output
+        [T, H, L] is split by head, for W_UV and o_proj, which are split by head too.
+
+        Raises:
+            ValueError: a first dimension not divisible by dp (names the array).
+        """
+        self._check_dp_divisible(
+            tokens=q_latent.shape[0],
+            kv_cache_blocks=kv[0].shape[0],
+            **{f"metadata.{f}": getattr(metadata, f).shape[0] for f in _METADATA_FIELDS},
+        )
+        heads, shared = P(DP, TP, None), P(DP, None, None)
+        cache = logical_to_spec(KV_LATENT_AXES)
+        sharded = jax.shard_map(
+            functools.partial(step, scale=scale),
+            mesh=self.mesh,
+            in_specs=(heads, heads, shared, shared, (cache, cache), P(DP), P(DP)),
+            out_specs=(heads, (cache, cache)),
+        )
+        return sharded(q_latent, q_rope, latent, k_rope, kv, positions, metadata)
 
     def moe_path(self, num_tokens: int) -> str:
         """The MoE path for a step of `num_tokens` tokens (logged once per shape)."""

@@ -45,6 +45,9 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
 
 # Logical axes of the arrays that are not weights.
 KV_CACHE_AXES = ("kv_blocks", "kv_block_slots", "kv_heads", "head_dim")
+# An MLA latent cache (`models.base.KVLayout`, shard_heads=False): one latent "head",
+# replicated over tp.
+KV_LATENT_AXES = ("kv_blocks", "kv_block_slots", None, "head_dim")
 HIDDEN_AXES = ("tokens", "embed")
 
 
@@ -90,10 +93,11 @@ def param_sharding_fn(mesh: Mesh):
     return shardings
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, shard_heads: bool = True) -> NamedSharding:
     """Sharding of one layer's K or V cache [dp * num_blocks, block_size, kv_heads,
-    head_dim]: blocks over dp (each dp rank its own range), kv heads over tp."""
-    return named_sharding(mesh, KV_CACHE_AXES)
+    head_dim]: blocks over dp (each dp rank its own range), kv heads over tp (with
+    shard_heads=False, an MLA latent cache, replicated over tp)."""
+    return named_sharding(mesh, KV_CACHE_AXES if shard_heads else KV_LATENT_AXES)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:

@@ -16,6 +16,8 @@ The design follows vLLM v1's KV cache manager (`vllm/v1/core/block_pool.py`):
 - Full blocks are named once the step that computes their K/V has been dispatched
   (`register_computed`, called by the scheduler after it schedules that step): the
   device runs steps in order, so any step that can hit the name runs after the writes.
+- KV events for the router: an optional `events` log (`engine.kv_events.KvEventLog`,
+  attached by the engine process) hears every name given and dropped; None: no cost.
 - The n samples of one prompt carry a `cache_group`: with prefix caching off, their
   blocks are still named, with the group as an extra hash key, so the samples share the
   prompt's blocks with one another and with no other request.
@@ -58,6 +60,7 @@ class BlockManager:
         # Free blocks in LRU order: the first key is evicted first.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
+        self.events = None  # a kv_events.KvEventLog, or None
 
     # ----- sizes -------------------------------------------------------------------------
 
@@ -132,12 +135,16 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self.full_block_hashes(seq)
+        named = []
         for i in range(seq.num_registered_blocks, num_full):
             block = seq.block_table[i]
             if self.block_hash[block] is None and hashes[i] not in self.cached_blocks:
                 self.block_hash[block] = hashes[i]
                 self.cached_blocks[hashes[i]] = block
+                named.append(i)
         seq.num_registered_blocks = num_full
+        if self.events is not None and named and self.enable_prefix_caching:
+            self.events.stored(hashes, named)
 
     def reset_prefix_cache(self) -> int:
         """Forget the names of all free blocks (blocks in use keep theirs). Returns how many."""
@@ -202,4 +209,6 @@ class BlockManager:
         self.block_hash[block] = None
         if self.cached_blocks.get(block_hash) == block:
             del self.cached_blocks[block_hash]
+            if self.events is not None and self.enable_prefix_caching:
+                self.events.removed([block_hash])
         return True

@@ -25,7 +25,12 @@ from jaxserve.config import EngineConfig, EplbConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile_counter import BACKEND_COMPILE_EVENT, CompileCounter  # noqa: F401
 from jaxserve.engine.dp_scheduler import DPScheduler
-from jaxserve.engine.kv_sizing import check_max_model_len, fit_kv_cache, num_kv_blocks
+from jaxserve.engine.kv_sizing import (
+    check_max_model_len,
+    fit_kv_cache,
+    kv_token_bytes,
+    num_kv_blocks,
+)
 from jaxserve.engine.model_runner import MIN_TOKEN_BUCKET, ModelRunner
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
@@ -126,6 +131,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     dp = config.mesh.dp
     max_model_len = check_max_model_len(sc.max_model_len, mc.max_position_embeddings)
     # Blocks per dp rank (each rank's pool has its own null block 0).
+    # What the cache holds per token is the model's declaration (per-head K/V, MLA latent).
+    kv_layout = model.kv_layout()
     num_blocks = cc.num_blocks or num_kv_blocks(
         mc,
         cc.block_size,
@@ -134,6 +141,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         sc.max_num_seqs,
         max_model_len,
         kv_head_shards=config.mesh.tp,
+        layout=kv_layout,
     )
     max_model_len = fit_kv_cache(
         max_model_len, sc.max_model_len is not None, num_blocks, cc.block_size
@@ -187,12 +195,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     logger.info(
         "engine ready in %.1f s: %s, %d usable KV blocks of %d tokens (per dp rank; "
-        "one more is the null block), max_model_len %d",
+        "one more is the null block), max_model_len %d, KV %d bytes per token (%s)",
         parts.startup_time_s,
         config.model,
         num_blocks - 1,
         cc.block_size,
         max_model_len,
+        kv_token_bytes(mc, dtype, kv_layout),
+        kv_layout.label,
     )
     return parts
 

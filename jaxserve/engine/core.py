@@ -355,6 +355,8 @@ class EngineCore:
             num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
             num_blocks_free=sum(bm.num_free_blocks for bm in bms),
             vocab_size=self.model_config.vocab_size,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_layout=self.runner.kv_layout.label,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             ready=True,

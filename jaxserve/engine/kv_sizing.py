@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import DEFAULT_MEMORY_FRACTION
+from jaxserve.models.base import KVLayout
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -21,10 +22,20 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
-    per_layer = block_size * config.num_key_value_heads * config.head_dim
-    return 2 * config.num_hidden_layers * per_layer * jnp.dtype(dtype).itemsize
+def kv_block_bytes(
+    config: ModelConfig, block_size: int, dtype: jnp.dtype, layout: KVLayout | None = None
+) -> int:
+    """Bytes of one KV block over all layers (both arrays of each layer's pair), in the
+    model's `layout` (`model.kv_layout()`; None: per-head K and V from the config)."""
+    return block_size * kv_token_bytes(config, dtype, layout)
+
+
+def kv_token_bytes(config: ModelConfig, dtype: jnp.dtype, layout: KVLayout | None = None) -> int:
+    """Bytes of one token's KV over all layers in `layout` (None: per-head K and V):
+    2 * layers * kv_heads * head_dim * itemsize for GQA, layers * (kv_lora_rank +
+    qk_rope_head_dim) * itemsize for an MLA latent cache."""
+    layout = layout or KVLayout.per_head(config.num_key_value_heads, config.head_dim)
+    return layout.bytes_per_token(config.num_hidden_layers, dtype)
 
 
 def num_kv_blocks(
@@ -36,6 +47,7 @@ def num_kv_blocks(
     max_model_len: int,
     device: jax.Device | None = None,
     kv_head_shards: int = 1,
+    layout: KVLayout | None = None,
 ) -> int:
     """How many KV blocks (null block included) to allocate when the user did not say.
 
@@ -44,9 +56,12 @@ def num_kv_blocks(
     `memory_fraction`, that fraction of the host's available memory (`os.sysconf`
     SC_AVPHYS_PAGES); without, enough for `max_num_seqs` requests of `max_model_len`
     tokens, capped at CPU_KV_CACHE_BYTES. On a mesh this is the count of
-    one dp rank, whose devices each hold 1 / kv_head_shards (tp) of every block.
+    one dp rank, whose devices each hold 1 / kv_head_shards (tp) of every block, or all
+    of it for a layout that is not sharded by head (an MLA latent, replicated over tp).
     """
-    per_block = kv_block_bytes(config, block_size, dtype) // kv_head_shards
+    if layout is not None and not layout.shard_heads:
+        kv_head_shards = 1
+    per_block = kv_block_bytes(config, block_size, dtype, layout) // kv_head_shards
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:

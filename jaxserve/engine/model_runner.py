@@ -65,7 +65,7 @@ from jaxserve.engine.step_inputs import (
 )
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.logs import ProgressLog
-from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, allocate_kv_cache, expert_param_path
+from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
@@ -162,15 +162,17 @@ class ModelRunner:
         # every call costs milliseconds of host time per step.
         self._params, self._params_def = jax.tree.flatten(self.state)
         self._param_index = _leaf_index(self.state)
-        c = model_config
-        self.kv_cache: KVCache = allocate_kv_cache(
-            c.num_hidden_layers,
+        # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
+        self.kv_layout: KVLayout = model.kv_layout()
+        self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
+            model_config.num_hidden_layers, kv_dtype
+        )
+        self.kv_cache: KVCache = self.kv_layout.allocate(
+            model_config.num_hidden_layers,
             num_blocks,
             block_size,
-            c.num_key_value_heads,
-            c.head_dim,
             kv_dtype,
-            sharding=None if mesh is None else kv_cache_sharding(mesh),
+            sharding=None if mesh is None else kv_cache_sharding(mesh, self.kv_layout.shard_heads),
         )
         # Where step inputs go (leading axis over dp) and outputs come back (replicated).
         self._input_sharding = None if mesh is None else batch_sharding(mesh, 1)

@@ -11,6 +11,11 @@ work, nothing waits on a socket; only an idle engine blocks, in `poll`. Stats (t
 handshake at start, then changes, at most every `stats_interval_s` while busy and always
 on going idle) travel on the outputs socket so they stay ordered with outputs.
 
+KV events (`engine.kv_events`, for the router) go out after each step on their own
+socket (`--kv-events`), and a `KvSnapshotRequest` on the control path is answered there
+with a snapshot, after the pending events. A send the socket cannot take now is dropped:
+the router sees the gap in the event numbers and asks for a snapshot.
+
 Profiling (`jaxserve profile`): a `ProfileRequest` on the control socket starts an
 `observability.profile.ProfileSession` (a JAX trace and the loop's host timeline), which
 the loop ends once its seconds are over; the loop's own time blocked in poll versus
@@ -52,6 +57,8 @@ from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
     Heartbeat,
+    KvSnapshot,
+    KvSnapshotRequest,
     ProfileRequest,
     RequestOutput,
     Shutdown,
@@ -104,8 +111,15 @@ class EngineLoop:
         stats_interval_s: float = 0.02,
         control_socket: zmq.Socket | None = None,
         control: EngineControl | None = None,
+        kv_events_socket: zmq.Socket | None = None,
     ) -> None:
         self._core = core
+        self._kv_socket = kv_events_socket
+        self._kv_log = None
+        if kv_events_socket is not None:
+            from jaxserve.engine import kv_events  # noqa: PLC0415
+
+            self._kv_log = kv_events.attach(core)
         self._control_socket = control_socket
         self._control = control or EngineControl()
         self._input = input_socket
@@ -129,6 +143,7 @@ class EngineLoop:
         self._send_stats(force=True)
         while self._running:
             if not self._core.has_work():
+                self._flush_kv_events()
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
                 waited = time.perf_counter()
                 self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
@@ -181,6 +196,8 @@ class EngineLoop:
         elif isinstance(msg, AbortRequest):
             self._control.aborted(msg.request_ids)
             self._core.abort_requests(msg.request_ids)
+        elif isinstance(msg, KvSnapshotRequest):
+            self._send_kv_snapshot()
         elif isinstance(msg, ProfileRequest):
             if self._profile is not None:  # one at a time: the newer one waits its turn
                 logger.warning("profile: a capture is running; ignoring one into %s", msg.out_dir)
@@ -219,8 +236,28 @@ class EngineLoop:
         self._control.finished(o.request_id for o in outputs if o.finish_reason is not None)
         if outputs:
             self._output.send(encode(EngineOutputs(outputs, self._step, time.time())))
+        self._flush_kv_events()
         self._send_stats(rate_limited=True)
         TIMELINE.span("send outputs", t)
+
+    def _send_kv(self, msg: Any) -> None:
+        try:
+            self._kv_socket.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # dropped: the router sees the gap and asks for a snapshot
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_log is not None:
+            self._kv_log.flush(self._send_kv)
+
+    def _send_kv_snapshot(self) -> None:
+        if self._kv_socket is None:
+            return
+        if self._kv_log is None:  # no prefix cache to report: an empty one, for good
+            self._send_kv(KvSnapshot(0, -1, []))
+            return
+        self._flush_kv_events()
+        self._send_kv(self._kv_log.snapshot())
 
     def _send_stats(self, force: bool = False, rate_limited: bool = False) -> None:
         """Send the stats if they changed. Rate-limited sends skip gauge-only changes (KV
@@ -257,10 +294,12 @@ def run_engine_process(
     engine_class: str,
     dist: distributed.DistributedConfig | None = None,
     engine_control: str | None = None,
+    kv_events: str | None = None,
 ) -> int:
     """Build the engine core, then serve until Shutdown. Returns the exit code.
 
     engine_control: the control path's address (AbortRequests; bound here), or None.
+    kv_events: the router's KV events address (connected to), or None: no events.
 
     dist: the multi-process run this engine leads (process 0), or None. The leader
         publishes every step to the followers (`run_follower`) and stops them on exit;
@@ -277,6 +316,7 @@ def run_engine_process(
     control_socket = (
         make_socket(ctx, zmq.PULL, engine_control, bind=True) if engine_control else None
     )
+    kv_socket = make_socket(ctx, zmq.PUSH, kv_events, bind=False) if kv_events else None
     core = None
     try:
         try:
@@ -295,7 +335,10 @@ def run_engine_process(
                 announce_failure(dist, describe_error(e))
             return EXIT_START_FAILED
         try:
-            EngineLoop(core, input_socket, output_socket, control_socket=control_socket).run()
+            EngineLoop(
+                core, input_socket, output_socket, control_socket=control_socket,
+                kv_events_socket=kv_socket,
+            ).run()  # fmt: skip
         except Exception:
             logger.exception("engine step failed; the engine process exits")
             if dist is not None and dist.num_processes > 1:
@@ -308,8 +351,9 @@ def run_engine_process(
             core.close()
         input_socket.close()
         output_socket.close()
-        if control_socket is not None:
-            control_socket.close()
+        for sock in (control_socket, kv_socket):
+            if sock is not None:
+                sock.close()
         ctx.term()
 
 
@@ -421,14 +465,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-input", required=True)
     parser.add_argument("--detokenizer-input", required=True)
     parser.add_argument("--engine-control", help="AbortRequest socket (the control path)")
+    parser.add_argument("--kv-events", help="the router's KV events socket (jaxserve.router)")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-name", default="engine", help="the [tag] of its log lines")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    configure_logging(args.log_level, "engine")
+    configure_logging(args.log_level, args.log_name)
     config = EngineConfig.from_dict(json.loads(args.config_json))
     dist = distributed.from_arguments(args)
     distributed.initialize(dist)  # before any other JAX call
@@ -438,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     code = run_engine_process(
         config, args.engine_input, args.detokenizer_input, args.engine_class, dist,
-        engine_control=args.engine_control,
+        engine_control=args.engine_control, kv_events=args.kv_events,
     )  # fmt: skip
     if dist is not None and code != 0:
         exit_now(code)  # the followers are gone or stopping: no shutdown barrier

@@ -1,0 +1,56 @@
+"""The router's `jaxserve serve` flags and the `RouterOptions` they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.router.options import RouterOptions
+from jaxserve.router.policy import POLICIES
+
+
+def add_router_arguments(s: argparse.ArgumentParser) -> None:
+    """--replicas, --devices-per-replica, --router-policy, --router-weight,
+    --router-temperature (a "replicas and routing" group)."""
+    g = s.add_argument_group("replicas and routing")
+    g.add_argument(
+        "--replicas", type=int, default=1, metavar="N",
+        help="engine replicas on this host, each with its own devices, engine process and "
+        "detokenizer, behind this frontend's request router (default: 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--devices-per-replica", type=int, metavar="D",
+        help="GPUs per replica, a disjoint set each (CUDA_VISIBLE_DEVICES) (default: the "
+        "mesh's size, dp x tp; on the CPU each replica has its own emulated devices)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-policy", choices=POLICIES,
+        help="how a request's replica is chosen: kv (prefix-cache aware, load "
+        "balanced), round-robin, least-loaded or random (default: kv)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-weight", type=float, default=1.0, metavar="W",
+        help="kv policy: cost of one uncached prompt block against one block of a "
+        "replica's active load (default: 1.0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-temperature", type=float, default=0.0, metavar="T",
+        help="kv policy: 0 takes the lowest cost; > 0 samples among the near-best "
+        "(default: 0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--restart-dead-replicas", action="store_true",
+        help="start a replica whose engine or detokenizer died again; it rejoins with "
+        "empty entries in the router (default: off: it stays out of rotation)",
+    )  # fmt: skip
+
+
+def router_options(args: argparse.Namespace) -> RouterOptions:
+    """RouterOptions from the flags. Raises ValueError naming the flag."""
+    return RouterOptions(
+        replicas=args.replicas,
+        devices_per_replica=args.devices_per_replica,
+        policy=args.router_policy,
+        weight=args.router_weight,
+        temperature=args.router_temperature,
+        restart_dead_replicas=args.restart_dead_replicas,
+    )

@@ -1,0 +1,61 @@
+"""`RouterOptions`: how many engine replicas `jaxserve serve` runs and how it routes
+(`--replicas`, `--devices-per-replica`, `--router-policy`, `--router-weight`,
+`--router-temperature`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from jaxserve.router.policy import POLICIES
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    """replicas: engine replicas on this host (>= 1). devices_per_replica: GPUs given to
+    each (a disjoint set, through CUDA_VISIBLE_DEVICES), None: the mesh's size (dp * tp);
+    on the CPU every replica has its own emulated devices anyway. policy: one of
+    `policy.POLICIES` (None: "kv" with several replicas). weight / temperature: the kv
+    policy's (`policy.KvPolicy`)."""
+
+    replicas: int = 1
+    devices_per_replica: int | None = None
+    policy: str | None = None
+    weight: float = 1.0
+    temperature: float = 0.0
+    restart_dead_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.devices_per_replica is not None and self.devices_per_replica < 1:
+            raise ValueError(f"devices-per-replica: must be >= 1, got {self.devices_per_replica}")
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(
+                f"router-policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"router-weight: must be finite and >= 0, got {self.weight}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"router-temperature: must be finite and >= 0, got {self.temperature}")
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy or "kv"
+
+    def device_env(self, replica: int, mesh_devices: int) -> dict[str, str]:
+        """The environment that gives `replica` its own devices: CUDA_VISIBLE_DEVICES
+        picks its disjoint slice of the GPUs (of an existing CUDA_VISIBLE_DEVICES list,
+        if set). Empty for one replica."""
+        if self.replicas == 1:
+            return {}
+        per = self.devices_per_replica or mesh_devices
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(per * self.replicas)]
+        if len(ids) < per * self.replicas:
+            raise ValueError(
+                f"devices-per-replica: {self.replicas} replicas x {per} devices need "
+                f"{per * self.replicas}, CUDA_VISIBLE_DEVICES lists {len(ids)}"
+            )
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[replica * per : (replica + 1) * per])}

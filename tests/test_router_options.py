@@ -1,0 +1,53 @@
+"""`jaxserve serve` router flags: parsing, errors naming the flag, disjoint devices."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jaxserve.router.cli_args import add_router_arguments, router_options
+from jaxserve.router.options import RouterOptions
+
+
+def _parse(*argv: str) -> RouterOptions:
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    return router_options(parser.parse_args(list(argv)))
+
+
+def test_flags_and_defaults():
+    assert _parse() == RouterOptions()
+    opts = _parse("--replicas", "4", "--router-policy", "round-robin", "--router-weight", "2")
+    assert (opts.replicas, opts.policy_name, opts.weight) == (4, "round-robin", 2.0)
+    assert _parse("--replicas", "2").policy_name == "kv"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (("--replicas", "0"), "replicas"),
+        (("--devices-per-replica", "0"), "devices-per-replica"),
+        (("--router-weight", "-1"), "router-weight"),
+        (("--router-temperature", "nan"), "router-temperature"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        _parse(*argv)
+
+
+def test_each_replica_gets_a_disjoint_device_slice(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    opts = RouterOptions(replicas=3, devices_per_replica=2)
+    slices = [opts.device_env(k, mesh_devices=1)["CUDA_VISIBLE_DEVICES"] for k in range(3)]
+    assert slices == ["0,1", "2,3", "4,5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,5,3,1")
+    opts = RouterOptions(replicas=2)  # default: the mesh's size
+    assert [opts.device_env(k, mesh_devices=2)["CUDA_VISIBLE_DEVICES"] for k in range(2)] == [
+        "7,5",
+        "3,1",
+    ]
+    with pytest.raises(ValueError, match="devices-per-replica"):
+        RouterOptions(replicas=3).device_env(0, mesh_devices=2)
+    assert RouterOptions().device_env(0, mesh_devices=8) == {}
