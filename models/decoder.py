@@ -253,14 +253,8 @@ class DecoderOnlyLM(nnx.Module):
         for i in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{i}", ("layers", i)
             attn, hf_attn = (*ours, "self_attn"), f"{hf}.self_attn"
+            specs += layer_norm_specs(hf, ours, h)
             specs += [
-                one(
-                    (*ours, "input_layernorm", "weight"), copy(f"{hf}.input_layernorm.weight", (h,))
-                ),
-                one(
-                    (*ours, "post_attention_layernorm", "weight"),
-                    copy(f"{hf}.post_attention_layernorm.weight", (h,)),
-                ),
                 one((*attn, "q_proj"), linear(f"{hf_attn}.q_proj.weight", nq * d, h, (h, nq, d))),
                 one((*attn, "k_proj"), linear(f"{hf_attn}.k_proj.weight", nkv * d, h, (h, nkv, d))),
                 one((*attn, "v_proj"), linear(f"{hf_attn}.v_proj.weight", nkv * d, h, (h, nkv, d))),
@@ -280,19 +274,33 @@ class DecoderOnlyLM(nnx.Module):
             if c.is_moe_layer(i):
                 specs += self.moe_weight_specs(i)
             else:
-                specs += _dense_mlp_specs(hf, ours, h, c.intermediate_size)
-        specs.append(one(("norm", "weight"), copy("model.norm.weight", (h,))))
-        if self.lm_head is not None:
-            head = linear("lm_head.weight", c.vocab_size, h, (h, c.vocab_size))
-            specs.append(one(("lm_head",), head))
-        return specs
+                specs += dense_mlp_specs(hf, ours, h, c.intermediate_size)
+        return specs + final_specs(c, tied=self.lm_head is None)
 
     def moe_weight_specs(self, layer: int) -> list[WeightSpec]:
         """The MoE block's specs for decoder layer `layer` (family-specific names)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare its MoE weight names")
 
 
-def _dense_mlp_specs(hf: str, ours: tuple, hidden: int, inter: int) -> list[WeightSpec]:
+def layer_norm_specs(hf: str, ours: tuple, hidden: int) -> list[WeightSpec]:
+    """A decoder layer's two RMSNorm weights (input and post-attention), common to every
+    family here (Llama-style and DeepSeek)."""
+    return [
+        one((*ours, name, "weight"), copy(f"{hf}.{name}.weight", (hidden,)))
+        for name in ("input_layernorm", "post_attention_layernorm")
+    ]
+
+
+def final_specs(config: ModelConfig, *, tied: bool) -> list[WeightSpec]:
+    """The final norm and, unless the embeddings are tied, the LM head [embed, vocab]."""
+    h, v = config.hidden_size, config.vocab_size
+    specs = [one(("norm", "weight"), copy("model.norm.weight", (h,)))]
+    if not tied:
+        specs.append(one(("lm_head",), linear("lm_head.weight", v, h, (h, v))))
+    return specs
+
+
+def dense_mlp_specs(hf: str, ours: tuple, hidden: int, inter: int) -> list[WeightSpec]:
     mlp, hf_mlp = (*ours, "mlp"), f"{hf}.mlp"
     return [
         one(

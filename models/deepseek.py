@@ -16,7 +16,14 @@ from flax import nnx
 
 from jaxserve.models.base import KVLayout
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.decoder import DecoderLayer, DecoderOnlyLM, _dense_mlp_specs, moe_block_specs
+from jaxserve.models.decoder import (
+    DecoderLayer,
+    DecoderOnlyLM,
+    dense_mlp_specs,
+    final_specs,
+    layer_norm_specs,
+    moe_block_specs,
+)
 from jaxserve.models.deepseek_moe import DeepseekMoeBlock
 from jaxserve.models.layers import MLP, Parallelism, RMSNorm, param
 from jaxserve.models.mla import MlaAttention, mla_kv_layout
@@ -84,14 +91,8 @@ class DeepseekForCausalLM(DecoderOnlyLM):
         for i in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{i}", ("layers", i)
             attn, hf_attn = (*ours, "self_attn"), f"{hf}.self_attn"
+            specs += layer_norm_specs(hf, ours, h)
             specs += [
-                one(
-                    (*ours, "input_layernorm", "weight"), copy(f"{hf}.input_layernorm.weight", (h,))
-                ),
-                one(
-                    (*ours, "post_attention_layernorm", "weight"),
-                    copy(f"{hf}.post_attention_layernorm.weight", (h,)),
-                ),
                 one(
                     (*attn, "kv_a_proj_with_mqa"),
                     linear(
@@ -138,13 +139,8 @@ class DeepseekForCausalLM(DecoderOnlyLM):
             if c.is_moe_layer(i):
                 specs += self.moe_weight_specs(i)
             else:
-                specs += _dense_mlp_specs(hf, ours, h, c.intermediate_size)
-        specs.append(one(("norm", "weight"), copy("model.norm.weight", (h,))))
-        if self.lm_head is not None:
-            specs.append(
-                one(("lm_head",), linear("lm_head.weight", c.vocab_size, h, (h, c.vocab_size)))
-            )
-        return specs
+                specs += dense_mlp_specs(hf, ours, h, c.intermediate_size)
+        return specs + final_specs(c, tied=self.lm_head is None)
 
     def moe_weight_specs(self, layer: int) -> list[WeightSpec]:
         c, g = self.config, self.config.grouped_gate
