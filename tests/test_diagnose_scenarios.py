@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from scenario_load import Background, burst, free_port
@@ -27,6 +28,7 @@ from server_harness import REPO_DIR, ServerProcess
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.detokenizer_process import DELAY_ENV
+from jaxserve.observability.diagnose import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +42,18 @@ def _serve(*flags: str, env: dict | None = None) -> tuple[ServerProcess, str]:
         DEMO_MODEL_DIR, extra_args=(*_ENGINE, *flags, "--metrics-port", str(port)),
         env=env, start_timeout_s=900,
     ).wait_ready()  # fmt: skip
-    return srv, f"127.0.0.1:{port}"
+    metrics = f"127.0.0.1:{port}"
+    _wait_warmed_up(metrics)
+    return srv, metrics
+
+
+def _wait_warmed_up(metrics: str, timeout_s: float = 900.0) -> None:
+    """Wait until serve's background compilation is over: while it runs, diagnose rightly
+    names start-up, and the scenarios here are about the steady state."""
+    deadline = time.monotonic() + timeout_s
+    while scrape(f"http://{metrics}/metrics").get("jaxserve_engine_warmup_pending_shapes", 1):
+        assert time.monotonic() < deadline, "background compilation did not end"
+        time.sleep(1.0)
 
 
 def _diagnose(metrics: str, load) -> dict:

@@ -399,6 +399,7 @@ class EngineCore:
             last_coordination_s=ex.last_coordination_s,
             step_agreement_s=ex.step_agreement_s,
             coordination_bytes=ex.coordination_bytes,
+            warmup_pending_shapes=self.warmup.pending_shapes(),
             **self.layer_counters(),
         )
 

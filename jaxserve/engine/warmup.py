@@ -182,6 +182,13 @@ class WarmUp:
             )  # fmt: skip
         self.done.set()
 
+    def pending_shapes(self) -> int:
+        """Step shapes not compiled yet (0 once warm-up is done, or when it failed: the
+        rest then never compiles and the budget stays where it is)."""
+        if self.done.is_set():
+            return 0
+        return sum(not self.runner.is_compiled(s) for s in self.runner.buckets())
+
     def budget(self) -> tuple[int, int, int]:
         """(max_num_batched_tokens, max_num_seqs, num_decode_steps) the schedulers may
         use now: every step they can schedule fits a compiled shape."""

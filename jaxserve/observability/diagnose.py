@@ -5,6 +5,8 @@ parallelism, application, router), applied in this order to one window of metric
 (`Window`: the change of every counter and histogram between the first and the last of
 several scrapes of `--metrics-port`, and the highest value each gauge took):
 
+0. start-up: step shapes still compiling in the background (the step budget is held to
+   the compiled shapes, and the compile threads take CPU from the engine);
 1. memory: preemptions in the window, or KV blocks in use near the pool's size;
 2. application: the detokenizer lag (engine output -> frontend) or the frontend's event
    loop lag is a large part of the time per output token;
@@ -205,6 +207,18 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
         note = "idle: no requests in the window; diagnose while the load runs (jaxserve bench)"
         return Diagnosis(source, [], summary, note)
     findings: list[Finding] = []
+
+    # 0. start-up: background compilation still running
+    pending = w.max("jaxserve_engine_warmup_pending_shapes")
+    if pending > 0:
+        findings.append(Finding(
+            "start-up (background compilation)", "step shapes are still compiling: steps "
+            "are held to the compiled shapes and the compile threads take the engine's CPU",
+            {"warmup_pending_shapes": pending},
+            "diagnose again after the log line 'all N step shapes compiled' (or once "
+            "jaxserve_engine_warmup_pending_shapes is 0); --compile-all-at-start compiles "
+            "every shape before serving",
+        ))  # fmt: skip
 
     # 1. memory
     total = w.gauge("jaxserve_kv_blocks_total")

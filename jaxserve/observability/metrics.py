@@ -158,6 +158,10 @@ ENGINE_GAUGES = {
     "last_decode_tokens": (
         "jaxserve_engine_last_step_decode_tokens", "Decode tokens of the last engine step"
     ),
+    "warmup_pending_shapes": (
+        "jaxserve_engine_warmup_pending_shapes",
+        "Step shapes still compiling in the background after start-up (0: all compiled)",
+    ),
 }  # fmt: skip
 
 # Histograms the engine keeps (`observability.stats.EngineHistograms`): name -> (counts

@@ -84,6 +84,8 @@ class EngineCounters:
     prefill_steps / decode_steps: steps that computed any prefill / decode tokens (so
         prefill_tokens / prefill_steps is the mean prefill tokens per such step).
     last_prefill_tokens / last_decode_tokens: those tokens of the last step dispatched.
+    warmup_pending_shapes: step shapes still compiling in the background after start-up
+        (`engine.warmup.WarmUp`; the step budget is held to the compiled ones until 0).
     """
 
     num_steps: int = 0
@@ -118,6 +120,7 @@ class EngineCounters:
     decode_steps: int = 0
     last_prefill_tokens: int = 0
     last_decode_tokens: int = 0
+    warmup_pending_shapes: int = 0
 
 
 @dataclass(slots=True)

@@ -38,6 +38,8 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
             continue
         keep_max = f.name.startswith(("last_", "peak_"))  # a step's value, a device's peak
         setattr(counters, f.name, max(values) if keep_max else sum(values))
+    # A gauge of the replicas serving now (a dead one's last value would stay forever).
+    counters.warmup_pending_shapes = sum(s.counters.warmup_pending_shapes for s in live)
     histograms = EngineHistograms()
     for stats in all_seen:
         h = stats.histograms
