@@ -287,7 +287,12 @@ class AsyncEngineClient:
         (`_pending_aborts`) until the engine takes them again."""
         if reason == self.stalled_reason:
             return
+        was_stalled = self.stalled_reason is not None
         self.stalled_reason = reason
+        if reason is not None and was_stalled:
+            # Still stalled: the reason's text counts the silent seconds up, so it changes
+            # every check; keep it current for new refusals, log and end streams once.
+            return
         if reason is None:
             logger.warning("the stalled process is back: serving again")
             self._flush_aborts()

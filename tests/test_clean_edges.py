@@ -89,6 +89,7 @@ def test_stalled_engine_health_requests_aborts_and_recovery(server, channel):
     stream = stub.Generate(generate_request([70, 1], 3000, request_id="open"), timeout=60)
     next(stream)
     engine_pid = server.child("jaxserve.engine.process")
+    log_start = len(server.log())
     os.kill(engine_pid, signal.SIGSTOP)
     try:
         code, details = status_of(stream)
@@ -100,6 +101,9 @@ def test_stalled_engine_health_requests_aborts_and_recovery(server, channel):
         # Aborts answer at once, whatever the engine does (never UNKNOWN).
         for i in range(2000):
             assert stub.Abort(pb.AbortRequest(request_id=f"none-{i}"), timeout=5).found is False
+        time.sleep(1.0)  # several liveness checks while still stalled
+        # One stall, one error line (the reason's seconds count up; no line per check).
+        assert server.log()[log_start:].count("stalled: the engine process") == 1
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     deadline = time.monotonic() + 10

@@ -54,7 +54,8 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         metavar="DIR",
         help="model folder whose tokenizer.json builds the prompts (default: the "
-        "server's model folder over gRPC when this machine has it, else the demo)",
+        "server's model when this machine has its folder or Hub id; the demo's for the "
+        "demo model; any other model needs this flag)",
     )
     d = b.add_argument_group("dataset")
     d.add_argument(
@@ -150,19 +151,54 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _tokenizer_dir(args: argparse.Namespace) -> str:
+    """The folder whose tokenizer.json builds the prompts: --tokenizer; else the server's
+    model when this machine has it (the served name as a folder, or a Hugging Face id
+    `hub.resolve_model` finds); else the demo's when the server serves the demo model.
+    Raises ValueError naming --tokenizer for any other model: prompts built with another
+    model's tokenizer would carry wrong token ids and counts."""
     if args.tokenizer:
         return args.tokenizer
-    if args.backend == "grpc":
-        from jaxserve.frontend.client import JaxserveClient
+    name = _served_model(args)
+    if name is None:  # unreachable now: the run's own requests will say so
+        return str(DEMO_MODEL_DIR)
+    if (Path(name) / "tokenizer.json").is_file():
+        return name
+    if name == DEMO_MODEL_DIR.name:
+        return str(DEMO_MODEL_DIR)
+    from jaxserve.hub import looks_like_repo_id, resolve_model
 
+    if looks_like_repo_id(name):
         try:
-            with JaxserveClient(args.server) as c:
-                model = c.server_info(timeout=10).model
-            if (Path(model) / "tokenizer.json").is_file():
-                return model
-        except Exception:  # unreachable now: the run's own requests will say so
-            pass
-    return str(DEMO_MODEL_DIR)
+            folder = resolve_model(name)
+        except ValueError:
+            folder = ""
+        if folder and (Path(folder) / "tokenizer.json").is_file():
+            return folder
+    raise ValueError(
+        f"--tokenizer: the server serves {name!r}, whose tokenizer this machine cannot "
+        "find; pass --tokenizer MODEL_DIR (the served model's folder)"
+    )
+
+
+def _served_model(args: argparse.Namespace) -> str | None:
+    """The model name the server reports (gRPC GetServerInfo, HTTP /v1/models), None when
+    it cannot be asked."""
+    try:
+        if args.backend == "grpc":
+            from jaxserve.frontend.client import JaxserveClient
+
+            with JaxserveClient(args.server, api_key=args.api_key) as c:
+                return c.server_info(timeout=10).model
+        import urllib.request
+
+        base = args.server if "://" in args.server else f"http://{args.server}"
+        req = urllib.request.Request(base.rstrip("/") + "/v1/models")
+        if args.api_key:
+            req.add_header("Authorization", f"Bearer {args.api_key}")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - any failure here: the run's requests will say why
+        return None
 
 
 def build_dataset(args: argparse.Namespace, tokenizer):

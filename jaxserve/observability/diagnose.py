@@ -12,8 +12,8 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
    loop lag is a large part of the time per output token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
-4. router: one replica much busier than the others (needs per-replica series: a
-   `replica` label; none before the replica router lands);
+4. router: a replica that does not serve (`jaxserve_replica_up` 0), or one much busier
+   than the others (`jaxserve_replica_running`; both exist with several replicas);
 5. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
    requests waiting: more requests than the engine runs at once;
 6. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
@@ -275,7 +275,17 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             ))  # fmt: skip
 
     # 4. router (per-replica series only exist with several replicas)
-    running = w.labelled("jaxserve_num_requests_running", "replica")
+    up = w.labelled("jaxserve_replica_up", "replica")
+    down = sorted(r for r, v in up.items() if v < 1)
+    if down:
+        findings.append(Finding(
+            "router (replicas)", f"{len(down)} of {len(up)} replicas do not serve "
+            "(dead, stalled or starting): the others take all the traffic",
+            {"replicas_down": ",".join(down), "replicas": len(up)},
+            "the serve log names why each stopped (GetServerInfo's replicas[].reason); "
+            "--restart-dead-replicas brings dead ones back",
+        ))  # fmt: skip
+    running = w.labelled("jaxserve_replica_running", "replica")
     if len(running) > 1:
         mean_r = sum(running.values()) / len(running)
         hot, hot_v = max(running.items(), key=lambda kv: kv[1])

@@ -56,6 +56,8 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         num_blocks_total=sum(s.num_blocks_total for s in live),
         num_blocks_free=sum(s.num_blocks_free for s in live),
         vocab_size=first.vocab_size,
+        kv_bytes_per_token=first.kv_bytes_per_token,
+        kv_layout=first.kv_layout,
         num_running=sum(s.num_running for s in live),
         num_waiting=sum(s.num_waiting for s in live),
         ready=bool(live),
@@ -67,7 +69,7 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
 def update_gauges(metrics, replicas, router) -> None:
     """Set each replica's gauges (`router.metrics.RouterMetrics.replica`)."""
     for rep in replicas:
-        s = rep.last_stats or EngineStats()
+        s = _live_stats(rep)
         metrics.replica(
             rep.index,
             up=float(rep.client.ready),
@@ -83,7 +85,7 @@ def replica_info(replicas, router) -> list[dict]:
     """Per replica (`replicas.Replica`), the fields of GetServerInfo's `ReplicaInfo`."""
     out = []
     for rep in replicas:
-        s = rep.last_stats or EngineStats()
+        s = _live_stats(rep)
         out.append(
             dict(
                 replica=rep.index,
@@ -103,3 +105,10 @@ def replica_info(replicas, router) -> list[dict]:
             )
         )
     return out
+
+
+def _live_stats(rep) -> EngineStats:
+    """A replica's last stats; empty for a dead one (it holds no requests or blocks)."""
+    if rep.state == "dead" or rep.last_stats is None:
+        return EngineStats()
+    return rep.last_stats
