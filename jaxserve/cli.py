@@ -117,6 +117,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         routing = _router_options(args)
         if routing.replicas > 1 and dist is not None:
             raise ValueError("--replicas: not supported with several processes per replica yet")
+        if server.chat_template is not None:
+            if server.http_port is None:
+                raise ValueError(
+                    "chat-template: it is for the HTTP API's /v1/chat/completions; give "
+                    "--http-port too"
+                )
+            from jaxserve.frontend.http.chat_template import load_chat_template
+
+            # A template that cannot be read or compiled: exit 2 before any process starts.
+            load_chat_template(config.model, server.chat_template)
     except ValueError as e:
         return _fail(e, 2, dist)
     try:

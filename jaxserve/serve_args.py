@@ -271,7 +271,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--chat-template",
         metavar="FILE",
         help="Jinja chat template (or a JSON file with a chat_template entry) replacing "
-        "the model's, for /v1/chat/completions (default: the model folder's)",
+        "the model's, for /v1/chat/completions; needs --http-port (default: the model "
+        "folder's)",
     )
     srv.add_argument(
         "--stats-log-interval",

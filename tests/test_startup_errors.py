@@ -98,6 +98,24 @@ def test_unknown_log_level():
     assert code == 2 and "unknown log level 'loud'" in one_error_line(lines)
 
 
+def test_chat_template_without_http_port(model_copy):
+    code, lines = serve(str(model_copy), "--chat-template", "t.jinja", *MOCK)
+    assert code == 2 and "chat-template: " in one_error_line(lines) and "--http-port" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "text, cause", [(None, "cannot read"), ("{% for m in messages %}{{ m }", "not a valid Jinja")]
+)
+def test_bad_chat_template_is_a_bad_setting(model_copy, tmp_path, text, cause):
+    template = tmp_path / "t.jinja"
+    if text is not None:
+        template.write_text(text)
+    code, lines = serve(
+        str(model_copy), "--chat-template", str(template), "--http-port", "0", *MOCK
+    )
+    assert code == 2 and f"chat-template: {cause}" in one_error_line(lines)
+
+
 def test_busy_port(model_copy):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
