@@ -110,6 +110,9 @@ class ServerInfo:
     vocab_size: int
     kv_bytes_per_token: int = 0
     kv_layout: str = ""
+    # With `serve --replicas N`: one dict per replica, the fields of the proto's
+    # `ReplicaInfo` (replica, state, reason, KV blocks, requests, router load, ...).
+    replicas: list[dict] = field(default_factory=list)
 
 
 def _logprobs(entries) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
@@ -289,7 +292,11 @@ class JaxserveClient:
         info = self._stub.GetServerInfo(
             pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
         )
-        return ServerInfo(**{f: getattr(info, f) for f in ServerInfo.__slots__})
+        fields = {f: getattr(info, f) for f in ServerInfo.__slots__ if f != "replicas"}
+        replicas = [
+            {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in info.replicas
+        ]
+        return ServerInfo(**fields, replicas=replicas)
 
     def is_serving(self, *, timeout: float | None = 5.0) -> bool:
         """True if the health service says SERVING (False if unreachable)."""

@@ -149,3 +149,7 @@ def test_metrics_show_each_replica_and_every_decision(server, client):
         decisions = _metric(text, "jaxserve_router_decisions_total", k)
         assert decisions == infos[k].router_decisions
     assert _metric(text, "jaxserve_replica_index_blocks", 1) == 0.0
+    # The Python client's ServerInfo carries the replicas; a dead one holds nothing.
+    replicas = client.server_info().replicas
+    assert [r["state"] for r in replicas] == ["serving", "dead", "serving"]
+    assert replicas[1]["num_running"] == 0 and replicas[1]["kv_blocks_total"] == 0
