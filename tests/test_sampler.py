@@ -349,10 +349,12 @@ def test_largest_logit_bias_wins_even_when_it_overflows(temperature):
     num = 64
     logits_row = random_logits(9, rows=1)[0]
     target = int(np.argmin(logits_row))  # the least likely token without the bias
-    plain = SamplingParams(temperature=temperature, logit_bias={target: FLOAT32_MAX})
-    penalized = SamplingParams(
-        temperature=temperature, logit_bias={target: FLOAT32_MAX}, repetition_penalty=0.5
-    )
+    plain = SamplingParams(temperature=temperature)
+    penalized = SamplingParams(temperature=temperature, repetition_penalty=0.5)
+    # SamplingParams bounds a bias to +-100 (OpenAI's rule) at construction; the sampler
+    # itself must stay safe for whatever reaches it, so the bias is set past that check.
+    for params in (plain, penalized):
+        params.logit_bias = {target: FLOAT32_MAX}
     prompt = np.array([target], np.int32)  # the penalty applies to tokens seen
     rows = [SamplingRow(plain if s % 2 else penalized, prompt, [], s) for s in range(num)]
     md = prepare_sampling_metadata(rows, num, VOCAB, HISTORY)
@@ -381,8 +383,10 @@ def test_unpackable_row_is_reported_and_left_as_padding(mixed_batch):
     """With row_errors, one row that cannot be packed does not fail the batch: it is
     padding, its error is reported, and the other rows are packed as usual."""
     _, rows = mixed_batch
+    too_many = SamplingParams()  # more entries than SamplingParams accepts: set past its check
+    too_many.logit_bias = {t: 1.0 for t in range(sampler.MAX_LOGIT_BIAS + 1)}
     bad = SamplingRow(
-        SamplingParams(logit_bias={t: 1.0 for t in range(sampler.MAX_LOGIT_BIAS + 1)}),
+        too_many,
         rows[1].prompt_token_ids,
         rows[1].output_token_ids,
         rows[1].seed,
