@@ -133,8 +133,7 @@ class DecoderOnlyLM(nnx.Module):
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List(
-            DecoderLayer(c, i, self.QK_NORM, dtype, rngs, parallel)
-            for i in range(c.num_hidden_layers)
+            self.make_layer(c, i, dtype, rngs, parallel) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
         self.lm_head = (
@@ -142,6 +141,17 @@ class DecoderOnlyLM(nnx.Module):
             if c.tie_word_embeddings
             else param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype)
         )
+
+    def make_layer(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        parallel: Parallelism | None,
+    ) -> nnx.Module:
+        """Decoder layer `layer` (families with another layer type override this)."""
+        return DecoderLayer(config, layer, self.QK_NORM, dtype, rngs, parallel)
 
     def __call__(
         self,

@@ -25,7 +25,7 @@ from jaxserve.models.decoder import (
     moe_block_specs,
 )
 from jaxserve.models.deepseek_moe import DeepseekMoeBlock
-from jaxserve.models.layers import MLP, Parallelism, RMSNorm, param
+from jaxserve.models.layers import MLP, Parallelism, RMSNorm
 from jaxserve.models.mla import MlaAttention, mla_kv_layout
 from jaxserve.models.weight_map import WeightSpec, copy, linear, one
 
@@ -65,19 +65,11 @@ class DeepseekForCausalLM(DecoderOnlyLM):
     ):
         if config.mla is None or config.grouped_gate is None:
             raise ValueError(f"{config.architecture}: not a DeepSeek (MLA) config")
-        self.config = config
-        self.parallel = parallel
-        c = config
-        self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List(
-            DeepseekDecoderLayer(c, i, dtype, rngs, parallel) for i in range(c.num_hidden_layers)
-        )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, "embed", dtype, rngs)
-        self.lm_head = (
-            None
-            if c.tie_word_embeddings
-            else param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype)
-        )
+        super().__init__(config, dtype, rngs=rngs, parallel=parallel)
+
+    def make_layer(self, config, layer, dtype, rngs, parallel) -> nnx.Module:
+        """An MLA decoder layer (dense or DeepSeek MoE by `is_moe_layer`)."""
+        return DeepseekDecoderLayer(config, layer, dtype, rngs, parallel)
 
     def kv_layout(self) -> KVLayout:
         """The latent cache: kv_lora_rank + qk_rope_head_dim values per token and layer."""
