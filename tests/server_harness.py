@@ -132,6 +132,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range() -> int:
+    """A port on 127.0.0.1 with the next two free too, a moment ago (a multi-process
+    run's coordinator port; its step channel uses port + 1 and + 2)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            for offset in (1, 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
 def child_pids(pid: int) -> list[int]:
     """Children of `pid`, from /proc/*/stat (field 4 is the parent pid)."""
     children = []

@@ -19,28 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from model_utils import write_hf_checkpoint
+from server_harness import free_port_range
 from sharding_utils import mesh_qwen3_moe_config
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_eplb_worker.py"
-
-
-def _free_port() -> int:
-    """A port with the next two free too (the step channel uses port + 1 and + 2)."""
-    import socket  # noqa: PLC0415
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for offset in (1, 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + offset))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +40,7 @@ def test_two_process_eplb_applies_every_placement_everywhere(model_dir, tmp_path
 
     from jaxserve.engine.core import EngineCore
 
-    port, out = _free_port(), tmp_path / "eplb.json"
+    port, out = free_port_range(), tmp_path / "eplb.json"
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
@@ -107,7 +90,7 @@ def test_a_placement_without_eplb_stops_the_follower_with_a_clear_error():
     from jaxserve.distributed.executor import follow
     from jaxserve.distributed.step_channel import PLACEMENT, StepPublisher, StepSubscriber
 
-    port = _free_port() + 1
+    port = free_port_range() + 1
     errors: list[BaseException] = []
 
     def run_follower() -> None:
@@ -133,7 +116,7 @@ def test_a_placement_at_another_step_stops_the_follower():
     from jaxserve.distributed.executor import follow
     from jaxserve.distributed.step_channel import PLACEMENT, StepPublisher, StepSubscriber
 
-    port = _free_port() + 1
+    port = free_port_range() + 1
     errors: list[BaseException] = []
     applied: list[np.ndarray] = []
 

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import grpc
 import numpy as np
 import pytest
 from model_utils import write_hf_checkpoint
-from server_harness import ServerProcess, alive, child_pids
+from server_harness import ServerProcess, alive, child_pids, free_port_range
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve import distributed
@@ -36,22 +35,6 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 WORKER = TESTS / "multihost_worker.py"
 ENGINE_WORKER = TESTS / "multihost_engine_worker.py"
-
-
-def _free_port() -> int:
-    """A port with the next one free too (the step channel uses port + 1 and + 2)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for offset in (1, 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + offset))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +48,7 @@ def model_dir(tmp_path_factory):
 def _run_processes(
     model_dir: Path, dp: int, tp: int, num_processes: int, out: Path, worker: Path = WORKER
 ) -> dict:
-    port = _free_port()
+    port = free_port_range()
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
@@ -141,7 +124,7 @@ def test_two_process_engine_matches_one_process(model_dir, tmp_path):
 
 
 def test_step_channel_delivers_every_step_in_order():
-    port = _free_port()
+    port = free_port_range()
     import threading
 
     received = []
@@ -255,7 +238,7 @@ def _wait_event(event: threading.Event, timeout_s: float) -> float:
 
 
 def test_step_channel_names_a_dead_follower_at_once():
-    port = _free_port()
+    port = free_port_range()
     child = _channel_end_process(port, "follower")
     lost, reported = [], threading.Event()
 
@@ -278,7 +261,7 @@ def test_step_channel_names_a_dead_follower_at_once():
 
 
 def test_step_channel_names_a_dead_leader_at_once():
-    port = _free_port()
+    port = free_port_range()
     child = _channel_end_process(port, "leader")
     lost, reported = [], threading.Event()
 
@@ -304,7 +287,7 @@ def test_a_follower_exits_with_code_3_naming_the_dead_leader():
     leader's process dies, it exits at once with EXIT_PEER_LOST and says why."""
     from jaxserve.engine.process import EXIT_PEER_LOST
 
-    port = _free_port()
+    port = free_port_range()
     leader = _channel_end_process(port, "leader")
     follower = _channel_end_process(port, "follower_exits")
     try:
@@ -324,7 +307,7 @@ def test_a_follower_exits_with_code_3_naming_the_dead_leader():
 
 
 def test_step_channel_clean_stop_reports_no_loss():
-    port = _free_port()
+    port = free_port_range()
     lost: list[int] = []
     subs = []
 
@@ -346,7 +329,7 @@ def test_step_channel_clean_stop_reports_no_loss():
 
 
 def test_step_channel_rejects_a_duplicate_process_id():
-    port = _free_port()
+    port = free_port_range()
     joined: list[StepSubscriber] = []
 
     def follower() -> None:
@@ -391,7 +374,7 @@ def two_process_serve(tmp_path_factory):
     the offline results of SERVE_PROMPTS on one device, computed while they start."""
     from jaxserve import LLM, SamplingParams
 
-    port = _free_port()
+    port = free_port_range()
     env = {
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
