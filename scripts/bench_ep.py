@@ -71,8 +71,10 @@ from pathlib import Path
 from jaxserve.sharding.dispatch_capacity import DEFAULT_CAPACITY_FACTOR
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 512, 256, 16, 2
-# A step's host inputs as the engine packs them: token/request buckets, block-table width.
-STEP_TOKENS, STEP_ROWS, BLOCKS_PER_ROW = 64, 64, 256
+# A step's host inputs as the engine packs them (one definition, with the step-agreement
+# benchmark's; scripts/ is on sys.path when a script runs).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step_agreement import STEP_ROWS, STEP_TOKENS, _step_host_inputs  # noqa: E402
 
 
 def _setup_cpu(num_devices: int) -> None:
@@ -345,23 +347,6 @@ def print_simulation(rows: list[dict]) -> None:
 
 
 # ----- part 2: per-step coordination, 1 process vs 2 --------------------------------------
-
-
-def _step_host_inputs(step: int):
-    """Arrays shaped like one engine step's packed inputs (~70 KB)."""
-    import numpy as np
-
-    rng = np.random.default_rng(step)
-    return [
-        rng.integers(0, 32000, STEP_TOKENS, dtype=np.int32),  # token ids
-        np.arange(STEP_TOKENS, dtype=np.int32),  # positions
-        np.arange(STEP_TOKENS, dtype=np.int32),  # slot mapping
-        rng.integers(0, 4096, (STEP_ROWS, BLOCKS_PER_ROW), dtype=np.int32),  # block tables
-        np.full(STEP_ROWS, 100, np.int32),  # seq lens
-        np.arange(STEP_ROWS + 1, dtype=np.int32),  # query start loc
-        np.arange(STEP_TOKENS, dtype=np.int32) % STEP_ROWS,  # token -> row
-        rng.random((STEP_ROWS, 4)).astype(np.float32),  # sampling parameters
-    ]
 
 
 def coordination_worker(steps: int, out: str) -> None:
