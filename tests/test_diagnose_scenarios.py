@@ -4,8 +4,10 @@ tree is reached by a constructed scenario, not by fabricated metric values.
 One server (the demo model, --max-num-seqs 2, a KV pool of 9 usable blocks of 16 tokens)
 serves three scenarios in turn, each diagnosed over its own window while its load runs:
   healthy: one short request at a time -> no layer;
-  queueing: bursts of 12 short requests (6x --max-num-seqs; they fit the KV pool) ->
-      scheduling (queue);
+  queueing: bursts of 32 requests of 24 tokens (16x --max-num-seqs; each fits the KV
+      pool) -> scheduling (queue). The burst is sized so the mean queue time stays well
+      above diagnose's 0.1 s floor on a fast machine too (12 x 16 tokens gave 0.098 s on CI);
+
   memory: pairs of long requests (140 tokens each, two need 18 of the 9 blocks) ->
       memory (KV cache).
 A second server runs with the detokenizer test hook (`JAXSERVE_TEST_DETOKENIZER_DELAY_S`,
@@ -92,7 +94,7 @@ def test_healthy_server_names_no_layer(small_server):
 
 def test_burst_beyond_max_num_seqs_is_queueing(small_server):
     srv, metrics = small_server
-    result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 12, max_tokens=16))
+    result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 32, max_tokens=24))
     assert result["layer"] == "scheduling (queue)", result
     numbers = result["findings"][0]["numbers"]
     assert numbers["queue_share_of_ttft"] >= 0.5 and numbers["waiting_peak"] > 0
