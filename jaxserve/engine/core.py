@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.builder import CompileCounter, build_engine
-from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import uses_penalties
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step_inputs import StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
 from jaxserve.observability.peaks import engine_peak
 from jaxserve.observability.profile import TIMELINE
@@ -59,8 +59,8 @@ class EngineCore:
         executor: makes the executor from the compiled runner (default: `Executor`, one
             process); the multi-process leader passes a `LeaderExecutor` factory.
 
-    On a mesh each dp rank has its own scheduler and KV pool (`dp_scheduler.DPScheduler`)
-    and each step runs every rank's batch at once (DP attention).
+    Each dp rank has its own requests and KV pool in the one scheduler (`scheduler.Rank`;
+    one device is one rank), and each step runs every rank's batch at once (DP attention).
 
     Raises:
         ValueError / MeshError: as `build_engine` (a config field out of range, named in
@@ -87,8 +87,6 @@ class EngineCore:
         self.mesh = parts.mesh
         self.dp = config.mesh.dp
         self.max_model_len = parts.max_model_len
-        self.block_managers = parts.block_managers
-        self.block_manager = self.block_managers[0]
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.warmup = parts.warmup
@@ -118,6 +116,16 @@ class EngineCore:
         )
         self.queue_time = Histogram(LATENCY_BUCKETS_S)
         self.kv_blocks_used_max = 0
+
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        """The scheduler's KV block pools, one per dp rank."""
+        return self.scheduler.block_managers
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """Rank 0's KV block pool (one rank: the pool)."""
+        return self.scheduler.bm
 
     @property
     def num_compilations(self) -> int:
@@ -265,7 +273,7 @@ class EngineCore:
 
     # The step's phases, each a span of the profiler's host timeline (observability.profile).
 
-    def _schedule(self) -> SchedulerOutput | DPSchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         t = TIMELINE.now()
         sched = self.scheduler.schedule()
         TIMELINE.span("schedule", t)
@@ -277,15 +285,14 @@ class EngineCore:
         TIMELINE.span("outputs", t)
         return outputs
 
-    def _dispatch(self, x: StepInputs | DPStepInputs, sched) -> InFlightStep:
+    def _dispatch(self, x: StepInputs, sched: SchedulerOutput) -> InFlightStep:
         """`executor.dispatch`, metered: queue times of first-scheduled requests, the
         step's shapes and its start (`observability.step_cost.StepMeter`)."""
         now = time.time()
-        for rank in getattr(sched, "ranks", None) or [sched]:
-            for row in rank.requests:
-                if row.seq.first_scheduled_time is None:
-                    row.seq.first_scheduled_time = now
-                    self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
+        for row in sched.requests:
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = now
+                self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
         t = TIMELINE.now()
         step = self.executor.dispatch(x, sched)
         TIMELINE.span("dispatch", t)
@@ -301,10 +308,8 @@ class EngineCore:
         return samples
 
     def _prepare(
-        self,
-        sched: SchedulerOutput | DPSchedulerOutput,
-        in_flight: SchedulerOutput | DPSchedulerOutput | None = None,
-    ) -> StepInputs | DPStepInputs:
+        self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None
+    ) -> StepInputs:
         """The runner's packed inputs of `sched` (tokens `in_flight` still samples left
         pending), after ending every request whose sampling row could not be packed
         (see `_end_unpackable_rows`)."""
@@ -314,9 +319,7 @@ class EngineCore:
         TIMELINE.span("pack", t)
         return x
 
-    def _end_unpackable_rows(
-        self, sched: SchedulerOutput | DPSchedulerOutput, x: StepInputs | DPStepInputs
-    ) -> None:
+    def _end_unpackable_rows(self, sched: SchedulerOutput, x: StepInputs) -> None:
         """Abort the requests of x's `row_errors`; their final output becomes an error.
 
         Defence in depth: `SamplingParams.validate` at `add_request` should reject every
@@ -325,13 +328,7 @@ class EngineCore:
         their blocks, and the step's results for them are discarded by `update` (as for
         any request aborted while a step that holds it is in flight).
         """
-        pairs = (
-            zip(sched.ranks, x.ranks, strict=True) if isinstance(x, DPStepInputs) else [(sched, x)]
-        )
-        failed: dict[str, str] = {}
-        for rank_sched, rank_x in pairs:
-            for row, error in rank_x.row_errors.items():
-                failed[rank_sched.requests[row].seq.request_id] = error
+        failed = {sched.requests[row].seq.request_id: e for row, e in x.row_errors.items()}
         if not failed:
             return
         logger.error(
@@ -351,7 +348,7 @@ class EngineCore:
         return EngineStats(
             model=self.config.served_model_name or Path(self.config.model).name,
             max_model_len=self.max_model_len,
-            block_size=self.block_manager.block_size,
+            block_size=s.bm.block_size,
             num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
             num_blocks_free=sum(bm.num_free_blocks for bm in bms),
             vocab_size=self.model_config.vocab_size,

@@ -1,7 +1,7 @@
 """What a step produced, on the host: the sampled tokens (`StepSamples`) and the
 `ipc.RequestOutput`s built from them (token ids, finish state, log-probs, the prompt's
 log-probs, the first output's header). Plain data: no JAX, no scheduling decisions
-(`samples_arrays` / `step_samples` take the device-to-host copy as a function).
+(`step_samples` takes the device-to-host copy as a function).
 """
 
 from __future__ import annotations
@@ -105,45 +105,36 @@ def add_prompt_logprobs(seq: Request, computed: tuple[int, list] | None) -> None
         seq.prompt_logprobs.extend(entries[have - first :])
 
 
-def samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
-    """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
-    prompt top logprobs, expert counts) on the host, in one transfer; None for what the
-    step does not need."""
-    wanted = (out.token_ids,)
-    wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
-    prompt = out.prompt_logprobs.shape[0] > 0
-    wanted += (
-        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
-        if prompt
-        else (None,) * 3
-    )
-    return get((*wanted, out.expert_counts))
-
-
 def step_samples(out: StepOutput, x: StepInputs, get) -> tuple[StepSamples, np.ndarray]:
-    """(StepSamples, expert counts [M, S]) of a one-rank step's `step_fn.StepOutput` (device arrays
-    with get=jax.device_get, host arrays with get=identity). The counts come back in the
-    same transfer as the tokens."""
-    n = x.num_rows
-    if x.logprob_rows:
-        token_ids, logprobs, top_ids, top_lps, counts = get(
-            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs, out.expert_counts)
-        )
-        samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
-    else:
-        token_ids, counts = get((out.token_ids, out.expert_counts))
-        samples = StepSamples(np.asarray(token_ids)[:, :n])
-    if x.prompt_spans:
-        samples.prompt_logprobs = _prompt_entries(
-            x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
-        )
+    """(StepSamples, expert counts [M, S]) of a step's `step_fn.StepOutput` (device arrays
+    with get=`distributed.arrays.replicated_to_host`, host arrays with get=identity).
+
+    One transfer: the tokens, the expert counts, and the log-probs and prompt log-probs
+    only when a row of x wants them. Row r of the samples is the step's row r (all dp
+    ranks: column x.sample_rows[r] of the outputs).
+    """
+    logprobs = (out.logprobs, out.top_token_ids, out.top_logprobs) if x.logprob_rows else ()
+    prompt = (
+        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs) if x.prompt_spans else ()
+    )
+    host = get((out.token_ids, out.expert_counts, logprobs, prompt))
+    token_ids, counts, logprobs, prompt = host
+    cols = x.sample_rows
+    samples = StepSamples(np.asarray(token_ids)[:, cols])
+    if logprobs:
+        lps, top_ids, top_lps = logprobs
+        samples.logprobs, samples.top_token_ids = lps[:, cols], top_ids[:, cols]
+        samples.top_logprobs = top_lps[:, cols]
+    if prompt:
+        samples.prompt_logprobs = _prompt_entries(x, *prompt)
     return samples, np.asarray(counts)
 
 
 def _prompt_entries(
     x: StepInputs, logprobs: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
 ) -> dict[int, tuple[int, list]]:
-    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...])."""
+    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...]);
+    the arrays are the step's [dp * T] prompt outputs."""
     entries = {}
     for span in x.prompt_spans:
         rows = []

@@ -42,6 +42,8 @@ class Request:
     params: the request's sampling and stopping parameters.
     seed: the resolved per-request RNG seed (drawn by the engine when params.seed is None).
     arrival_seq: admission order (FCFS position; larger = newer; preemption picks the largest).
+    rank: the dp rank the scheduler assigned it to on arrival (its KV blocks live in that
+        rank's pool; block ids are local to it). 0 with one rank.
     num_computed_tokens: tokens whose K/V are in the cache (a prefix of token_ids).
     block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
     block_hashes: chained hashes of the full blocks of token_ids, filled lazily.
@@ -64,6 +66,7 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_seq: int = 0
+    rank: int = 0
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
