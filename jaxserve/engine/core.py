@@ -36,7 +36,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import uses_penalties
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_inputs import StepInputs
-from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
+from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 from jaxserve.observability.peaks import engine_peak
 from jaxserve.observability.profile import TIMELINE
 from jaxserve.observability.stats import (
@@ -100,7 +100,7 @@ class EngineCore:
         # The async batch queue: the dispatched step whose outputs are not processed yet.
         self._inflight: InFlightStep | None = None
         self._rng = np.random.default_rng(config.seed)
-        self._rejected: list[RequestOutput] = []
+        self._rejected: list[TokenOutput] = []
         # Requests ended because their sampling row could not be packed: request id ->
         # error, turned into their final output's error (see `_end_unpackable_rows`).
         self._row_errors: dict[str, str] = {}
@@ -201,7 +201,7 @@ class EngineCore:
 
     # ----- the step ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         """One scheduling decision and at most one device call; with async scheduling,
         the outputs returned are those of the step dispatched by the previous call.
 
@@ -229,7 +229,7 @@ class EngineCore:
         self.kv_blocks_used_max = max(self.kv_blocks_used_max, used)
         return outputs
 
-    def _step_sync(self) -> list[RequestOutput]:
+    def _step_sync(self) -> list[TokenOutput]:
         """schedule -> execute -> update, one step at a time."""
         sched = self._schedule()
         if sched.is_empty:
@@ -238,7 +238,7 @@ class EngineCore:
         samples = self._fetch(self._dispatch(x, sched))
         return self._update(sched, samples)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self) -> list[TokenOutput]:
         """The batch queue of depth one: schedule and pack step N + 1 while N runs, then
         fetch N, dispatch N + 1 with N's tokens filled in, and update from N."""
         if self._inflight is None:
@@ -256,7 +256,7 @@ class EngineCore:
             self._inflight = self._dispatch(x, nxt)
         return self._update(done.sched, samples)
 
-    def _rebalance(self) -> list[RequestOutput]:
+    def _rebalance(self) -> list[TokenOutput]:
         """Re-place the experts if the EPLB plan changes any layer. The step in flight
         (async scheduling) is finished first, since the move donates the weights it
         reads; its outputs are returned."""
@@ -279,7 +279,7 @@ class EngineCore:
         TIMELINE.span("schedule", t)
         return sched
 
-    def _update(self, sched, samples) -> list[RequestOutput]:
+    def _update(self, sched, samples) -> list[TokenOutput]:
         t = TIMELINE.now()
         outputs = self.scheduler.update(sched, samples)
         TIMELINE.span("outputs", t)
@@ -420,7 +420,7 @@ class EngineCore:
         )
 
 
-def _mark_errors(outputs: list[RequestOutput], errors: dict[str, str]) -> None:
+def _mark_errors(outputs: list[TokenOutput], errors: dict[str, str]) -> None:
     """Turn the "abort" final outputs of the requests in `errors` into "error" ones
     (popping them from `errors`)."""
     for out in outputs:
@@ -428,12 +428,12 @@ def _mark_errors(outputs: list[RequestOutput], errors: dict[str, str]) -> None:
             out.finish_reason, out.error = "error", errors.pop(out.request_id)
 
 
-def _error_output(req: EngineRequest, error: str) -> RequestOutput:
+def _error_output(req: EngineRequest, error: str) -> TokenOutput:
     try:
         prompt = np.asarray(req.prompt_token_ids, np.int64).reshape(-1)
     except (TypeError, ValueError):
         prompt = np.zeros(0, np.int64)
-    return RequestOutput(
+    return TokenOutput(
         request_id=req.request_id,
         new_token_ids=[],
         finish_reason="error",

@@ -1,5 +1,5 @@
 """What a step produced, on the host: the sampled tokens (`StepSamples`) and the
-`ipc.RequestOutput`s built from them (token ids, finish state, log-probs, the prompt's
+`ipc.TokenOutput`s built from them (token ids, finish state, log-probs, the prompt's
 log-probs, the first output's header). Plain data: no JAX, no scheduling decisions
 (`step_samples` takes the device-to-host copy as a function).
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.engine.request import Request
-from jaxserve.ipc import RequestOutput
+from jaxserve.ipc import TokenOutput
 
 if TYPE_CHECKING:
     from jaxserve.engine.step_fn import StepOutput
@@ -26,7 +26,7 @@ class StepSamples:
     token_ids: [S, R] int32, S = decode steps of the call (a [R] array means S = 1);
     logprobs: [S, R] float32 or None; top_token_ids / top_logprobs: [S, R, K] or None.
     prompt_logprobs: row -> (first prompt position, entries) for rows that computed
-        prompt log-probs (entries in ipc.RequestOutput.logprobs format).
+        prompt log-probs (entries in ipc.TokenOutput.logprobs format).
     """
 
     token_ids: np.ndarray
@@ -46,8 +46,8 @@ class StepSamples:
 
 def request_output(
     seq: Request, new_token_ids: list[int], logprobs: list | None = None
-) -> RequestOutput:
-    """The RequestOutput of `seq` after it got `new_token_ids` (or finished): carries the
+) -> TokenOutput:
+    """The TokenOutput of `seq` after it got `new_token_ids` (or finished): carries the
     `first` header on seq's first output and the prompt log-probs with its first tokens."""
     first = prompt_logprobs = None
     if (
@@ -63,7 +63,7 @@ def request_output(
             "prompt_token_ids": seq.prompt_token_ids,
             "sampling": seq.params.to_dict(),
         }
-    return RequestOutput(
+    return TokenOutput(
         request_id=seq.request_id,
         new_token_ids=new_token_ids,
         finish_reason=seq.finish_reason if seq.is_finished else None,
@@ -78,7 +78,7 @@ def request_output(
 
 
 def row_logprobs(seq: Request, samples: StepSamples, row: int, num_tokens: int) -> list | None:
-    """The ipc.RequestOutput.logprobs entries of a row's first `num_tokens` new tokens:
+    """The ipc.TokenOutput.logprobs entries of a row's first `num_tokens` new tokens:
     [[logprob, [[top_token_id, top_logprob], ...]], ...] with the top-N the request asked for."""
     k = seq.params.logprobs
     if k is None or samples.logprobs is None:

@@ -54,7 +54,7 @@ class Request:
     single_step_only: the request needs the sampler's token history (penalties) or
         prompt log-probs, which the multi-step decode call does not carry.
     prompt_logprobs: when params.prompt_logprobs is set, one entry per prompt token after
-        the first, in ipc.RequestOutput.logprobs format ([logprob, [[id, logprob], ...]]).
+        the first, in ipc.TokenOutput.logprobs format ([logprob, [[id, logprob], ...]]).
     cache_group: extra key of this request's block names; requests with the same group
         (the n samples of one prompt) share blocks even with global prefix caching off.
     first_output_sent: whether an output (with its `first` header) already left the engine.

@@ -61,7 +61,7 @@ from jaxserve.engine.outputs import (
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxserve.ipc import RequestOutput
+from jaxserve.ipc import TokenOutput
 
 __all__ = ["Rank", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepSamples"]
 
@@ -137,7 +137,7 @@ class Scheduler:
         self.num_decode_steps = num_decode_steps
         # Live (waiting or running) requests of every rank by id.
         self.requests: dict[str, Request] = {}
-        self._finished: list[RequestOutput] = []
+        self._finished: list[TokenOutput] = []
         self._arrivals = itertools.count()
         # Counters for the metrics layer (monotonic).
         self.num_preemptions = 0
@@ -256,7 +256,7 @@ class Scheduler:
             self._finish(seq, "abort")
             self._finished.append(request_output(seq, []))
 
-    def drain_finished(self) -> list[RequestOutput]:
+    def drain_finished(self) -> list[TokenOutput]:
         """Final outputs of aborted and rejected requests since the last call."""
         out, self._finished = self._finished, []
         return out
@@ -435,7 +435,7 @@ class Scheduler:
         # Head of the queue: it arrived before everything still waiting (FCFS).
         rank.waiting.appendleft(seq)
 
-    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
+    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[TokenOutput]:
         """Apply a finished step: append samples, stop, emit.
 
         Args:
