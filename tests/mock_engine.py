@@ -222,9 +222,7 @@ class MockEngineCore:
             r.sent_first = True
         return out
 
-    def _final(
-        self, r, finish: str, new: list[int] | None = None, stop_reason=None
-    ) -> TokenOutput:
+    def _final(self, r, finish: str, new: list[int] | None = None, stop_reason=None) -> TokenOutput:
         self._free_blocks += r.blocks
         r.blocks = 0
         out = self._output(r, new or [])
