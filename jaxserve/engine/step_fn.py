@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine import sampler as sampler_lib
-from jaxserve.engine.step_inputs import DeviceInputs, PackedLayout
+from jaxserve.engine.packed_layout import DeviceInputs, PackedLayout
 from jaxserve.models.base import PAD_SLOT, KVCache
 
 
