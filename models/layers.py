@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.kernels import dispatch
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 from jaxserve.models.config import Llama3RopeScaling
@@ -246,9 +247,6 @@ def paged_attention_step(
     [num_blocks, block_size, kv_heads, head_dim]. Returns ([T, heads, head_dim], (K, V)).
     On a mesh this runs per device (`Parallelism.paged_attention`) on its shard.
     """
-    # Imported here: jaxserve.kernels imports models.base (an import cycle at module level).
-    from jaxserve.kernels import dispatch
-
     k_cache = write_kv(kv[0], k, metadata.slot_mapping)
     v_cache = write_kv(kv[1], v, metadata.slot_mapping)
     # The one switch (jaxserve/kernels/dispatch.py): the Pallas kernel on a GPU, the
