@@ -1,6 +1,7 @@
 """`RouterOptions`: how many engine replicas `jaxserve serve` runs and how it routes
 (`--replicas`, `--devices-per-replica`, `--router-policy`, `--router-weight`,
-`--router-temperature`)."""
+`--router-temperature`), and whether replicas on other hosts may join (`--replica-listen`,
+`--allow-remote`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from jaxserve.frontend.auth import is_loopback
 from jaxserve.router.policy import POLICIES
 
 
@@ -17,7 +19,9 @@ class RouterOptions:
     each (a disjoint set, through CUDA_VISIBLE_DEVICES), None: the mesh's size (dp * tp);
     on the CPU every replica has its own emulated devices anyway. policy: one of
     `policy.POLICIES` (None: "kv" with several replicas). weight / temperature: the kv
-    policy's (`policy.KvPolicy`)."""
+    policy's (`policy.KvPolicy`). replica_listen: (host, port) where headless engine
+    replicas join (`router.remote`; port 0: the OS picks), None: none. allow_remote: lets
+    replica_listen be an address other than loopback."""
 
     replicas: int = 1
     devices_per_replica: int | None = None
@@ -25,6 +29,8 @@ class RouterOptions:
     weight: float = 1.0
     temperature: float = 0.0
     restart_dead_replicas: bool = False
+    replica_listen: tuple[str, int] | None = None
+    allow_remote: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -39,6 +45,17 @@ class RouterOptions:
             raise ValueError(f"router-weight: must be finite and >= 0, got {self.weight}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"router-temperature: must be finite and >= 0, got {self.temperature}")
+
+        if self.replica_listen is not None:
+            host, port = self.replica_listen
+            if not 0 <= port < 65536:
+                raise ValueError(f"replica-listen: port must be in [0, 65535], got {port}")
+            if not is_loopback(host) and not self.allow_remote:
+                raise ValueError(
+                    f"replica-listen: {host} is not a loopback address, so engines on other "
+                    "hosts (and anyone who reaches it: the port has no authentication) could "
+                    "join; give --allow-remote to bind it"
+                )
 
     @property
     def policy_name(self) -> str:
