@@ -4,13 +4,13 @@
 #
 # On two hosts (A reachable from B at A_ADDR, a private network: the replica port has no
 # authentication):
-#   host A:  scripts/serve_two_hosts.sh frontend A_ADDR:PORT [serve flags...]
+#   host A:  scripts/serve_two_hosts.sh frontend A_ADDR:PORT --allow-remote [serve flags...]
 #   host B:  scripts/serve_two_hosts.sh engines  A_ADDR:PORT [-n N] [engine flags...]
 # On one machine, local processes standing in for both hosts (loopback, no --allow-remote):
 #   scripts/serve_two_hosts.sh local [-n N] [flags for both...]
 #
-# "frontend" runs `jaxserve serve --replica-listen A_ADDR:PORT` (with --allow-remote
-# when A_ADDR is not loopback) and its own --replicas (default 1) local replicas.
+# "frontend" runs `jaxserve serve --replica-listen A_ADDR:PORT` and its own --replicas
+# (default 1) local replicas; an A_ADDR other than loopback needs --allow-remote.
 # "engines" runs N (default 1) `jaxserve engine --frontend A_ADDR:PORT`, each on its own
 # devices: GPUs [i*D, (i+1)*D) through CUDA_VISIBLE_DEVICES with -d D (default: all
 # GPUs for N = 1), or on the CPU their own emulated devices. Give both the same model
@@ -32,13 +32,9 @@ pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait; }
 trap cleanup INT TERM EXIT
 
-is_loopback() { [[ "$1" == 127.* || "$1" == "localhost" || "$1" == "::1" ]]; }
-
 run_frontend() {  # ADDR [flags]
   local addr="$1"; shift
-  local extra=()
-  is_loopback "${addr%:*}" || extra+=(--allow-remote)
-  "$jaxserve" serve --replica-listen "$addr" "${extra[@]}" "$@" 2>&1 | tee "$log_dir/frontend.log" &
+  "$jaxserve" serve --replica-listen "$addr" "$@" 2>&1 | tee "$log_dir/frontend.log" &
   pids+=($!)
 }
 
