@@ -292,8 +292,10 @@ async def _run_frontend(
                 stats.model, server_config.host, port, http,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
+            about = "" if replicas is None else replica_launch.describe(replicas, router_options)
             logger.info(
-                "configuration:\n%s", config_block(engine_config, server_config, stats, port)
+                "configuration:\n%s",
+                config_block(engine_config, server_config, stats, port, about),
             )
             if server_config.stats_log_interval_s > 0:
                 stats_task = asyncio.create_task(stats_log.run(server_config.stats_log_interval_s))

@@ -12,6 +12,7 @@ expensive part); the kill test runs last.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from server_harness import DEMO_ENGINE, REPO_DIR, ServerProcess, child_pids, fre
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.client import JaxserveClient
+from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.ipc import PROTOCOL_VERSION, ReplicaHello, ReplicaRefused, decode, encode
 
 pytestmark = pytest.mark.slow
@@ -104,10 +106,20 @@ def _served_by(client, prompt: str) -> tuple[str, int]:
     return out[0].text, changed[0]
 
 
-def test_remote_replica_serves_the_same_greedy_text(client):
+def test_remote_replica_serves_the_same_greedy_text(server, client):
     infos = replica_infos(client)
     assert infos[1].address.startswith("remote "), infos[1]
     assert infos[0].address.startswith("ipc://"), infos[0]
+    # The server's KV numbers are the replicas' sum; each replica's is logged at its ready.
+    info = client._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert all(r.kv_blocks_total > 0 for r in infos)
+    assert info.kv_blocks_total == sum(r.kv_blocks_total for r in infos)
+    srv, _ = server
+    for k in (0, 1):
+        assert any(
+            f"replica {k} ready" in x and f": {infos[k].kv_blocks_total} usable KV blocks" in x
+            for x in srv.lines
+        ), srv.log()
     for prompt in PROMPTS:
         # Round-robin: two requests in a row go to the two replicas.
         (text_a, rep_a), (text_b, rep_b) = _served_by(client, prompt), _served_by(client, prompt)
@@ -160,7 +172,7 @@ def test_listen_beyond_loopback_needs_allow_remote():
 
 def test_killed_remote_engine_leaves_rotation(server, client):
     """Last: the remote replica stays dead."""
-    _, remote = server
+    srv, remote = server
     engine = next(
         pid for pid in child_pids(remote.pid)
         if "jaxserve.engine.process" in open(f"/proc/{pid}/cmdline").read()
@@ -180,10 +192,14 @@ def test_killed_remote_engine_leaves_rotation(server, client):
     for t in threads:
         t.start()
     wait_replicas(client, lambda rs: all(r.num_running == 1 for r in rs), timeout=120)
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
     os.kill(engine, signal.SIGKILL)
     took = wait_replicas(client, lambda rs: rs[1].state == "dead", timeout=10)
-    assert took < 2.0, took  # out of rotation within a second, plus the polling
+    assert took < 5.0, took  # as seen through GetServerInfo polls on a loaded machine
+    # The frontend's own time to take it out: its log line's stamp (this machine's clock).
+    left = next(x for x in srv.lines if re.search(r"replica 1 \(remote .*\) left: ", x))
+    stamp = datetime.datetime.strptime(left[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert stamp - killed_at < 1.0, left
     for t in threads:
         t.join(300)
     dead = [r for r in results.values() if isinstance(r, grpc.RpcError)]

@@ -104,6 +104,18 @@ def make_replica_set(addresses, engine_config, metrics, options, router_options)
     )
 
 
+def describe(replicas, router_options) -> str:
+    """The configuration block's replicas row: each replica's state and KV blocks."""
+    each = ", ".join(
+        f"{r.index}: {r.state}"
+        + (f" {r.last_stats.num_blocks_total} blocks" if r.last_stats is not None else "")
+        for r in replicas.replicas
+    )
+    listen = router_options.replica_listen
+    remote = f"; remote ones join at {listen[0]}:{listen[1]}" if listen is not None else ""
+    return f"{len(replicas.replicas)} ({each}), router policy {router_options.policy_name}{remote}"
+
+
 async def start_listener(replicas, engine_config, router_options):
     """With --replica-listen: the started `remote.RemoteReplicaListener`, else None.
     Raises RuntimeError naming replica-listen when its address cannot be bound."""

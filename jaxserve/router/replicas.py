@@ -256,10 +256,12 @@ class ReplicaSet:
         rep = self.replicas[decision.replica]
         stream = rep.client.add_request(request_id, samples)
         self._by_stream[id(stream)] = rep
+        # The samples' group: named by the first engine id (unique for this process).
+        group = self._key(rep, stream.engine_ids[0]) if len(samples) > 1 else None
         for engine_id in stream.engine_ids:
             key = self._key(rep, engine_id)
             rep.active.add(key)
-            self.router.dispatch(key, decision, len(prompt))
+            self.router.dispatch(key, decision, len(prompt), group)
         rep.decisions += 1
         self._count(decision)
         return stream
@@ -407,10 +409,18 @@ class ReplicaSet:
                 f"block_size {self.router.block_size} / max_model_len {first.max_model_len}",
             )
             return
-        if stats.ready and (rep.last_stats is None or not rep.last_stats.ready):
+        joined = stats.ready and (rep.last_stats is None or not rep.last_stats.ready)
+        if joined:
             rep.heard_since = time.monotonic()  # heartbeats start with its loop
         rep.last_stats = stats
         self._publish_stats()
+        if joined:
+            logger.info(
+                "%s ready%s: %d usable KV blocks of %d tokens, max_model_len %d (%d blocks "
+                "over the replicas serving now)", rep.name,
+                f" (remote {rep.remote})" if rep.remote else "", stats.num_blocks_total,
+                stats.block_size, stats.max_model_len, self.stats.num_blocks_total,
+            )  # fmt: skip
         if stats.ready and not self._ready.is_set():
             self._ready.set()
 
