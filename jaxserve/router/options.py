@@ -50,6 +50,11 @@ class RouterOptions:
             host, port = self.replica_listen
             if not 0 <= port < 65536:
                 raise ValueError(f"replica-listen: port must be in [0, 65535], got {port}")
+            if ":" in host:
+                raise ValueError(
+                    f"replica-listen: IPv6 addresses ({host}) are not supported yet; give an "
+                    "IPv4 address or a host name"
+                )
             if not is_loopback(host) and not self.allow_remote:
                 raise ValueError(
                     f"replica-listen: {host} is not a loopback address, so engines on other "
