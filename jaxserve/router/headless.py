@@ -57,6 +57,7 @@ EXIT_REFUSED = 2
 EXIT_LOST = 1
 HANDSHAKE_HEARTBEAT_MS = 1000  # ZMTP heartbeats on the handshake connection
 HANDSHAKE_HEARTBEAT_TIMEOUT_MS = 30_000  # a frontend host gone silent this long is gone
+CHILD_EXIT_WAIT_S = 1.0  # dropped by the frontend: how long to look for a dying child
 
 
 class HeadlessError(RuntimeError):
@@ -167,11 +168,8 @@ def _supervise(dealer, monitor, children, host, port, stop) -> int:
             dealer.send(encode(ReplicaLeft(f"stopped ({stop[0]})")))
             logger.info("%s: leaving the frontend", stop[0])
             return 0
-        for child in children:
-            if child.process.poll() is not None and not stop:
-                reason = read_start_failure(child.error_file) or child.describe_exit()
-                dealer.send(encode(ReplicaLeft(reason)))
-                raise HeadlessError(f"{reason}; this replica leaves the frontend", EXIT_LOST)
+        if not stop:
+            _check_children(dealer, children)
         if monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
@@ -179,10 +177,24 @@ def _supervise(dealer, monitor, children, host, port, stop) -> int:
         if dealer.poll(int(CHILD_POLL_INTERVAL_S * 1000)) and not stop:
             msg = decode(dealer.recv())
             if isinstance(msg, ReplicaLeft):
+                # A child that is dying is the cause the frontend saw: name it instead.
+                deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+                while time.monotonic() < deadline:
+                    _check_children(dealer, children)
+                    time.sleep(CHILD_POLL_INTERVAL_S)
                 raise HeadlessError(
                     f"the frontend at {host}:{port} dropped this replica: {msg.reason}",
                     EXIT_LOST,
                 )
+
+
+def _check_children(dealer, children) -> None:
+    """Raise HeadlessError (after telling the frontend) if a child exited."""
+    for child in children:
+        if child.process.poll() is not None:
+            reason = read_start_failure(child.error_file) or child.describe_exit()
+            dealer.send(encode(ReplicaLeft(reason)))
+            raise HeadlessError(f"{reason}; this replica leaves the frontend", EXIT_LOST)
 
 
 def cmd_engine(args) -> int:

@@ -57,6 +57,9 @@ logger = logging.getLogger("jaxserve.router")
 MAX_REPLICAS = 64  # local and remote together: a joiner past it is refused
 MAX_HELLO_BYTES = 64 * 1024  # a larger handshake frame drops the connection (ZMQ)
 MAX_NAME_CHARS = 200
+# After a replica's engine connection closes: how long its `jaxserve engine` process has
+# to say why (`ReplicaLeft`) before the replica is out for "its connection closed".
+DISCONNECT_GRACE_S = 0.5
 # The sockets bound per remote replica: the IpcAddresses fields, in ReplicaWelcome.ports.
 PORT_FIELDS = ("engine_input", "engine_control", "kv_control", "frontend_input", "kv_events")
 
@@ -195,7 +198,11 @@ class RemoteReplicaListener:
                 event = parse_monitor_message(await mon.recv_multipart())
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED or rep.kv_socket is not sock:
                     return
-                self._left(rep.index, "its engine's connection closed")
+                # Its `jaxserve engine` process names the cause (a dead engine's exit)
+                # a moment later, unless it is gone too.
+                await asyncio.sleep(DISCONNECT_GRACE_S)
+                if rep.kv_socket is sock:
+                    self._left(rep.index, "its engine's connection closed")
         finally:
             mon.close()
 

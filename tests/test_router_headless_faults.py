@@ -1,0 +1,148 @@
+"""Faults of headless replicas over TCP, on mock engines (seconds each): a stopped
+(SIGSTOP) remote engine is stalled after the stall timeout and serves again after
+SIGCONT; a remote engine that fails to start is out with its cause, named on both
+sides; a stopped `jaxserve engine` (SIGTERM) leaves, and the next one to join takes its
+slot with empty entries; a frontend that goes away ends its headless replicas.
+
+One frontend (one local replica) serves the module; the last test stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from mock_engine import write_mock_model_dir
+from router_helpers import replica_infos, wait_replicas
+from server_harness import REPO_DIR, TESTS_DIR, ServerProcess, child_pids, free_port
+
+from jaxserve.frontend.client import JaxserveClient
+
+STALL_TIMEOUT_S = 1.0
+LISTEN_PORT = free_port()
+ENV = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.01"}
+MOCK = ("--engine-class", "mock_engine:MockEngineCore")
+
+
+@pytest.fixture(scope="module")
+def mock_model_dir(tmp_path_factory):
+    return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
+
+
+@pytest.fixture(scope="module")
+def server(mock_model_dir):
+    flags = (
+        *MOCK, "--replicas", "1", "--router-policy", "round-robin",
+        "--replica-listen", f"127.0.0.1:{LISTEN_PORT}", "--stall-timeout-s", str(STALL_TIMEOUT_S),
+    )  # fmt: skip
+    srv = ServerProcess(mock_model_dir, extra_args=flags, env=ENV).wait_ready()
+    yield srv
+    srv.kill() if srv.proc.poll() is None else None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with JaxserveClient(server.target) as c:
+        yield c
+
+
+class Headless:
+    """`jaxserve engine` joining the module's frontend, its stderr read into `lines`."""
+
+    def __init__(self, model_dir: Path, *extra: str) -> None:
+        cmd = [
+            sys.executable, "-m", "jaxserve.cli", "engine", "--model", str(model_dir),
+            "--frontend", f"127.0.0.1:{LISTEN_PORT}", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, **ENV, "PYTHONPATH": str(TESTS_DIR)}
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+
+    def engine_pid(self) -> int:
+        for pid in child_pids(self.proc.pid):
+            if "jaxserve.engine.process" in Path(f"/proc/{pid}/cmdline").read_text():
+                return pid
+        raise AssertionError("no engine process")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture()
+def remote(server, mock_model_dir, client):
+    h = Headless(mock_model_dir, *MOCK)
+    wait_replicas(client, lambda rs: len(rs) == 2 and rs[1].state == "serving", timeout=60)
+    yield h
+    h.stop()
+    if server.proc.poll() is None:
+        wait_replicas(client, lambda rs: rs[1].state == "dead", timeout=10)
+
+
+def _decisions(client) -> list[int]:
+    return [r.router_decisions for r in replica_infos(client)]
+
+
+def test_a_stopped_remote_replica_stalls_and_comes_back(client, remote):
+    pid = remote.engine_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        took = wait_replicas(client, lambda rs: rs[1].state == "stalled", timeout=10)
+        assert took < STALL_TIMEOUT_S + 2.0
+        assert "replica 1" in replica_infos(client)[1].reason
+        before = _decisions(client)[1]
+        for i in range(4):  # new requests go to the local replica
+            assert client.complete(f"while stopped {i}", max_tokens=4, timeout=30)
+        assert _decisions(client)[1] == before
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_replicas(client, lambda rs: rs[1].state == "serving", timeout=10)
+    for i in range(2):  # round-robin: one of the two goes to the remote replica again
+        assert client.complete(f"after {i}", max_tokens=4, timeout=30)
+    assert _decisions(client)[1] == before + 1
+
+
+def test_sigterm_leaves_and_the_next_replica_takes_the_slot(mock_model_dir, client, remote):
+    remote.proc.send_signal(signal.SIGTERM)
+    assert remote.proc.wait(30) == 0
+    wait_replicas(client, lambda rs: rs[1].state == "dead", timeout=10)
+    assert replica_infos(client)[1].reason.endswith(": stopped (SIGTERM)")
+    again = Headless(mock_model_dir, *MOCK)
+    try:
+        wait_replicas(client, lambda rs: rs[1].state == "serving", timeout=60)
+        infos = replica_infos(client)
+        assert len(infos) == 2  # the dead remote slot was reused
+        assert infos[1].address == f"remote {socket.gethostname()} pid {again.proc.pid}"
+        assert infos[1].router_decisions == 0 and infos[1].router_index_blocks == 0
+    finally:
+        again.stop()
+    wait_replicas(client, lambda rs: rs[1].state == "dead", timeout=10)
+
+
+def test_a_remote_engine_that_fails_to_start_is_out_with_its_cause(server, mock_model_dir, client):
+    bad = Headless(mock_model_dir, "--engine-class", "mock_engine:NoSuchEngine")
+    assert bad.proc.wait(60) == 1
+    err = "".join(bad.lines)
+    assert "NoSuchEngine" in err and "this replica leaves the frontend" in err, err
+    wait_replicas(client, lambda rs: "NoSuchEngine" in rs[1].reason, timeout=10)
+    info = replica_infos(client)[1]
+    assert info.state == "dead" and info.reason.startswith("replica 1: the remote replica ")
+    assert client.complete("still served", max_tokens=4, timeout=30)
+
+
+def test_a_frontend_that_goes_away_ends_its_headless_replicas(server, client, remote):
+    """Last: stops the module's frontend."""
+    server.proc.send_signal(signal.SIGTERM)
+    assert remote.proc.wait(30) == 1
+    assert any("the frontend at 127.0.0.1" in x and "went away" in x for x in remote.lines)
