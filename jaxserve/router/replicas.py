@@ -5,7 +5,9 @@ Each replica is its own pipeline (engine process -> its detokenizer sidecar -> t
 frontend), reached through its own `AsyncEngineClient` and `IpcAddresses`, plus a KV
 events socket bound here (`addresses.kv_events`) and a socket to its control path for
 snapshot requests. A request's n samples go to one replica, chosen by the `Router`
-among the replicas that serve now (ready, not stalled, not dead).
+among the replicas that serve now (ready, not stalled, not dead). Replicas on other
+hosts join while it runs (`add_remote`, called by `router.remote`), with their sockets
+bound here on TCP ports; a dead remote replica's slot goes to the next one that joins.
 
 Health of a replica:
 - dead (`replica_died`, called by the launcher's child watcher when its engine or its
