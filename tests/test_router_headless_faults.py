@@ -2,21 +2,26 @@
 (SIGSTOP) remote engine is stalled after the stall timeout and serves again after
 SIGCONT; a remote engine that fails to start is out with its cause, named on both
 sides; a stopped `jaxserve engine` (SIGTERM) leaves, and the next one to join takes its
-slot with empty entries; a frontend that goes away ends its headless replicas.
+slot with empty entries; a frontend that goes away ends its headless replicas; a
+frontend without local replicas serves the ones that join and runs on when they die.
 
-One frontend (one local replica) serves the module; the last test stops it.
+One frontend (one local replica) serves the module; the fourth test stops it; the last
+runs a frontend of its own without local replicas (--replicas 0).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 from mock_engine import write_mock_model_dir
 from router_helpers import replica_infos, wait_replicas
@@ -55,10 +60,10 @@ def client(server):
 class Headless:
     """`jaxserve engine` joining the module's frontend, its stderr read into `lines`."""
 
-    def __init__(self, model_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, *extra: str, port: int = LISTEN_PORT) -> None:
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "engine", "--model", str(model_dir),
-            "--frontend", f"127.0.0.1:{LISTEN_PORT}", *extra,
+            "--frontend", f"127.0.0.1:{port}", *extra,
         ]  # fmt: skip
         env = {**os.environ, **ENV, "PYTHONPATH": str(TESTS_DIR)}
         self.proc = subprocess.Popen(
@@ -146,3 +151,47 @@ def test_a_frontend_that_goes_away_ends_its_headless_replicas(server, client, re
     server.proc.send_signal(signal.SIGTERM)
     assert remote.proc.wait(30) == 1
     assert any("the frontend at 127.0.0.1" in x and "went away" in x for x in remote.lines)
+
+
+def test_a_frontend_without_local_replicas_serves_the_ones_that_join(mock_model_dir):
+    """--replicas 0: health follows the remote replicas; serve runs on when they die."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(mock_model_dir),
+        "--host", "127.0.0.1", "--port", "0", *MOCK, "--replicas", "0",
+        "--replica-listen", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+    env = {**os.environ, **ENV, "PYTHONPATH": str(TESTS_DIR)}
+    frontend = subprocess.Popen(
+        cmd, cwd=REPO_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(frontend.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"gRPC listening on (127\.0\.0\.1:\d+)", "".join(lines))):
+            assert time.monotonic() < deadline and frontend.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        with JaxserveClient(m.group(1)) as client:
+            with pytest.raises(grpc.RpcError) as e:
+                client.complete("nobody yet", max_tokens=4, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            for attempt in range(2):  # a replica joins, dies; the next one joins the slot
+                h = Headless(mock_model_dir, *MOCK, port=port)
+                try:
+                    wait_replicas(client, lambda rs: rs and rs[0].state == "serving", timeout=60)
+                    assert client.complete(f"served {attempt}", max_tokens=4, timeout=30)
+                    os.kill(h.engine_pid(), signal.SIGKILL)
+                    assert h.proc.wait(30) == 1
+                finally:
+                    h.stop()
+                with pytest.raises(grpc.RpcError) as e:
+                    for _ in range(100):  # until the frontend has taken it out
+                        client.complete("after", max_tokens=4, timeout=10)
+                        time.sleep(0.05)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "replica 0" in e.value.details()
+                assert frontend.poll() is None  # serve runs on, waiting for replicas
+    finally:
+        frontend.kill()
+        frontend.wait(30)

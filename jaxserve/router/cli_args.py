@@ -16,7 +16,8 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--replicas", type=int, default=1, metavar="N",
         help="engine replicas on this host, each with its own devices, engine process and "
-        "detokenizer, behind this frontend's request router (default: 1)",
+        "detokenizer, behind this frontend's request router; 0 with --replica-listen: "
+        "all join from other hosts (default: 1)",
     )  # fmt: skip
     g.add_argument(
         "--devices-per-replica", type=int, metavar="D",

@@ -15,7 +15,8 @@ from jaxserve.router.policy import POLICIES
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
-    """replicas: engine replicas on this host (>= 1). devices_per_replica: GPUs given to
+    """replicas: engine replicas on this host (>= 1; 0 with replica_listen: a frontend
+    whose replicas all join from other hosts). devices_per_replica: GPUs given to
     each (a disjoint set, through CUDA_VISIBLE_DEVICES), None: the mesh's size (dp * tp);
     on the CPU every replica has its own emulated devices anyway. policy: one of
     `policy.POLICIES` (None: "kv" with several replicas). weight / temperature: the kv
@@ -33,8 +34,11 @@ class RouterOptions:
     allow_remote: bool = False
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.replicas < (0 if self.replica_listen is not None else 1):
+            raise ValueError(
+                f"replicas: must be >= 1 (0 only with --replica-listen: every replica then "
+                f"joins from another host), got {self.replicas}"
+            )
         if self.devices_per_replica is not None and self.devices_per_replica < 1:
             raise ValueError(f"devices-per-replica: must be >= 1, got {self.devices_per_replica}")
         if self.policy is not None and self.policy not in POLICIES:

@@ -65,7 +65,8 @@ class ReplicaSet:
     """Routes each request to one of several replicas; looks like one engine client.
 
     Args:
-        addresses: one `IpcAddresses` per replica (kv_events and engine_control set).
+        addresses: one `IpcAddresses` per local replica (kv_events and engine_control
+            set); none when every replica joins from another host (`add_remote`).
         router: the `Router` (policy, index, load) over replica ids 0..N-1.
         metrics: where decisions and replica gauges go (None: not exported).
         stall_timeout_s: heartbeat silence after which a replica counts as stalled.
@@ -78,8 +79,6 @@ class ReplicaSet:
         metrics: RouterMetrics | None = None,
         stall_timeout_s: float = 30.0,
     ) -> None:
-        if not addresses:
-            raise ValueError("replicas: need at least one")
         self.router = router
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
