@@ -29,6 +29,8 @@ from server_harness import REPO_DIR, TESTS_DIR, ServerProcess, child_pids, free_
 
 from jaxserve.frontend.client import JaxserveClient
 
+pytestmark = pytest.mark.slow  # ~20 s: five scenarios, each with its processes
+
 STALL_TIMEOUT_S = 1.0
 LISTEN_PORT = free_port()
 ENV = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.01"}

@@ -206,6 +206,8 @@ def cmd_engine(args) -> int:
     from jaxserve.serve_args import engine_config, model_argument  # noqa: PLC0415
 
     configure_logging(args.log_level, "headless")
+    if ignored := _frontend_flags_given(args):
+        logger.warning("ignored by jaxserve engine (the frontend's): %s", ", ".join(ignored))
     try:
         frontend = host_port("frontend", args.frontend)
         config = engine_config(args, model=resolve_model(model_argument(args)))
@@ -219,9 +221,29 @@ def cmd_engine(args) -> int:
             engine_class=args.engine_class, log_level=args.log_level,
         )  # fmt: skip
     except HeadlessError as e:
-        logger.error("%s", e)
         print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
         return e.code
+
+
+# serve's flags that only the frontend reads: given to `jaxserve engine`, they are ignored.
+FRONTEND_ONLY = (
+    "host", "port", "metrics_port", "http_port", "chat_template", "replicas",
+    "devices_per_replica", "router_policy", "replica_listen", "allow_remote",
+    "restart_dead_replicas",
+)  # fmt: skip
+
+
+def _frontend_flags_given(args) -> list[str]:
+    """The frontend-only flags given other values than their defaults (as --flag-names)."""
+    defaults = _PARSER_DEFAULTS
+    return [
+        "--" + d.replace("_", "-")
+        for d in FRONTEND_ONLY
+        if d in defaults and getattr(args, d, None) != defaults[d]
+    ]
+
+
+_PARSER_DEFAULTS: dict = {}
 
 
 def add_subparser(sub) -> None:
@@ -246,3 +268,4 @@ def add_subparser(sub) -> None:
         help="how long to wait for the frontend's answer (default: 60)",
     )  # fmt: skip
     e.set_defaults(func=cmd_engine)
+    _PARSER_DEFAULTS.update({a.dest: a.default for a in e._actions})
