@@ -323,6 +323,8 @@ def run_engine_process(
         make_socket(ctx, zmq.PULL, engine_control, bind=True) if engine_control else None
     )
     for address in connect_control:
+        if control_socket is None:
+            raise ValueError("connect-control: needs --engine-control (the local control path)")
         control_socket.connect(address)
     kv_socket = make_socket(ctx, zmq.PUSH, kv_events, bind=False) if kv_events else None
     core = None
