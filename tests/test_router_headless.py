@@ -199,7 +199,9 @@ def test_killed_remote_engine_leaves_rotation(server, client):
     # The frontend's own time to take it out: its log line's stamp (this machine's clock).
     left = next(x for x in srv.lines if re.search(r"replica 1 \(remote .*\) left: ", x))
     stamp = datetime.datetime.strptime(left[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert stamp - killed_at < 1.0, left
+    # Within a second on an idle machine (asserted on mock engines, which leave the CPU
+    # to the frontend: test_router_headless_faults); here two demo engines decode.
+    assert stamp - killed_at < 5.0, left
     for t in threads:
         t.join(300)
     dead = [r for r in results.values() if isinstance(r, grpc.RpcError)]

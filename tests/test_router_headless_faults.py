@@ -1,11 +1,12 @@
 """Faults of headless replicas over TCP, on mock engines (seconds each): a stopped
 (SIGSTOP) remote engine is stalled after the stall timeout and serves again after
-SIGCONT; a remote engine that fails to start is out with its cause, named on both
-sides; a stopped `jaxserve engine` (SIGTERM) leaves, and the next one to join takes its
+SIGCONT; a killed remote engine is out of rotation within a second, its stream ending
+UNAVAILABLE naming it; a remote engine that fails to start is out with its cause, named
+on both sides; a stopped `jaxserve engine` (SIGTERM) leaves, and the next one to join takes its
 slot with empty entries; a frontend that goes away ends its headless replicas; a
 frontend without local replicas serves the ones that join and runs on when they die.
 
-One frontend (one local replica) serves the module; the fourth test stops it; the last
+One frontend (one local replica) serves the module; the fifth test stops it; the last
 runs a frontend of its own without local replicas (--replicas 0).
 """
 
@@ -146,6 +147,34 @@ def test_a_remote_engine_that_fails_to_start_is_out_with_its_cause(server, mock_
     info = replica_infos(client)[1]
     assert info.state == "dead" and info.reason.startswith("replica 1: the remote replica ")
     assert client.complete("still served", max_tokens=4, timeout=30)
+
+
+def test_a_killed_remote_engine_is_out_within_a_second(client, remote):
+    results: dict = {}
+
+    def stream(key):
+        try:
+            results[key] = client.complete(f"long {key}", max_tokens=400, ignore_eos=True)
+        except grpc.RpcError as e:
+            results[key] = e
+
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+    for t in threads:  # round-robin: one on each replica
+        t.start()
+    wait_replicas(client, lambda rs: [r.router_requests for r in rs] == [1, 1], timeout=10)
+    os.kill(remote.engine_pid(), signal.SIGKILL)
+    took = wait_replicas(client, lambda rs: rs[1].state == "dead", timeout=5, poll_s=0.01)
+    assert took < 1.0, took
+    for t in threads:
+        t.join(60)
+    failed = [r for r in results.values() if isinstance(r, grpc.RpcError)]
+    assert len(failed) == 1, results
+    assert failed[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert "replica 1: the remote replica" in failed[0].details()
+    assert "died (signal SIGKILL)" in failed[0].details()
+    finished = [r for r in results.values() if not isinstance(r, grpc.RpcError)]
+    assert [r[0].completion_tokens for r in finished] == [400]  # the local one's went on
+    assert remote.proc.wait(30) == 1
 
 
 def test_a_frontend_that_goes_away_ends_its_headless_replicas(server, client, remote):
