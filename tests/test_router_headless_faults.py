@@ -182,6 +182,7 @@ def test_a_frontend_that_goes_away_ends_its_headless_replicas(server, client, re
     server.proc.send_signal(signal.SIGTERM)
     assert remote.proc.wait(30) == 1
     assert any("the frontend at 127.0.0.1" in x and "went away" in x for x in remote.lines)
+    assert server.proc.wait(30) == 0
 
 
 def test_a_frontend_without_local_replicas_serves_the_ones_that_join(mock_model_dir):
