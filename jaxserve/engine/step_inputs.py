@@ -79,12 +79,14 @@ class PackedLayout:
     (uint32 arrays share the int32 buffer bit for bit).
 
     entries: per pytree leaf, (buffer: "i" or "f", shape, dtype, offset in elements).
+    sizes: per pytree leaf, its number of elements.
     """
 
     treedef: Any
     entries: tuple[tuple[str, tuple[int, ...], np.dtype, int], ...]
     int_size: int
     float_size: int
+    sizes: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, template: DeviceInputs) -> PackedLayout:
@@ -102,7 +104,8 @@ class PackedLayout:
             kind = "f" if dtype == np.float32 else "i"
             entries.append((kind, tuple(leaf.shape), dtype, sizes[kind]))
             sizes[kind] += leaf.size
-        return cls(treedef, tuple(entries), sizes["i"], sizes["f"])
+        leaf_sizes = tuple(int(leaf.size) for leaf in leaves)
+        return cls(treedef, tuple(entries), sizes["i"], sizes["f"], leaf_sizes)
 
     def pack(self, template: DeviceInputs) -> tuple[DeviceInputs, np.ndarray, np.ndarray]:
         """Copy `template` into fresh buffers; returns (views into them, ints, floats)."""
@@ -117,6 +120,17 @@ class PackedLayout:
             view[...] = leaf
             views.append(view)
         return jax.tree.unflatten(self.treedef, views), ints, floats
+
+    def views(self, ints: np.ndarray, floats: np.ndarray) -> DeviceInputs:
+        """The arrays of a `DeviceInputs` as views into buffers of this layout (no copy)."""
+        bufs = {"i": ints, "f": floats}
+        views = []
+        for (kind, shape, dtype, offset), size in zip(self.entries, self.sizes, strict=True):
+            view = bufs[kind][offset : offset + size]
+            if dtype != view.dtype:
+                view = view.view(dtype)
+            views.append(view.reshape(shape))
+        return jax.tree.unflatten(self.treedef, views)
 
     def unpack(self, ints: jax.Array, floats: jax.Array, dp: int = 1) -> DeviceInputs:
         """The arrays back from the two buffers (traceable: static slices and bitcasts).
@@ -219,6 +233,7 @@ class InputBuilder:
             sorted(set(single + pow2_buckets(MIN_DECODE_ROWS, max_num_seqs)))
         )
         self._layouts: dict[StepShape, PackedLayout] = {}
+        self._blanks: dict[StepShape, tuple[np.ndarray, np.ndarray]] = {}
 
     # ----- shapes ------------------------------------------------------------------------
 
@@ -318,21 +333,24 @@ class InputBuilder:
         x = self.empty(shape)
         md = x.inputs.metadata
         bs = self.block_size
+        # Python lists per row, then one NumPy write per array (a step of 128 decode
+        # rows spent most of its packing time in per-row NumPy calls).
+        tokens: list[int] = []
+        positions: list[int] = []
+        lens, starts = [], []
         t = 0
         for row, r in enumerate(reqs):
             seq, n, table = r.seq, r.num_tokens, r.seq.block_table
             known = min(r.start + n, seq.num_tokens)
-            pos = np.arange(r.start, r.start + n, dtype=np.int32)
             if known > r.start:
-                x.inputs.tokens[t : t + known - r.start] = seq.token_ids[r.start : known]
+                tokens += seq.token_ids[r.start : known]
             for p in range(max(known, r.start), r.start + n):
                 x.pending_tokens.append((t + p - r.start, prev_rows[seq], p - seq.num_tokens))
-            x.inputs.positions[t : t + n] = pos
-            md.slot_mapping[t : t + n] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
-            md.token_req[t : t + n] = row
+                tokens.append(0)  # written by fill_pending
+            positions += range(r.start, r.start + n)
             md.block_tables[row, : len(table)] = table
-            md.seq_lens[row] = r.start + n
-            md.query_start_loc[row] = t
+            lens.append(n)
+            starts.append(r.start)
             span = spans[row]
             if span is not None:
                 span.flat_start = t + span.first_position - r.start
@@ -340,8 +358,20 @@ class InputBuilder:
                 x.inputs.prompt_next_ids[span.flat_start : span.flat_start + span.count] = next_ids
                 x.prompt_spans.append(span)
             t += n
-            x.inputs.logits_indices[row] = t - 1
-        md.query_start_loc[len(reqs) :] = t
+        rows = len(reqs)
+        if rows:
+            lens_a = np.asarray(lens, np.int32)
+            ends = np.cumsum(lens_a, dtype=np.int32)
+            pos = np.asarray(positions, np.int32)
+            token_req = np.repeat(np.arange(rows, dtype=np.int32), lens_a)
+            x.inputs.tokens[:t] = tokens
+            x.inputs.positions[:t] = pos
+            md.token_req[:t] = token_req
+            md.slot_mapping[:t] = md.block_tables[token_req, pos // bs] * bs + pos % bs
+            md.seq_lens[:rows] = np.asarray(starts, np.int32) + lens_a
+            md.query_start_loc[:rows] = ends - lens_a
+            x.inputs.logits_indices[:rows] = ends - 1
+        md.query_start_loc[rows:] = t
         self._fill_sampling(x, sched, prev_rows)
         x.num_rows = len(reqs)
         x.logprob_rows = any(r.seq.params.logprobs is not None for r in reqs)
@@ -370,8 +400,14 @@ class InputBuilder:
         ]
         # One request's parameters must never fail the whole step (and with it every
         # other request): a row that cannot be packed is reported, not raised.
+        # Written straight into the step's (padding-filled) buffers.
         sampling = sampler_lib.prepare_sampling_metadata(
-            rows, x.shape.num_rows, self.vocab_size, x.shape.history_len, x.row_errors
+            rows,
+            x.shape.num_rows,
+            self.vocab_size,
+            x.shape.history_len,
+            x.row_errors,
+            into=x.inputs.sampling,
         )
         for row, r in enumerate(reqs):
             if row in x.row_errors:
@@ -384,13 +420,19 @@ class InputBuilder:
             if prior and sampler_lib.uses_penalties(seq.params):
                 for j in range(prior):
                     x.pending_history.append((row, seq.num_tokens + j, prev_rows[seq], j))
-        for view, value in zip(
-            jax.tree.leaves(x.inputs.sampling), jax.tree.leaves(sampling), strict=True
-        ):
-            view[...] = value
 
     def empty(self, shape: StepShape) -> StepInputs:
-        """All-padding inputs of `shape` (also what start-up compiles against)."""
+        """All-padding inputs of `shape` (also what start-up compiles against): fresh
+        copies of the shape's padding buffers, built once."""
+        blank = self._blanks.get(shape)
+        if blank is None:
+            blank = self._blanks[shape] = self._blank(shape)
+        ints, floats = blank[0].copy(), blank[1].copy()
+        views = self.layout(shape).views(ints, floats)
+        return StepInputs(shape=shape, inputs=views, buffers=(ints, floats), num_rows=0)
+
+    def _blank(self, shape: StepShape) -> tuple[np.ndarray, np.ndarray]:
+        """The packed (int32, float32) buffers of an all-padding step of `shape`."""
         t_bucket, r_bucket = shape.num_tokens, shape.num_rows
         # Padded tokens write nowhere (PAD_SLOT) and belong to the last row, whose outputs
         # are ignored when it is padding and unaffected when it is real (they are masked
@@ -412,16 +454,17 @@ class InputBuilder:
             ),
             prompt_next_ids=np.full(shape.num_prompt_logits, -1, np.int32),
         )
-        views, ints, floats = self.layout(shape, inputs).pack(inputs)
-        return StepInputs(shape=shape, inputs=views, buffers=(ints, floats), num_rows=0)
-
-    def layout(self, shape: StepShape, template: DeviceInputs | None = None) -> PackedLayout:
-        """The packed layout of `shape`'s inputs (built once per shape)."""
         layout = self._layouts.get(shape)
         if layout is None:
-            layout = PackedLayout.of(template if template is not None else self.empty(shape).inputs)
-            self._layouts[shape] = layout
-        return layout
+            layout = self._layouts[shape] = PackedLayout.of(inputs)
+        _, ints, floats = layout.pack(inputs)
+        return ints, floats
+
+    def layout(self, shape: StepShape) -> PackedLayout:
+        """The packed layout of `shape`'s inputs (built once per shape)."""
+        if shape not in self._layouts:
+            self.empty(shape)
+        return self._layouts[shape]
 
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
