@@ -11,6 +11,9 @@ model runner compiles and runs the step; the scheduler decides it).
 The ~20 arrays of a step are views into two flat buffers (int32 and float32,
 `PackedLayout`): a step moves two host buffers to the device instead of twenty small
 ones, which is most of the host's dispatch cost; the step unpacks them by static slices.
+A step starts from a copy of its shape's padding buffers (built once per shape) and
+writes each array once from Python lists (`scripts/bench_pack_ab.py`: 1.8-2.4x faster
+packing than per-row NumPy writes at batch 1-128, identical buffers).
 """
 
 from __future__ import annotations
