@@ -1,6 +1,7 @@
 """The `jaxserve` command.
 
     jaxserve serve [MODEL] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
+    jaxserve engine [MODEL] --frontend HOST:PORT [engine flags of serve] (router/headless.py)
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
     jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
     jaxserve diagnose --server HOST:METRICS_PORT | --from bench.json [--json] (observability/)
@@ -132,6 +133,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(e, 2, dist)
     try:
         preflight.check_ports(server.host, server.port, server.metrics_port, server.http_port)
+        if routing.replica_listen is not None and routing.replica_listen[1]:
+            preflight.check_bind("replica-listen", *routing.replica_listen)
         return serve(
             config,
             server,
@@ -360,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
+    from jaxserve.router import headless  # noqa: PLC0415
+
+    headless.add_subparser(sub)  # `jaxserve engine`: a headless replica joining a frontend
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
     bench_cli.add_subparser(sub)  # `jaxserve bench`: the serving benchmark client
     observability_cli.add_subparsers(sub)  # `jaxserve diagnose`, `jaxserve profile`
