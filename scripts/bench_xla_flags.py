@@ -8,7 +8,7 @@ compared with the first setting's (a flag that changes them is not a free speed-
 Only the worker generating runs; the others idle on their stdin.
 
     python scripts/bench_xla_flags.py [--models qwen3moe] [--batches 1,128]
-        [--max-tokens 32] [--repeats 3] [--flags "" "--xla_cpu_multi_thread_eigen=false" ...]
+        [--max-tokens 32] [--repeats 3] [--flags=";--xla_cpu_multi_thread_eigen=false"]
         [--out bench_results/xla_flags.json]
 
 A setting is the whole XLA_FLAGS of its worker (the engine sets no XLA flags of its own;
@@ -42,10 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--flags", nargs="+", default=DEFAULT_FLAGS)
+    parser.add_argument(
+        "--flags",
+        default=";".join(DEFAULT_FLAGS),
+        help="the XLA_FLAGS settings, separated by ';' (an empty one: XLA's defaults)",
+    )
     parser.add_argument("--out", default="bench_results/xla_flags.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    args.flags = args.flags.split(";")
 
     sys.path.insert(0, str(HERE))
     from bench_offline import write_random_checkpoint
