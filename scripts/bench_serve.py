@@ -1,10 +1,13 @@
 """Serving throughput: `jaxserve serve` over gRPC (and HTTP) against the offline `LLM.generate`.
 
 Starts the server as a subprocess (three processes: frontend, engine, detokenizer) on a
-free loopback port, sends the same prompts at concurrency 1, 16 and 64, then runs the
-same prompts through the in-process `LLM.generate`. The ratio server/offline is the cost
-of the frontend, the IPC and the sidecar. Also times start-up to the first token with an
-empty JAX compilation cache (cold) and with it filled (warm).
+free loopback port and sends the same prompts at concurrency 1, 16, 64 and 256; at each
+level the same prompts also run through the in-process `LLM.generate`, `concurrency`
+prompts per call (the same requests in flight), interleaved with the served runs
+(--repeats of each, the order alternating; medians). The ratio served/offline ("vs
+offline") is the cost of the frontend, the IPC and the sidecar (goal: >= 0.95x at every
+level). Also times start-up to the first token with an empty JAX compilation cache
+(cold) and with it filled (warm).
 
     python scripts/bench_serve.py [--model DIR] [--max-tokens 64] [--out bench_results/serve.json]
     python scripts/bench_serve.py --http [--repeats 3] [--skip-offline] [--skip-cold-start]
@@ -146,17 +149,17 @@ def main() -> None:
     )
     ap.add_argument("--model", help="HF model folder (default: the bundled demo model)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--requests-per-level", type=int, default=64, help="requests at each level")
     ap.add_argument("--skip-cold-start", action="store_true")
     ap.add_argument("--out", default="bench_results/serve.json")
     ap.add_argument("--http", action="store_true", help="also measure the OpenAI HTTP API")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per path and level (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per path and level (median)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--cache-dir", help="JAX compilation cache to use (default: a new one)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    repeats = args.repeats or (3 if args.http else 1)
+    repeats = args.repeats
     extra = ["--max-num-seqs", str(max(levels))]
     machine = f"{platform.machine()} x{os.cpu_count()} cores, Python {platform.python_version()}"
     rows, result = [], {"machine": machine, "load_before": os.getloadavg()}
@@ -174,7 +177,28 @@ def main() -> None:
     if args.http:
         url = f"http://127.0.0.1:{srv.http_port}"
         paths["serve (HTTP)"] = lambda p, c: _run_load("http", url, p, c, args.max_tokens)
-    served: dict[int, list[str]] = {}
+    # Offline: the same prompts through LLM.generate in this process, `concurrency` at a
+    # time (the same requests in flight as the server gets), interleaved with the served
+    # runs of each level (the order alternates per repeat), so that a change of machine
+    # load hits both sides alike. The server idles meanwhile, and the offline engine
+    # while the server runs.
+    if not args.skip_offline:
+        from jaxserve import LLM, SamplingParams
+
+        kwargs = dict(max_num_seqs=max(levels))
+        llm = LLM(model=args.model, **kwargs) if args.model else LLM(**kwargs)
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(_prompts(2), sp)  # warm-up
+
+        def offline(prompts: list[str], c: int):
+            t0 = time.perf_counter()
+            outs = []
+            for i in range(0, len(prompts), c):
+                outs += llm.generate(prompts[i : i + c], sp)
+            secs = time.perf_counter() - t0
+            return secs, sum(len(o.token_ids) for o in outs), [o.text for o in outs], []
+
+        paths["offline LLM.generate"] = offline
     try:
         for c in levels:
             n = max(c, args.requests_per_level if c > 1 else min(8, args.requests_per_level))
@@ -182,11 +206,14 @@ def main() -> None:
             for rep in range(repeats):
                 order = list(paths) if rep % 2 == 0 else list(paths)[::-1]
                 for name in order:
-                    runs[name].append(asyncio.run(paths[name](_prompts(n), c)))
-            texts_by_path = {}
+                    if name.startswith("offline"):
+                        runs[name].append(paths[name](_prompts(n), c))
+                    else:
+                        runs[name].append(asyncio.run(paths[name](_prompts(n), c)))
+            texts = runs["serve (gRPC)"][0][2]
             for name, results in runs.items():
-                texts_by_path[name] = results[0][2]
                 p50s = [sorted(r[3])[len(r[3]) // 2] for r in results if r[3]]
+                same = sum(a == b for a, b in zip(results[0][2], texts, strict=True))
                 rows.append({
                     "path": name, "concurrency": c, "requests": n, "repeats": repeats,
                     "seconds": _median([r[0] for r in results]),
@@ -194,46 +221,24 @@ def main() -> None:
                     "req_s": _median([n / r[0] for r in results]),
                     "ttft_p50_s": _median(p50s) if p50s else None,
                     "output_tok_s_runs": [r[1] / r[0] for r in results],
+                    "texts_equal_to_served": f"{same}/{n}",
+                    "load": os.getloadavg()[0],
                 })  # fmt: skip
-            served[n] = texts_by_path["serve (gRPC)"]
-            if args.http:
-                same = sum(
-                    a == b for a, b in zip(served[n], texts_by_path["serve (HTTP)"], strict=True)
-                )
-                rows[-1]["texts_equal_to_served"] = f"{same}/{n}"
     finally:
         srv.stop()
     result["load_after"] = os.getloadavg()
 
-    # Offline: the same prompts through LLM.generate, all submitted at once.
-    from jaxserve import LLM, SamplingParams
-
-    if not args.skip_offline:
-        llm = (
-            LLM(model=args.model, max_num_seqs=max(levels))
-            if args.model
-            else LLM(max_num_seqs=max(levels))
-        )
-        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        llm.generate(_prompts(2), sp)  # warm-up
-    for n in sorted(served) if not args.skip_offline else ():
-        t0 = time.perf_counter()
-        outs = llm.generate(_prompts(n), sp)
-        secs = time.perf_counter() - t0
-        toks = sum(len(o.token_ids) for o in outs)
-        same = sum(o.text == s for o, s in zip(outs, served[n], strict=True))
-        rows.append({
-            "path": "offline LLM.generate", "concurrency": n, "requests": n, "seconds": secs,
-            "output_tok_s": toks / secs, "req_s": n / secs, "ttft_p50_s": None,
-            "texts_equal_to_served": f"{same}/{n}",
-        })  # fmt: skip
-
     result["rows"] = rows
     grpc_rows = {r["concurrency"]: r for r in rows if r["path"] == "serve (gRPC)"}
+    offline_rows = {r["concurrency"]: r for r in rows if r["path"].startswith("offline")}
     for r in rows:
         if r["path"] == "serve (HTTP)":
             g = grpc_rows[r["concurrency"]]
             r["tok_s_vs_grpc"] = r["output_tok_s"] / g["output_tok_s"]
+        if r["path"].startswith("serve") and r["concurrency"] in offline_rows:
+            r["tok_s_vs_offline"] = (
+                r["output_tok_s"] / offline_rows[r["concurrency"]]["output_tok_s"]
+            )
     print(f"machine: {result['machine']}; max_tokens={args.max_tokens}, greedy, ignore_eos")
     before, after = (" ".join(f"{x:.2f}" for x in result[k]) for k in ("load_before", "load_after"))
     print(f"load average (1/5/15 min) before: {before}, after: {after}")
@@ -242,14 +247,16 @@ def main() -> None:
             print(f"{key}: {result[key]:.1f}")
     print(
         f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
-        f"{'vs gRPC':>9}  same text"
+        f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text"
     )
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["concurrency"]):
         ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
         ratio = f"{r['tok_s_vs_grpc']:.2f}x" if "tok_s_vs_grpc" in r else ""
+        vs_off = f"{r['tok_s_vs_offline']:.2f}x" if "tok_s_vs_offline" in r else ""
         print(
             f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
-            f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}  {r.get('texts_equal_to_served', '')}"
+            f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}{vs_off:>11}{r['load']:>6.1f}  "
+            f"{r.get('texts_equal_to_served', '')}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -160,9 +160,15 @@ class Worker:
     """A worker process driven over its stdin/stdout."""
 
     def __init__(
-        self, side: str, model: str, max_batch: int, max_model_len: int, python: str | None = None
+        self,
+        side: str,
+        model: str,
+        max_batch: int,
+        max_model_len: int,
+        python: str | None = None,
+        env: dict[str, str] | None = None,
     ):
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu", **(env or {}))
         cmd = [python or sys.executable, __file__, "--worker", side, "--worker-model", model]
         cmd += ["--worker-max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
         self.proc = subprocess.Popen(

@@ -177,6 +177,11 @@ class BlockManager:
         """
         if cached and seq.block_table:
             raise ValueError("cached: prefix hits can only start an empty block table")
+        if not cached and -(-num_tokens // self.block_size) <= len(seq.block_table):
+            # The table already covers them (most decode steps): the general path below
+            # would take no block; only its bookkeeping is kept.
+            seq.num_registered_blocks = len(seq.block_table)
+            return True
         if not self.can_allocate(seq, num_tokens, cached):
             return False
         for block in cached:

@@ -140,6 +140,7 @@ def prepare_sampling_metadata(
     vocab_size: int,
     max_len: int,
     row_errors: dict[int, str] | None = None,
+    into: SamplingMetadata | None = None,
 ) -> SamplingMetadata:
     """Pack rows into padded NumPy arrays for `sample`.
 
@@ -152,6 +153,8 @@ def prepare_sampling_metadata(
       row_errors: when given, a row that cannot be packed does not raise: it is left as
         padding and row_errors[i] gets the error message (the engine then ends that one
         request with an error instead of failing the whole step).
+      into: metadata of num_rows padding rows and history max_len to fill in place (the
+        step's packed buffers) and return, instead of new arrays.
 
     Returns:
       SamplingMetadata whose shapes depend only on (num_rows, max_len).
@@ -165,7 +168,7 @@ def prepare_sampling_metadata(
     """
     if len(rows) > num_rows:
         raise ValueError(f"num_rows: {len(rows)} rows do not fit in {num_rows}")
-    md = _padding(num_rows, vocab_size, max_len)
+    md = _padding(num_rows, vocab_size, max_len) if into is None else into
     for i, row in enumerate(rows):
         if row_errors is None:
             _fill_row(md, i, row, vocab_size)
