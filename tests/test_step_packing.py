@@ -57,7 +57,7 @@ def test_mixed_step_matches_per_row_reference():
     np.testing.assert_array_equal(x.inputs.logits_indices[:3], [6, 7, 8])
     np.testing.assert_array_equal(md.block_tables[0, :4], [5, 6, 7, 0])
     np.testing.assert_array_equal(md.block_tables[1, :3], [3, 9, 0])
-    assert x.pending_tokens == [(8, 6, 0)]  # flat index 8 <- previous row 6, step 0
+    assert x.pending_tokens == [(0, 8, 6, 0)]  # rank 0, flat index 8 <- previous row 6, step 0
     np.testing.assert_allclose(x.inputs.sampling.temperature[:3], [0.0, 0.5, 0.0])
     x.fill_pending(np.array([[0, 0, 0, 0, 0, 0, 77]], np.int32))
     assert x.inputs.tokens[8] == 77
