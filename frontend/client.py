@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -199,27 +200,13 @@ def build_generate_request(
     return req
 
 
-def _read_pem(option: str, path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"{option}: cannot read {path} ({e.strerror})") from None
-
-
 class JaxserveClient:
     """Blocking client over one channel; thread-safe (one channel, many calls).
 
     Args:
         target: the server's host:port ("[::1]:50051" for IPv6).
-        tls: use TLS, verifying the server against the system's root certificates
-            (implied by tls_ca_cert or tls_cert).
-        tls_ca_cert: PEM file of the CA that signed the server's certificate.
-        tls_cert / tls_key: PEM files of this client's certificate and key, for a server
-            that requires client certificates (`serve --tls-client-ca`); both or neither.
-        api_key: the server's `--api-key`, sent on every call (None: none).
+        tls, tls_ca_cert, tls_cert, tls_key, api_key: how to reach a server with TLS
+            and an API key (`client_auth.ClientAuth`, which documents each).
 
     Raises:
         ValueError: naming the option, for a file that cannot be read or a tls_cert
@@ -236,20 +223,9 @@ class JaxserveClient:
         tls_key: str | None = None,
         api_key: str | None = None,
     ) -> None:
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert: give both tls_cert and tls_key (mutual TLS), or neither")
-        if tls or tls_ca_cert or tls_cert:
-            files = {"tls_ca_cert": tls_ca_cert, "tls_cert": tls_cert, "tls_key": tls_key}
-            pem = {k: _read_pem(k, v) for k, v in files.items()}
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=pem["tls_ca_cert"],
-                private_key=pem["tls_key"],
-                certificate_chain=pem["tls_cert"],
-            )
-            self._channel = grpc.secure_channel(target, credentials)
-        else:
-            self._channel = grpc.insecure_channel(target)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        auth = ClientAuth(tls, tls_ca_cert, tls_cert, tls_key, api_key)
+        self._channel = auth.channel(target)
+        self._metadata = auth.metadata
         self._stub = pb_grpc.JaxserveStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -40,6 +40,7 @@ from jaxserve.ipc import (
     IpcAddresses,
     TextOutput,
     TextOutputs,
+    bound_endpoint,
     decode,
     encode,
     make_socket,
@@ -161,17 +162,25 @@ class AsyncEngineClient:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
-        self._to_engine = make_socket(
-            self._sync_ctx, zmq.PUSH, self._addresses.engine_input, bind=False
-        )
-        if self._addresses.engine_control:
-            self._to_control = make_socket(
-                self._sync_ctx, zmq.PUSH, self._addresses.engine_control, bind=False
+        a = self._addresses
+        binds = a.frontend_binds  # a remote replica: its engine connects to these
+        self._to_engine = make_socket(self._sync_ctx, zmq.PUSH, a.engine_input, bind=binds)
+        if a.engine_control:
+            self._to_control = make_socket(self._sync_ctx, zmq.PUSH, a.engine_control, bind=binds)
+        self._from_sidecar = make_socket(self._ctx, zmq.PULL, a.frontend_input, bind=True)
+        if binds:  # the ports the OS chose for "*"
+            self._addresses = dataclasses.replace(
+                a,
+                engine_input=bound_endpoint(self._to_engine),
+                engine_control=bound_endpoint(self._to_control) if a.engine_control else "",
+                frontend_input=bound_endpoint(self._from_sidecar),
             )
-        self._from_sidecar = make_socket(
-            self._ctx, zmq.PULL, self._addresses.frontend_input, bind=True
-        )
         self._reader = asyncio.create_task(self._read_loop(), name="engine-output-reader")
+
+    @property
+    def addresses(self) -> IpcAddresses:
+        """Its endpoints; after `start`, the bound ports of a remote replica's."""
+        return self._addresses
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -1,6 +1,7 @@
 """The `jaxserve` command.
 
     jaxserve serve [MODEL] [--host H] [--port P] [--block-size N] [--max-num-seqs N] ...
+    jaxserve engine [MODEL] --frontend HOST:PORT [engine flags of serve] (router/headless.py)
     jaxserve generate [--server HOST:PORT] [--max-tokens N] [--temperature T] ... "prompt"
     jaxserve bench [--server HOST:PORT] [--dataset random] [--request-rate R] ... (benchmark/)
     jaxserve diagnose --server HOST:METRICS_PORT | --from bench.json [--json] (observability/)
@@ -22,6 +23,7 @@ import sys
 from jaxserve import convert, distributed
 from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import ServerConfig
+from jaxserve.frontend import client_auth
 from jaxserve.hub import resolve_model
 from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
 from jaxserve.observability import cli as observability_cli
@@ -131,6 +133,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(e, 2, dist)
     try:
         preflight.check_ports(server.host, server.port, server.metrics_port, server.http_port)
+        if routing.replica_listen is not None and routing.replica_listen[1]:
+            preflight.check_bind("replica-listen", *routing.replica_listen)
         return serve(
             config,
             server,
@@ -260,29 +264,7 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print each sample's finish reason and token counts to stderr (default: off)",
     )
-    auth = g.add_argument_group("TLS and API key (as the server's --tls-cert / --api-key)")
-    auth.add_argument(
-        "--tls",
-        action="store_true",
-        help="connect with TLS, checking the server against the system's root "
-        "certificates (default: off; on with --tls-ca-cert or --tls-cert)",
-    )
-    auth.add_argument(
-        "--tls-ca-cert",
-        help="PEM file of the CA that signed the server's certificate (default: none)",
-    )
-    auth.add_argument(
-        "--tls-cert",
-        help="PEM file of this client's certificate, for a server with --tls-client-ca "
-        "(with --tls-key) (default: none)",
-    )
-    auth.add_argument("--tls-key", help="PEM file of this client's key (default: none)")
-    auth.add_argument(
-        "--api-key",
-        help="the server's API key (also --api-key-file, or the JAXSERVE_API_KEY "
-        "variable) (default: none)",
-    )
-    auth.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
+    client_auth.add_flags(g)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -305,20 +287,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params["n"] = args.n
     last = None
     completions = []
-    from jaxserve.frontend.auth import resolve_api_key
-
     try:
+        auth = client_auth.from_args(args)
         client = JaxserveClient(
             args.server,
-            tls=args.tls,
-            tls_ca_cert=args.tls_ca_cert,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            api_key=resolve_api_key(args.api_key, args.api_key_file),
+            tls=auth.tls,
+            tls_ca_cert=auth.tls_ca_cert,
+            tls_cert=auth.tls_cert,
+            tls_key=auth.tls_key,
+            api_key=auth.api_key,
         )
     except ValueError as e:
-        option, sep, rest = str(e).partition(":")  # JaxserveClient's argument -> the flag
-        print(f"jaxserve generate: error: {option.replace('_', '-')}{sep}{rest}", file=sys.stderr)
+        print(f"jaxserve generate: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2
     with client:
         try:
@@ -383,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_arguments(g)
     g.set_defaults(func=_cmd_generate)
 
+    from jaxserve.router import headless  # noqa: PLC0415
+
+    headless.add_subparser(sub)  # `jaxserve engine`: a headless replica joining a frontend
     convert.add_subparser(sub)  # `jaxserve convert`: HF folder -> Orbax checkpoint
     bench_cli.add_subparser(sub)  # `jaxserve bench`: the serving benchmark client
     observability_cli.add_subparsers(sub)  # `jaxserve diagnose`, `jaxserve profile`

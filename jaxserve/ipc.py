@@ -13,6 +13,12 @@ The paths (see README.md, Architecture); each socket is bound by the process tha
     detokenizer --TextOutputs/EngineStats/Heartbeat-->  frontend
     engine      --KvEvents/KvSnapshot------------>  frontend (router; optional)
     frontend    --KvSnapshotRequest------------->  engine (control path)
+    headless    --ReplicaHello / ReplicaLeft------>  frontend (its replica listen port)
+    frontend    --ReplicaWelcome / ReplicaRefused / ReplicaLeft-->  headless
+A replica on another host (`jaxserve engine`, `jaxserve.router.remote`) speaks the same
+messages over tcp://; the frontend binds every endpoint it uses there
+(`IpcAddresses.frontend_binds`), so the engine's host opens no port. `PROTOCOL_VERSION`
+names this file's wire format: a peer with another is refused at the handshake.
 Stats travel the same path as outputs, so the frontend sees them in step order. Aborts
 have a socket of their own, which the engine drains first: never stuck behind requests.
 """
@@ -31,6 +37,11 @@ import zmq
 from jaxserve.observability.stats import EngineCounters, EngineHistograms
 
 _NDARRAY_EXT = 1
+# The wire format of these messages; raise it with any change a peer of another version
+# would misread (a field added, renamed or given another meaning). The handshake
+# messages `ReplicaHello`'s `protocol` and `ReplicaRefused` never change, so that two
+# versions can always tell each other apart.
+PROTOCOL_VERSION = 1
 
 
 @dataclass(slots=True)
@@ -217,6 +228,47 @@ class KvSnapshot:
     blocks: list
 
 
+@dataclass(slots=True)
+class ReplicaHello:
+    """Headless engine replica -> frontend (its replica listen port): the first message.
+
+    protocol: the sender's `PROTOCOL_VERSION`. identity: what must match the frontend's
+    for the router and the frontend's tokenizer to be right (`router.identity`). name:
+    who the peer is, for logs and GetServerInfo ("host pid N").
+    """
+
+    protocol: int
+    identity: dict
+    name: str = ""
+
+
+@dataclass(slots=True)
+class ReplicaWelcome:
+    """Frontend -> headless replica: accepted as replica `replica`; `ports` maps the
+    `IpcAddresses` fields engine_input, engine_control, kv_control, frontend_input and
+    kv_events to the TCP ports the frontend bound for it, on the host the replica
+    reached it at."""
+
+    replica: int
+    ports: dict
+
+
+@dataclass(slots=True)
+class ReplicaRefused:
+    """Frontend -> headless replica: not accepted; `reason` is one line naming the field
+    that differs (protocol_version, or one of the model identity's). Never changes."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class ReplicaLeft:
+    """Either way, on the handshake connection: the replica is out for good (its engine
+    died, or the frontend dropped it); `reason` says why."""
+
+    reason: str
+
+
 _TYPES = {
     cls.__name__: cls
     for cls in (
@@ -235,6 +287,10 @@ _TYPES = {
         KvEvents,
         KvSnapshotRequest,
         KvSnapshot,
+        ReplicaHello,
+        ReplicaWelcome,
+        ReplicaRefused,
+        ReplicaLeft,
     )
 }
 
@@ -298,6 +354,11 @@ class IpcAddresses:
     frontend_input: str  # TextOutputs/EngineStats/Heartbeat in; bound by the frontend
     engine_control: str = ""  # AbortRequest in; bound by the engine ("" none)
     kv_events: str = ""  # KvEvents/KvSnapshot in; bound by the frontend ("" none)
+    # KvSnapshotRequest out, when not engine_control (a remote replica's: a second port)
+    kv_control: str = ""
+    # A remote replica's: the frontend binds engine_input and engine_control too (PUSH),
+    # and the engine connects to them; ports may be "*" (the OS picks: `bound_endpoint`).
+    frontend_binds: bool = False
 
     @classmethod
     def in_dir(cls, directory: str | Path) -> IpcAddresses:
@@ -310,6 +371,11 @@ class IpcAddresses:
             frontend_input=f"ipc://{d / 'frontend'}",
             engine_control=f"ipc://{d / 'control'}",
         )
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The endpoint a socket was last bound to, with the port the OS chose for "*"."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:

@@ -22,6 +22,8 @@ With `--replicas N` (N > 1) there are N engine processes, each with its own side
 and devices, behind one `jaxserve.router.replicas.ReplicaSet`: a dead child takes only
 its replica out of rotation (its streams end with UNAVAILABLE naming it; its other
 child is stopped), and the server exits with code 1 only when every replica is dead.
+`--replica-listen` (with any N) also takes replicas from other hosts
+(`jaxserve.router.remote`).
 """
 
 from __future__ import annotations
@@ -171,8 +173,9 @@ def serve(
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
     num_replicas = router_options.replicas if router_options is not None else 1
+    remote = router_options is not None and router_options.replica_listen is not None
     try:
-        if num_replicas > 1:
+        if num_replicas > 1 or remote:  # behind the request router
             from jaxserve.router import launch as replica_launch  # noqa: PLC0415
 
             replica_addresses = replica_launch.spawn_replicas(
@@ -254,12 +257,14 @@ async def _run_frontend(
     stats_task = None
     server = FrontendServer(engine, tokenizer, metrics, chat_template, options)
     ready = asyncio.create_task(engine.wait_ready())
+    listener = None
     if replicas is not None:
         replicas.add_serving_listener(server.set_serving)
         restart = router_options.restart_dead_replicas
         watch = asyncio.create_task(
             replica_launch.watch_replica_children(children, replicas, restart)
         )
+        listener = await replica_launch.start_listener(replicas, engine_config, router_options)
     else:
         watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
@@ -287,8 +292,10 @@ async def _run_frontend(
                 stats.model, server_config.host, port, http,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
+            about = "" if replicas is None else replica_launch.describe(replicas, router_options)
             logger.info(
-                "configuration:\n%s", config_block(engine_config, server_config, stats, port)
+                "configuration:\n%s",
+                config_block(engine_config, server_config, stats, port, about),
             )
             if server_config.stats_log_interval_s > 0:
                 stats_task = asyncio.create_task(stats_log.run(server_config.stats_log_interval_s))
@@ -310,6 +317,8 @@ async def _run_frontend(
             if task is not None:
                 task.cancel()
         await server.stop(GRPC_GRACE_S)
+        if listener is not None:
+            await listener.close()
         await engine.close()
 
 

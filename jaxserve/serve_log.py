@@ -113,11 +113,15 @@ def _counts(stats) -> dict[str, float]:
     return {k: float(getattr(stats.counters, k)) for k in _COUNTERS}
 
 
-def config_block(engine: EngineConfig, server: ServerConfig, stats, grpc_port: int) -> str:
+def config_block(
+    engine: EngineConfig, server: ServerConfig, stats, grpc_port: int, replicas: str = ""
+) -> str:
     """The effective configuration, one `key: value` per line, logged once at ready.
 
     stats: the engine's ready `EngineStats` (what it settled on: max_model_len, usable KV
-    blocks); grpc_port: the port bound (the configured one may be 0).
+    blocks); grpc_port: the port bound (the configured one may be 0). replicas: with the
+    request router, a description of the replicas (then the KV numbers are the serving
+    ones' sum so far, each replica's logged as it becomes ready); "" for one engine.
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
     host = f"[{server.host}]" if ":" in server.host else server.host
@@ -138,8 +142,10 @@ def config_block(engine: EngineConfig, server: ServerConfig, stats, grpc_port: i
             "KV cache",
             f"{stats.num_blocks_total} usable blocks x {stats.block_size} tokens = "
             f"{stats.num_blocks_total * stats.block_size} tokens"
-            + (f" ({stats.num_blocks_total // mesh.dp} per dp rank)" if mesh.dp > 1 else ""),
+            + (f" ({stats.num_blocks_total // mesh.dp} per dp rank)" if mesh.dp > 1 else "")
+            + (" over the replicas serving now (GetServerInfo sums them)" if replicas else ""),
         ),
+        *([("replicas", replicas)] if replicas else []),
         ("prefix caching", "on" if cc.enable_prefix_caching else "off"),
         (
             "scheduler",

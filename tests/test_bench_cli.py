@@ -463,6 +463,7 @@ def test_http_backend_sends_the_key_and_reads_sse():
     from aiohttp import web
 
     from jaxserve.benchmark.backends import HttpBackend
+    from jaxserve.frontend.client_auth import ClientAuth
 
     seen = {}
 
@@ -488,7 +489,7 @@ def test_http_backend_sends_the_key_and_reads_sse():
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         try:
-            async with HttpBackend(f"127.0.0.1:{port}", 30, api_key="k1") as b:
+            async with HttpBackend(f"127.0.0.1:{port}", 30, ClientAuth(api_key="k1")) as b:
                 return await b.send([1, 2, 3], 3, Sampling(temperature=0.5, ignore_eos=True))
         finally:
             await runner.cleanup()

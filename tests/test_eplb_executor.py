@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.eplb.executor import PlacementExecutor, source_slots
+from jaxserve.eplb.executor import PlacementExecutor
 from jaxserve.eplb.planner import minimize_movement, plan_placement
+from jaxserve.eplb.transfer_plan import source_slots
 from jaxserve.models.layers import moe_experts_dense, route
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.mesh import build_mesh

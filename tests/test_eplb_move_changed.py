@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.eplb.executor import PlacementExecutor, source_slots
+from jaxserve.eplb.executor import PlacementExecutor
+from jaxserve.eplb.transfer_plan import source_slots
 from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.rules import named_sharding
 

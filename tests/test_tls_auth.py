@@ -261,3 +261,41 @@ def test_client_and_generate_speak_tls_with_the_key(tls_server, pki):
     missing = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "nope.pem"))
     assert missing.returncode == 2
     assert missing.stderr.startswith("jaxserve generate: error: tls-ca-cert: cannot read")
+
+
+def test_bench_diagnose_and_profile_speak_tls(tls_server, pki, mock_model_dir, tmp_path):
+    """The client tools reach a --tls-cert / --api-key server with the same flags as
+    `jaxserve generate` (frontend/client_auth.py); without them they fail with a
+    status that shows they spoke to it (UNAUTHENTICATED needs a TLS handshake first)."""
+    import json
+    import sys
+
+    from server_harness import REPO_DIR
+
+    ca = str(pki / "ca.pem")
+
+    def jaxserve(*argv):
+        return subprocess.run([sys.executable, "-m", "jaxserve.cli", *argv], cwd=REPO_DIR,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    out = tmp_path / "bench.json"
+    bench = jaxserve("bench", "--server", tls_server.target, "--tls-ca-cert", ca,
+                     "--api-key", KEY, "--tokenizer", str(mock_model_dir), "--num-prompts", "3",
+                     "--input-len", "4", "--output-len", "3", "--no-progress",
+                     "--out", str(out))  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(out.read_text())["metrics"]["completed"] == 3
+    bad_ca = jaxserve("bench", "--server", tls_server.target, "--tls-ca-cert", str(tmp_path / "x"))
+    assert bad_ca.returncode == 2 and "--tls-ca-cert: cannot read" in bad_ca.stderr
+
+    metrics = f"127.0.0.1:{tls_server.metrics_port}"
+    diag = jaxserve("diagnose", "--server", metrics, "--tls-ca-cert", ca, "--seconds", "1",
+                    "--interval", "0.5", "--json")  # fmt: skip
+    assert diag.returncode == 0, diag.stderr
+    assert json.loads(diag.stdout)["source"].startswith(metrics)  # read the HTTPS port
+    plain = jaxserve("diagnose", "--server", metrics, "--seconds", "1", "--interval", "0.5")
+    assert plain.returncode == 1 and f"http://{metrics}/metrics" in plain.stderr
+
+    profile = jaxserve("profile", "--server", tls_server.target, "--tls-ca-cert", ca,
+                       "--seconds", "1", "--out", str(tmp_path / "prof"))  # fmt: skip
+    assert profile.returncode == 1 and "UNAUTHENTICATED" in profile.stderr, profile.stderr

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from jaxserve.frontend.client import build_generate_request
+from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 
 BACKENDS = ("grpc", "http")
@@ -56,13 +57,14 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, target: str, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float, auth: ClientAuth | None = None) -> None:
         self.target, self.timeout_s = target, timeout_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self._auth = auth or ClientAuth()
+        self._metadata = self._auth.metadata
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> GrpcBackend:
-        self._channel = grpc.aio.insecure_channel(self.target)
+        self._channel = self._auth.aio_channel(self.target)
         self._stub = pb_grpc.JaxserveStub(self._channel)
         return self
 
@@ -101,11 +103,10 @@ class HttpBackend:
 
     name = "http"
 
-    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
-        if "://" not in base_url:
-            base_url = f"http://{base_url}"
-        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    def __init__(self, base_url: str, timeout_s: float, auth: ClientAuth | None = None) -> None:
+        self._auth = auth or ClientAuth()
+        self.base_url, self.timeout_s = self._auth.url(base_url).rstrip("/"), timeout_s
+        self._headers = self._auth.headers
 
     async def __aenter__(self) -> HttpBackend:
         try:
@@ -116,7 +117,7 @@ class HttpBackend:
             ) from None
         self._aiohttp = aiohttp
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, ssl=self._auth.ssl_context() or True),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             headers=self._headers,
         )
@@ -167,12 +168,12 @@ def _finish(out: RequestOutput, text: str) -> RequestOutput:
     return out
 
 
-def make_backend(name: str, server: str, timeout_s: float, api_key: str | None = None):
+def make_backend(name: str, server: str, timeout_s: float, auth: ClientAuth | None = None):
     """The backend called `name` ("grpc" or "http") for `server` (HOST:PORT; for http
-    also a URL); api_key goes in `authorization: Bearer <key>` (the server's --api-key).
-    Raises ValueError naming backend for another name."""
+    also a URL); `auth`: the server's TLS and API key. Raises ValueError naming backend
+    for another name."""
     if name == "grpc":
-        return GrpcBackend(server, timeout_s, api_key)
+        return GrpcBackend(server, timeout_s, auth)
     if name == "http":
-        return HttpBackend(server, timeout_s, api_key)
+        return HttpBackend(server, timeout_s, auth)
     raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {name!r}")

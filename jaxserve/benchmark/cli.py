@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
+from jaxserve.frontend import client_auth
 
 MAX_PROMPTS = 1_000_000  # --num-prompts: requests (or conversations) one run builds
 
@@ -44,11 +45,6 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         "--server",
         default=f"{ServerConfig().host}:{ServerConfig().port}",
         help="HOST:PORT (http: also a base URL); default %(default)s",
-    )
-    b.add_argument(
-        "--api-key",
-        default=os.environ.get("JAXSERVE_API_KEY"),
-        help="the server's --api-key (default: $JAXSERVE_API_KEY), sent as a Bearer token",
     )
     b.add_argument(
         "--tokenizer",
@@ -122,6 +118,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--plot", metavar="FILE.png", help="latency histograms, throughput over time")
     r.add_argument("--label", default="", help="a title for the table, JSON and plot")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    client_auth.add_flags(b)
     b.set_defaults(func=cmd_bench)
 
 
@@ -184,18 +181,20 @@ def _served_model(args: argparse.Namespace) -> str | None:
     """The model name the server reports (gRPC GetServerInfo, HTTP /v1/models), None when
     it cannot be asked."""
     try:
+        auth = client_auth.from_args(args)
         if args.backend == "grpc":
             from jaxserve.frontend.client import JaxserveClient
 
-            with JaxserveClient(args.server, api_key=args.api_key) as c:
+            kwargs = dict(tls=auth.tls, tls_ca_cert=auth.tls_ca_cert, tls_cert=auth.tls_cert,
+                          tls_key=auth.tls_key, api_key=auth.api_key)  # fmt: skip
+            with JaxserveClient(args.server, **kwargs) as c:
                 return c.server_info(timeout=10).model
         import urllib.request
 
-        base = args.server if "://" in args.server else f"http://{args.server}"
-        req = urllib.request.Request(base.rstrip("/") + "/v1/models")
-        if args.api_key:
-            req.add_header("Authorization", f"Bearer {args.api_key}")
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        req = urllib.request.Request(auth.url(args.server).rstrip("/") + "/v1/models")
+        for k, v in auth.headers.items():
+            req.add_header(k, v)
+        with urllib.request.urlopen(req, timeout=10, context=auth.ssl_context()) as resp:
             return json.loads(resp.read())["data"][0]["id"]
     except Exception:  # noqa: BLE001 - any failure here: the run's requests will say why
         return None
@@ -248,6 +247,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jaxserve.frontend.tokenizer import load_tokenizer
 
     try:
+        auth = client_auth.from_args(args)
+        auth.ssl_context()  # an unreadable PEM file is a usage error, before any request
+    except ValueError as e:
+        return _error(f"--{client_auth.flag_error(e)}")
+    try:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
@@ -263,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")
 
     async def go():
-        async with make_backend(args.backend, args.server, args.timeout, args.api_key) as backend:
+        async with make_backend(args.backend, args.server, args.timeout, auth) as backend:
             return await client.run(
                 backend, sessions,
                 sampling=Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos),

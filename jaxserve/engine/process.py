@@ -295,11 +295,17 @@ def run_engine_process(
     dist: distributed.DistributedConfig | None = None,
     engine_control: str | None = None,
     kv_events: str | None = None,
+    connect_input: bool = False,
+    connect_control: tuple[str, ...] = (),
 ) -> int:
     """Build the engine core, then serve until Shutdown. Returns the exit code.
 
     engine_control: the control path's address (AbortRequests; bound here), or None.
     kv_events: the router's KV events address (connected to), or None: no events.
+    connect_input / connect_control: a replica on another host (`router.headless`): its
+        request queue connects to `engine_input`, bound by the frontend, and its control
+        socket connects to these frontend-bound addresses too (aborts, snapshot
+        requests), besides `engine_control` bound here for its sidecar.
 
     dist: the multi-process run this engine leads (process 0), or None. The leader
         publishes every step to the followers (`run_follower`) and stops them on exit;
@@ -311,11 +317,15 @@ def run_engine_process(
     followers may be stuck in the failed step's collectives; they see the leader gone).
     """
     ctx = zmq.Context()
-    input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=True)
+    input_socket = make_socket(ctx, zmq.PULL, engine_input, bind=not connect_input)
     output_socket = make_socket(ctx, zmq.PUSH, detokenizer_input, bind=False)
     control_socket = (
         make_socket(ctx, zmq.PULL, engine_control, bind=True) if engine_control else None
     )
+    for address in connect_control:
+        if control_socket is None:
+            raise ValueError("connect-control: needs --engine-control (the local control path)")
+        control_socket.connect(address)
     kv_socket = make_socket(ctx, zmq.PUSH, kv_events, bind=False) if kv_events else None
     core = None
     try:
@@ -466,6 +476,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--detokenizer-input", required=True)
     parser.add_argument("--engine-control", help="AbortRequest socket (the control path)")
     parser.add_argument("--kv-events", help="the router's KV events socket (jaxserve.router)")
+    parser.add_argument(
+        "--connect-engine-input", action="store_true",
+        help="connect to --engine-input (bound by a remote frontend) instead of binding it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--connect-control", action="append", default=[], metavar="ADDRESS",
+        help="also take control messages from this address, bound by a remote frontend",
+    )  # fmt: skip
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-class", default=DEFAULT_ENGINE_CLASS)
     parser.add_argument("--log-level", default="INFO")
@@ -485,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     code = run_engine_process(
         config, args.engine_input, args.detokenizer_input, args.engine_class, dist,
         engine_control=args.engine_control, kv_events=args.kv_events,
+        connect_input=args.connect_engine_input, connect_control=tuple(args.connect_control),
     )  # fmt: skip
     if dist is not None and code != 0:
         exit_now(code)  # the followers are gone or stopping: no shutdown barrier

@@ -5,6 +5,9 @@ printing only; the work is `observability.diagnose` and `observability.profile`)
     jaxserve diagnose --from bench.json [--json]
     jaxserve profile --server HOST:PORT --seconds N --out DIR
 
+Both reach a server with --tls-cert / --api-key through `frontend.client_auth`'s flags
+(--tls-ca-cert ..., --api-key for profile; the metrics port checks no key).
+
 Exit status: 0 done, 1 the server or file could not be read, 2 a usage error. No JAX.
 """
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from jaxserve.frontend import client_auth
 
 
 def add_subparsers(sub) -> None:
@@ -33,6 +38,7 @@ def add_subparsers(sub) -> None:
     d.add_argument("--interval", type=float, default=0.5,
                    help="seconds between scrapes (default %(default)s)")  # fmt: skip
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    client_auth.add_flags(d, api_key=False)  # the metrics port is HTTPS with --tls-cert
     d.set_defaults(func=_cmd_diagnose)
 
     p = sub.add_parser(
@@ -47,7 +53,7 @@ def add_subparsers(sub) -> None:
         "--seconds", type=float, default=5.0, help="capture length (default %(default)s)"
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
-    p.add_argument("--api-key", help="the server's API key, if it requires one")
+    client_auth.add_flags(p)
     p.set_defaults(func=_cmd_profile)
 
 
@@ -60,12 +66,13 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         if args.from_file:
             result = diagnose.load_bench(args.from_file)
         else:
-            result = diagnose.diagnose_server(args.server, args.seconds, args.interval)
+            auth = client_auth.from_args(args)
+            result = diagnose.diagnose_server(args.server, args.seconds, args.interval, auth)
     except ValueError as e:
-        print(f"jaxserve diagnose: error: {e}", file=sys.stderr)
+        print(f"jaxserve diagnose: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2
     except OSError as e:
-        where = args.from_file or f"http://{args.server}/metrics"
+        where = args.from_file or client_auth.from_args(args).url(args.server, "/metrics")
         print(f"jaxserve diagnose: error: cannot read {where}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
@@ -76,9 +83,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from jaxserve.observability import profile_rpc as profile
 
     try:
-        result = profile.request_profile(args.server, args.seconds, args.out, args.api_key)
+        auth = client_auth.from_args(args)
+        result = profile.request_profile(args.server, args.seconds, args.out, auth)
     except ValueError as e:
-        print(f"jaxserve profile: error: {e}", file=sys.stderr)
+        print(f"jaxserve profile: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as e:
         print(f"jaxserve profile: error: {e}", file=sys.stderr)

@@ -36,12 +36,15 @@ No JAX here.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.frontend.client_auth import ClientAuth
 
 # Thresholds of the tree (see the module docstring).
 KV_FULL = 0.9  # KV blocks in use / usable blocks
@@ -57,12 +60,15 @@ MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
 MAX_SECONDS = 3600.0
 
 
-def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+def scrape(
+    url: str, timeout: float = 10.0, context: ssl.SSLContext | None = None
+) -> dict[str, float]:
     """One scrape of a Prometheus text endpoint: {series: value}, a series named as
     `name{label="v",...}` without the `model` label (sorted labels; just `name` when none).
+    `context`: the TLS context of an https:// URL (`ClientAuth.ssl_context`).
 
     Raises OSError (urllib.error.URLError) when the endpoint cannot be read."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -112,15 +118,17 @@ def sample(
     interval_s: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    context: ssl.SSLContext | None = None,
 ) -> Window:
-    """Scrape `url` every `interval_s` for `seconds` (at least twice) into a Window."""
+    """Scrape `url` every `interval_s` for `seconds` (at least twice) into a Window
+    (`context`: as `scrape`'s)."""
     start = clock()
-    first = scrape(url)
+    first = scrape(url, context=context)
     peak = dict(first)
     last = first
     while True:
         sleep(min(interval_s, max(0.0, start + seconds - clock())))
-        last = scrape(url)
+        last = scrape(url, context=context)
         for k, v in last.items():
             peak[k] = max(peak.get(k, v), v)
         if clock() - start >= seconds:
@@ -347,14 +355,18 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
     return Diagnosis(source, findings, summary)
 
 
-def diagnose_server(address: str, seconds: float, interval_s: float = 0.5) -> Diagnosis:
-    """Sample http://ADDRESS/metrics (the server's --metrics-port) for `seconds` and walk
-    the tree. Raises ValueError naming `seconds` out of (0, MAX_SECONDS], OSError when the
-    endpoint cannot be read."""
+def diagnose_server(
+    address: str, seconds: float, interval_s: float = 0.5, auth: ClientAuth | None = None
+) -> Diagnosis:
+    """Sample ADDRESS/metrics (the server's --metrics-port; https:// when `auth` uses TLS,
+    as a server with --tls-cert serves it) for `seconds` and walk the tree. Raises
+    ValueError naming `seconds` out of (0, MAX_SECONDS] or a TLS file that cannot be
+    read, OSError when the endpoint cannot be read."""
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"seconds: must be in (0, {MAX_SECONDS:g}], got {seconds}")
-    url = address if address.startswith("http") else f"http://{address}/metrics"
-    return diagnose_window(sample(url, seconds, interval_s), f"{address}, {seconds:g} s window")
+    auth = auth or ClientAuth()
+    window = sample(auth.url(address, "/metrics"), seconds, interval_s, context=auth.ssl_context())
+    return diagnose_window(window, f"{address}, {seconds:g} s window")
 
 
 # Client-side rules of `--from bench.json`.

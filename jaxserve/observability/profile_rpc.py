@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.ipc import ProfileRequest
 from jaxserve.observability.profile import MANIFEST, MAX_SECONDS
 
@@ -97,21 +98,24 @@ def handler(engine) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {"Capture": method})
 
 
-def request_profile(server: str, seconds: float, out_dir: str, api_key: str | None = None):
-    """Ask the server at `server` (HOST:PORT, gRPC) for a capture; returns its manifest.
+def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth | None = None):
+    """Ask the server at `server` (HOST:PORT, gRPC; `auth`: its TLS and API key) for a
+    capture; returns its manifest.
 
-    Raises ValueError naming `seconds` or `out_dir` (checked here first), RuntimeError
-    ("profile: CODE: details") when the server refuses or fails."""
+    Raises ValueError naming `seconds` or `out_dir` (checked here first) or a TLS file
+    that cannot be read, RuntimeError ("profile: CODE: details") when the server refuses
+    or fails."""
     out_dir = os.path.abspath(out_dir)
     validate({"out_dir": out_dir, "seconds": seconds})
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    with grpc.insecure_channel(server) as channel:
+    auth = auth or ClientAuth()
+    with auth.channel(server) as channel:
         call = channel.unary_unary(
             METHOD, request_serializer=_dumps, response_deserializer=json.loads
         )
         try:
-            return call({"out_dir": out_dir, "seconds": seconds},
-                        timeout=seconds + MANIFEST_GRACE_S + 30, metadata=metadata)  # fmt: skip
+            timeout = seconds + MANIFEST_GRACE_S + 30
+            request = {"out_dir": out_dir, "seconds": seconds}
+            return call(request, timeout=timeout, metadata=auth.metadata)
         except grpc.RpcError as e:
             raise RuntimeError(f"profile: {e.code().name}: {e.details()}") from None
 

@@ -9,12 +9,17 @@ must read and the FLOPs it must do, from the model's `ModelConfig` only:
   routing of T tokens with top-k of E experts, E * (1 - (1 - k/E)^T) distinct experts
   are expected (the occupancy estimate of T draws of k from E; a skewed load reads
   fewer, a lower bound of its time);
-- KV cache: each layer reads the K and V of every cached or new position of each row and
-  writes those of its new tokens (`2 * kv_heads * head_dim` values per token and layer);
-- FLOPs: 2 per multiply-add of every weight a token meets (k experts per MoE layer, the
-  LM head for one position per row), plus attention's two products, 4 * heads * head_dim
-  per (query, visible key) pair, causal: a chunk of q tokens after `start` cached ones
-  sees q * start + q (q + 1) / 2 pairs. Sliding windows are not capped (an upper bound).
+- KV cache: each layer reads the cached values of every cached or new position of each
+  row and writes those of its new tokens: `2 * kv_heads * head_dim` values per token and
+  layer, or with Multi-head Latent Attention (DeepSeek-V2/V3, `ModelConfig.mla`) one
+  latent of `kv_lora_rank + qk_rope_head_dim`;
+- FLOPs: 2 per multiply-add of every weight a token meets (k experts plus the shared
+  experts per MoE layer, the LM head for one position per row), plus attention's two
+  products per (query, visible key) pair: 4 * heads * head_dim, or with MLA in its
+  absorbed form (scores over the latent and the RoPE key, the output over the latent;
+  DeepSeek-V2 paper, section 2.1.2) 2 * heads * (2 * kv_lora_rank + qk_rope_head_dim).
+  Causal: a chunk of q tokens after `start` cached ones sees q * start + q (q + 1) / 2
+  pairs. Sliding windows are not capped (an upper bound).
 
 `StepMeter` applies it to the engine's steps: `dispatched` when a step leaves for the
 device, `fetched` when its results are on the host; the time between is the step's time
@@ -56,43 +61,50 @@ class StepCostModel:
         kv_dtype: KV cache dtype name (default: `dtype`).
 
     Attributes (elements unless named *_bytes):
-        attn_params / dense_mlp_params / expert_params / gate_params: per layer (one
-            expert for expert_params).
+        attn_params / dense_mlp_params / expert_params / gate_params /
+            shared_expert_params: per layer (one routed expert for expert_params; all
+            shared experts of a DeepSeek MoE layer for shared_expert_params).
+        kv_values_per_token: cached values of one token in one layer.
+        attn_flops_per_pair: attention FLOPs of one (query, visible key) pair, all
+            heads of one layer.
         lm_head_params: vocab_size * hidden_size.
         total_weight_bytes: every weight of the model (all experts, embeddings).
         kv_bytes_per_token: KV cache bytes of one token over all layers.
     """
 
     def __init__(self, cfg, dtype: str = "float32", kv_dtype: str | None = None) -> None:
-        d, hd = cfg.hidden_size, cfg.head_dim
+        d = cfg.hidden_size
         self.num_layers = cfg.num_hidden_layers
-        self.heads, self.kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            hd,
-        )
+        self.heads = cfg.num_attention_heads
         self.itemsize = _ITEMSIZE[dtype]
         self.kv_itemsize = _ITEMSIZE[kv_dtype or dtype]
-        self.attn_params = 2 * d * self.heads * hd + 2 * d * self.kv_heads * hd
+        self.attn_params, attn_norms, self.kv_values_per_token, self.attn_flops_per_pair = (
+            _attention(cfg) if cfg.mla is None else _mla_attention(cfg)
+        )
         self.dense_mlp_params = 3 * d * cfg.intermediate_size
         self.expert_params = 3 * d * cfg.moe_intermediate_size
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.gate_params = d * cfg.num_experts
+        gate = cfg.grouped_gate
+        # DeepSeek: the shared experts (always on) and V3's e_score_correction_bias.
+        self.shared_expert_params = gate.n_shared_experts * self.expert_params if gate else 0
+        gate_bias = cfg.num_experts if gate is not None and gate.correction_bias else 0
+        self.gate_params = d * cfg.num_experts + gate_bias
         self.moe_layers = sum(cfg.is_moe_layer(i) for i in range(self.num_layers))
         self.dense_layers = self.num_layers - self.moe_layers
         self.lm_head_params = cfg.vocab_size * d
         self.embed_params = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
         self.hidden = d
-        norms = d * (2 * self.num_layers + 1) + 2 * hd * self.num_layers  # + q/k norms
+        norms = d * (2 * self.num_layers + 1) + attn_norms * self.num_layers
         self.total_weight_bytes = self.itemsize * (
             self.num_layers * self.attn_params
             + self.dense_layers * self.dense_mlp_params
-            + self.moe_layers * (self.gate_params + self.num_experts * self.expert_params)
+            + self.moe_layers
+            * (self.gate_params + self.shared_expert_params + self.num_experts * self.expert_params)
             + self.lm_head_params
             + self.embed_params
             + norms
         )
-        self.kv_bytes_per_token = 2 * self.kv_heads * hd * self.kv_itemsize * self.num_layers
+        self.kv_bytes_per_token = self.kv_values_per_token * self.kv_itemsize * self.num_layers
 
     def expected_experts(self, num_tokens: int) -> float:
         """Distinct experts one MoE layer is expected to read for `num_tokens` tokens
@@ -112,26 +124,55 @@ class StepCostModel:
         positions = sum(s + q for s, q in rows)  # KV positions read per layer
         pairs = sum(q * s + q * (q + 1) / 2 for s, q in rows)  # causal (query, key) pairs
         experts = self.expected_experts(t)
+        moe_always = self.gate_params + self.shared_expert_params
         weights = (
             self.num_layers * self.attn_params
             + self.dense_layers * self.dense_mlp_params
-            + self.moe_layers * (self.gate_params + experts * self.expert_params)
+            + self.moe_layers * (moe_always + experts * self.expert_params)
             + self.lm_head_params
         )
-        per_token_kv = 2 * self.kv_heads * self.head_dim * self.kv_itemsize * self.num_layers
-        kv = per_token_kv * (positions + t)  # read every position, write the new ones
+        kv = self.kv_bytes_per_token * (positions + t)  # read every position, write the new
         macs = (
             t
             * (
                 self.num_layers * self.attn_params
                 + self.dense_layers * self.dense_mlp_params
-                + self.moe_layers * (self.gate_params + self.top_k * self.expert_params)
+                + self.moe_layers * (moe_always + self.top_k * self.expert_params)
             )
             + len(rows) * self.lm_head_params
         )
-        attention = 4 * self.heads * self.head_dim * pairs * self.num_layers
+        attention = self.attn_flops_per_pair * pairs * self.num_layers
         return StepCost(weights * self.itemsize + t * self.hidden * self.itemsize, kv,
                         2 * macs + attention)  # fmt: skip
+
+
+def _attention(cfg) -> tuple[int, int, int, int]:
+    """Grouped-query attention: (projection params, norm params, cached values per token,
+    FLOPs per (query, key) pair), one layer. q/k norms are counted (Qwen3's; Llama and
+    Mixtral have none, 2 * head_dim elements per layer too many there)."""
+    d, hd, h, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    params = 2 * d * h * hd + 2 * d * kv * hd
+    if cfg.attention_qkv_bias:
+        params += h * hd + 2 * kv * hd
+    return params, 2 * hd, 2 * kv * hd, 4 * h * hd
+
+
+def _mla_attention(cfg) -> tuple[int, int, int, int]:
+    """Multi-head Latent Attention (`models/mla.py`), the same four numbers: q (through
+    its LoRA when q_lora_rank is set), kv_a (latent + RoPE key), kv_b (latent -> per-head
+    no-RoPE key and value) and o projections; the q_a / kv_a norms; one latent cached per
+    token; the absorbed attention's FLOPs per pair."""
+    m, d, h = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    q_out = h * m.qk_head_dim
+    q = d * q_out if m.q_lora_rank is None else d * m.q_lora_rank + m.q_lora_rank * q_out
+    params = (
+        q
+        + d * m.latent_dim
+        + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+        + h * m.v_head_dim * d
+    )
+    norms = m.kv_lora_rank + (m.q_lora_rank or 0)
+    return params, norms, m.latent_dim, 2 * h * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
 
 
 def step_rows(sched) -> tuple[list[tuple[int, int]], int, int, int]:

@@ -10,12 +10,14 @@ from jaxserve.router.policy import POLICIES
 
 def add_router_arguments(s: argparse.ArgumentParser) -> None:
     """--replicas, --devices-per-replica, --router-policy, --router-weight,
-    --router-temperature (a "replicas and routing" group)."""
+    --router-temperature, --restart-dead-replicas, --replica-listen, --allow-remote (a
+    "replicas and routing" group)."""
     g = s.add_argument_group("replicas and routing")
     g.add_argument(
         "--replicas", type=int, default=1, metavar="N",
         help="engine replicas on this host, each with its own devices, engine process and "
-        "detokenizer, behind this frontend's request router (default: 1)",
+        "detokenizer, behind this frontend's request router; 0 with --replica-listen: "
+        "all join from other hosts (default: 1)",
     )  # fmt: skip
     g.add_argument(
         "--devices-per-replica", type=int, metavar="D",
@@ -42,11 +44,34 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         help="start a replica whose engine or detokenizer died again; it rejoins with "
         "empty entries in the router (default: off: it stays out of rotation)",
     )  # fmt: skip
+    g.add_argument(
+        "--replica-listen", metavar="HOST:PORT",
+        help="accept headless engine replicas (`jaxserve engine --frontend HOST:PORT` on "
+        "other hosts) here, beside the --replicas local ones; port 0 picks a free one "
+        "(default: none)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allow-remote", action="store_true",
+        help="let --replica-listen bind an address other than loopback (its ports carry "
+        "no authentication: a private network only) (default: loopback only)",
+    )  # fmt: skip
+
+
+def host_port(flag: str, text: str) -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" ("[::1]:PORT" for IPv6). Raises ValueError naming flag."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{flag}: expected HOST:PORT, got {text!r}")
+    return host, int(port)
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
     """RouterOptions from the flags. Raises ValueError naming the flag."""
+    listen = args.replica_listen
     return RouterOptions(
+        replica_listen=None if listen is None else host_port("replica-listen", listen),
+        allow_remote=args.allow_remote,
         replicas=args.replicas,
         devices_per_replica=args.devices_per_replica,
         policy=args.router_policy,

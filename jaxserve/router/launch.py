@@ -18,6 +18,8 @@ import logging
 import os
 import time
 
+import zmq
+
 from jaxserve.config import EngineConfig
 from jaxserve.ipc import IpcAddresses
 from jaxserve.launcher import CHILD_POLL_INTERVAL_S, _Child, _spawn
@@ -102,6 +104,36 @@ def make_replica_set(addresses, engine_config, metrics, options, router_options)
     )
 
 
+def describe(replicas, router_options) -> str:
+    """The configuration block's replicas row: each replica's state and KV blocks."""
+    each = ", ".join(
+        f"{r.index}: {r.state}"
+        + (f" {r.last_stats.num_blocks_total} blocks" if r.last_stats is not None else "")
+        for r in replicas.replicas
+    )
+    listen = router_options.replica_listen
+    remote = f"; remote ones join at {listen[0]}:{listen[1]}" if listen is not None else ""
+    return f"{len(replicas.replicas)} ({each}), router policy {router_options.policy_name}{remote}"
+
+
+async def start_listener(replicas, engine_config, router_options):
+    """With --replica-listen: the started `remote.RemoteReplicaListener`, else None.
+    Raises RuntimeError naming replica-listen when its address cannot be bound."""
+    if router_options.replica_listen is None:
+        return None
+    from jaxserve.router.identity import model_identity  # noqa: PLC0415
+    from jaxserve.router.remote import RemoteReplicaListener  # noqa: PLC0415
+
+    host, port = router_options.replica_listen
+    listener = RemoteReplicaListener(host, port, replicas, model_identity(engine_config))
+    try:
+        await listener.start()
+    except zmq.ZMQError as e:
+        await listener.close()
+        raise RuntimeError(f"replica-listen: cannot bind {host}:{port} ({e})") from None
+    return listener
+
+
 async def watch_replica_children(children: list[_Child], replicas, restart: bool) -> str:
     """With several replicas: a dead child takes its replica out of rotation (and its
     other child is stopped). With `restart`, the replica's children are started again
@@ -120,7 +152,7 @@ async def watch_replica_children(children: list[_Child], replicas, restart: bool
             for other in children:
                 if other.replica == k and other.process.poll() is None:
                     other.process.terminate()
-            if len(down) == len(replicas.replicas):
+            if replicas.dead_reason is not None:  # remote ones included
                 return f"every replica died (last: {reason})"
         if restart:
             for k, since in list(down.items()):
@@ -134,4 +166,6 @@ async def watch_replica_children(children: list[_Child], replicas, restart: bool
                 logger.warning("replica %d: restarted; it rejoins with empty entries", k)
                 await replicas.rejoin(k)
                 del down[k]
+        if down and len(down) == len(children) // 2 and replicas.dead_reason is not None:
+            return replicas.dead_reason  # the local ones are down, the last remote one too
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)

@@ -6,9 +6,13 @@ blocks so that it adds to the policy's cache term:
     load = pending prefill tokens / block_size  +  blocks held by running requests
 
 A request adds its uncached prompt tokens (prefill still to compute) and its prompt's
-blocks (`dispatch`); its first output moves it from prefill to decode (`first_token`,
-the prefill part leaves); it leaves entirely on its final output, an abort, an error or
-its replica's death (`finish`). Every entry is keyed by request id and `finish` is
+blocks (`dispatch`); the n samples of one request (`group`) share their prompt's full
+blocks (all but the last token's) and their prefill in the engine
+(`ipc.EngineRequest.cache_group`), so these are booked once per group, held until its
+last sample ends, and each sample adds only its own blocks (the rest of the prompt, then
+its output); its first output moves it from prefill to decode (`first_token`, the
+prefill part leaves); it leaves entirely on its final output, an abort, an error or its
+replica's death (`finish`). Every entry is keyed by request id and `finish` is
 idempotent, so the counters cannot drift: a request that ends twice, or ends without
 ever reaching the engine, leaves them where they were (the failure mode where drifting
 counters send all new traffic to one replica). Health checks and engine stats never
@@ -24,11 +28,23 @@ from jaxserve.router.prefix_index import ReplicaId
 
 
 @dataclass(slots=True)
+class _Group:
+    """What the samples of one request share: booked once, until the last one ends."""
+
+    replica: ReplicaId
+    prefill_tokens: int  # uncached tokens of the shared blocks, until any sample's output
+    shared_blocks: int  # the prompt's full blocks before its last token
+    members: int = 0
+
+
+@dataclass(slots=True)
 class _Active:
     replica: ReplicaId
-    prefill_tokens: int  # uncached prompt tokens, until the first output
-    blocks: int  # blocks of the prompt (grows with decoded tokens, `add_tokens`)
+    prefill_tokens: int  # its uncached prompt tokens (past its group's), until its first output
+    blocks: int  # its own blocks: of the prompt (past the group's), then of its output
     tokens: int  # prompt + output tokens so far
+    group: str | None = None
+    shared_blocks: int = 0  # the group's full prompt blocks, not counted in `blocks`
 
 
 class LoadTracker:
@@ -46,6 +62,7 @@ class LoadTracker:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         self.block_size = block_size
         self._active: dict[str, _Active] = {}
+        self._groups: dict[str, _Group] = {}
         self._prefill: dict[ReplicaId, int] = {}
         self._blocks: dict[ReplicaId, int] = {}
         self._requests: dict[ReplicaId, int] = {}
@@ -64,33 +81,68 @@ class LoadTracker:
     def decode_blocks(self, replica: ReplicaId) -> int:
         return self._blocks.get(replica, 0)
 
+    def has_group(self, group: str) -> bool:
+        """True while a sample of `group` is active."""
+        return group in self._groups
+
     def replica_of(self, request_id: str) -> ReplicaId | None:
         """The replica an active request was dispatched to, or None."""
         active = self._active.get(request_id)
         return None if active is None else active.replica
 
     def dispatch(
-        self, request_id: str, replica: ReplicaId, num_prompt_tokens: int, num_cached_tokens: int
+        self,
+        request_id: str,
+        replica: ReplicaId,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        group: str | None = None,
     ) -> None:
         """`request_id` (prompt of `num_prompt_tokens`, of which the index expects
-        `num_cached_tokens` cached there) was sent to `replica`.
+        `num_cached_tokens` cached there) was sent to `replica`. group: the samples of
+        one request share it (the same prompt, replica and cached tokens); None alone.
 
         Raises:
-            ValueError: request_id is active already (ids are the engine's, unique).
+            ValueError: request_id is active already (ids are the engine's, unique), or
+                a group's sample sent to another replica than the group's.
         """
         if request_id in self._active:
             raise ValueError(f"request_id: {request_id!r} is already active")
         prefill = max(num_prompt_tokens - num_cached_tokens, 0)
         blocks = -(-num_prompt_tokens // self.block_size)
-        self._active[request_id] = _Active(replica, prefill, blocks, num_prompt_tokens)
-        self._add(replica, prefill, blocks, 1)
+        if group is None:
+            self._active[request_id] = _Active(replica, prefill, blocks, num_prompt_tokens)
+            self._add(replica, prefill, blocks, 1)
+            return
+        # The engine's later samples reuse the full blocks before the prompt's last token
+        # (`block_manager.lookup_prefix`) and compute the rest themselves.
+        shared = max(num_prompt_tokens - 1, 0) // self.block_size
+        g = self._groups.get(group)
+        if g is None:
+            shared_prefill = max(shared * self.block_size - num_cached_tokens, 0)
+            g = self._groups[group] = _Group(replica, shared_prefill, shared)
+            self._add(replica, shared_prefill, shared, 0)
+        elif g.replica != replica:
+            raise ValueError(f"group: {group!r} is on replica {g.replica}, not {replica}")
+        g.members += 1
+        own_prefill = num_prompt_tokens - max(shared * self.block_size, num_cached_tokens)
+        own = blocks - shared
+        self._active[request_id] = _Active(
+            replica, max(own_prefill, 0), own, num_prompt_tokens, group, shared
+        )
+        self._add(replica, max(own_prefill, 0), own, 1)
 
     def first_token(self, request_id: str) -> None:
-        """The request's first output arrived: its prefill is done. Idempotent."""
+        """The request's first output arrived: its prefill is done (its group's, for a
+        sample). Idempotent."""
         active = self._active.get(request_id)
-        if active is not None and active.prefill_tokens:
-            self._add(active.replica, -active.prefill_tokens, 0, 0)
-            active.prefill_tokens = 0
+        if active is None:
+            return
+        group = None if active.group is None else self._groups[active.group]
+        for part in (active, group):
+            if part is not None and part.prefill_tokens:
+                self._add(active.replica, -part.prefill_tokens, 0, 0)
+                part.prefill_tokens = 0
 
     def add_tokens(self, request_id: str, num_tokens: int) -> None:
         """`num_tokens` more output tokens: the request may hold more blocks now."""
@@ -98,7 +150,7 @@ class LoadTracker:
         if active is None or num_tokens <= 0:
             return
         active.tokens += num_tokens
-        blocks = -(-active.tokens // self.block_size)
+        blocks = -(-active.tokens // self.block_size) - active.shared_blocks
         if blocks != active.blocks:
             self._add(active.replica, 0, blocks - active.blocks, 0)
             active.blocks = blocks
@@ -109,6 +161,12 @@ class LoadTracker:
         if active is None:
             return None
         self._add(active.replica, -active.prefill_tokens, -active.blocks, -1)
+        if active.group is not None:
+            g = self._groups[active.group]
+            g.members -= 1
+            if g.members == 0:  # the last sample: the shared part leaves too
+                del self._groups[active.group]
+                self._add(g.replica, -g.prefill_tokens, -g.shared_blocks, 0)
         return active.replica
 
     def finish_replica(self, replica: ReplicaId) -> list[str]:

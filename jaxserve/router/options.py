@@ -1,6 +1,7 @@
 """`RouterOptions`: how many engine replicas `jaxserve serve` runs and how it routes
 (`--replicas`, `--devices-per-replica`, `--router-policy`, `--router-weight`,
-`--router-temperature`)."""
+`--router-temperature`), and whether replicas on other hosts may join (`--replica-listen`,
+`--allow-remote`)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import math
 import os
 from dataclasses import dataclass
 
+from jaxserve.frontend.auth import is_loopback
 from jaxserve.router.policy import POLICIES
 
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
-    """replicas: engine replicas on this host (>= 1). devices_per_replica: GPUs given to
+    """replicas: engine replicas on this host (>= 1; 0 with replica_listen: a frontend
+    whose replicas all join from other hosts). devices_per_replica: GPUs given to
     each (a disjoint set, through CUDA_VISIBLE_DEVICES), None: the mesh's size (dp * tp);
     on the CPU every replica has its own emulated devices anyway. policy: one of
     `policy.POLICIES` (None: "kv" with several replicas). weight / temperature: the kv
-    policy's (`policy.KvPolicy`)."""
+    policy's (`policy.KvPolicy`). replica_listen: (host, port) where headless engine
+    replicas join (`router.remote`; port 0: the OS picks), None: none. allow_remote: lets
+    replica_listen be an address other than loopback."""
 
     replicas: int = 1
     devices_per_replica: int | None = None
@@ -25,10 +30,15 @@ class RouterOptions:
     weight: float = 1.0
     temperature: float = 0.0
     restart_dead_replicas: bool = False
+    replica_listen: tuple[str, int] | None = None
+    allow_remote: bool = False
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.replicas < (0 if self.replica_listen is not None else 1):
+            raise ValueError(
+                f"replicas: must be >= 1 (0 only with --replica-listen: every replica then "
+                f"joins from another host), got {self.replicas}"
+            )
         if self.devices_per_replica is not None and self.devices_per_replica < 1:
             raise ValueError(f"devices-per-replica: must be >= 1, got {self.devices_per_replica}")
         if self.policy is not None and self.policy not in POLICIES:
@@ -39,6 +49,22 @@ class RouterOptions:
             raise ValueError(f"router-weight: must be finite and >= 0, got {self.weight}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"router-temperature: must be finite and >= 0, got {self.temperature}")
+
+        if self.replica_listen is not None:
+            host, port = self.replica_listen
+            if not 0 <= port < 65536:
+                raise ValueError(f"replica-listen: port must be in [0, 65535], got {port}")
+            if ":" in host:
+                raise ValueError(
+                    f"replica-listen: IPv6 addresses ({host}) are not supported yet; give an "
+                    "IPv4 address or a host name"
+                )
+            if not is_loopback(host) and not self.allow_remote:
+                raise ValueError(
+                    f"replica-listen: {host} is not a loopback address, so engines on other "
+                    "hosts (and anyone who reaches it: the port has no authentication) could "
+                    "join; give --allow-remote to bind it"
+                )
 
     @property
     def policy_name(self) -> str:

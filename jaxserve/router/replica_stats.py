@@ -99,7 +99,7 @@ def replica_info(replicas, router) -> list[dict]:
                 router_load_blocks=router.load.load(rep.index),
                 router_index_blocks=router.index.num_blocks(rep.index),
                 router_decisions=rep.decisions,
-                address=rep.addresses.engine_input,
+                address=rep.address,
                 prefix_cache_queries=s.counters.prefix_cache_queries,
                 prefix_cache_hits=s.counters.prefix_cache_hits,
             )

@@ -5,7 +5,9 @@ Each replica is its own pipeline (engine process -> its detokenizer sidecar -> t
 frontend), reached through its own `AsyncEngineClient` and `IpcAddresses`, plus a KV
 events socket bound here (`addresses.kv_events`) and a socket to its control path for
 snapshot requests. A request's n samples go to one replica, chosen by the `Router`
-among the replicas that serve now (ready, not stalled, not dead).
+among the replicas that serve now (ready, not stalled, not dead). Replicas on other
+hosts join while it runs (`add_remote`, called by `router.remote`), with their sockets
+bound here on TCP ports; a dead remote replica's slot goes to the next one that joins.
 
 Health of a replica:
 - dead (`replica_died`, called by the launcher's child watcher when its engine or its
@@ -26,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -45,54 +47,26 @@ from jaxserve.ipc import (
     KvSnapshotRequest,
     TextOutput,
     TextOutputs,
+    bound_endpoint,
     decode,
     encode,
     make_socket,
 )
 from jaxserve.router.events import ReplicaEvents
 from jaxserve.router.metrics import RouterMetrics
+from jaxserve.router.replica import Replica
 from jaxserve.router.replica_stats import aggregate_stats, replica_info, update_gauges
 from jaxserve.router.router import Decision, Router
 
 logger = logging.getLogger("jaxserve.router")
 
 
-@dataclass(slots=True)
-class Replica:
-    """One engine replica as the frontend sees it."""
-
-    index: int
-    addresses: IpcAddresses
-    client: AsyncEngineClient
-    events: ReplicaEvents | None = None
-    kv_socket: zmq.asyncio.Socket | None = None
-    control: zmq.Socket | None = None
-    reader: asyncio.Task | None = None
-    heard_since: float = 0.0  # baseline of the stall check
-    decisions: int = 0
-    last_stats: EngineStats | None = None
-    # engine ids of the requests sent here that have not ended
-    active: set[str] = field(default_factory=set)
-
-    @property
-    def name(self) -> str:
-        return f"replica {self.index}"
-
-    @property
-    def state(self) -> str:
-        c = self.client
-        if c.dead_reason is not None:
-            return "dead"
-        if c.stalled_reason is not None:
-            return "stalled"
-        return "serving" if c.ready else "starting"
-
-
 class ReplicaSet:
     """Routes each request to one of several replicas; looks like one engine client.
 
     Args:
-        addresses: one `IpcAddresses` per replica (kv_events and engine_control set).
+        addresses: one `IpcAddresses` per local replica (kv_events and engine_control
+            set); none when every replica joins from another host (`add_remote`).
         router: the `Router` (policy, index, load) over replica ids 0..N-1.
         metrics: where decisions and replica gauges go (None: not exported).
         stall_timeout_s: heartbeat silence after which a replica counts as stalled.
@@ -105,8 +79,6 @@ class ReplicaSet:
         metrics: RouterMetrics | None = None,
         stall_timeout_s: float = 30.0,
     ) -> None:
-        if not addresses:
-            raise ValueError("replicas: need at least one")
         self.router = router
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
@@ -131,17 +103,58 @@ class ReplicaSet:
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         for rep in self.replicas:
-            await rep.client.start()
-            rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
-            self._listen(rep)
-            if rep.addresses.kv_events:
-                self._start_events(rep)
+            await self._start_replica(rep)
         self._watch = asyncio.create_task(self._watch_replicas(), name="replica-watch")
 
+    async def _start_replica(self, rep: Replica) -> None:
+        await rep.client.start()
+        rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
+        self._listen(rep)
+        if rep.addresses.kv_events:
+            self._start_events(rep)
+
+    async def add_remote(self, addresses: IpcAddresses, name: str) -> Replica:
+        """A replica on another host joined (`router.remote`): a new replica, or the slot
+        of a dead remote one, with empty entries; its sockets are bound here
+        (`addresses.frontend_binds`), and `rep.addresses` holds their bound ports."""
+        rep = next((r for r in self.replicas if r.remote and r.state == "dead"), None)
+        if rep is None:
+            rep = Replica(len(self.replicas), addresses, AsyncEngineClient(addresses))
+            self.replicas.append(rep)
+        else:
+            await self._close_replica(rep)
+            if rep.last_stats is not None:  # its counters stay in the server's totals
+                self._retired.append(rep.last_stats)
+            rep.addresses, rep.client = addresses, AsyncEngineClient(addresses)
+            rep.last_stats, rep.decisions = None, 0
+        rep.remote = name
+        self.router.remove_replica(rep.index)
+        rep.active.clear()
+        await self._start_replica(rep)
+        rep.addresses = dataclasses.replace(
+            rep.client.addresses,
+            kv_events=bound_endpoint(rep.kv_socket),
+            kv_control=bound_endpoint(rep.control),
+        )
+        rep.heard_since = time.monotonic()
+        self.dead_reason = None
+        return rep
+
+    async def _close_replica(self, rep: Replica) -> None:
+        if rep.reader is not None:
+            rep.reader.cancel()
+            await asyncio.gather(rep.reader, return_exceptions=True)
+        await rep.client.close()
+        for sock in (rep.kv_socket, rep.control):
+            if sock is not None:
+                sock.close()
+        rep.reader = rep.kv_socket = rep.control = None
+
     def _start_events(self, rep: Replica) -> None:
-        rep.kv_socket = make_socket(self._ctx, zmq.PULL, rep.addresses.kv_events, bind=True)
+        a = rep.addresses
+        rep.kv_socket = make_socket(self._ctx, zmq.PULL, a.kv_events, bind=True)
         rep.control = make_socket(
-            self._sync_ctx, zmq.PUSH, rep.addresses.engine_control, bind=False
+            self._sync_ctx, zmq.PUSH, a.kv_control or a.engine_control, bind=a.frontend_binds
         )
 
         def ask(reason: str, rep: Replica = rep) -> None:
@@ -160,10 +173,7 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for rep in self.replicas:
-            await rep.client.close()
-            for sock in (rep.kv_socket, rep.control):
-                if sock is not None:
-                    sock.close()
+            await self._close_replica(rep)
         for ctx in (self._ctx, self._sync_ctx):
             if ctx is not None:
                 ctx.term()
@@ -247,10 +257,12 @@ class ReplicaSet:
         rep = self.replicas[decision.replica]
         stream = rep.client.add_request(request_id, samples)
         self._by_stream[id(stream)] = rep
+        # The samples' group: named by the first engine id (unique for this process).
+        group = self._key(rep, stream.engine_ids[0]) if len(samples) > 1 else None
         for engine_id in stream.engine_ids:
             key = self._key(rep, engine_id)
             rep.active.add(key)
-            self.router.dispatch(key, decision, len(prompt))
+            self.router.dispatch(key, decision, len(prompt), group)
         rep.decisions += 1
         self._count(decision)
         return stream
@@ -385,20 +397,31 @@ class ReplicaSet:
                 rep.active.discard(key)
 
     def _on_stats(self, rep: Replica, stats: EngineStats) -> None:
-        first = self.replicas[0].last_stats or stats
+        first = next((r.last_stats for r in self.replicas if r.last_stats is not None), stats)
         if stats.ready and (
-            stats.block_size != self.router.block_size or stats.model != first.model
+            stats.block_size != self.router.block_size
+            or stats.model != first.model
+            or stats.max_model_len != first.max_model_len
         ):
             self.replica_died(
                 rep.index,
-                f"refused: model {stats.model!r} / block_size {stats.block_size} differ from "
-                f"model {first.model!r} / block_size {self.router.block_size}",
+                f"refused: model {stats.model!r} / block_size {stats.block_size} / "
+                f"max_model_len {stats.max_model_len} differ from model {first.model!r} / "
+                f"block_size {self.router.block_size} / max_model_len {first.max_model_len}",
             )
             return
-        if stats.ready and (rep.last_stats is None or not rep.last_stats.ready):
+        joined = stats.ready and (rep.last_stats is None or not rep.last_stats.ready)
+        if joined:
             rep.heard_since = time.monotonic()  # heartbeats start with its loop
         rep.last_stats = stats
         self._publish_stats()
+        if joined:
+            logger.info(
+                "%s ready%s: %d usable KV blocks of %d tokens, max_model_len %d (%d blocks "
+                "over the replicas serving now)", rep.name,
+                f" (remote {rep.remote})" if rep.remote else "", stats.num_blocks_total,
+                stats.block_size, stats.max_model_len, self.stats.num_blocks_total,
+            )  # fmt: skip
         if stats.ready and not self._ready.is_set():
             self._ready.set()
 

@@ -117,12 +117,19 @@ class Router:
             choice.replica, self.policy.name, matched[choice.replica], len(hashes), choice.cost
         )
 
-    def dispatch(self, request_id: str, decision: Decision, num_prompt_tokens: int) -> None:
-        """Book a decision's load and count it (done by `route`; once per sample when
-        the n samples of a request share one decision)."""
+    def dispatch(
+        self, request_id: str, decision: Decision, num_prompt_tokens: int, group: str | None = None
+    ) -> None:
+        """Book a decision's load and count it (done by `route`). The n samples of one
+        request share one decision: call this once per sample with the same `group`
+        (`LoadTracker.dispatch`: their prompt's prefill and full blocks count once; the
+        decision is counted once, on the first)."""
         # The engine always computes the prompt's last token (block_manager.lookup_prefix).
         cached = min(decision.matched_blocks * self.block_size, max(num_prompt_tokens - 1, 0))
-        self.load.dispatch(request_id, decision.replica, num_prompt_tokens, cached)
+        first = group is None or not self.load.has_group(group)
+        self.load.dispatch(request_id, decision.replica, num_prompt_tokens, cached, group)
+        if not first:
+            return
         s = self.stats
         s.decisions[decision.replica] = s.decisions.get(decision.replica, 0) + 1
         s.matched_blocks += decision.matched_blocks

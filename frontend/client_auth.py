@@ -1,0 +1,170 @@
+"""How a client reaches a server started with TLS and an API key (the server side is
+frontend/auth.py): one `ClientAuth` and one set of flags for every client tool —
+`JaxserveClient`, `jaxserve generate`, `jaxserve bench`, `jaxserve profile` and
+`jaxserve diagnose` (whose metrics port speaks HTTPS when the server has --tls-cert).
+
+    auth = ClientAuth(tls_ca_cert="ca.pem", api_key=key)
+    channel = auth.channel("host:50051")           # grpc.Channel (TLS when asked)
+    urllib.request.urlopen(auth.url("host:9090", "/metrics"), context=auth.ssl_context())
+
+Flags (`add_flags`, read back by `from_args`): --tls, --tls-ca-cert, --tls-cert,
+--tls-key, and, where the port checks a key, --api-key / --api-key-file (or the
+JAXSERVE_API_KEY variable, `auth.resolve_api_key`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+# grpc is imported where a channel is made: the CLI builds these flags for every command.
+
+
+def _read_pem(option: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{option}: cannot read {path} ({e.strerror})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAuth:
+    """TLS and API key of a client.
+
+    tls: use TLS, verifying the server against the system's root certificates (implied
+        by tls_ca_cert or tls_cert).
+    tls_ca_cert: PEM file of the CA that signed the server's certificate.
+    tls_cert / tls_key: PEM files of this client's certificate and key, for a server
+        that requires client certificates (`serve --tls-client-ca`); both or neither.
+    api_key: the server's `--api-key`, sent as `authorization: Bearer KEY` (None: none).
+
+    Raises ValueError naming the field: tls_cert without tls_key or the reverse; the
+    methods that read the files raise it for a file that cannot be read.
+    """
+
+    tls: bool = False
+    tls_ca_cert: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert: give both tls_cert and tls_key (mutual TLS), or neither")
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls or self.tls_ca_cert or self.tls_cert)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """gRPC call metadata carrying the key, or None."""
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers carrying the key (empty without one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem("tls_ca_cert", self.tls_ca_cert),
+            private_key=_read_pem("tls_key", self.tls_key),
+            certificate_chain=_read_pem("tls_cert", self.tls_cert),
+        )
+
+    def channel(self, target: str) -> grpc.Channel:
+        """A blocking channel to HOST:PORT."""
+        import grpc
+
+        if self.uses_tls:
+            return grpc.secure_channel(target, self._credentials())
+        return grpc.insecure_channel(target)
+
+    def aio_channel(self, target: str) -> grpc.aio.Channel:
+        """An asyncio channel to HOST:PORT."""
+        import grpc
+
+        if self.uses_tls:
+            return grpc.aio.secure_channel(target, self._credentials())
+        return grpc.aio.insecure_channel(target)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The context of an HTTPS client (metrics port, OpenAI HTTP port), None
+        without TLS."""
+        if not self.uses_tls:
+            return None
+        for option in ("tls_ca_cert", "tls_cert", "tls_key"):
+            _read_pem(option, getattr(self, option))  # name the option of a bad file
+        ctx = ssl.create_default_context(cafile=self.tls_ca_cert)
+        if self.tls_cert is not None:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def url(self, address: str, path: str = "") -> str:
+        """`address` (HOST:PORT or a URL) as a URL ending in `path`: https:// with TLS,
+        http:// without, unless the address names its scheme."""
+        if "://" in address:
+            return address if not path or address.endswith(path) else address.rstrip("/") + path
+        return f"{'https' if self.uses_tls else 'http'}://{address}{path}"
+
+
+def add_flags(parser: argparse.ArgumentParser, api_key: bool = True) -> None:
+    """The client TLS (and API key) flags, in their own group of `parser`."""
+    g = parser.add_argument_group("TLS and API key (as the server's --tls-cert / --api-key)")
+    g.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS, checking the server against the system's root "
+        "certificates (default: off; on with --tls-ca-cert or --tls-cert)",
+    )
+    g.add_argument(
+        "--tls-ca-cert",
+        help="PEM file of the CA that signed the server's certificate (default: none)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        help="PEM file of this client's certificate, for a server with --tls-client-ca "
+        "(with --tls-key) (default: none)",
+    )
+    g.add_argument("--tls-key", help="PEM file of this client's key (default: none)")
+    if api_key:
+        g.add_argument(
+            "--api-key",
+            help="the server's API key (also --api-key-file, or the JAXSERVE_API_KEY "
+            "variable) (default: none)",
+        )
+        g.add_argument(
+            "--api-key-file", help="file whose first line is the API key (default: none)"
+        )
+
+
+def from_args(args: argparse.Namespace) -> ClientAuth:
+    """The `ClientAuth` of flags added by `add_flags`. Raises ValueError naming the flag
+    (with dashes) of a bad combination or an unreadable key file; PEM files are read
+    when a channel or context is made (`flag_error` words those errors as flags)."""
+    from jaxserve.frontend.auth import resolve_api_key
+
+    key = None
+    if hasattr(args, "api_key"):
+        key = resolve_api_key(args.api_key, getattr(args, "api_key_file", None))
+    try:
+        return ClientAuth(args.tls, args.tls_ca_cert, args.tls_cert, args.tls_key, key)
+    except ValueError as e:
+        raise ValueError(flag_error(e)) from None
+
+
+def flag_error(e: Exception) -> str:
+    """A ClientAuth ValueError ("tls_ca_cert: ...") as the flag's words ("tls-ca-cert: ...")."""
+    option, sep, rest = str(e).partition(":")
+    return f"{option.replace('_', '-')}{sep}{rest}"
