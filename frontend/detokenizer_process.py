@@ -42,10 +42,10 @@ from jaxserve.ipc import (
     EngineOutputs,
     EngineStats,
     Heartbeat,
-    RequestOutput,
     Shutdown,
     TextOutput,
     TextOutputs,
+    TokenOutput,
     decode,
     encode,
     make_socket,
@@ -76,7 +76,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    """Turns engine RequestOutputs into client TextOutputs; see the module docstring."""
+    """Turns engine TokenOutputs into client TextOutputs; see the module docstring."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -87,7 +87,7 @@ class OutputProcessor:
         """Requests with state here (running, or stopped and awaiting the engine's final)."""
         return len(self._requests)
 
-    def process(self, outputs: list[RequestOutput]) -> tuple[list[TextOutput], list[str]]:
+    def process(self, outputs: list[TokenOutput]) -> tuple[list[TextOutput], list[str]]:
         """Returns (text outputs for the frontend, request ids the engine must abort)."""
         texts: list[TextOutput] = []
         aborts: list[str] = []
@@ -100,7 +100,7 @@ class OutputProcessor:
                 texts.append(text)
         return texts, aborts
 
-    def _fail(self, out: RequestOutput, error: Exception, aborts: list[str]) -> TextOutput | None:
+    def _fail(self, out: TokenOutput, error: Exception, aborts: list[str]) -> TextOutput | None:
         """End one request whose output could not be processed; the others go on."""
         state = self._requests.get(out.request_id)
         if state is not None and state.stopped:  # already ended; drop
@@ -124,7 +124,7 @@ class OutputProcessor:
             error=f"detokenizer: cannot decode the output token ids ({error})",
         )
 
-    def _state(self, out: RequestOutput) -> _RequestState:
+    def _state(self, out: TokenOutput) -> _RequestState:
         state = self._requests.get(out.request_id)
         if state is None:
             # Normally `first` is set here; a request aborted or rejected before it ran
@@ -142,7 +142,7 @@ class OutputProcessor:
             state.num_prompt_tokens = out.num_prompt_tokens
         return state
 
-    def _process_one(self, out: RequestOutput, aborts: list[str]) -> TextOutput | None:
+    def _process_one(self, out: TokenOutput, aborts: list[str]) -> TextOutput | None:
         finished = out.finish_reason is not None
         if out.finish_reason == "error":
             self._requests.pop(out.request_id, None)

@@ -68,8 +68,9 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """New tokens of one request after one engine step.
+class TokenOutput:
+    """New tokens of one request after one engine step (vLLM's EngineCoreOutput; the
+    offline API's result of a whole prompt is `jaxserve.llm.RequestOutput`).
 
     finish_reason: None while running; "stop" (EOS / stop token / stop string),
         "length" (max_tokens or max_model_len), "abort", or "error" (then `error` says why).
@@ -102,7 +103,7 @@ class EngineOutputs:
     """Everything one engine step produced. sent_time: the engine's time.time() when it
     sent them (0 unknown): the start of the detokenizer lag (`observability.metrics`)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[TokenOutput]
     step: int = 0
     sent_time: float = 0.0
 
@@ -274,7 +275,7 @@ _TYPES = {
     for cls in (
         EngineRequest,
         AbortRequest,
-        RequestOutput,
+        TokenOutput,
         EngineOutputs,
         TextOutput,
         TextOutputs,

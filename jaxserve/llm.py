@@ -40,8 +40,7 @@ from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.frontend.validation import split_samples
 from jaxserve.hub import resolve_model
-from jaxserve.ipc import EngineRequest
-from jaxserve.ipc import RequestOutput as EngineOutput
+from jaxserve.ipc import EngineRequest, TokenOutput
 from jaxserve.sampling_params import SamplingParams, check_lengths
 
 # vLLM spellings accepted as aliases of our config fields.
@@ -259,7 +258,7 @@ class LLM:
                 if self._apply(sample, out):
                     pending.discard(out.request_id)
 
-    def _apply(self, sample: _Sample, out: EngineOutput) -> bool:
+    def _apply(self, sample: _Sample, out: TokenOutput) -> bool:
         """Detokenize one engine output; returns True when the sample is finished."""
         finished = out.finish_reason is not None
         delta = sample.detok.update(

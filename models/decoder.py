@@ -6,7 +6,7 @@ MoE block; the forward and the other weight names live here once. Options the co
 carries (q/k/v biases, which layers are MoE) are read from `ModelConfig`.
 The forward is the contract of `jaxserve.models.base.CausalLM`.
 
-`parallel` (None on one device) is how the model runs on a device mesh; see
+`parallel` (None: one device) is how the model runs on a device mesh; see
 `jaxserve.models.layers.Parallelism` and `jaxserve.sharding.parallel`.
 """
 
@@ -20,6 +20,7 @@ from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache, KVLayout
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import (
     MLP,
+    ONE_DEVICE,
     Attention,
     KVPair,
     MoeBlock,
@@ -112,7 +113,7 @@ class DecoderOnlyLM(nnx.Module):
     Weights: embed_tokens [vocab, embed]; lm_head [embed, vocab] (absent when
     tie_word_embeddings: the embedding is reused).
 
-    `parallel`: None on one device; on a mesh, a `Parallelism` (build it with
+    `parallel`: None (`layers.ONE_DEVICE`) on one device; on a mesh, a `Parallelism` (build it with
     `jaxserve.sharding.parallel.MeshParallelism`) that the attention and MoE layers
     call. The step's flat batch must then follow the DP layout it documents.
     """
@@ -129,7 +130,7 @@ class DecoderOnlyLM(nnx.Module):
         parallel: Parallelism | None = None,
     ):
         self.config = config
-        self.parallel = parallel
+        self.parallel = ONE_DEVICE if parallel is None else parallel
         c = config
         self.embed_tokens = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List(
@@ -201,8 +202,7 @@ class DecoderOnlyLM(nnx.Module):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
         token_mask = None if metadata is None else metadata.slot_mapping != PAD_SLOT
         x = self.embed_tokens[...][tokens]
-        if self.parallel is not None:
-            x = self.parallel.constrain_hidden(x)
+        x = self.parallel.constrain_hidden(x)
         new_cache, counts = [], []
         for i, layer in enumerate(self.layers):
             kv = None if kv_cache is None else kv_cache[i]

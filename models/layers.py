@@ -7,9 +7,10 @@ logical axes to mesh axes lives in `jaxserve.sharding`, not here. Logical axis n
 "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp"; None
 marks a dimension that is never sharded (the gate's expert columns, as in MaxText).
 
-On a device mesh, a model is built with `parallel=` (a `Parallelism`, implemented by
-`jaxserve.sharding.parallel.MeshParallelism`): the paged attention and the MoE experts
-then call it; with parallel=None (one device) they run the plain functions here.
+A model is built with `parallel=` (a `Parallelism`): the paged attention and the MoE
+experts call it. On one device (parallel=None, the default) it is `ONE_DEVICE`, which
+runs the plain functions here; on a device mesh,
+`jaxserve.sharding.parallel.MeshParallelism`.
 
 Numerics follow HF transformers (Qwen3-MoE / Mixtral): RMSNorm and RoPE in float32,
 gate softmax in float32, attention softmax in float32.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.kernels import dispatch
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 from jaxserve.models.config import Llama3RopeScaling
@@ -40,7 +43,8 @@ _DEFAULT_INIT: Initializer = nnx.initializers.normal(stddev=0.02)
 
 
 class Parallelism(Protocol):
-    """What a model calls on a device mesh (see `jaxserve.sharding.parallel`)."""
+    """Where the mesh changes a model's computation: `OneDevice` (one device) or
+    `jaxserve.sharding.parallel.MeshParallelism` (a dp x tp mesh)."""
 
     def constrain_hidden(self, x: jax.Array) -> jax.Array: ...
 
@@ -71,6 +75,37 @@ class Parallelism(Protocol):
     def num_expert_slots(self, num_experts: int) -> int: ...
 
     def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array: ...
+
+
+@dataclass(frozen=True)
+class OneDevice:
+    """The `Parallelism` of one device: the plain functions of this module, no
+    placement tables (expert slot s holds logical expert s)."""
+
+    def constrain_hidden(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def paged_attention(self, step: Callable, q, k, v, kv: KVPair, positions, metadata):
+        return step(q, k, v, kv, positions, metadata)
+
+    def mla_paged_attention(self, step: Callable, *args, scale: float):
+        return step(*args, scale=scale)
+
+    def moe_experts(self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement):
+        del placement
+        return moe_experts_local(x, topk_weights, topk_ids, w_gate, w_up, w_down)
+
+    def initial_placement(self, num_experts: int) -> dict[str, Any]:
+        return {}
+
+    def num_expert_slots(self, num_experts: int) -> int:
+        return num_experts
+
+    def expert_slots(self, topk_ids: jax.Array, placement: dict[str, jax.Array]) -> jax.Array:
+        return topk_ids
+
+
+ONE_DEVICE = OneDevice()
 
 
 class PlacementTable(nnx.Variable):
@@ -212,9 +247,6 @@ def paged_attention_step(
     [num_blocks, block_size, kv_heads, head_dim]. Returns ([T, heads, head_dim], (K, V)).
     On a mesh this runs per device (`Parallelism.paged_attention`) on its shard.
     """
-    # Imported here: jaxserve.kernels imports models.base (an import cycle at module level).
-    from jaxserve.kernels import dispatch
-
     k_cache = write_kv(kv[0], k, metadata.slot_mapping)
     v_cache = write_kv(kv[1], v, metadata.slot_mapping)
     # The one switch (jaxserve/kernels/dispatch.py): the Pallas kernel on a GPU, the
@@ -258,7 +290,7 @@ class Attention(nnx.Module):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         self.sliding_window = sliding_window
-        self.parallel = parallel
+        self.parallel = ONE_DEVICE if parallel is None else parallel
         self.scale = head_dim**-0.5
         self.q_proj = param(
             rngs, (hidden_size, num_heads, head_dim), ("embed", "q_heads", "head_dim"), dtype
@@ -311,10 +343,7 @@ class Attention(nnx.Module):
             step = functools.partial(
                 paged_attention_step, scale=self.scale, sliding_window=self.sliding_window
             )
-            if self.parallel is None:
-                out, kv = step(q, k, v, kv, positions, metadata)
-            else:
-                out, kv = self.parallel.paged_attention(step, q, k, v, kv, positions, metadata)
+            out, kv = self.parallel.paged_attention(step, q, k, v, kv, positions, metadata)
         return jnp.einsum("thd,hde->te", out, self.o_proj[...]), kv
 
 
@@ -443,24 +472,23 @@ class MoeBlock(nnx.Module):
             )
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.parallel = parallel
+        self.parallel = parallel = ONE_DEVICE if parallel is None else parallel
         self.num_experts = num_experts
         e, h, i = num_experts, hidden_size, moe_intermediate_size
         # Physical expert slots: E on one device, E + redundant slots on a mesh.
-        s = e if parallel is None else parallel.num_expert_slots(e)
+        s = parallel.num_expert_slots(e)
         self.gate = param(rngs, (h, e), ("embed", None), dtype)
         self.w_gate = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_up = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
         self.w_down = param(rngs, (s, i, h), ("experts", "expert_mlp", "embed"), dtype)
-        if parallel is not None:
-            for name, table in self.initial_placement().items():
-                setattr(self, name, PlacementTable(jnp.asarray(table)))
+        tables = self.initial_placement()
+        for name, table in tables.items():
+            setattr(self, name, PlacementTable(jnp.asarray(table)))
+        self.placement_fields = tuple(tables)
 
     def initial_placement(self) -> dict[str, Any]:
         """The placement tables of a freshly loaded checkpoint (expert-parallel blocks
         only), by name (`PLACEMENT_FIELDS`), as host arrays: {} on one device."""
-        if self.parallel is None:
-            return {}
         return self.parallel.initial_placement(self.num_experts)
 
     def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -482,10 +510,7 @@ class MoeBlock(nnx.Module):
         weights, ids = self.select_experts(x)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         num_slots = self.w_gate.shape[0]
-        if self.parallel is None:
-            out = moe_experts_local(x, weights, ids, *experts)
-            return out, count_expert_tokens(ids, token_mask, num_slots)
-        tables = {name: getattr(self, name)[...] for name in PLACEMENT_FIELDS}
+        tables = {name: getattr(self, name)[...] for name in self.placement_fields}
         out = self.parallel.moe_experts(x, weights, ids, *experts, tables)
         slots = self.parallel.expert_slots(ids, tables)
         return out, count_expert_tokens(slots, token_mask, num_slots)

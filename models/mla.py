@@ -38,7 +38,7 @@ from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import AttentionMetadata, KVLayout
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.deepseek_config import MlaConfig, RopeScaling, yarn_mscale
-from jaxserve.models.layers import KVPair, Parallelism, RMSNorm, param, write_kv
+from jaxserve.models.layers import ONE_DEVICE, KVPair, Parallelism, RMSNorm, param, write_kv
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
 _LORA_NORM_EPS = 1e-6
@@ -150,7 +150,7 @@ class MlaAttention(nnx.Module):
         if m is None:
             raise ValueError(f"{config.architecture}: MlaAttention needs an MLA config")
         self.mla = m
-        self.parallel = parallel
+        self.parallel = ONE_DEVICE if parallel is None else parallel
         h, n = config.hidden_size, config.num_attention_heads
         dq = m.qk_head_dim
         inv_freq, factor = rope_inv_freq(m.qk_rope_head_dim, config.rope_theta, m.rope_scaling)
@@ -210,12 +210,9 @@ class MlaAttention(nnx.Module):
         else:
             q_latent = jnp.einsum("thd,lhd->thl", q_nope, w_uk)
             step_args = (q_latent, q_rope, latent[:, None, :], k_rope, kv, positions, metadata)
-            if self.parallel is None:
-                out_latent, kv = mla_paged_step(*step_args, scale=self.scale)
-            else:
-                out_latent, kv = self.parallel.mla_paged_attention(
-                    mla_paged_step, *step_args, scale=self.scale
-                )
+            out_latent, kv = self.parallel.mla_paged_attention(
+                mla_paged_step, *step_args, scale=self.scale
+            )
             out = jnp.einsum("thl,lhv->thv", out_latent, w_uv)
         return jnp.einsum("thv,hve->te", out, self.o_proj[...]), kv
 

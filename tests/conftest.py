@@ -218,17 +218,16 @@ def swap_scheduler(
     from jaxserve.engine.block_manager import BlockManager
     from jaxserve.engine.scheduler import Scheduler
 
-    old = engine.scheduler, engine.block_manager
-    bm = BlockManager(num_blocks or old[1].num_blocks, old[1].block_size, enable_prefix_caching)
-    engine.block_manager = bm
+    old = engine.scheduler
+    bm = BlockManager(num_blocks or old.bm.num_blocks, old.bm.block_size, enable_prefix_caching)
     engine.scheduler = Scheduler(
         bm,
-        max_num_seqs=max_num_seqs or old[0].max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens or old[0].max_num_batched_tokens,
-        max_model_len=old[0].max_model_len,
-        eos_token_ids=old[0].eos_token_ids,
+        max_num_seqs=max_num_seqs or old.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or old.max_num_batched_tokens,
+        max_model_len=old.max_model_len,
+        eos_token_ids=old.eos_token_ids,
         enable_chunked_prefill=enable_chunked_prefill,
-        num_decode_steps=num_decode_steps or old[0].num_decode_steps,
+        num_decode_steps=num_decode_steps or old.num_decode_steps,
     )
     old_async = engine.async_scheduling
     if async_scheduling is not None:
@@ -236,5 +235,5 @@ def swap_scheduler(
     try:
         yield engine.scheduler
     finally:
-        engine.scheduler, engine.block_manager = old
+        engine.scheduler = old
         engine.async_scheduling = old_async

@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxserve.config import EngineConfig
-from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
+from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MOCK_VOCAB_SIZE = 512
@@ -85,7 +85,7 @@ def mock_tokens(prompt_token_ids, seed: int | None, n: int, vocab_size: int, fir
 
 
 def mock_logprobs(token: int, k: int, vocab_size: int) -> list:
-    """The mock's log-probs entry for a token (the ipc.RequestOutput.logprobs format):
+    """The mock's log-probs entry for a token (the ipc.TokenOutput.logprobs format):
     [logprob, [[top_id, logprob], ...k]] with made-up but deterministic values."""
     logprob = -((token % 7) + 1) / 10
     top = [[(token + j) % vocab_size, logprob - j] for j in range(k)]
@@ -135,14 +135,14 @@ class MockEngineCore:
         self._free_blocks = self.num_blocks
         self._waiting: deque[_MockRequest] = deque()
         self._running: dict[str, _MockRequest] = {}
-        self._pending: list[RequestOutput] = []  # errors and aborts for the next step
+        self._pending: list[TokenOutput] = []  # errors and aborts for the next step
 
     def add_request(self, req: EngineRequest) -> None:
         prompt = [int(t) for t in np.asarray(req.prompt_token_ids)]
         max_tokens = int(req.sampling.get("max_tokens", 16))
         if not prompt or len(prompt) + max_tokens > self.max_model_len:
             self._pending.append(
-                RequestOutput(req.request_id, [], finish_reason="error", error="prompt: too long")
+                TokenOutput(req.request_id, [], finish_reason="error", error="prompt: too long")
             )
             return
         self._waiting.append(_MockRequest(req.request_id, prompt, dict(req.sampling)))
@@ -158,7 +158,7 @@ class MockEngineCore:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         outputs, self._pending = self._pending, []
@@ -189,7 +189,7 @@ class MockEngineCore:
             r.blocks, self._free_blocks = need, self._free_blocks - need
             self._running[r.request_id] = r
 
-    def _decode_one(self, r: _MockRequest) -> RequestOutput:
+    def _decode_one(self, r: _MockRequest) -> TokenOutput:
         s = r.sampling
         base = _mock_base(r.prompt, s.get("seed"))
         token = _mock_token(base, len(r.output), self.vocab_size, self.first_id)
@@ -213,8 +213,8 @@ class MockEngineCore:
             out.logprobs = [mock_logprobs(token, s["logprobs"], self.vocab_size)]
         return out
 
-    def _output(self, r: _MockRequest, new: list[int]) -> RequestOutput:
-        out = RequestOutput(
+    def _output(self, r: _MockRequest, new: list[int]) -> TokenOutput:
+        out = TokenOutput(
             r.request_id, new, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.output)
         )
         if not r.sent_first:
@@ -222,9 +222,7 @@ class MockEngineCore:
             r.sent_first = True
         return out
 
-    def _final(
-        self, r, finish: str, new: list[int] | None = None, stop_reason=None
-    ) -> RequestOutput:
+    def _final(self, r, finish: str, new: list[int] | None = None, stop_reason=None) -> TokenOutput:
         self._free_blocks += r.blocks
         r.blocks = 0
         out = self._output(r, new or [])

@@ -19,7 +19,7 @@ import pytest
 from server_harness import DEMO_ENGINE, REPO_DIR, ServerProcess, serve_flags
 
 from jaxserve.benchmark import client, datasets, report
-from jaxserve.benchmark.backends import RequestOutput, Sampling
+from jaxserve.benchmark.backends import RequestResult, Sampling
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.tokenizer import encode_prompt, load_tokenizer
 
@@ -30,7 +30,7 @@ def tokenizer():
 
 
 def _out(start, chunk_times, output_len, prompt_len=10, chunk_tokens=None, success=True):
-    return RequestOutput(
+    return RequestResult(
         success=success, start=start, ttft=chunk_times[0] if chunk_times else 0.0,
         latency=chunk_times[-1] if chunk_times else 0.0, chunk_times=list(chunk_times),
         chunk_tokens=chunk_tokens, prompt_len=prompt_len, output_len=output_len,
@@ -280,7 +280,7 @@ class FakeBackend:
         self.prompts.append(prompt)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
-        out = RequestOutput(start=time.perf_counter(), chunk_tokens=[1])
+        out = RequestResult(start=time.perf_counter(), chunk_tokens=[1])
         await asyncio.sleep(self.delay)
         self.in_flight -= 1
         out.chunk_times, out.ttft, out.latency = [self.delay], self.delay, self.delay

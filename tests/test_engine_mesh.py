@@ -18,7 +18,7 @@ from sharding_utils import MESH_BLOCK_SIZE, MESH_MAX_LEN, MESH_MAX_NUM_SEQS, mes
 
 from jaxserve.config import MeshConfig
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.dp_scheduler import DPScheduler
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.ipc import EngineRequest
 from jaxserve.sharding.mesh import MeshError
 
@@ -73,7 +73,7 @@ def test_mesh_greedy_equals_single_device(mesh_engine, reference, dp, tp):
     assert all(len(t) == NUM_NEW for t in tokens.values())
     assert engine.num_compilations == 0
     if dp > 1:
-        assert isinstance(engine.scheduler, DPScheduler)
+        assert isinstance(engine.scheduler, Scheduler) and len(engine.scheduler.ranks) == dp
         # This batch reached every dp rank (the engine is the session's: count its part).
         now = engine.scheduler.num_assigned
         assert all(n > a for n, a in zip(now, assigned, strict=True)), (assigned, now)
@@ -166,24 +166,23 @@ def test_dp_scheduler_assigns_prefix_hits_else_least_loaded():
     from jaxserve.engine.block_manager import BlockManager
     from jaxserve.engine.outputs import StepSamples
     from jaxserve.engine.request import Request
-    from jaxserve.engine.scheduler import Scheduler
     from jaxserve.sampling_params import SamplingParams
 
-    ranks = [Scheduler(BlockManager(32, 4, True), 4, 32, 64) for _ in range(2)]
-    dp = DPScheduler(ranks)
+    dp = Scheduler([BlockManager(32, 4, True) for _ in range(2)], 4, 32, 64)
+    ranks = dp.ranks
 
     def add(rid: str, prompt: list[int]) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=4)
         dp.add(Request(rid, list(prompt), len(prompt), params, seed=0))
-        return next(k for k, s in enumerate(ranks) if rid in s.requests)
+        return next(k for k, s in enumerate(ranks) if dp.requests[rid] in s.waiting)
 
     shared = list(range(100, 112))  # three full blocks
     assert add("a", shared + [1]) == 0  # tie: lowest index
     assert add("b", [7, 8, 9]) == 1  # least loaded
     assert add("c", [5, 6]) == 0  # tie again
     sched = dp.schedule()
-    assert [len(s.requests) for s in sched.ranks] == [2, 1]
-    samples = [StepSamples(np.zeros((1, len(s.requests)), np.int32)) for s in sched.ranks]
+    assert [sum(r.seq.rank == k for r in sched.requests) for k in range(2)] == [2, 1]
+    samples = StepSamples(np.zeros((1, len(sched.requests)), np.int32))
     dp.update(sched, samples)  # a's prompt blocks are now cached on rank 0
     # Rank 0 is busier (a, c against b), but holds the shared prefix.
     assert add("d", shared + [2]) == 0

@@ -17,7 +17,7 @@ from test_detokenizer import _byte_token_ids, _gpt2_byte_chars
 from jaxserve.frontend.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from jaxserve.frontend.detokenizer_process import OutputProcessor
 from jaxserve.frontend.stop_matcher import StopMatcher
-from jaxserve.ipc import RequestOutput
+from jaxserve.ipc import TokenOutput
 from jaxserve.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -211,8 +211,8 @@ def test_bad_token_id_fails_only_its_request(tok):
     good = tok.encode("hello").ids
     texts, aborts = proc.process(
         [
-            RequestOutput("bad", [-1], first=first),
-            RequestOutput("good", good, first=first),
+            TokenOutput("bad", [-1], first=first),
+            TokenOutput("good", good, first=first),
         ]
     )
     by_id = {t.request_id: t for t in texts}
@@ -222,7 +222,7 @@ def test_bad_token_id_fails_only_its_request(tok):
     assert by_id["good"].text == "hello" and by_id["good"].finish_reason is None
     # The engine's later outputs for the failed request are dropped; its final clears it.
     texts, _ = proc.process(
-        [RequestOutput("bad", [7], finish_reason="abort"), RequestOutput("good", [], "length")]
+        [TokenOutput("bad", [7], finish_reason="abort"), TokenOutput("good", [], "length")]
     )
     assert [t.request_id for t in texts] == ["good"]
     assert proc.num_requests == 0

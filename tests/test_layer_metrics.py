@@ -121,9 +121,7 @@ def test_engine_layer_metrics_of_one_request(tiny_engine):
     is its blocks."""
     prompt, n = list(range(3, 23)), 9  # 20 prompt tokens
     metrics = Metrics(model="tiny")
-    old_managers = tiny_engine.block_managers
     with swap_scheduler(tiny_engine, async_scheduling=False, num_decode_steps=1):
-        tiny_engine.block_managers = [tiny_engine.block_manager]  # the swapped-in pool
         tiny_engine.kv_blocks_used_max = 0
         metrics.update_from_engine(tiny_engine.stats())
         # The engine's histograms are cumulative and the session engine served other tests.
@@ -139,7 +137,6 @@ def test_engine_layer_metrics_of_one_request(tiny_engine):
             tiny_engine.step()
             metrics.update_from_engine(tiny_engine.stats())
         after = tiny_engine.counters()
-    tiny_engine.block_managers = old_managers
     assert _value(metrics, "jaxserve_request_queue_time_seconds_count") - q_count0 == 1
     assert 0.3 <= _value(metrics, "jaxserve_request_queue_time_seconds_sum") - q_sum0 < 30
     assert after.prefill_steps - before.prefill_steps == 1

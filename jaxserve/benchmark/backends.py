@@ -1,11 +1,11 @@
 """One streamed request of a benchmark, timed: over gRPC (`Generate`) or over HTTP (the
 OpenAI API's streamed POST /v1/completions, server-sent events).
 
-Each backend returns a `RequestOutput` with the times vLLM's benchmark_serving records:
+Each backend returns a `RequestResult` with the times vLLM's benchmark_serving records:
 the time to the first chunk that carries output (TTFT), the time of every later chunk (for
 the inter-token latencies, one per chunk) and the whole latency, all from
 `time.perf_counter()` around the call, plus the server's token counts. A failed request
-(an RPC error, an HTTP status other than 200, a timeout) is a RequestOutput with
+(an RPC error, an HTTP status other than 200, a timeout) is a RequestResult with
 success=False and the error's words; the backends raise nothing per request.
 """
 
@@ -25,7 +25,7 @@ BACKENDS = ("grpc", "http")
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class RequestResult:
     """What one request measured. Times are seconds: start is perf_counter() when the
     request was sent; ttft, latency and chunk_times are from start. chunk_times[0] is the
     first chunk with output (== ttft); chunk_tokens[i] the tokens chunk i carried (None
@@ -71,12 +71,12 @@ class GrpcBackend:
     async def __aexit__(self, *exc) -> None:
         await self._channel.close()
 
-    async def send(self, prompt: str | list[int], max_tokens: int, sp: Sampling) -> RequestOutput:
+    async def send(self, prompt: str | list[int], max_tokens: int, sp: Sampling) -> RequestResult:
         req = build_generate_request(
             prompt, max_tokens=max_tokens, temperature=sp.temperature,
             ignore_eos=sp.ignore_eos, return_token_ids=True,
         )  # fmt: skip
-        out = RequestOutput(chunk_tokens=[])
+        out = RequestResult(chunk_tokens=[])
         text = []
         out.start = time.perf_counter()
         try:
@@ -126,13 +126,13 @@ class HttpBackend:
     async def __aexit__(self, *exc) -> None:
         await self._session.close()
 
-    async def send(self, prompt: str | list[int], max_tokens: int, sp: Sampling) -> RequestOutput:
+    async def send(self, prompt: str | list[int], max_tokens: int, sp: Sampling) -> RequestResult:
         body = {
             "prompt": prompt, "max_tokens": max_tokens, "temperature": sp.temperature,
             "ignore_eos": sp.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True},
         }  # fmt: skip
-        out = RequestOutput()
+        out = RequestResult()
         text = []
         out.start = time.perf_counter()
         try:
@@ -158,7 +158,7 @@ class HttpBackend:
         return _finish(out, "".join(text))
 
 
-def _finish(out: RequestOutput, text: str) -> RequestOutput:
+def _finish(out: RequestResult, text: str) -> RequestResult:
     out.text = text
     if not out.chunk_times:
         out.error = "the stream ended without output"

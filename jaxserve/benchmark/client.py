@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.benchmark.backends import RequestOutput, Sampling
+from jaxserve.benchmark.backends import RequestResult, Sampling
 from jaxserve.benchmark.datasets import BenchRequest, Session
 
 # A chained turn's prompt: the history, then this between it and the new message.
@@ -32,12 +32,12 @@ TURN_SEPARATOR = "\n\n"
 
 @dataclass(slots=True)
 class BenchRun:
-    """The outcome of `run`: one RequestOutput per request (sessions' turns in order,
+    """The outcome of `run`: one RequestResult per request (sessions' turns in order,
     sessions in dataset order), the seconds from the first send to the last finish, and
-    the perf_counter() the clock started at (RequestOutput.start - t0 is a request's
+    the perf_counter() the clock started at (RequestResult.start - t0 is a request's
     send time into the run)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[RequestResult]
     duration: float
     t0: float
 
@@ -81,7 +81,7 @@ async def run(
     max_concurrency: int | None = None,
     num_warmups: int = 0,
     seed: int = 0,
-    on_done: Callable[[RequestOutput], None] | None = None,
+    on_done: Callable[[RequestResult], None] | None = None,
 ) -> BenchRun:
     """Send every turn of `sessions` through `backend` (an entered GrpcBackend or
     HttpBackend); `on_done` is called as each request finishes (the progress bar).
@@ -94,7 +94,7 @@ async def run(
     if num_warmups:
         await _warm_up(backend, sessions, num_warmups, sampling)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    results: list[list[RequestOutput]] = [[] for _ in sessions]
+    results: list[list[RequestResult]] = [[] for _ in sessions]
 
     async def one(k: int, session: Session) -> None:
         history = ""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.benchmark.backends import RequestOutput
+from jaxserve.benchmark.backends import RequestResult
 from jaxserve.benchmark.report import per_request_tpot
 
 
-def write_plot(path: str | Path, outputs: list[RequestOutput], timeline: dict, title: str = ""):
+def write_plot(path: str | Path, outputs: list[RequestResult], timeline: dict, title: str = ""):
     """Write the PNG to `path` (its folder is created).
 
     Raises RuntimeError if matplotlib is not installed."""

@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from jaxserve.benchmark.backends import RequestOutput
+from jaxserve.benchmark.backends import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
@@ -84,13 +84,13 @@ def _summary(values_s: list[float], percentiles) -> dict[str, float]:
     return out
 
 
-def per_request_tpot(o: RequestOutput) -> float | None:
+def per_request_tpot(o: RequestResult) -> float | None:
     """Seconds per output token after the first; None for a single-token output."""
     return (o.latency - o.ttft) / (o.output_len - 1) if o.output_len > 1 else None
 
 
 def compute_metrics(
-    outputs: list[RequestOutput],
+    outputs: list[RequestResult],
     duration: float,
     *,
     slo: dict[str, float] | None = None,
@@ -125,7 +125,7 @@ def compute_metrics(
     return metrics
 
 
-def meets_slo(o: RequestOutput, slo: dict[str, float]) -> bool:
+def meets_slo(o: RequestResult, slo: dict[str, float]) -> bool:
     """Whether a successful request is within every SLO (ms) given."""
     values_ms = {
         "ttft": o.ttft * 1000.0,
@@ -135,7 +135,7 @@ def meets_slo(o: RequestOutput, slo: dict[str, float]) -> bool:
     return all(values_ms[k] <= v for k, v in slo.items())
 
 
-def max_in_flight(outputs: list[RequestOutput]) -> int:
+def max_in_flight(outputs: list[RequestResult]) -> int:
     """The most requests in flight at once (send to last chunk)."""
     events = sorted(
         [(o.start, 1) for o in outputs] + [(o.start + o.latency, -1) for o in outputs],
@@ -148,7 +148,7 @@ def max_in_flight(outputs: list[RequestOutput]) -> int:
     return peak
 
 
-def timeline(outputs: list[RequestOutput], t0: float, duration: float) -> dict:
+def timeline(outputs: list[RequestResult], t0: float, duration: float) -> dict:
     """Throughput over time: output tokens/s and the mean (time-weighted) requests in
     flight per bin of the run (TIMELINE_BINS bins, at least 0.1 s wide). A chunk's tokens
     count at its arrival; where the backend does not give tokens per chunk (HTTP) a
@@ -208,7 +208,7 @@ def format_table(metrics: dict, percentiles=DEFAULT_PERCENTILES, title: str = ""
     return "\n".join(lines)
 
 
-def per_request_records(outputs: list[RequestOutput], t0: float) -> list[dict]:
+def per_request_records(outputs: list[RequestResult], t0: float) -> list[dict]:
     """One JSON-ready dict per request: its times in seconds (sent_s from the run's
     start), counts, ITLs and error; the output text is left out."""
     out = []

@@ -17,11 +17,10 @@ import jax
 import numpy as np
 
 from jaxserve.distributed.step_channel import PLACEMENT, STOP, StepPublisher, StepSubscriber
-from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.step_inputs import DPStepInputs, StepInputs, StepShape
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step_inputs import StepInputs, StepShape
 
 
 class LeaderExecutor(Executor):
@@ -47,9 +46,7 @@ class LeaderExecutor(Executor):
             table = np.ascontiguousarray(physical_to_logical, np.int32)
             self._publisher.publish([table], meta={"steps": self._steps}, kind=PLACEMENT)
 
-    def dispatch(
-        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
-    ) -> InFlightStep:
+    def dispatch(self, x: StepInputs, sched: SchedulerOutput) -> InFlightStep:
         if self._publisher is not None:
             self._publisher.publish(x.buffers, meta={"shape": list(x.shape)})
             self.last_coordination_s = self._publisher.stats.last_s

@@ -1,5 +1,5 @@
 """Building an engine: load the model (on its mesh), size the KV cache, build the
-schedulers, the runner and EPLB, compile every step shape.
+scheduler, the runner and EPLB, compile every step shape.
 
 `build_engine(config)` returns the parts `EngineCore` serves with (`EngineParts`); a
 multi-process follower builds the same parts and uses only the runner, so that every
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig, EplbConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile_counter import BACKEND_COMPILE_EVENT, CompileCounter  # noqa: F401
-from jaxserve.engine.dp_scheduler import DPScheduler
 from jaxserve.engine.kv_sizing import (
     check_max_model_len,
     fit_kv_cache,
@@ -64,11 +63,10 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 class EngineParts:
     """What `build_engine` built, ready to serve.
 
-    model_config: the model's config; mesh: its mesh (None: one device).
+    model_config: the model's config; mesh: its (dp, tp) mesh (one device: 1 x 1).
     max_model_len: the effective limit (one sequence fits in one dp rank's KV pool).
     num_blocks: KV blocks of one dp rank, its null block included.
-    block_managers: one per dp rank; scheduler: a `Scheduler` (dp = 1) or a
-        `DPScheduler` over one per rank.
+    scheduler: the `Scheduler` over one `BlockManager` per dp rank.
     runner: the compiled `ModelRunner`.
     warmup: its `WarmUp`: with background compilation, the shapes still compiling and
         the budget the schedulers run under meanwhile (`poll` before each decision).
@@ -81,11 +79,10 @@ class EngineParts:
     """
 
     model_config: ModelConfig
-    mesh: jax.sharding.Mesh | None
+    mesh: jax.sharding.Mesh
     max_model_len: int
     num_blocks: int
-    block_managers: list[BlockManager]
-    scheduler: Scheduler | DPScheduler
+    scheduler: Scheduler
     runner: ModelRunner
     warmup: WarmUp
     eplb_config: EplbConfig
@@ -98,10 +95,10 @@ class EngineParts:
 def build_engine(config: EngineConfig) -> EngineParts:
     """Load, size, build and compile an engine for `config`.
 
-    On a mesh (config.mesh larger than dp=1,tp=1) the model is sharded over it
-    (`sharding.load`) with the MoE replicated-token threshold measured at the engine's
-    step sizes; each dp rank gets its own scheduler and KV pool (`DPScheduler`;
-    cache.num_blocks counts one rank's pool).
+    On a mesh larger than dp=1,tp=1 the model is sharded over it (`sharding.load`) with
+    the MoE replicated-token threshold measured at the engine's step sizes; on one
+    device (a 1 x 1 mesh) it is the plain model, with no mesh-dependent parts. Each dp
+    rank has its own KV pool in the scheduler (cache.num_blocks counts one rank's pool).
 
     Raises:
         ValueError: a config field is out of range (named in the message), e.g. dtype,
@@ -123,11 +120,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if sc.max_model_len is not None and cc.num_blocks is not None:
         # Both given: fail before loading the weights.
         fit_kv_cache(sc.max_model_len, True, cc.num_blocks, cc.block_size)
-    mesh = None
-    if config.mesh.size == 1:
-        model, mc = load_model(config.model, dtype)
-    else:
-        model, mc, mesh = _load_on_mesh(config, dtype)
+    model, mc, mesh = _load_on_mesh(config, dtype)
     dp = config.mesh.dp
     max_model_len = check_max_model_len(sc.max_model_len, mc.max_position_embeddings)
     # Blocks per dp rank (each rank's pool has its own null block 0).
@@ -146,21 +139,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
     max_model_len = fit_kv_cache(
         max_model_len, sc.max_model_len is not None, num_blocks, cc.block_size
     )
-    block_managers = [
-        BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching) for _ in range(dp)
-    ]
-    ranks = [
-        Scheduler(
-            bm,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            eos_token_ids=mc.eos_token_ids,
-            enable_chunked_prefill=sc.enable_chunked_prefill,
-            num_decode_steps=sc.num_decode_steps,
-        )
-        for bm in block_managers
-    ]
+    scheduler = Scheduler(
+        [BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching) for _ in range(dp)],
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=mc.eos_token_ids,
+        enable_chunked_prefill=sc.enable_chunked_prefill,
+        num_decode_steps=sc.num_decode_steps,
+    )
     runner = ModelRunner(
         model,
         mc,
@@ -176,15 +163,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     # Built (its move compiled) before the start-up compilations are counted.
     eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
-    warmup = WarmUp(runner, ranks, background=config.background_compile)
+    warmup = WarmUp(runner, scheduler, background=config.background_compile)
     compile_time_s = warmup.start()
     parts = EngineParts(
         model_config=mc,
         mesh=mesh,
         max_model_len=max_model_len,
         num_blocks=num_blocks,
-        block_managers=block_managers,
-        scheduler=ranks[0] if dp == 1 else DPScheduler(ranks),
+        scheduler=scheduler,
         runner=runner,
         warmup=warmup,
         eplb_config=eplb_config,
@@ -211,7 +197,7 @@ def _build_eplb(
     config: EngineConfig,
     ec: EplbConfig,
     runner: ModelRunner,
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh,
     mc: ModelConfig,
 ) -> EplbController | None:
     """The `EplbController` when EPLB is on and the model has MoE layers, else None."""
@@ -243,9 +229,10 @@ def _build_eplb(
 
 
 def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
-    """(model, model config, mesh): the model sharded on config.mesh, with the MoE
-    replicated-token threshold measured at the engine's step sizes (dp x each token
-    bucket).
+    """(model, model config, mesh): the model on config.mesh. On one device (1 x 1) the
+    plain model (`models.loader.load_model`: nothing to shard, no expert parallelism to
+    calibrate); else sharded (`sharding.load`), with the MoE replicated-token threshold
+    measured at the engine's step sizes (dp x each token bucket).
 
     Raises:
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
@@ -255,6 +242,9 @@ def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
     from jaxserve.sharding.mesh import build_mesh_from_config, check_model_fits  # noqa: PLC0415
 
     mesh = build_mesh_from_config(config.mesh)
+    if mesh.size == 1:
+        model, mc = load_model(config.model, dtype)
+        return model, mc, mesh
     mc = load_config(config.model)
     redundant = config.eplb.num_redundant_experts if mc.num_experts > 0 else 0
     if redundant and (mc.num_experts + redundant) % config.mesh.size:

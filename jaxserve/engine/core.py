@@ -28,15 +28,15 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.builder import CompileCounter, build_engine
-from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import uses_penalties
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
-from jaxserve.ipc import EngineRequest, EngineStats, RequestOutput
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step_inputs import StepInputs
+from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 from jaxserve.observability.peaks import engine_peak
 from jaxserve.observability.profile import TIMELINE
 from jaxserve.observability.stats import (
@@ -59,8 +59,8 @@ class EngineCore:
         executor: makes the executor from the compiled runner (default: `Executor`, one
             process); the multi-process leader passes a `LeaderExecutor` factory.
 
-    On a mesh each dp rank has its own scheduler and KV pool (`dp_scheduler.DPScheduler`)
-    and each step runs every rank's batch at once (DP attention).
+    Each dp rank has its own requests and KV pool in the one scheduler (`scheduler.Rank`;
+    one device is one rank), and each step runs every rank's batch at once (DP attention).
 
     Raises:
         ValueError / MeshError: as `build_engine` (a config field out of range, named in
@@ -87,8 +87,6 @@ class EngineCore:
         self.mesh = parts.mesh
         self.dp = config.mesh.dp
         self.max_model_len = parts.max_model_len
-        self.block_managers = parts.block_managers
-        self.block_manager = self.block_managers[0]
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.warmup = parts.warmup
@@ -102,7 +100,7 @@ class EngineCore:
         # The async batch queue: the dispatched step whose outputs are not processed yet.
         self._inflight: InFlightStep | None = None
         self._rng = np.random.default_rng(config.seed)
-        self._rejected: list[RequestOutput] = []
+        self._rejected: list[TokenOutput] = []
         # Requests ended because their sampling row could not be packed: request id ->
         # error, turned into their final output's error (see `_end_unpackable_rows`).
         self._row_errors: dict[str, str] = {}
@@ -118,6 +116,16 @@ class EngineCore:
         )
         self.queue_time = Histogram(LATENCY_BUCKETS_S)
         self.kv_blocks_used_max = 0
+
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        """The scheduler's KV block pools, one per dp rank."""
+        return self.scheduler.block_managers
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """Rank 0's KV block pool (one rank: the pool)."""
+        return self.scheduler.bm
 
     @property
     def num_compilations(self) -> int:
@@ -193,7 +201,7 @@ class EngineCore:
 
     # ----- the step ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         """One scheduling decision and at most one device call; with async scheduling,
         the outputs returned are those of the step dispatched by the previous call.
 
@@ -221,7 +229,7 @@ class EngineCore:
         self.kv_blocks_used_max = max(self.kv_blocks_used_max, used)
         return outputs
 
-    def _step_sync(self) -> list[RequestOutput]:
+    def _step_sync(self) -> list[TokenOutput]:
         """schedule -> execute -> update, one step at a time."""
         sched = self._schedule()
         if sched.is_empty:
@@ -230,7 +238,7 @@ class EngineCore:
         samples = self._fetch(self._dispatch(x, sched))
         return self._update(sched, samples)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self) -> list[TokenOutput]:
         """The batch queue of depth one: schedule and pack step N + 1 while N runs, then
         fetch N, dispatch N + 1 with N's tokens filled in, and update from N."""
         if self._inflight is None:
@@ -248,7 +256,7 @@ class EngineCore:
             self._inflight = self._dispatch(x, nxt)
         return self._update(done.sched, samples)
 
-    def _rebalance(self) -> list[RequestOutput]:
+    def _rebalance(self) -> list[TokenOutput]:
         """Re-place the experts if the EPLB plan changes any layer. The step in flight
         (async scheduling) is finished first, since the move donates the weights it
         reads; its outputs are returned."""
@@ -265,27 +273,26 @@ class EngineCore:
 
     # The step's phases, each a span of the profiler's host timeline (observability.profile).
 
-    def _schedule(self) -> SchedulerOutput | DPSchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         t = TIMELINE.now()
         sched = self.scheduler.schedule()
         TIMELINE.span("schedule", t)
         return sched
 
-    def _update(self, sched, samples) -> list[RequestOutput]:
+    def _update(self, sched, samples) -> list[TokenOutput]:
         t = TIMELINE.now()
         outputs = self.scheduler.update(sched, samples)
         TIMELINE.span("outputs", t)
         return outputs
 
-    def _dispatch(self, x: StepInputs | DPStepInputs, sched) -> InFlightStep:
+    def _dispatch(self, x: StepInputs, sched: SchedulerOutput) -> InFlightStep:
         """`executor.dispatch`, metered: queue times of first-scheduled requests, the
         step's shapes and its start (`observability.step_cost.StepMeter`)."""
         now = time.time()
-        for rank in getattr(sched, "ranks", None) or [sched]:
-            for row in rank.requests:
-                if row.seq.first_scheduled_time is None:
-                    row.seq.first_scheduled_time = now
-                    self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
+        for row in sched.requests:
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = now
+                self.queue_time.observe(max(now - row.seq.arrival_time, 0.0))
         t = TIMELINE.now()
         step = self.executor.dispatch(x, sched)
         TIMELINE.span("dispatch", t)
@@ -301,10 +308,8 @@ class EngineCore:
         return samples
 
     def _prepare(
-        self,
-        sched: SchedulerOutput | DPSchedulerOutput,
-        in_flight: SchedulerOutput | DPSchedulerOutput | None = None,
-    ) -> StepInputs | DPStepInputs:
+        self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None
+    ) -> StepInputs:
         """The runner's packed inputs of `sched` (tokens `in_flight` still samples left
         pending), after ending every request whose sampling row could not be packed
         (see `_end_unpackable_rows`)."""
@@ -314,9 +319,7 @@ class EngineCore:
         TIMELINE.span("pack", t)
         return x
 
-    def _end_unpackable_rows(
-        self, sched: SchedulerOutput | DPSchedulerOutput, x: StepInputs | DPStepInputs
-    ) -> None:
+    def _end_unpackable_rows(self, sched: SchedulerOutput, x: StepInputs) -> None:
         """Abort the requests of x's `row_errors`; their final output becomes an error.
 
         Defence in depth: `SamplingParams.validate` at `add_request` should reject every
@@ -325,13 +328,7 @@ class EngineCore:
         their blocks, and the step's results for them are discarded by `update` (as for
         any request aborted while a step that holds it is in flight).
         """
-        pairs = (
-            zip(sched.ranks, x.ranks, strict=True) if isinstance(x, DPStepInputs) else [(sched, x)]
-        )
-        failed: dict[str, str] = {}
-        for rank_sched, rank_x in pairs:
-            for row, error in rank_x.row_errors.items():
-                failed[rank_sched.requests[row].seq.request_id] = error
+        failed = {sched.requests[row].seq.request_id: e for row, e in x.row_errors.items()}
         if not failed:
             return
         logger.error(
@@ -351,7 +348,7 @@ class EngineCore:
         return EngineStats(
             model=self.config.served_model_name or Path(self.config.model).name,
             max_model_len=self.max_model_len,
-            block_size=self.block_manager.block_size,
+            block_size=s.bm.block_size,
             num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
             num_blocks_free=sum(bm.num_free_blocks for bm in bms),
             vocab_size=self.model_config.vocab_size,
@@ -423,7 +420,7 @@ class EngineCore:
         )
 
 
-def _mark_errors(outputs: list[RequestOutput], errors: dict[str, str]) -> None:
+def _mark_errors(outputs: list[TokenOutput], errors: dict[str, str]) -> None:
     """Turn the "abort" final outputs of the requests in `errors` into "error" ones
     (popping them from `errors`)."""
     for out in outputs:
@@ -431,12 +428,12 @@ def _mark_errors(outputs: list[RequestOutput], errors: dict[str, str]) -> None:
             out.finish_reason, out.error = "error", errors.pop(out.request_id)
 
 
-def _error_output(req: EngineRequest, error: str) -> RequestOutput:
+def _error_output(req: EngineRequest, error: str) -> TokenOutput:
     try:
         prompt = np.asarray(req.prompt_token_ids, np.int64).reshape(-1)
     except (TypeError, ValueError):
         prompt = np.zeros(0, np.int64)
-    return RequestOutput(
+    return TokenOutput(
         request_id=req.request_id,
         new_token_ids=[],
         finish_reason="error",

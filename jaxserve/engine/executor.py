@@ -10,11 +10,10 @@ them there.
 
 from __future__ import annotations
 
-from jaxserve.engine.dp_scheduler import DPSchedulerOutput
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.outputs import StepSamples
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.step_inputs import DPStepInputs, StepInputs
+from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step_inputs import StepInputs
 
 
 class Executor:
@@ -42,13 +41,11 @@ class Executor:
         """Tell the other processes of a new EPLB placement, before applying it here
         ([M, S] int32; nothing to do in one process)."""
 
-    def dispatch(
-        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
-    ) -> InFlightStep:
+    def dispatch(self, x: StepInputs, sched: SchedulerOutput) -> InFlightStep:
         """Queue one step and return at once (see `ModelRunner.dispatch`)."""
         return self.runner.dispatch(x, sched)
 
-    def fetch(self, step: InFlightStep) -> StepSamples | list[StepSamples]:
+    def fetch(self, step: InFlightStep) -> StepSamples:
         """Wait for a dispatched step's samples (see `ModelRunner.fetch`)."""
         return self.runner.fetch(step)
 

@@ -51,22 +51,16 @@ from flax import nnx
 
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
 from jaxserve.engine.compile_counter import CompileCounter
-from jaxserve.engine.dp_scheduler import DPSchedulerOutput
-from jaxserve.engine.outputs import StepSamples, samples_arrays, step_samples
+from jaxserve.engine.outputs import StepSamples, step_samples
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_fn import StepOutput, step
-from jaxserve.engine.step_inputs import (
-    DPStepInputs,
-    InputBuilder,
-    StepInputs,
-    StepShape,
-    pow2_buckets,
-)
+from jaxserve.engine.step_inputs import InputBuilder, StepInputs, StepShape, pow2_buckets
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.logs import ProgressLog
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
+from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -79,8 +73,8 @@ class InFlightStep:
     """A dispatched step: its scheduler decision, its packed inputs and its (possibly
     still running) device outputs. What the engine core's batch queue holds."""
 
-    sched: SchedulerOutput | DPSchedulerOutput
-    inputs: StepInputs | DPStepInputs
+    sched: SchedulerOutput
+    inputs: StepInputs
     out: StepOutput
 
 
@@ -97,9 +91,9 @@ class ModelRunner:
         max_num_batched_tokens: most tokens per step (the largest token bucket).
         kv_dtype: dtype of the KV cache.
         num_decode_steps: decode steps of the multi-step decode call (1: not compiled).
-        mesh: the (dp, tp) mesh the model is sharded on (None: one device). The KV cache
-            then holds dp ranks' pools of num_blocks // dp blocks each, and every step is
-            the dp ranks' inputs concatenated (DP attention; see `prepare`).
+        mesh: the (dp, tp) mesh the model is on (default: one device, a 1 x 1 mesh). The KV cache
+            holds dp ranks' pools of num_blocks // dp blocks each, and every step is the
+            dp ranks' inputs concatenated (DP attention; see `prepare`).
         expert_load_window: steps of the expert-load window (`expert_load`).
 
     Raises:
@@ -131,8 +125,10 @@ class ModelRunner:
         expert_load_window: int = DEFAULT_WINDOW,
     ):
         self.config = model_config
+        if mesh is None:  # one device: a 1 x 1 mesh of this process's first device
+            mesh = build_mesh(1, 1, jax.local_devices()[:1])
         self.mesh = mesh
-        self.dp = 1 if mesh is None else mesh.shape["dp"]
+        self.dp = mesh.shape["dp"]
         if num_blocks % self.dp:
             raise ValueError(f"num_blocks: {num_blocks} is not divisible by dp={self.dp}")
         self.vocab_size = model_config.vocab_size
@@ -146,6 +142,7 @@ class ModelRunner:
             block_size,
             model_config.vocab_size,
             num_decode_steps,
+            dp=self.dp,
         )
         self.max_blocks_per_seq = self.builder.max_blocks_per_seq
         self.moe_layers: tuple[int, ...] = model.moe_layers()
@@ -154,7 +151,7 @@ class ModelRunner:
             self.expert_load = ExpertLoadRecorder(
                 len(self.moe_layers),
                 model.num_expert_slots,
-                ep=1 if mesh is None else mesh.size,
+                ep=mesh.size,
                 window=expert_load_window,
             )
         self.graphdef, self.state = nnx.split(model)
@@ -172,11 +169,11 @@ class ModelRunner:
             num_blocks,
             block_size,
             kv_dtype,
-            sharding=None if mesh is None else kv_cache_sharding(mesh, self.kv_layout.shard_heads),
+            sharding=kv_cache_sharding(mesh, self.kv_layout.shard_heads),
         )
         # Where step inputs go (leading axis over dp) and outputs come back (replicated).
-        self._input_sharding = None if mesh is None else batch_sharding(mesh, 1)
-        self._output_sharding = None if mesh is None else replicated(mesh)
+        self._input_sharding = batch_sharding(mesh, 1)
+        self._output_sharding = replicated(mesh)
         self._executables: dict[StepShape, jax.stages.Compiled] = {}
         # Shapes being compiled (`compile_shapes`): their executables, once ready.
         self._pending: dict[StepShape, Future] = {}
@@ -292,12 +289,10 @@ class ModelRunner:
             output_sharding=self._output_sharding,
         )
         jitted = jax.jit(fn, donate_argnums=(1,))
-        buffers = self.builder.empty(shape).buffers
-        if self.mesh is not None:
-            buffers = [
-                jax.ShapeDtypeStruct((self.dp * b.size,), b.dtype, sharding=self._input_sharding)
-                for b in buffers
-            ]
+        buffers = [
+            jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._input_sharding)
+            for b in self.builder.empty(shape).buffers
+        ]
         # Abstract arguments: a background compilation traces while steps donate (delete)
         # the KV cache and EPLB swaps parameters of the same shapes.
         return jitted.lower(self._param_specs, self._kv_specs, *buffers)
@@ -368,45 +363,25 @@ class ModelRunner:
     # ----- one step ----------------------------------------------------------------------
 
     def prepare(
-        self,
-        sched: SchedulerOutput | DPSchedulerOutput,
-        in_flight: SchedulerOutput | DPSchedulerOutput | None = None,
-    ) -> StepInputs | DPStepInputs:
-        """Pack a scheduler decision into padded NumPy inputs.
+        self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None
+    ) -> StepInputs:
+        """Pack a scheduler decision into padded NumPy inputs: each dp rank's rows as on
+        one device, all to the busiest rank's shape (`InputBuilder.build`).
 
         in_flight: the dispatched step whose sampled tokens are not fetched yet (async
             scheduling), or None. Input tokens it is still sampling are left for
             `fill_pending`, which writes them in once `fetch` returned them.
 
-        With dp > 1 (a `DPSchedulerOutput`): each rank is packed as on one device, all
-        to the busiest rank's shape, into a `DPStepInputs`.
-
         Raises:
             ValueError: the step fits no compiled shape (a scheduler bug).
         """
-        if isinstance(sched, DPSchedulerOutput):
-            shape = self.builder.common_shape(sched.ranks)
-            pending = [_rows(s) for s in in_flight.ranks] if in_flight else [{}] * len(sched.ranks)
-            return DPStepInputs.of(
-                [
-                    self.builder.build(s, rows, shape)
-                    for s, rows in zip(sched.ranks, pending, strict=True)
-                ]
-            )
         return self.builder.build(sched, _rows(in_flight) if in_flight else {})
 
-    def fill_pending(
-        self, x: StepInputs | DPStepInputs, samples: StepSamples | list[StepSamples]
-    ) -> None:
+    def fill_pending(self, x: StepInputs, samples: StepSamples) -> None:
         """Write the tokens of the step in flight (`fetch`'s result) into x's inputs."""
-        if isinstance(x, DPStepInputs):
-            x.fill_pending([s.token_ids for s in samples])
-        else:
-            x.fill_pending(samples.token_ids)
+        x.fill_pending(samples.token_ids)
 
-    def dispatch(
-        self, x: StepInputs | DPStepInputs, sched: SchedulerOutput | DPSchedulerOutput
-    ) -> InFlightStep:
+    def dispatch(self, x: StepInputs, sched: SchedulerOutput) -> InFlightStep:
         """Queue the step of decision `sched` (packed as x) on the device and return at
         once (the KV cache is donated).
 
@@ -432,49 +407,24 @@ class ModelRunner:
             # `WarmUp` budget never schedules a shape that is not compiled there).
             self.num_compile_waits += 1
             executable = pending.result()
-        if self.mesh is not None:
-            buffers = put_on_mesh(buffers, self._input_sharding)
+        buffers = put_on_mesh(buffers, self._input_sharding)
         out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
         return out
 
-    def fetch(self, step: InFlightStep) -> StepSamples | list[StepSamples]:
+    def fetch(self, step: InFlightStep) -> StepSamples:
         """Wait for a dispatched step and copy what the host needs of its outputs.
 
         Returns:
-            StepSamples with row r for the step's r-th scheduled request; with dp > 1,
-            one per rank (its rows are rank k's r-th requests).
+            StepSamples with row r for the step's r-th scheduled request (all ranks).
         """
-        out, x = step.out, step.inputs
         start = time.perf_counter()
-        jax.block_until_ready(out.token_ids)  # the one wait for the device
+        jax.block_until_ready(step.out.token_ids)  # the one wait for the device
         self.last_wait_s = time.perf_counter() - start
         self.wait_time_s += self.last_wait_s
-        if isinstance(x, DPStepInputs):
-            samples, counts = self._fetch_ranks(out, x)
-        else:
-            get = jax.device_get if self.mesh is None else replicated_to_host
-            samples, counts = step_samples(out, x, get)
+        samples, counts = step_samples(step.out, step.inputs, replicated_to_host)
         if self.expert_load is not None:
             self.expert_load.record(counts)
         return samples
-
-    def _fetch_ranks(
-        self, out: StepOutput, x: DPStepInputs
-    ) -> tuple[list[StepSamples], np.ndarray]:
-        """Per-rank samples of a DP step (rank k: rows [k R, (k + 1) R), tokens
-        [k T, (k + 1) T) of the prompt log-probs), and the step's expert counts."""
-        full = samples_arrays(out, any(r.logprob_rows for r in x.ranks), replicated_to_host)
-        t, r = x.shape.num_tokens, x.shape.num_rows
-        result = []
-        for k, rank in enumerate(x.ranks):
-            rows = slice(k * r, (k + 1) * r)
-            part = StepOutput(
-                *(a[:, rows] if a is not None else None for a in full[:4]),
-                *(a[k * t : (k + 1) * t] if a is not None else None for a in full[4:7]),
-                expert_counts=full[7],
-            )
-            result.append(step_samples(part, rank, lambda tree: tree)[0])
-        return result, full[7]
 
 
 def _spec(a: jax.Array) -> jax.ShapeDtypeStruct:

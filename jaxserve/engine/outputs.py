@@ -1,7 +1,7 @@
 """What a step produced, on the host: the sampled tokens (`StepSamples`) and the
-`ipc.RequestOutput`s built from them (token ids, finish state, log-probs, the prompt's
+`ipc.TokenOutput`s built from them (token ids, finish state, log-probs, the prompt's
 log-probs, the first output's header). Plain data: no JAX, no scheduling decisions
-(`samples_arrays` / `step_samples` take the device-to-host copy as a function).
+(`step_samples` takes the device-to-host copy as a function).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.engine.request import Request
-from jaxserve.ipc import RequestOutput
+from jaxserve.ipc import TokenOutput
 
 if TYPE_CHECKING:
     from jaxserve.engine.step_fn import StepOutput
@@ -26,7 +26,7 @@ class StepSamples:
     token_ids: [S, R] int32, S = decode steps of the call (a [R] array means S = 1);
     logprobs: [S, R] float32 or None; top_token_ids / top_logprobs: [S, R, K] or None.
     prompt_logprobs: row -> (first prompt position, entries) for rows that computed
-        prompt log-probs (entries in ipc.RequestOutput.logprobs format).
+        prompt log-probs (entries in ipc.TokenOutput.logprobs format).
     """
 
     token_ids: np.ndarray
@@ -46,8 +46,8 @@ class StepSamples:
 
 def request_output(
     seq: Request, new_token_ids: list[int], logprobs: list | None = None
-) -> RequestOutput:
-    """The RequestOutput of `seq` after it got `new_token_ids` (or finished): carries the
+) -> TokenOutput:
+    """The TokenOutput of `seq` after it got `new_token_ids` (or finished): carries the
     `first` header on seq's first output and the prompt log-probs with its first tokens."""
     first = prompt_logprobs = None
     if (
@@ -63,7 +63,7 @@ def request_output(
             "prompt_token_ids": seq.prompt_token_ids,
             "sampling": seq.params.to_dict(),
         }
-    return RequestOutput(
+    return TokenOutput(
         request_id=seq.request_id,
         new_token_ids=new_token_ids,
         finish_reason=seq.finish_reason if seq.is_finished else None,
@@ -78,7 +78,7 @@ def request_output(
 
 
 def row_logprobs(seq: Request, samples: StepSamples, row: int, num_tokens: int) -> list | None:
-    """The ipc.RequestOutput.logprobs entries of a row's first `num_tokens` new tokens:
+    """The ipc.TokenOutput.logprobs entries of a row's first `num_tokens` new tokens:
     [[logprob, [[top_token_id, top_logprob], ...]], ...] with the top-N the request asked for."""
     k = seq.params.logprobs
     if k is None or samples.logprobs is None:
@@ -105,45 +105,36 @@ def add_prompt_logprobs(seq: Request, computed: tuple[int, list] | None) -> None
         seq.prompt_logprobs.extend(entries[have - first :])
 
 
-def samples_arrays(out: StepOutput, logprobs: bool, get) -> tuple:
-    """(token_ids, logprobs, top ids, top logprobs, prompt logprobs, prompt top ids,
-    prompt top logprobs, expert counts) on the host, in one transfer; None for what the
-    step does not need."""
-    wanted = (out.token_ids,)
-    wanted += (out.logprobs, out.top_token_ids, out.top_logprobs) if logprobs else (None,) * 3
-    prompt = out.prompt_logprobs.shape[0] > 0
-    wanted += (
-        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
-        if prompt
-        else (None,) * 3
-    )
-    return get((*wanted, out.expert_counts))
-
-
 def step_samples(out: StepOutput, x: StepInputs, get) -> tuple[StepSamples, np.ndarray]:
-    """(StepSamples, expert counts [M, S]) of a one-rank step's `step_fn.StepOutput` (device arrays
-    with get=jax.device_get, host arrays with get=identity). The counts come back in the
-    same transfer as the tokens."""
-    n = x.num_rows
-    if x.logprob_rows:
-        token_ids, logprobs, top_ids, top_lps, counts = get(
-            (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs, out.expert_counts)
-        )
-        samples = StepSamples(token_ids[:, :n], logprobs[:, :n], top_ids[:, :n], top_lps[:, :n])
-    else:
-        token_ids, counts = get((out.token_ids, out.expert_counts))
-        samples = StepSamples(np.asarray(token_ids)[:, :n])
-    if x.prompt_spans:
-        samples.prompt_logprobs = _prompt_entries(
-            x, *get((out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs))
-        )
+    """(StepSamples, expert counts [M, S]) of a step's `step_fn.StepOutput` (device arrays
+    with get=`distributed.arrays.replicated_to_host`, host arrays with get=identity).
+
+    One transfer: the tokens, the expert counts, and the log-probs and prompt log-probs
+    only when a row of x wants them. Row r of the samples is the step's row r (all dp
+    ranks: column x.sample_rows[r] of the outputs).
+    """
+    logprobs = (out.logprobs, out.top_token_ids, out.top_logprobs) if x.logprob_rows else ()
+    prompt = (
+        (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs) if x.prompt_spans else ()
+    )
+    host = get((out.token_ids, out.expert_counts, logprobs, prompt))
+    token_ids, counts, logprobs, prompt = host
+    cols = x.sample_rows
+    samples = StepSamples(np.asarray(token_ids)[:, cols])
+    if logprobs:
+        lps, top_ids, top_lps = logprobs
+        samples.logprobs, samples.top_token_ids = lps[:, cols], top_ids[:, cols]
+        samples.top_logprobs = top_lps[:, cols]
+    if prompt:
+        samples.prompt_logprobs = _prompt_entries(x, *prompt)
     return samples, np.asarray(counts)
 
 
 def _prompt_entries(
     x: StepInputs, logprobs: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
 ) -> dict[int, tuple[int, list]]:
-    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...])."""
+    """Per row (first prompt position, [[logprob, [[id, logprob], ...top k]], ...]);
+    the arrays are the step's [dp * T] prompt outputs."""
     entries = {}
     for span in x.prompt_spans:
         rows = []

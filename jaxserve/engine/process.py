@@ -60,8 +60,8 @@ from jaxserve.ipc import (
     KvSnapshot,
     KvSnapshotRequest,
     ProfileRequest,
-    RequestOutput,
     Shutdown,
+    TokenOutput,
     decode,
     encode,
     make_socket,
@@ -220,9 +220,7 @@ class EngineLoop:
             self._core.add_request(request)
         except Exception as e:
             logger.exception("add_request failed for %s", request.request_id)
-            error = RequestOutput(
-                request.request_id, [], finish_reason="error", error=f"engine: {e}"
-            )
+            error = TokenOutput(request.request_id, [], finish_reason="error", error=f"engine: {e}")
             self._output.send(encode(EngineOutputs([error], self._step)))
 
     def _run_step(self) -> None:

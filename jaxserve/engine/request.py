@@ -42,6 +42,8 @@ class Request:
     params: the request's sampling and stopping parameters.
     seed: the resolved per-request RNG seed (drawn by the engine when params.seed is None).
     arrival_seq: admission order (FCFS position; larger = newer; preemption picks the largest).
+    rank: the dp rank the scheduler assigned it to on arrival (its KV blocks live in that
+        rank's pool; block ids are local to it). 0 with one rank.
     num_computed_tokens: tokens whose K/V are in the cache (a prefix of token_ids).
     block_table: KV block ids; block i holds tokens [i * block_size, (i + 1) * block_size).
     block_hashes: chained hashes of the full blocks of token_ids, filled lazily.
@@ -52,7 +54,7 @@ class Request:
     single_step_only: the request needs the sampler's token history (penalties) or
         prompt log-probs, which the multi-step decode call does not carry.
     prompt_logprobs: when params.prompt_logprobs is set, one entry per prompt token after
-        the first, in ipc.RequestOutput.logprobs format ([logprob, [[id, logprob], ...]]).
+        the first, in ipc.TokenOutput.logprobs format ([logprob, [[id, logprob], ...]]).
     cache_group: extra key of this request's block names; requests with the same group
         (the n samples of one prompt) share blocks even with global prefix caching off.
     first_output_sent: whether an output (with its `first` header) already left the engine.
@@ -64,6 +66,7 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_seq: int = 0
+    rank: int = 0
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

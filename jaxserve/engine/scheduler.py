@@ -1,4 +1,4 @@
-"""`Scheduler`: which sequences compute how many tokens in the next step, and what follows.
+"""`Scheduler`: which sequences compute how many tokens in the next step, on every dp rank.
 
 Continuous batching under two limits per step, `max_num_batched_tokens` (the token
 budget) and `max_num_seqs`, in the style of vLLM v1's scheduler
@@ -28,15 +28,27 @@ of tokens each sequence still has to compute. One step:
 
 After the device step, `update` appends the sampled tokens, checking the stop conditions
 after every token (tokens sampled past a stop are discarded), and returns the
-`RequestOutput`s. Aborts and requests that can never fit end with one final output on
+`TokenOutput`s. Aborts and requests that can never fit end with one final output on
 the next `update` (or `drain_finished`). Pure Python: no JAX, no sockets, no text.
+
+Ranks. With DP attention (README.md, Parallelism) each dp rank has its own requests and
+its own KV cache: a `Rank` here, with its own `BlockManager` (its own null block and
+prefix cache; block ids are rank-local), waiting queue and running list; one device is
+one rank. A request is assigned to a rank when it arrives and stays there
+(`Request.rank`): the rank holding the longest cached prefix of its prompt, else the
+least loaded one (fewest waiting + running requests), as SGLang's DP-attention
+controller does with its "shortest queue" policy. The budgets (max_num_seqs,
+max_num_batched_tokens) and the steps above apply per rank. Every step is one device
+call for all ranks, so their decisions share the number of decode steps (multi-step
+decode only when every busy rank wants it); the input builder pads every rank to the
+busiest one's bucket (`step_inputs.InputBuilder.shape_for`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxserve.engine.block_hash import BlockHash
@@ -48,64 +60,52 @@ from jaxserve.engine.outputs import (
     row_logprobs,
 )
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.ipc import RequestOutput
+from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.ipc import TokenOutput
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "StepSamples"]
+__all__ = ["Rank", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepSamples"]
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One row of a step: compute token_ids[start : start + num_tokens] of `seq`.
+@dataclass(slots=True, eq=False)
+class Rank:
+    """One dp rank's share of the scheduler: its KV block pool and its requests.
 
-    samples: whether this chunk reaches the end of seq.token_ids, so the logits at its
-        last token give the sequence's next token (False for a partial prefill chunk).
+    index: k, the rank (`Request.rank` of its requests); bm: its `BlockManager`;
+    waiting: its queue (FCFS, preempted requests at the head); running: admitted
+    requests, in admission order; num_assigned: requests ever assigned to it.
     """
 
-    seq: Request
-    start: int
-    num_tokens: int
-    samples: bool
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The decision for one step; rows are in scheduling order (decodes first).
-
-    num_steps: decode steps in this device call (> 1 only for a multi-step decode, where
-        every row has num_tokens 1 and samples num_steps tokens).
-    """
-
-    requests: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-    num_steps: int = 1
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens per forward pass (in a multi-step decode: per decode step)."""
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
+    index: int
+    bm: BlockManager
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    num_assigned: int = 0
 
 
 class Scheduler:
-    """Continuous-batching scheduler over a `BlockManager`.
+    """Continuous-batching scheduler over one `BlockManager` per dp rank.
 
     Args:
-        block_manager: the KV block pool.
-        max_num_seqs: most running sequences (and rows per step).
-        max_num_batched_tokens: token budget per step.
+        block_managers: the KV block pools, one per dp rank (a single `BlockManager`:
+            one rank), all of one size and block size.
+        max_num_seqs: most running sequences (and rows per step) of one rank.
+        max_num_batched_tokens: token budget per step of one rank.
         max_model_len: most tokens (prompt + output) of one sequence.
         eos_token_ids: the model's end-of-sequence ids (honoured unless ignore_eos).
         enable_chunked_prefill: split prompts over steps; when off, a prompt waits until
             it fits the step's budget whole.
         num_decode_steps: most decode steps per device call (1 disables multi-step).
+
+    Raises:
+        ValueError: no block manager, or a limit out of range (named).
+
+    Counters (monotonic, all ranks): num_preemptions, num_prefix_queries,
+    num_prefix_hits, num_prefill_tokens_computed, num_decode_tokens_computed.
     """
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_managers: BlockManager | Sequence[BlockManager],
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -113,6 +113,12 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_decode_steps: int = 1,
     ):
+        if isinstance(block_managers, BlockManager):
+            block_managers = [block_managers]
+        if not block_managers:
+            raise ValueError("block_managers: need one per dp rank, got none")
+        if len({(bm.num_blocks, bm.block_size) for bm in block_managers}) != 1:
+            raise ValueError("block_managers: every dp rank's pool must have one size")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -120,7 +126,7 @@ class Scheduler:
                 f"max_num_batched_tokens: must be >= max_num_seqs ({max_num_seqs}), "
                 f"got {max_num_batched_tokens}"
             )
-        self.bm = block_manager
+        self.ranks = [Rank(k, bm) for k, bm in enumerate(block_managers)]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -129,10 +135,9 @@ class Scheduler:
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
         self.num_decode_steps = num_decode_steps
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        # Live (waiting or running) requests of every rank by id.
         self.requests: dict[str, Request] = {}
-        self._finished: list[RequestOutput] = []
+        self._finished: list[TokenOutput] = []
         self._arrivals = itertools.count()
         # Counters for the metrics layer (monotonic).
         self.num_preemptions = 0
@@ -141,18 +146,43 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0  # tokens computed by non-decode rows
         self.num_decode_tokens_computed = 0
 
-    # ----- requests in and out -----------------------------------------------------------
+    # ----- ranks and requests ------------------------------------------------------------
+
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        """The KV block pools, rank k's at [k]."""
+        return [r.bm for r in self.ranks]
+
+    @property
+    def bm(self) -> BlockManager:
+        """Rank 0's KV block pool (with one rank: the pool)."""
+        return self.ranks[0].bm
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests, rank by rank (a copy)."""
+        return [seq for r in self.ranks for seq in r.waiting]
+
+    @property
+    def running(self) -> list[Request]:
+        """Running requests, rank by rank (a copy)."""
+        return [seq for r in self.ranks for seq in r.running]
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return sum(len(r.waiting) for r in self.ranks)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return sum(len(r.running) for r in self.ranks)
+
+    @property
+    def num_assigned(self) -> list[int]:
+        """Requests ever assigned to each rank."""
+        return [r.num_assigned for r in self.ranks]
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._finished)
+        return bool(self.requests or self._finished)
 
     def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a request needs at its longest (its final token is never computed)."""
@@ -160,13 +190,17 @@ class Scheduler:
         return self.bm.blocks_for(longest - 1)
 
     def add(self, seq: Request) -> None:
-        """Queue a sequence; one that can never be served is finished with an error output.
+        """Assign seq to a rank (`pick_rank`) and queue it there; one that can never be
+        served is finished with an error output.
 
         Raises:
             ValueError: seq.request_id is already live (a caller bug, not a bad request).
         """
         if seq.request_id in self.requests:
             raise ValueError(f"request_id: {seq.request_id!r} is already running")
+        rank = self.ranks[self.pick_rank(seq)]
+        rank.num_assigned += 1
+        seq.rank = rank.index
         seq.arrival_seq = next(self._arrivals)
         seq.status = RequestStatus.WAITING
         error = self._unservable(seq)
@@ -176,7 +210,17 @@ class Scheduler:
             self._finished.append(request_output(seq, []))
             return
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        rank.waiting.append(seq)
+
+    def pick_rank(self, seq: Request) -> int:
+        """The rank with the longest cached prefix of seq, ties and misses to the least
+        loaded (then the lowest index)."""
+
+        def key(rank: Rank) -> tuple[int, int, int]:
+            hit = len(rank.bm.lookup_prefix(seq)) if rank.bm.caches(seq) else 0
+            return (-hit, len(rank.waiting) + len(rank.running), rank.index)
+
+        return min(self.ranks, key=key).index
 
     def _unservable(self, seq: Request) -> str | None:
         if seq.num_prompt_tokens >= self.max_model_len:
@@ -204,46 +248,49 @@ class Scheduler:
             seq = self.requests.get(request_id)
             if seq is None:
                 continue
+            rank = self.ranks[seq.rank]
             if seq.status is RequestStatus.WAITING:
-                self.waiting.remove(seq)
+                rank.waiting.remove(seq)
             else:
-                self.running.remove(seq)
+                rank.running.remove(seq)
             self._finish(seq, "abort")
             self._finished.append(request_output(seq, []))
 
-    def drain_finished(self) -> list[RequestOutput]:
+    def drain_finished(self) -> list[TokenOutput]:
         """Final outputs of aborted and rejected requests since the last call."""
         out, self._finished = self._finished, []
         return out
 
     # ----- one step ----------------------------------------------------------------------
 
-    def schedule(self, num_steps: int | None = None) -> SchedulerOutput:
-        """Decide and commit the next step. Allocates (and may preempt) KV blocks; see the
-        module doc. May be called again before `update` has seen the previous step.
+    def schedule(self) -> SchedulerOutput:
+        """Decide and commit the next step of every rank, with one num_steps (the least
+        any busy rank wants, `wanted_decode_steps`). Allocates (and may preempt) KV
+        blocks; see the module doc. May be called again before `update` has seen the
+        previous step."""
+        for rank in self.ranks:
+            for seq in rank.running:
+                rank.bm.register_computed(seq)  # blocks of steps already dispatched
+        out = SchedulerOutput(num_steps=self.wanted_decode_steps())
+        for rank in self.ranks:
+            self._schedule_rank(rank, out)
+        return out
 
-        num_steps: decode steps of the call, imposed by a caller that keeps several
-            schedulers in step (DP attention); must be 1 or `wanted_decode_steps()`
-            (any value when nothing is waiting or running). Default: the latter.
-        """
-        for seq in self.running:
-            self.bm.register_computed(seq)  # blocks of steps already dispatched
-        if num_steps is None:
-            num_steps = self._num_decode_steps()
-        out = SchedulerOutput(num_steps=num_steps)
+    def _schedule_rank(self, rank: Rank, out: SchedulerOutput) -> None:
+        """Append rank's rows of the step to `out` and commit them."""
         chunks: dict[Request, int] = {}
-        budget = self._schedule_running(chunks, out)
-        if out.num_preempted == 0 and out.num_steps == 1:
+        budget, preempted = self._schedule_running(rank, chunks, out.num_steps)
+        out.num_preempted += preempted
+        if preempted == 0 and out.num_steps == 1:
             inflight: set[BlockHash] = set()
             for seq, n in chunks.items():
-                self._add_inflight(inflight, seq, seq.num_computed_tokens, n)
-            self._admit_waiting(chunks, budget, inflight)
+                self._add_inflight(rank.bm, inflight, seq, seq.num_computed_tokens, n)
+            self._admit_waiting(rank, chunks, budget, inflight)
         for seq, n in chunks.items():
             start = seq.num_computed_tokens
             item = ScheduledRequest(seq, start, n, start + n == seq.num_total_tokens)
             out.requests.append(item)
             self._commit(item, out.num_steps)
-        return out
 
     def _commit(self, item: ScheduledRequest, num_steps: int) -> None:
         """Advance a scheduled row's sequence as if the step had already run."""
@@ -263,18 +310,19 @@ class Scheduler:
 
     def wanted_decode_steps(self) -> int:
         """The decode steps `schedule()` would choose now (see `_num_decode_steps`)."""
-        return self._num_decode_steps()
+        busy = [r for r in self.ranks if r.running or r.waiting]
+        return min(map(self._num_decode_steps, busy), default=1)
 
-    def _num_decode_steps(self) -> int:
-        """`num_decode_steps` when every schedulable running sequence is decoding, has
-        room for that many more tokens and can use the multi-step call, and nothing
-        waiting could be admitted instead; else 1."""
+    def _num_decode_steps(self, rank: Rank) -> int:
+        """`num_decode_steps` when every schedulable running sequence of rank is
+        decoding, has room for that many more tokens and can use the multi-step call, and
+        nothing waiting could be admitted instead; else 1."""
         k = self.num_decode_steps
-        if k == 1 or not self.running:
+        if k == 1 or not rank.running:
             return 1
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        if rank.waiting and len(rank.running) < self.max_num_seqs:
             return 1
-        candidates = [s for s in self.running if not self._pending_reach_limit(s)]
+        candidates = [s for s in rank.running if not self._pending_reach_limit(s)]
         if not candidates or len(candidates) > self.max_num_batched_tokens:
             return 1
         for seq in candidates:
@@ -294,10 +342,14 @@ class Scheduler:
             or seq.num_total_tokens >= self.max_model_len
         )
 
-    def _schedule_running(self, chunks: dict[Request, int], out: SchedulerOutput) -> int:
-        budget = self.max_num_batched_tokens
+    def _schedule_running(
+        self, rank: Rank, chunks: dict[Request, int], num_steps: int
+    ) -> tuple[int, int]:
+        """Schedule rank's running sequences into `chunks`; returns (budget left,
+        sequences preempted)."""
+        budget, preempted = self.max_num_batched_tokens, 0
         # Decodes (1 missing token) before prefill chunks; oldest first within each.
-        order = sorted(self.running, key=lambda s: (s.num_missing_tokens > 1, s.arrival_seq))
+        order = sorted(rank.running, key=lambda s: (s.num_missing_tokens > 1, s.arrival_seq))
         for seq in order:
             if budget == 0:
                 break
@@ -305,67 +357,74 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or nothing left to compute
             n = min(seq.num_missing_tokens, budget)
             # A multi-step decode writes the K/V of num_steps tokens (n == 1 there).
-            span = n if out.num_steps == 1 else out.num_steps
-            while not self.bm.allocate(seq, seq.num_computed_tokens + span):
-                victim = max(self.running, key=lambda s: s.arrival_seq)
+            span = n if num_steps == 1 else num_steps
+            while not rank.bm.allocate(seq, seq.num_computed_tokens + span):
+                victim = max(rank.running, key=lambda s: s.arrival_seq)
                 budget += chunks.pop(victim, 0)
-                self._preempt(victim)
-                out.num_preempted += 1
+                self._preempt(rank, victim)
+                preempted += 1
                 if victim is seq:
                     break
             else:
                 chunks[seq] = n
                 budget -= n
-        return budget
+        return budget, preempted
 
     def _admit_waiting(
-        self, chunks: dict[Request, int], budget: int, inflight: set[BlockHash]
+        self, rank: Rank, chunks: dict[Request, int], budget: int, inflight: set[BlockHash]
     ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.bm.lookup_prefix(seq)
-            if self._next_block_inflight(seq, len(cached), inflight):
+        bm = rank.bm
+        while rank.waiting and budget > 0 and len(rank.running) < self.max_num_seqs:
+            seq = rank.waiting[0]
+            cached = bm.lookup_prefix(seq)
+            if self._next_block_inflight(bm, seq, len(cached), inflight):
                 break  # another row computes that block now: reuse it from the next step
-            num_cached = len(cached) * self.bm.block_size
+            num_cached = len(cached) * bm.block_size
             n = seq.num_tokens - num_cached
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.bm.allocate(seq, num_cached + n, cached):
+            if not bm.allocate(seq, num_cached + n, cached):
                 break
-            self.waiting.popleft()
+            rank.waiting.popleft()
             seq.status = RequestStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += num_cached
-            self.running.append(seq)
+            rank.running.append(seq)
             chunks[seq] = n
             budget -= n
-            self._add_inflight(inflight, seq, num_cached, n)
+            self._add_inflight(bm, inflight, seq, num_cached, n)
 
-    def _add_inflight(self, inflight: set[BlockHash], seq: Request, start: int, n: int) -> None:
+    @staticmethod
+    def _add_inflight(
+        bm: BlockManager, inflight: set[BlockHash], seq: Request, start: int, n: int
+    ) -> None:
         """Add the names of the full blocks that computing tokens [start, start + n) completes."""
-        if not self.bm.caches(seq):
+        if not bm.caches(seq):
             return
-        bs = self.bm.block_size
-        hashes = self.bm.full_block_hashes(seq)
+        bs = bm.block_size
+        hashes = bm.full_block_hashes(seq)
         inflight.update(hashes[start // bs : (start + n) // bs])
 
-    def _next_block_inflight(self, seq: Request, num_hit: int, inflight: set[BlockHash]) -> bool:
+    @staticmethod
+    def _next_block_inflight(
+        bm: BlockManager, seq: Request, num_hit: int, inflight: set[BlockHash]
+    ) -> bool:
         """Whether seq's first uncached block is being computed by another row this step.
 
         Identical prompts that arrive together (n > 1 samples, a shared system prompt)
         would otherwise all compute the shared prefix; instead the later ones wait for the
         first one's blocks, as a radix-tree scheduler (SGLang) does.
         """
-        if not inflight or num_hit >= (seq.num_tokens - 1) // self.bm.block_size:
+        if not inflight or num_hit >= (seq.num_tokens - 1) // bm.block_size:
             return False
-        return self.bm.full_block_hashes(seq)[num_hit] in inflight
+        return bm.full_block_hashes(seq)[num_hit] in inflight
 
-    def _preempt(self, seq: Request) -> None:
-        self.running.remove(seq)
-        self.bm.free(seq)
+    def _preempt(self, rank: Rank, seq: Request) -> None:
+        rank.running.remove(seq)
+        rank.bm.free(seq)
         seq.status = RequestStatus.WAITING
         seq.num_computed_tokens = 0
         # A token still in flight for it is dropped: recomputing gives the same one (its
@@ -374,14 +433,14 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Head of the queue: it arrived before everything still waiting (FCFS).
-        self.waiting.appendleft(seq)
+        rank.waiting.appendleft(seq)
 
-    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
+    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[TokenOutput]:
         """Apply a finished step: append samples, stop, emit.
 
         Args:
             sched: the decision `schedule` returned for this step.
-            samples: the sampler's outputs, row r for sched.requests[r].
+            samples: the sampler's outputs, row r for sched.requests[r] (all ranks).
 
         Returns:
             Outputs for every request that got a token or finished (aborts included).
@@ -391,9 +450,10 @@ class Scheduler:
             seq = item.seq
             if seq.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted after this step was scheduled
+            rank = self.ranks[seq.rank]
             add_prompt_logprobs(seq, samples.prompt_logprobs.get(row))
             if not item.samples:
-                self.bm.register_computed(seq)
+                rank.bm.register_computed(seq)
                 continue
             new_tokens: list[int] = []
             for step in range(samples.token_ids.shape[0]):
@@ -404,9 +464,9 @@ class Scheduler:
                 self._check_stop(seq, token)
                 if seq.finish_reason is not None:
                     break  # tokens sampled past a stop are discarded
-            self.bm.register_computed(seq)
+            rank.bm.register_computed(seq)
             if seq.finish_reason is not None:
-                self.running.remove(seq)
+                rank.running.remove(seq)
                 self._finish(seq, seq.finish_reason)
             logprobs = row_logprobs(seq, samples, row, len(new_tokens))
             outputs.append(request_output(seq, new_tokens, logprobs))
@@ -425,7 +485,7 @@ class Scheduler:
             seq.finish_reason = "length"
 
     def _finish(self, seq: Request, reason: str) -> None:
-        self.bm.free(seq)
+        self.ranks[seq.rank].bm.free(seq)
         seq.num_pending_tokens = 0
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine import sampler as sampler_lib
-from jaxserve.engine.step_inputs import DeviceInputs, PackedLayout
+from jaxserve.engine.packed_layout import DeviceInputs, PackedLayout
 from jaxserve.models.base import PAD_SLOT, KVCache
 
 
@@ -58,20 +58,19 @@ def step(
     layout: PackedLayout,
     block_size: int,
     num_steps: int,
-    dp: int = 1,
-    output_sharding: jax.sharding.Sharding | None = None,
+    dp: int,
+    output_sharding: jax.sharding.Sharding,
 ):
     """The jitted step: (flat params, KV cache, packed inputs) -> (StepOutput, KV cache).
 
-    dp > 1: the buffers are dp ranks' packed inputs concatenated (DP attention).
-    output_sharding: where the StepOutput goes (on a mesh: replicated, so every process
-    can read every row).
+    ints / floats: the dp ranks' packed inputs concatenated (DP attention; one device is
+    dp = 1). output_sharding: where the StepOutput goes (replicated over the mesh, so
+    every process can read every row).
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
     x = layout.unpack(ints, floats, dp)
     out, kv_cache = _forward(model, kv_cache, x, block_size, num_steps)
-    if output_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, output_sharding)
+    out = jax.lax.with_sharding_constraint(out, output_sharding)
     return out, kv_cache
 
 

@@ -8,24 +8,39 @@ previous, still running step is sampling (`fill_pending` writes them in once the
 arrive), and which outputs belong to which row. NumPy only: no device work here (the
 model runner compiles and runs the step; the scheduler decides it).
 
-The ~20 arrays of a step are views into two flat buffers (int32 and float32,
-`PackedLayout`): a step moves two host buffers to the device instead of twenty small
-ones, which is most of the host's dispatch cost; the step unpacks them by static slices.
+Every step is the step of all dp ranks (one device is one rank): each rank's arrays are
+packed as on one device (rank-local rows, slots and block ids) to one shape, and the
+device takes the ranks' buffers concatenated (DP attention), so that a dp mesh axis
+gives each rank its own share.
+
+The ~20 arrays of a step (`packed_layout.DeviceInputs`) are views into two flat buffers
+(int32 and float32, `packed_layout.PackedLayout`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.packed_layout import DeviceInputs, PackedLayout
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
+
+__all__ = [
+    "DeviceInputs",
+    "InputBuilder",
+    "PackedLayout",
+    "PromptSpan",
+    "StepInputs",
+    "StepShape",
+    "pick_bucket",
+    "pow2_buckets",
+]
 
 # Row buckets of the multi-step decode call: one request alone (R = 1), then powers of
 # two from MIN_DECODE_ROWS. With the blockwise CPU attention and the sampler's greedy
@@ -53,99 +68,11 @@ class StepShape(NamedTuple):
     num_steps: int = 1
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class DeviceInputs:
-    """The arrays one step takes (NumPy on the host, jax.Array inside the step).
-
-    tokens, positions: [T] int32; metadata: models/base.py's AttentionMetadata;
-    logits_indices: [R] int32, flat index of each row's last token;
-    sampling: the sampler's per-row metadata for R rows and history L;
-    prompt_next_ids: [P] int32, at flat position t the prompt token that follows it when
-        its prompt log-prob is wanted, else -1.
-    """
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    metadata: AttentionMetadata
-    logits_indices: np.ndarray
-    sampling: sampler_lib.SamplingMetadata
-    prompt_next_ids: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class PackedLayout:
-    """Where each array of a `DeviceInputs` lives in two flat buffers, int32 and float32
-    (uint32 arrays share the int32 buffer bit for bit).
-
-    entries: per pytree leaf, (buffer: "i" or "f", shape, dtype, offset in elements).
-    """
-
-    treedef: Any
-    entries: tuple[tuple[str, tuple[int, ...], np.dtype, int], ...]
-    int_size: int
-    float_size: int
-
-    @classmethod
-    def of(cls, template: DeviceInputs) -> PackedLayout:
-        """The layout of `template`'s arrays (int32, uint32 or float32 each).
-
-        Raises:
-            TypeError: an array of another dtype.
-        """
-        leaves, treedef = jax.tree.flatten(template)
-        entries, sizes = [], {"i": 0, "f": 0}
-        for leaf in leaves:
-            dtype = np.dtype(leaf.dtype)
-            if dtype not in (np.int32, np.uint32, np.float32):
-                raise TypeError(f"PackedLayout: {dtype} arrays are not packed")
-            kind = "f" if dtype == np.float32 else "i"
-            entries.append((kind, tuple(leaf.shape), dtype, sizes[kind]))
-            sizes[kind] += leaf.size
-        return cls(treedef, tuple(entries), sizes["i"], sizes["f"])
-
-    def pack(self, template: DeviceInputs) -> tuple[DeviceInputs, np.ndarray, np.ndarray]:
-        """Copy `template` into fresh buffers; returns (views into them, ints, floats)."""
-        ints = np.empty(self.int_size, np.int32)
-        floats = np.empty(self.float_size, np.float32)
-        views = []
-        for leaf, (kind, shape, dtype, offset) in zip(
-            jax.tree.leaves(template), self.entries, strict=True
-        ):
-            buf = ints if kind == "i" else floats
-            view = buf[offset : offset + leaf.size].view(dtype).reshape(shape)
-            view[...] = leaf
-            views.append(view)
-        return jax.tree.unflatten(self.treedef, views), ints, floats
-
-    def unpack(self, ints: jax.Array, floats: jax.Array, dp: int = 1) -> DeviceInputs:
-        """The arrays back from the two buffers (traceable: static slices and bitcasts).
-
-        With dp > 1 the buffers are dp ranks' buffers of this layout concatenated
-        ([dp * int_size], [dp * float_size]); each array comes back as the ranks' arrays
-        concatenated along its first axis (the DP flat-batch layout).
-        """
-        bufs = {"i": ints, "f": floats}
-        if dp > 1:
-            bufs = {k: b.reshape(dp, -1) for k, b in bufs.items()}
-        leaves = []
-        for kind, shape, dtype, offset in self.entries:
-            size = int(np.prod(shape, dtype=np.int64))
-            if dp > 1:
-                flat = bufs[kind][:, offset : offset + size]
-                shape = (dp * shape[0], *shape[1:])
-            else:
-                flat = bufs[kind][offset : offset + size]
-            if flat.dtype != dtype:
-                flat = jax.lax.bitcast_convert_type(flat, dtype)
-            leaves.append(flat.reshape(shape))
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
 @dataclass(slots=True)
 class PromptSpan:
-    """Flat positions [flat_start, flat_start + count) of `row` give the log-probs of
-    prompt tokens first_position + 1 ... (top `k` alternatives each)."""
+    """Flat positions [flat_start, flat_start + count) of the step (all ranks) give the
+    log-probs of prompt tokens first_position + 1 ... of `row` (its index in the step's
+    rows, all ranks; top `k` alternatives each)."""
 
     row: int
     flat_start: int
@@ -156,33 +83,47 @@ class PromptSpan:
 
 @dataclass(slots=True)
 class StepInputs:
-    """One packed step: the device arrays plus the host bookkeeping to finish and read it.
+    """One packed step of every dp rank: the device arrays plus the host bookkeeping to
+    finish and read it. Rows are the decision's rows, all ranks (`SchedulerOutput`).
 
-    pending_tokens: (flat index, previous-step row, previous-step decode step) of input
-        tokens that the previous step is still sampling.
-    pending_history: (row, history column, previous-step row, decode step) likewise for
-        the sampler's token history of penalized rows.
+    ranks: rank k's arrays, views into its share of `buffers` (rank-local rows, slots
+        and block ids; its logits_indices index the step's flat batch, offset k * T).
+    buffers: (int32 [dp * int_size], float32 [dp * float_size]): what the step takes.
+    num_rows: real rows, all ranks.
+    sample_rows: [num_rows] int64, the column of each row in the step's [S, dp * R]
+        sampler outputs (rank k's j-th row: k * R + j).
+    pending_tokens: (rank, flat index in the rank, previous-step row, decode step) of
+        input tokens that the previous step is still sampling.
+    pending_history: (rank, rank-local row, history column, previous-step row, decode
+        step) likewise for the sampler's token history of penalized rows.
     logprob_rows: whether any row asked for sampled-token log-probs.
     row_errors: rows whose sampling parameters could not be packed (row -> message); they
         run as padding rows and the engine must end their requests with an error.
     """
 
     shape: StepShape
-    inputs: DeviceInputs  # views into `buffers`
-    buffers: tuple[np.ndarray, np.ndarray]  # (int32, float32), what the step takes
-    num_rows: int
-    pending_tokens: list[tuple[int, int, int]] = field(default_factory=list)
-    pending_history: list[tuple[int, int, int, int]] = field(default_factory=list)
+    ranks: list[DeviceInputs]
+    buffers: tuple[np.ndarray, np.ndarray]
+    num_rows: int = 0
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending_tokens: list[tuple[int, int, int, int]] = field(default_factory=list)
+    pending_history: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     logprob_rows: bool = False
     row_errors: dict[int, str] = field(default_factory=dict)
 
+    @property
+    def inputs(self) -> DeviceInputs:
+        """Rank 0's arrays (with one rank: the step's)."""
+        return self.ranks[0]
+
     def fill_pending(self, prev_token_ids: np.ndarray) -> None:
-        """Write the previous step's sampled tokens ([S, R_prev] int32) into the inputs."""
-        for t, prev_row, step in self.pending_tokens:
-            self.inputs.tokens[t] = prev_token_ids[step, prev_row]
-        for row, col, prev_row, step in self.pending_history:
-            self.inputs.sampling.token_history[row, col] = prev_token_ids[step, prev_row]
+        """Write the previous step's sampled tokens ([S, R_prev] int32, its rows as in
+        its `StepSamples`) into the inputs."""
+        for k, t, prev_row, step in self.pending_tokens:
+            self.ranks[k].tokens[t] = prev_token_ids[step, prev_row]
+        for k, row, col, prev_row, step in self.pending_history:
+            self.ranks[k].sampling.token_history[row, col] = prev_token_ids[step, prev_row]
 
 
 class InputBuilder:
@@ -196,6 +137,7 @@ class InputBuilder:
         block_size: tokens per KV block.
         vocab_size: V, for the sampler's metadata.
         decode_steps: decode steps of the multi-step decode family (1: none).
+        dp: dp ranks of every step (a row's rank is `row.seq.rank`); T and R are per rank.
     """
 
     def __init__(
@@ -206,7 +148,9 @@ class InputBuilder:
         block_size: int,
         vocab_size: int,
         decode_steps: int = 1,
+        dp: int = 1,
     ):
+        self.dp = dp
         self.token_buckets = token_buckets
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -219,6 +163,8 @@ class InputBuilder:
             sorted(set(single + pow2_buckets(MIN_DECODE_ROWS, max_num_seqs)))
         )
         self._layouts: dict[StepShape, PackedLayout] = {}
+        # All-padding buffers of one rank per shape (`empty` copies them).
+        self._padding: dict[StepShape, tuple[np.ndarray, np.ndarray]] = {}
 
     # ----- shapes ------------------------------------------------------------------------
 
@@ -247,14 +193,23 @@ class InputBuilder:
         return plain + full + decode
 
     def shape_for(self, sched: SchedulerOutput, full: bool) -> StepShape:
-        """The shape of a decision. Raises ValueError for one no shape holds."""
-        n_rows = len(sched.requests)
+        """The one shape of a decision over every rank: the bucket of the busiest rank's
+        tokens (rows for multi-step decode), the full variant if `full`.
+
+        Raises:
+            ValueError: the decision fits no shape.
+        """
+        rows, tokens = [0] * self.dp, [0] * self.dp
+        for r in sched.requests:
+            rows[r.seq.rank] += 1
+            tokens[r.seq.rank] += r.num_tokens
+        n_rows = max(rows)
         if sched.num_steps > 1:
             if sched.num_steps != self.decode_steps or full:
                 raise ValueError(f"num_steps: no multi-step shape for {sched.num_steps} steps")
             r = pick_bucket(self.decode_row_buckets, n_rows)
             return StepShape(r, r, num_steps=sched.num_steps)
-        t = pick_bucket(self.token_buckets, sched.num_tokens)
+        t = pick_bucket(self.token_buckets, max(tokens))
         r = self.rows_for(t)
         if n_rows > r:
             raise ValueError(f"{n_rows} rows exceed the {r} rows of bucket T={t}")
@@ -270,39 +225,20 @@ class InputBuilder:
             for row, r in enumerate(sched.requests)
         )
 
-    def common_shape(self, scheds: Sequence_[SchedulerOutput]) -> StepShape:
-        """The one shape of a step made of several dp ranks' decisions: the bucket of
-        the busiest rank's tokens (rows for multi-step decode), full if any rank needs it.
-
-        Raises:
-            ValueError: the ranks disagree on num_steps, or a rank fits no shape.
-        """
-        num_steps = {s.num_steps for s in scheds}
-        if len(num_steps) != 1:
-            raise ValueError(f"num_steps: dp ranks disagree ({sorted(num_steps)})")
-        multi = scheds[0].num_steps > 1
-        busiest = max(scheds, key=lambda s: len(s.requests) if multi else s.num_tokens)
-        full = any(self.needs_full(s) for s in scheds)
-        shape = self.shape_for(busiest, full)
-        for s in scheds:
-            if len(s.requests) > shape.num_rows:
-                raise ValueError(f"{len(s.requests)} rows exceed the {shape.num_rows} of {shape}")
-        return shape
-
     def build(
         self,
         sched: SchedulerOutput,
         prev_rows: dict[Request, int],
         shape: StepShape | None = None,
     ) -> StepInputs:
-        """Pack a decision (already committed by the scheduler) into padded arrays.
+        """Pack a decision (already committed by the scheduler) into padded arrays, each
+        rank's rows into its share.
 
         Args:
             sched: the decision.
             prev_rows: row of each sequence in the previous step, for input tokens that
                 step is still sampling (empty when every input token is known).
-            shape: the shape to pad to (a dp rank's share of a common step); default
-                the smallest that holds the decision.
+            shape: the shape to pad to; default the smallest that holds the decision.
 
         Raises:
             ValueError: the step fits no shape (a scheduler bug). A row whose sampling
@@ -316,36 +252,58 @@ class InputBuilder:
             wants_prompt = any(span is not None for span in spans)
             shape = self.shape_for(sched, penalized or wants_prompt)
         x = self.empty(shape)
-        md = x.inputs.metadata
-        bs = self.block_size
-        t = 0
+        ranks: list[list[int]] = [[] for _ in range(self.dp)]
         for row, r in enumerate(reqs):
+            ranks[r.seq.rank].append(row)
+        x.sample_rows = np.empty(len(reqs), np.int64)
+        for k, rows in enumerate(ranks):
+            x.sample_rows[rows] = k * shape.num_rows + np.arange(len(rows))
+            if rows:
+                self._pack_rank(x, k, [reqs[row] for row in rows], rows, spans, prev_rows)
+        x.num_rows = len(reqs)
+        x.logprob_rows = any(r.seq.params.logprobs is not None for r in reqs)
+        return x
+
+    def _pack_rank(
+        self,
+        x: StepInputs,
+        k: int,
+        reqs: list[ScheduledRequest],
+        rows: list[int],
+        spans: list[PromptSpan | None],
+        prev_rows: dict[Request, int],
+    ) -> None:
+        """Pack rank k's rows (reqs, step rows `rows`) into its arrays, as on one device."""
+        inputs = x.ranks[k]
+        md = inputs.metadata
+        bs = self.block_size
+        offset = k * x.shape.num_tokens  # of rank k's tokens in the step's flat batch
+        t = 0
+        for j, r in enumerate(reqs):
             seq, n, table = r.seq, r.num_tokens, r.seq.block_table
             known = min(r.start + n, seq.num_tokens)
             pos = np.arange(r.start, r.start + n, dtype=np.int32)
             if known > r.start:
-                x.inputs.tokens[t : t + known - r.start] = seq.token_ids[r.start : known]
+                inputs.tokens[t : t + known - r.start] = seq.token_ids[r.start : known]
             for p in range(max(known, r.start), r.start + n):
-                x.pending_tokens.append((t + p - r.start, prev_rows[seq], p - seq.num_tokens))
-            x.inputs.positions[t : t + n] = pos
+                x.pending_tokens.append((k, t + p - r.start, prev_rows[seq], p - seq.num_tokens))
+            inputs.positions[t : t + n] = pos
             md.slot_mapping[t : t + n] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
-            md.token_req[t : t + n] = row
-            md.block_tables[row, : len(table)] = table
-            md.seq_lens[row] = r.start + n
-            md.query_start_loc[row] = t
-            span = spans[row]
+            md.token_req[t : t + n] = j
+            md.block_tables[j, : len(table)] = table
+            md.seq_lens[j] = r.start + n
+            md.query_start_loc[j] = t
+            span = spans[rows[j]]
             if span is not None:
-                span.flat_start = t + span.first_position - r.start
+                local = t + span.first_position - r.start
                 next_ids = seq.prompt_token_ids[span.first_position + 1 :][: span.count]
-                x.inputs.prompt_next_ids[span.flat_start : span.flat_start + span.count] = next_ids
+                inputs.prompt_next_ids[local : local + span.count] = next_ids
+                span.flat_start = offset + local
                 x.prompt_spans.append(span)
             t += n
-            x.inputs.logits_indices[row] = t - 1
+            inputs.logits_indices[j] = offset + t - 1
         md.query_start_loc[len(reqs) :] = t
-        self._fill_sampling(x, sched, prev_rows)
-        x.num_rows = len(reqs)
-        x.logprob_rows = any(r.seq.params.logprobs is not None for r in reqs)
-        return x
+        self._fill_sampling(x, k, reqs, rows, prev_rows)
 
     def _prompt_span(self, row: int, seq: Request, start: int, n: int) -> PromptSpan | None:
         """The prompt positions of chunk [start, start + n) whose log-probs seq still needs:
@@ -359,10 +317,15 @@ class InputBuilder:
         return PromptSpan(row, -1, first, end - first, seq.params.prompt_logprobs)
 
     def _fill_sampling(
-        self, x: StepInputs, sched: SchedulerOutput, prev_rows: dict[Request, int]
+        self,
+        x: StepInputs,
+        k: int,
+        reqs: list[ScheduledRequest],
+        rows: list[int],
+        prev_rows: dict[Request, int],
     ) -> None:
-        reqs = sched.requests
-        rows = [
+        """Rank k's sampling metadata (rows `rows` of the step: reqs)."""
+        sampling_rows = [
             sampler_lib.SamplingRow(
                 r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
             )
@@ -370,27 +333,47 @@ class InputBuilder:
         ]
         # One request's parameters must never fail the whole step (and with it every
         # other request): a row that cannot be packed is reported, not raised.
+        errors: dict[int, str] = {}
         sampling = sampler_lib.prepare_sampling_metadata(
-            rows, x.shape.num_rows, self.vocab_size, x.shape.history_len, x.row_errors
+            sampling_rows, x.shape.num_rows, self.vocab_size, x.shape.history_len, errors
         )
-        for row, r in enumerate(reqs):
-            if row in x.row_errors:
+        x.row_errors.update({rows[j]: error for j, error in errors.items()})
+        for j, r in enumerate(reqs):
+            if j in errors:
                 continue
             # Outputs still in flight (sampled by the previous step) come before this
             # step's tokens: they count for the RNG step and belong in the history.
             seq = r.seq
             prior = max(0, r.start + r.num_tokens - seq.num_tokens)
-            sampling.num_output_tokens[row] += prior
+            sampling.num_output_tokens[j] += prior
             if prior and sampler_lib.uses_penalties(seq.params):
-                for j in range(prior):
-                    x.pending_history.append((row, seq.num_tokens + j, prev_rows[seq], j))
+                for i in range(prior):
+                    x.pending_history.append((k, j, seq.num_tokens + i, prev_rows[seq], i))
         for view, value in zip(
-            jax.tree.leaves(x.inputs.sampling), jax.tree.leaves(sampling), strict=True
+            jax.tree.leaves(x.ranks[k].sampling), jax.tree.leaves(sampling), strict=True
         ):
             view[...] = value
 
     def empty(self, shape: StepShape) -> StepInputs:
-        """All-padding inputs of `shape` (also what start-up compiles against)."""
+        """All-padding inputs of `shape` for every rank (also what start-up compiles
+        against)."""
+        padding = self._padding.get(shape)
+        if padding is None:
+            template = self._padding_inputs(shape)
+            padding = self._padding[shape] = self.layout(shape, template).pack(template)
+        layout = self._layouts[shape]
+        ints, floats = np.tile(padding[0], self.dp), np.tile(padding[1], self.dp)
+        i, f = layout.int_size, layout.float_size
+        ranks = [
+            layout.views(ints[k * i : (k + 1) * i], floats[k * f : (k + 1) * f])
+            for k in range(self.dp)
+        ]
+        for k in range(1, self.dp):
+            ranks[k].logits_indices += k * shape.num_tokens
+        return StepInputs(shape=shape, ranks=ranks, buffers=(ints, floats))
+
+    def _padding_inputs(self, shape: StepShape) -> DeviceInputs:
+        """One rank's all-padding arrays of `shape`."""
         t_bucket, r_bucket = shape.num_tokens, shape.num_rows
         # Padded tokens write nowhere (PAD_SLOT) and belong to the last row, whose outputs
         # are ignored when it is padding and unaffected when it is real (they are masked
@@ -402,7 +385,7 @@ class InputBuilder:
             query_start_loc=np.zeros(r_bucket + 1, np.int32),
             token_req=np.full(t_bucket, r_bucket - 1, np.int32),
         )
-        inputs = DeviceInputs(
+        return DeviceInputs(
             tokens=np.zeros(t_bucket, np.int32),
             positions=np.zeros(t_bucket, np.int32),
             metadata=metadata,
@@ -412,14 +395,14 @@ class InputBuilder:
             ),
             prompt_next_ids=np.full(shape.num_prompt_logits, -1, np.int32),
         )
-        views, ints, floats = self.layout(shape, inputs).pack(inputs)
-        return StepInputs(shape=shape, inputs=views, buffers=(ints, floats), num_rows=0)
 
     def layout(self, shape: StepShape, template: DeviceInputs | None = None) -> PackedLayout:
         """The packed layout of `shape`'s inputs (built once per shape)."""
         layout = self._layouts.get(shape)
         if layout is None:
-            layout = PackedLayout.of(template if template is not None else self.empty(shape).inputs)
+            layout = PackedLayout.of(
+                template if template is not None else self._padding_inputs(shape)
+            )
             self._layouts[shape] = layout
         return layout
 
@@ -443,34 +426,3 @@ def pick_bucket(buckets, n: int) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclass(slots=True)
-class DPStepInputs:
-    """One step of dp ranks (DP attention): each rank's `StepInputs`, all of one shape,
-    packed with rank-local rows, slots and block ids; the device takes their buffers
-    concatenated (rank k's arrays at rows [k * R, (k + 1) * R) of every array).
-
-    Each rank's logits_indices are already offset by k * T (they index the global flat
-    batch); its prompt spans stay rank-local.
-    """
-
-    shape: StepShape
-    ranks: list[StepInputs]
-
-    @classmethod
-    def of(cls, ranks: list[StepInputs]) -> DPStepInputs:
-        shape = ranks[0].shape
-        for k, x in enumerate(ranks):
-            x.inputs.logits_indices += k * shape.num_tokens
-        return cls(shape, ranks)
-
-    @property
-    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """(int32 [dp * int_size], float32 [dp * float_size]): what the step takes."""
-        return tuple(np.concatenate([x.buffers[i] for x in self.ranks]) for i in (0, 1))
-
-    def fill_pending(self, prev: list[np.ndarray]) -> None:
-        """Write each rank's previous-step tokens (prev[k]: [S, R_prev_k] int32) in."""
-        for x, token_ids in zip(self.ranks, prev, strict=True):
-            x.fill_pending(token_ids)

@@ -9,7 +9,7 @@ full step of T and the multi-step decode calls of the row buckets up to T's rows
   compiles every shape before it returns, as before.
 - With it (`jaxserve serve`): `start` compiles the first tier (T = the smallest bucket,
   2 shapes) and returns; a daemon thread compiles the other tiers, smallest first.
-  Until a tier is ready the schedulers run under the budget of the largest ready one
+  Until a tier is ready the scheduler runs under the budget of the largest ready one
   (`poll`, called before every scheduling decision): at most T tokens and T rows per
   step, and single-step decode until the multi-step calls of the rows allowed are
   compiled. So no request ever waits on a compilation: a long prompt is prefilled in
@@ -73,12 +73,12 @@ def _decode_bucket(runner: ModelRunner, rows: int) -> int:
 
 
 class WarmUp:
-    """Compiles a runner's step shapes tier by tier and holds the schedulers to what is
+    """Compiles a runner's step shapes tier by tier and holds the scheduler to what is
     compiled (see the module docstring).
 
     Args:
         runner: the `ModelRunner` to compile.
-        schedulers: every dp rank's `Scheduler`; their max_num_batched_tokens,
+        scheduler: the engine's `Scheduler` (every dp rank's); its max_num_batched_tokens,
             max_num_seqs and num_decode_steps at construction are the targets.
         background: compile all but the first tier in a background thread.
         max_workers: parallel XLA compilations of the first tier (default: CPU count);
@@ -94,16 +94,16 @@ class WarmUp:
     def __init__(
         self,
         runner: ModelRunner,
-        schedulers: list[Scheduler],
+        scheduler: Scheduler,
         *,
         background: bool,
         max_workers: int | None = None,
     ) -> None:
         self.runner = runner
-        self.schedulers = schedulers
-        s0 = schedulers[0]
-        self._targets = (s0.max_num_batched_tokens, s0.max_num_seqs, s0.num_decode_steps)
-        self.background = background and all(s.enable_chunked_prefill for s in schedulers)
+        self.scheduler = scheduler
+        s = scheduler
+        self._targets = (s.max_num_batched_tokens, s.max_num_seqs, s.num_decode_steps)
+        self.background = background and s.enable_chunked_prefill
         self.max_workers = max_workers or os.cpu_count() or 1
         self.tiers = warmup_tiers(runner)
         self.ready_tokens = 0
@@ -190,7 +190,7 @@ class WarmUp:
         return sum(not self.runner.is_compiled(s) for s in self.runner.buckets())
 
     def budget(self) -> tuple[int, int, int]:
-        """(max_num_batched_tokens, max_num_seqs, num_decode_steps) the schedulers may
+        """(max_num_batched_tokens, max_num_seqs, num_decode_steps) the scheduler may
         use now: every step they can schedule fits a compiled shape."""
         tokens, seqs, k = self._targets
         if self.ready_tokens >= self.runner.token_buckets[-1]:
@@ -206,15 +206,15 @@ class WarmUp:
         return (min(tokens, t), rows, k if decode_ok else 1)
 
     def poll(self) -> None:
-        """Apply the budget to the schedulers when it changed (cheap: call it before
+        """Apply the budget to the scheduler when it changed (cheap: call it before
         every scheduling decision)."""
         if self._applied == self._targets:
             return
         budget = self.budget()
         if budget == self._applied:
             return
-        for s in self.schedulers:
-            s.max_num_batched_tokens, s.max_num_seqs, s.num_decode_steps = budget
+        s = self.scheduler
+        s.max_num_batched_tokens, s.max_num_seqs, s.num_decode_steps = budget
         self._applied = budget
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -178,25 +178,23 @@ def _mla_attention(cfg) -> tuple[int, int, int, int]:
 def step_rows(sched) -> tuple[list[tuple[int, int]], int, int, int]:
     """A step's rows for `StepCostModel.cost`, over every dp rank, and its token counts.
 
-    sched: a `SchedulerOutput` or `DPSchedulerOutput` (anything with `ranks`, or rows in
-    `requests` with seq / start / num_tokens / samples and `num_steps`).
+    sched: a `SchedulerOutput` (rows in `requests` with seq / start / num_tokens /
+    samples, all ranks, and `num_steps`).
 
     Returns (rows, num_passes, prefill_tokens, decode_tokens); a multi-step decode call
     is num_passes > 1 passes over its decode rows (rows as of the first pass).
     """
-    ranks = getattr(sched, "ranks", None) or [sched]
     rows: list[tuple[int, int]] = []
     prefill = decode = 0
     num_steps = sched.num_steps
-    for rank in ranks:
-        for r in rank.requests:
-            rows.append((r.start, r.num_tokens))
-            if num_steps > 1 or (
-                r.samples and r.num_tokens == 1 and r.start >= r.seq.num_prompt_tokens
-            ):
-                decode += r.num_tokens * num_steps
-            else:
-                prefill += r.num_tokens
+    for r in sched.requests:
+        rows.append((r.start, r.num_tokens))
+        if num_steps > 1 or (
+            r.samples and r.num_tokens == 1 and r.start >= r.seq.num_prompt_tokens
+        ):
+            decode += r.num_tokens * num_steps
+        else:
+            prefill += r.num_tokens
     return rows, num_steps, prefill, decode
 
 

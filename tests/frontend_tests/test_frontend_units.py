@@ -27,7 +27,7 @@ from jaxserve.frontend.validation import (
     sampling_params_from_proto,
     split_samples,
 )
-from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses, RequestOutput, TextOutput
+from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses, TextOutput, TokenOutput
 
 # ---------------------------------------------------------------- units
 
@@ -191,14 +191,14 @@ def test_output_processor_stop_string_aborts_and_drops_the_rest(tok):
     proc = OutputProcessor(tok)
     ids = tok.encode("abc STOP def ghi").ids
     first = {"prompt_token_ids": [1, 2], "sampling": {"stop": ["STOP"]}}
-    texts, aborts = proc.process([RequestOutput("r", ids, num_prompt_tokens=2, first=first)])
+    texts, aborts = proc.process([TokenOutput("r", ids, num_prompt_tokens=2, first=first)])
     assert aborts == ["r"]
     (out,) = texts
     assert (out.text, out.finish_reason, out.stop_reason) == ("abc ", "stop", "STOP")
     assert out.prompt_tokens == 2
     # Tokens still in flight, then the engine's final abort: dropped, state released.
-    assert proc.process([RequestOutput("r", [5])]) == ([], [])
-    assert proc.process([RequestOutput("r", [], finish_reason="abort")]) == ([], [])
+    assert proc.process([TokenOutput("r", [5])]) == ([], [])
+    assert proc.process([TokenOutput("r", [], finish_reason="abort")]) == ([], [])
     assert proc.num_requests == 0
 
 
@@ -206,8 +206,8 @@ def test_output_processor_passes_errors_and_engine_finishes(tok):
     proc = OutputProcessor(tok)
     texts, aborts = proc.process(
         [
-            RequestOutput("bad", [], finish_reason="error", error="prompt: too long"),
-            RequestOutput("ok", tok.encode("hi").ids, finish_reason="length", first={}),
+            TokenOutput("bad", [], finish_reason="error", error="prompt: too long"),
+            TokenOutput("ok", tok.encode("hi").ids, finish_reason="length", first={}),
         ]
     )
     assert aborts == []
