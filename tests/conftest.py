@@ -11,6 +11,12 @@ Engines (one compiled `EngineCore` per config for the whole session; tests leave
   (tests/server_harness.py); a `jaxserve serve` with `serve_flags(DEMO_ENGINE)` starts
   on the executables it compiled (the shared compilation cache below).
 
+- `mesh_model_dir`: the tiny Qwen3-MoE every 8-device mesh holds
+  (`sharding_utils.mesh_qwen3_moe_config`, seed 0, the session tokenizer);
+  `mesh_engine(dp, tp)`: one compiled `EngineCore` per mesh on it
+  (`sharding_utils.mesh_engine_config`), shared by tests/test_engine_mesh.py,
+  test_multihost.py and test_eplb_multiprocess.py (tests leave them idle).
+
 Servers: `mock_model_dir`, a model folder for the mock engine (tests/mock_engine.py), whose
 server (`hostile_helpers.mock_server`) starts in about a second.
 
@@ -127,6 +133,43 @@ def hf_model(tiny_moe_dir):
     # to it (the attention mask is passed explicitly instead).
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture(scope="session")
+def mesh_model_dir(tmp_path_factory, tiny_moe_dir) -> Path:
+    """Heads, KV heads and experts divisible by 8 devices (vocab 256, MESH_MAX_LEN
+    positions, no EOS), with the session tokenizer for the `LLM` tests."""
+    from model_utils import write_hf_checkpoint
+    from sharding_utils import MESH_MAX_LEN, mesh_qwen3_moe_config
+
+    path = tmp_path_factory.mktemp("mesh_qwen3_moe")
+    write_hf_checkpoint(mesh_qwen3_moe_config(MESH_MAX_LEN, vocab_size=256), path, seed=0)
+    shutil.copy(tiny_moe_dir / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mesh_engine(mesh_model_dir):
+    """`mesh_engine(dp, tp)`: the session's EngineCore on that mesh of the emulated
+    devices (1, 1: one device, no mesh code), built on first use; tests leave it idle.
+    Each call empties its prefix cache (`BlockManager.reset_prefix_cache`), so a test's
+    requests never hit blocks that an earlier test's requests left, as on a new engine."""
+    from sharding_utils import mesh_engine_config
+
+    from jaxserve.engine.core import EngineCore
+
+    engines: dict[tuple[int, int], EngineCore] = {}
+
+    def get(dp: int, tp: int) -> EngineCore:
+        if (dp, tp) not in engines:
+            engines[dp, tp] = EngineCore(mesh_engine_config(mesh_model_dir, dp, tp))
+        engine = engines[dp, tp]
+        assert not engine.has_work(), "a test left the session's mesh engine busy"
+        for bm in engine.block_managers:
+            bm.reset_prefix_cache()
+        return engine
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -21,19 +21,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxserve import distributed  # noqa: E402
 
-MAX_LEN = 32
-
 
 def engine_config(model_dir: str, dp: int, tp: int):
-    """The EngineConfig every process (and the in-process reference) uses."""
-    from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig  # noqa: PLC0415
+    """The EngineConfig every process (and the in-process reference, the session's
+    `mesh_engine`) uses: `sharding_utils.mesh_engine_config`."""
+    from sharding_utils import mesh_engine_config  # noqa: PLC0415 -- imports jax
 
-    return EngineConfig(
-        model=model_dir,
-        cache=CacheConfig(block_size=4, num_blocks=1 + 4 * MAX_LEN // 4),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, num_decode_steps=4),
-        mesh=MeshConfig(dp, tp),
-    )
+    return mesh_engine_config(model_dir, dp, tp)
 
 
 def requests() -> list[tuple[str, list[int], dict]]:

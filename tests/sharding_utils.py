@@ -7,6 +7,9 @@ tokens and rows and built with rank-local block ids by `model_utils.build_step` 
 independent oracle of the single-device layout). Request r runs on dp rank r % dp.
 
 Used in-process by tests/test_sharding.py and in subprocesses by tests/multihost_worker.py.
+Also the engine settings of the mesh-engine tests (`mesh_engine_config`), one set for
+tests/test_engine_mesh.py, test_multihost.py and test_eplb_multiprocess.py, so that the
+session's `mesh_engine(dp, tp)` (tests/conftest.py) serves all of them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,31 @@ def mesh_qwen3_moe_config(max_position_embeddings: int, **overrides):
         mlp_only_layers=[1],
         max_position_embeddings=max_position_embeddings,
         **overrides,
+    )
+
+
+# The mesh-engine tests' model length and KV pool: MESH_MAX_NUM_SEQS sequences of
+# MESH_MAX_LEN tokens in blocks of MESH_BLOCK_SIZE, plus the null block.
+MESH_MAX_LEN = 32
+MESH_BLOCK_SIZE = 4
+MESH_MAX_NUM_SEQS = 4
+
+
+def mesh_engine_config(model_dir, dp: int, tp: int):
+    """The EngineConfig of the mesh-engine tests on a (dp, tp) mesh (1, 1: one device):
+    multi-step decode (4 steps), 32-token budget, async scheduling as the default."""
+    from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(
+            block_size=MESH_BLOCK_SIZE,
+            num_blocks=1 + MESH_MAX_NUM_SEQS * MESH_MAX_LEN // MESH_BLOCK_SIZE,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=MESH_MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
+        ),
+        mesh=MeshConfig(dp, tp),
     )
 
 

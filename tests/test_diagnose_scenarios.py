@@ -10,10 +10,11 @@ serves three scenarios in turn, each diagnosed over its own window while its loa
 
   memory: pairs of long requests (140 tokens each, two need 18 of the 9 blocks) ->
       memory (KV cache).
-A second server runs with the detokenizer test hook (`JAXSERVE_TEST_DETOKENIZER_DELAY_S`,
-frontend/detokenizer_process.py) -> application; a third on an emulated 4-device
-expert-parallel mesh with EPLB off, fed prompts of one repeated token (every token picks
-the same top-k experts) -> parallelism (expert load).
+A second server, on the first one's engine settings (so it starts on the executables the
+first compiled into the session's compilation cache), runs with the detokenizer test hook
+(`JAXSERVE_TEST_DETOKENIZER_DELAY_S`, frontend/detokenizer_process.py) -> application;
+a third on an emulated 4-device expert-parallel mesh with EPLB off, fed prompts of one
+repeated token (every token picks the same top-k experts) -> parallelism (expert load).
 Diagnose runs as the user runs it: `python -m jaxserve.cli diagnose --server ... --json`.
 """
 
@@ -35,17 +36,25 @@ from jaxserve.observability.diagnose import scrape
 pytestmark = pytest.mark.slow
 
 WINDOW_S = 8.0
-_ENGINE = ("--max-num-batched-tokens", "64")
+# The small server's engine: 2 running requests, a KV pool of 9 usable blocks of 16.
+_SMALL = (
+    "--max-num-batched-tokens", "64", "--max-num-seqs", "2", "--num-blocks", "10",
+    "--block-size", "16", "--max-model-len", "144",
+)  # fmt: skip
 
 
 def _serve(*flags: str, env: dict | None = None) -> tuple[ServerProcess, str]:
     port = free_port()
     srv = ServerProcess(
-        DEMO_MODEL_DIR, extra_args=(*_ENGINE, *flags, "--metrics-port", str(port)),
+        DEMO_MODEL_DIR, extra_args=(*flags, "--metrics-port", str(port)),
         env=env, start_timeout_s=900,
     ).wait_ready()  # fmt: skip
     metrics = f"127.0.0.1:{port}"
-    _wait_warmed_up(metrics)
+    try:
+        _wait_warmed_up(metrics)
+    except BaseException:
+        srv.kill()  # a failed start-up leaves no server compiling beside the next tests
+        raise
     return srv, metrics
 
 
@@ -53,7 +62,13 @@ def _wait_warmed_up(metrics: str, timeout_s: float = 900.0) -> None:
     """Wait until serve's background compilation is over: while it runs, diagnose rightly
     names start-up, and the scenarios here are about the steady state."""
     deadline = time.monotonic() + timeout_s
-    while scrape(f"http://{metrics}/metrics").get("jaxserve_engine_warmup_pending_shapes", 1):
+    url = f"http://{metrics}/metrics"
+    while True:
+        try:
+            if not scrape(url).get("jaxserve_engine_warmup_pending_shapes", 1):
+                return
+        except OSError:  # a scrape timed out: the compile threads hold both cores; retry
+            pass
         assert time.monotonic() < deadline, "background compilation did not end"
         time.sleep(1.0)
 
@@ -77,9 +92,7 @@ def _diagnose(metrics: str, load) -> dict:
 
 @pytest.fixture(scope="module")
 def small_server():
-    srv, metrics = _serve(
-        "--max-num-seqs", "2", "--num-blocks", "10", "--block-size", "16", "--max-model-len", "144"
-    )  # fmt: skip
+    srv, metrics = _serve(*_SMALL)
     yield srv, metrics
     srv.kill()
 
@@ -145,7 +158,8 @@ def test_diagnose_errors_name_their_cause(tmp_path):
 
 
 def test_slow_detokenizer_is_the_application_layer():
-    srv, metrics = _serve("--max-num-seqs", "4", env={DELAY_ENV: "0.05"})
+    # Two requests on the 2 slots (no queue), 4 of the 9 KV blocks (no memory pressure).
+    srv, metrics = _serve(*_SMALL, env={DELAY_ENV: "0.05"})
     try:
         result = _diagnose(metrics, lambda: burst(srv.target, ["def "] * 2, max_tokens=24))
     finally:
@@ -158,9 +172,12 @@ def test_slow_detokenizer_is_the_application_layer():
 def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
     """4 emulated devices (dp=2, tp=2), one EP rank each (2 of the 8 experts per rank),
     EPLB off; prompts of one repeated token id send every prefill token to the same top-2 experts,
-    so at most 2 of the 4 ranks get load: balancedness <= 0.5."""
+    so at most 2 of the 4 ranks get load: balancedness <= 0.5. Two slots for the two
+    requests and a 32-token step budget (each prefill step is 32 tokens of that one id):
+    fewer step shapes to compile than 4 slots and 64 tokens."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    srv, metrics = _serve("--mesh", "dp=2,tp=2", "--max-num-seqs", "4", env=env)
+    flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "32")
+    srv, metrics = _serve(*flags, env=env)
     try:
         prompt = [7] * 48  # token ids
         result = _diagnose(metrics, lambda: burst(srv.target, [prompt] * 2, max_tokens=2))

@@ -10,45 +10,23 @@ cannot hold the model.
 from __future__ import annotations
 
 import random
-import shutil
 
 import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
-from model_utils import write_hf_checkpoint
-from sharding_utils import mesh_qwen3_moe_config
+from sharding_utils import MESH_BLOCK_SIZE, MESH_MAX_LEN, MESH_MAX_NUM_SEQS, mesh_engine_config
 
-from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
+from jaxserve.config import MeshConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.ipc import EngineRequest
 from jaxserve.sharding.mesh import MeshError
 
-MAX_LEN = 32
-BLOCK_SIZE = 4
-MAX_NUM_SEQS = 4
 NUM_NEW = 6
 
-
-@pytest.fixture(scope="module")
-def mesh_model_dir(tmp_path_factory, tiny_moe_dir):
-    """Heads and experts divisible by 8 devices (as tests/test_sharding.py's mesh model);
-    the session tokenizer, for the LLM test."""
-    path = tmp_path_factory.mktemp("mesh_qwen3_moe")
-    write_hf_checkpoint(mesh_qwen3_moe_config(MAX_LEN, vocab_size=256), path, seed=0)
-    shutil.copy(tiny_moe_dir / "tokenizer.json", path / "tokenizer.json")
-    return path
-
-
-def _config(model_dir, dp: int, tp: int) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4),
-        scheduler=SchedulerConfig(
-            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
-        ),
-        mesh=MeshConfig(dp, tp),
-    )
+# The model (`mesh_model_dir`: heads and experts divisible by 8 devices) and the engines
+# (`mesh_engine(dp, tp)`, `sharding_utils.mesh_engine_config`) are the session's
+# (tests/conftest.py), shared with tests/test_multihost.py and test_eplb_multiprocess.py.
 
 
 def _requests():
@@ -62,8 +40,8 @@ def _tokens(engine) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference_engine(mesh_model_dir):
-    return EngineCore(_config(mesh_model_dir, 1, 1))
+def reference_engine(mesh_engine):
+    return mesh_engine(1, 1)
 
 
 @pytest.fixture(scope="module")
@@ -87,41 +65,51 @@ def _flat(x):
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(8, 1), (4, 2), (2, 4), (1, 8)])
-def test_mesh_greedy_equals_single_device(mesh_model_dir, reference, dp, tp):
-    engine = EngineCore(_config(mesh_model_dir, dp, tp))
+def test_mesh_greedy_equals_single_device(mesh_engine, reference, dp, tp):
+    engine = mesh_engine(dp, tp)
+    assigned = list(engine.scheduler.num_assigned) if dp > 1 else []
     tokens = _tokens(engine)
     assert tokens == reference
     assert all(len(t) == NUM_NEW for t in tokens.values())
     assert engine.num_compilations == 0
     if dp > 1:
         assert isinstance(engine.scheduler, Scheduler) and len(engine.scheduler.ranks) == dp
-        assert all(n > 0 for n in engine.scheduler.num_assigned), engine.scheduler.num_assigned
+        # This batch reached every dp rank (the engine is the session's: count its part).
+        now = engine.scheduler.num_assigned
+        assert all(n > a for n, a in zip(now, assigned, strict=True)), (assigned, now)
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_blocks_free == stats.num_blocks_total
 
 
-def test_llm_accepts_mesh_string_and_config(mesh_model_dir, reference):
-    from jaxserve.llm import LLM, build_engine_config
+@pytest.fixture(scope="module")
+def llm_2x2(mesh_model_dir):
+    """The Python API's `LLM` on a mesh string; its engine serves the 2x2 tests below."""
+    from jaxserve.llm import LLM
+
+    return LLM(
+        model=str(mesh_model_dir),
+        mesh="dp=2,tp=2",
+        max_num_seqs=MESH_MAX_NUM_SEQS,
+        max_num_batched_tokens=32,
+        block_size=MESH_BLOCK_SIZE,
+        num_blocks=1 + MESH_MAX_NUM_SEQS * MESH_MAX_LEN // MESH_BLOCK_SIZE,
+    )
+
+
+def test_llm_accepts_mesh_string_and_config(llm_2x2, reference):
+    from jaxserve.llm import build_engine_config
 
     assert build_engine_config("m", mesh=MeshConfig(4, 2)).mesh == MeshConfig(4, 2)
     with pytest.raises(ValueError, match="mesh"):
         build_engine_config("m", mesh="dp=two")
-    llm = LLM(
-        model=str(mesh_model_dir),
-        mesh="dp=2,tp=2",
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=32,
-        block_size=BLOCK_SIZE,
-        num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4,
-    )
-    assert llm.engine.config.mesh == MeshConfig(2, 2)
-    assert _tokens(llm.engine) == reference
+    assert llm_2x2.engine.config.mesh == MeshConfig(2, 2)
+    assert _tokens(llm_2x2.engine) == reference
 
 
 @pytest.fixture(scope="module")
-def engine_2x2(mesh_model_dir):
-    return EngineCore(_config(mesh_model_dir, 2, 2))
+def engine_2x2(llm_2x2):
+    return llm_2x2.engine
 
 
 def test_mesh_logprobs_equal_single_device(engine_2x2, reference_engine):
@@ -166,9 +154,9 @@ def test_mesh_unpackable_row_ends_with_error_and_others_continue(engine_2x2, ref
 def test_mesh_that_cannot_hold_the_model(mesh_model_dir):
     # 16 experts over 3 x 1 devices, and 16 query heads over tp = 3.
     with pytest.raises(MeshError, match="num_experts"):
-        EngineCore(_config(mesh_model_dir, 3, 1))
+        EngineCore(mesh_engine_config(mesh_model_dir, 3, 1))
     with pytest.raises(MeshError, match="num_attention_heads|num_experts"):
-        EngineCore(_config(mesh_model_dir, 1, 3))
+        EngineCore(mesh_engine_config(mesh_model_dir, 1, 3))
 
 
 def test_dp_scheduler_assigns_prefix_hits_else_least_loaded():

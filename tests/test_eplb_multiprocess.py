@@ -18,27 +18,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_utils import write_hf_checkpoint
 from server_harness import free_port_range
-from sharding_utils import mesh_qwen3_moe_config
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_eplb_worker.py"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("eplb_multiprocess_qwen3_moe")
-    write_hf_checkpoint(mesh_qwen3_moe_config(32), path, seed=0)
-    return path
+def model_dir(mesh_model_dir):
+    # The session's mesh model (tests/conftest.py): the one-device reference engine is
+    # the session's `mesh_engine(1, 1)` (`multihost_engine_worker.engine_config`).
+    return mesh_model_dir
 
 
 @pytest.mark.slow
-def test_two_process_eplb_applies_every_placement_everywhere(model_dir, tmp_path):
+def test_two_process_eplb_applies_every_placement_everywhere(model_dir, mesh_engine, tmp_path):
     from engine_helpers import run_engine
-    from multihost_engine_worker import engine_config, requests
-
-    from jaxserve.engine.core import EngineCore
+    from multihost_engine_worker import requests
 
     port, out = free_port_range(), tmp_path / "eplb.json"
     env = dict(os.environ)
@@ -76,8 +72,7 @@ def test_two_process_eplb_applies_every_placement_everywhere(model_dir, tmp_path
     p2l = np.asarray(leader["physical_to_logical"])
     start = np.arange(p2l.shape[1]) % 16
     assert (p2l != start).any()
-    one_device = EngineCore(engine_config(str(model_dir), 1, 1))
-    want = {rid: r.tokens for rid, r in run_engine(one_device, requests()).items()}
+    want = {rid: r.tokens for rid, r in run_engine(mesh_engine(1, 1), requests()).items()}
     assert leader["tokens"] == want
 
 

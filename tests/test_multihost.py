@@ -23,9 +23,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from model_utils import write_hf_checkpoint
 from server_harness import ServerProcess, alive, child_pids, free_port_range
-from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
@@ -38,11 +36,10 @@ ENGINE_WORKER = TESTS / "multihost_engine_worker.py"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # The same model as test_sharding's (heads divisible by 8, 16 experts).
-    path = tmp_path_factory.mktemp("multihost_qwen3_moe")
-    write_hf_checkpoint(mesh_qwen3_moe_config(32), path, seed=0)
-    return path
+def model_dir(mesh_model_dir):
+    # The session's mesh model (tests/conftest.py, as test_sharding's: heads divisible by
+    # 8, 16 experts), so the in-process reference engines are the session's `mesh_engine`.
+    return mesh_model_dir
 
 
 def _run_processes(
@@ -99,21 +96,18 @@ def test_two_processes_match_one_process(model_dir, tmp_path):
     assert result["channel_us"] > 0
 
 
-def test_two_process_engine_matches_one_process(model_dir, tmp_path):
+def test_two_process_engine_matches_one_process(model_dir, mesh_engine, tmp_path):
     """The engine itself (scheduler, DP attention, async steps, multi-step decode) led by
     process 0 and followed by process 1 gives the tokens of the same mesh in one process
-    and of one device."""
+    and of one device (the session's engines, `multihost_engine_worker.engine_config`)."""
     from engine_helpers import run_engine
-    from multihost_engine_worker import engine_config, requests
-
-    from jaxserve.engine.core import EngineCore
+    from multihost_engine_worker import requests
 
     out = tmp_path / "engine.json"
     result = _run_processes(model_dir, 2, 4, 2, out, worker=ENGINE_WORKER)
 
     def tokens(dp, tp):
-        engine = EngineCore(engine_config(str(model_dir), dp, tp))
-        return {rid: r.tokens for rid, r in run_engine(engine, requests()).items()}
+        return {rid: r.tokens for rid, r in run_engine(mesh_engine(dp, tp), requests()).items()}
 
     assert result["tokens"] == tokens(2, 4) == tokens(1, 1)
     assert result["counters"]["num_compilations"] == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from scenario_load import Background, burst
-from server_harness import REPO_DIR, ServerProcess
+from server_harness import DEMO_ENGINE, REPO_DIR, ServerProcess, serve_flags
 
 from jaxserve.config import DEMO_MODEL_DIR
 
@@ -28,7 +28,9 @@ SECONDS = 3.0
 
 @pytest.fixture(scope="module")
 def server():
-    flags = ("--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256")
+    # The demo-model tests' engine settings: in the suite it starts on the executables
+    # that `demo_llm` and the other demo servers compiled (the session's cache).
+    flags = serve_flags(DEMO_ENGINE)
     srv = ServerProcess(DEMO_MODEL_DIR, extra_args=flags, start_timeout_s=900).wait_ready()
     yield srv
     srv.kill()
