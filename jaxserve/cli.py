@@ -119,6 +119,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         routing = _router_options(args)
         if routing.replicas > 1 and dist is not None:
             raise ValueError("--replicas: not supported with several processes per replica yet")
+        if dist is None:
+            routing.check_mesh(config.mesh.dp * config.mesh.tp)
         if server.chat_template is not None:
             if server.http_port is None:
                 raise ValueError(

@@ -155,6 +155,36 @@ def test_diagnose_errors_name_their_cause(tmp_path):
     proc = subprocess.run([*cmd, "--server", f"127.0.0.1:{port}", "--seconds", "1"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 1 and f"127.0.0.1:{port}/metrics" in proc.stderr
+    proc = subprocess.run([*cmd, "--server", "127.0.0.1:1", "--seconds", "-5"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "error: --seconds: must be in" in proc.stderr
+
+
+def test_diagnose_given_a_non_http_port_says_so_in_one_line():
+    """A gRPC port answers an HTTP/1 request with bytes that are no status line."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "diagnose", "--server", f"127.0.0.1:{port}",
+         "--seconds", "1", "--interval", "0.5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    listener.close()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "not an HTTP metrics endpoint" in proc.stderr and "--metrics-port" in proc.stderr
 
 
 def test_slow_detokenizer_is_the_application_layer():

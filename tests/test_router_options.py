@@ -51,3 +51,26 @@ def test_each_replica_gets_a_disjoint_device_slice(monkeypatch):
     with pytest.raises(ValueError, match="devices-per-replica"):
         RouterOptions(replicas=3).device_env(0, mesh_devices=2)
     assert RouterOptions().device_env(0, mesh_devices=8) == {}
+
+
+def test_devices_per_replica_must_be_the_mesh_size():
+    RouterOptions(replicas=2, devices_per_replica=4).check_mesh(4)
+    RouterOptions(replicas=2).check_mesh(8)  # unset: the mesh's size
+    with pytest.raises(ValueError, match=r"^devices-per-replica: 1 does not match .* = 2"):
+        RouterOptions(replicas=2, devices_per_replica=1).check_mesh(2)
+
+
+def test_serve_refuses_a_devices_per_replica_mismatch_before_starting():
+    import subprocess
+    import sys
+
+    from jaxserve.config import DEMO_MODEL_DIR
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(DEMO_MODEL_DIR),
+         "--replicas", "2", "--devices-per-replica", "1", "--mesh", "dp=2,tp=1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "devices-per-replica: 1 does not match the mesh's dp x tp = 2" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -204,19 +204,23 @@ def chat_request(
     if body.logprobs:
         request.logprobs = body.top_logprobs or 0
     messages = chat_messages(body)
+    kwargs = {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        "tools": body.tools,
+    }
+    extra = body.chat_template_kwargs or {}
+    if "messages" in extra:
+        raise FieldError(
+            "chat_template_kwargs", "chat_template_kwargs: 'messages' is reserved (the "
+            "request's messages are the template's messages)",
+        )  # fmt: skip
+    kwargs.update(extra)  # as in vLLM, chat_template_kwargs override the named fields
     try:
-        text = template.render(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tools=body.tools,
-            **(body.chat_template_kwargs or {}),
-        )
+        text = template.render(messages, **kwargs)
     except ChatTemplateError as e:
         param = str(e).split(":", 1)[0]
         raise FieldError(param, str(e)) from None
-    except TypeError as e:  # chat_template_kwargs naming a render() argument twice
-        raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
     ids = encode_chat(tokenizer, text)
     if not ids:
         raise FieldError("messages", "messages: the chat renders to no tokens")

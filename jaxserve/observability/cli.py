@@ -58,9 +58,15 @@ def add_subparsers(sub) -> None:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
+    import http.client
+
     from jaxserve.observability import diagnose
 
     try:
+        if not 0 < args.seconds <= diagnose.MAX_SECONDS:
+            raise ValueError(
+                f"--seconds: must be in (0, {diagnose.MAX_SECONDS:g}], got {args.seconds}"
+            )
         if not 0 < args.interval <= args.seconds:
             raise ValueError(f"--interval: must be in (0, --seconds], got {args.interval}")
         if args.from_file:
@@ -71,9 +77,16 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxserve diagnose: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2
-    except OSError as e:
-        where = args.from_file or client_auth.from_args(args).url(args.server, "/metrics")
-        print(f"jaxserve diagnose: error: cannot read {where}: {e}", file=sys.stderr)
+    except (OSError, http.client.HTTPException) as e:
+        if args.from_file:
+            print(f"jaxserve diagnose: error: cannot read {args.from_file}: {e}", file=sys.stderr)
+            return 1
+        # A gRPC or API port answers HTTP/1 badly (BadStatusLine) or with 404.
+        where = client_auth.from_args(args).url(args.server, "/metrics")
+        why = e if isinstance(e, OSError) else f"not an HTTP metrics endpoint ({type(e).__name__})"
+        print(f"jaxserve diagnose: error: cannot read {where}: {why}; --server takes the "
+              "address of serve's --metrics-port, not its gRPC or HTTP API port",
+              file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
     return 0

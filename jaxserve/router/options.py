@@ -66,6 +66,17 @@ class RouterOptions:
                     "join; give --allow-remote to bind it"
                 )
 
+    def check_mesh(self, mesh_devices: int) -> None:
+        """Each replica runs the mesh on exactly its own devices: raises ValueError naming
+        devices-per-replica when it is set to another count than the mesh's dp * tp."""
+        per = self.devices_per_replica
+        if per is not None and per != mesh_devices:
+            raise ValueError(
+                f"devices-per-replica: {per} does not match the mesh's dp x tp = "
+                f"{mesh_devices} (each replica runs --mesh on its own {mesh_devices} devices; "
+                "leave the flag out to use that)"
+            )
+
     @property
     def policy_name(self) -> str:
         return self.policy or "kv"
