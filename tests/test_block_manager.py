@@ -176,6 +176,29 @@ def test_only_computed_blocks_are_named():
     assert bm.lookup_prefix(make_seq(range(12), "b")) == a.block_table[:1]
 
 
+def test_blocks_filled_by_decoding_are_named():
+    """A prompt's partial last block and the blocks its outputs fill get names once full
+    and computed, so the next turn of a chat (this prompt + its answer + more) hits
+    them all; a block still filling stays unnamed."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq(range(6), "a")  # one full block and 2 tokens of the next
+    assert bm.allocate(a, 6)
+    a.num_computed_tokens = 6
+    bm.register_computed(a)
+    assert bm.num_cached_blocks == 1
+    for t in range(7):  # decode 7 tokens, one step each: the engine's order
+        a.token_ids.append(100 + t)  # sampled by the last step
+        assert bm.allocate(a, a.num_tokens)  # this step writes its K/V
+        a.num_computed_tokens = a.num_tokens
+        bm.register_computed(a)
+    assert a.num_tokens == 13 and bm.num_cached_blocks == 3  # [0, 12) full, 12 filling
+    next_turn = make_seq(a.token_ids + [7, 8, 9, 10], "b")
+    named = a.block_table[:3]
+    assert bm.lookup_prefix(next_turn) == named
+    bm.free(a)
+    assert bm.lookup_prefix(next_turn) == named  # still cached while free
+
+
 def test_lru_eviction_order_tail_first():
     bm = BlockManager(num_blocks=7, block_size=BS)
     a = make_seq(range(12), "a")  # 3 blocks

@@ -16,6 +16,9 @@ The design follows vLLM v1's KV cache manager (`vllm/v1/core/block_pool.py`):
 - Full blocks are named once the step that computes their K/V has been dispatched
   (`register_computed`, called by the scheduler after it schedules that step): the
   device runs steps in order, so any step that can hit the name runs after the writes.
+  That includes a prompt's partial last block and the blocks its outputs fill while it
+  decodes (vLLM caches them too): the next turn of a chat, whose prompt is this prompt
+  plus its answer, hits them.
 - KV events for the router: an optional `events` log (`engine.kv_events.KvEventLog`,
   attached by the engine process) hears every name given and dropped; None: no cost.
 - The n samples of one prompt carry a `cache_group`: with prefix caching off, their
@@ -178,18 +181,17 @@ class BlockManager:
         if cached and seq.block_table:
             raise ValueError("cached: prefix hits can only start an empty block table")
         if not cached and -(-num_tokens // self.block_size) <= len(seq.block_table):
-            # The table already covers them (most decode steps): the general path below
-            # would take no block; only its bookkeeping is kept.
-            seq.num_registered_blocks = len(seq.block_table)
-            return True
+            return True  # the table already covers them (most decode steps)
         if not self.can_allocate(seq, num_tokens, cached):
             return False
         for block in cached:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
-        seq.block_table.extend(cached)
-        seq.num_registered_blocks = len(seq.block_table)
+        if cached:  # hits are named already; the table's other blocks are named when
+            # full and computed (`register_computed`), decode-filled ones included
+            seq.block_table.extend(cached)
+            seq.num_registered_blocks = len(cached)
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             block, _ = self.free_queue.popitem(last=False)
             if self._drop_hash(block):
