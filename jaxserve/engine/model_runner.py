@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,12 @@ from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
+
+# Tracing/lowering one step shape and compiling (or loading from the persistent cache)
+# another never overlap: a CI run segfaulted inside jax's compilation-cache read
+# (`get_executable_and_time`) while a second thread lowered, during a background
+# compile. Compiles still run beside steps being served.
+_XLA_LOCK = threading.Lock()
 
 MIN_TOKEN_BUCKET = 16
 
@@ -229,7 +236,7 @@ class ModelRunner:
 
         def compile_one(shape: StepShape, low: jax.stages.Lowered) -> None:
             try:
-                with CompileCounter.warming_up():
+                with CompileCounter.warming_up(), _XLA_LOCK:
                     exe = low.compile()
             except BaseException as e:
                 if not futures[shape].done():
@@ -244,7 +251,7 @@ class ModelRunner:
                 jobs = []
                 for shape in shapes:
                     try:
-                        with CompileCounter.warming_up():
+                        with CompileCounter.warming_up(), _XLA_LOCK:
                             low = self._lower(shape)
                     except BaseException as e:
                         for f in futures.values():
