@@ -60,6 +60,12 @@ class ClientAuth:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert: give both tls_cert and tls_key (mutual TLS), or neither")
 
+    def client_kwargs(self) -> dict:
+        """The keyword arguments of `JaxserveClient` (its names are these fields')."""
+        return {
+            f: getattr(self, f) for f in ("tls", "tls_ca_cert", "tls_cert", "tls_key", "api_key")
+        }
+
     @property
     def uses_tls(self) -> bool:
         return bool(self.tls or self.tls_ca_cert or self.tls_cert)

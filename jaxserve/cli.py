@@ -291,14 +291,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     completions = []
     try:
         auth = client_auth.from_args(args)
-        client = JaxserveClient(
-            args.server,
-            tls=auth.tls,
-            tls_ca_cert=auth.tls_ca_cert,
-            tls_cert=auth.tls_cert,
-            tls_key=auth.tls_key,
-            api_key=auth.api_key,
-        )
+        client = JaxserveClient(args.server, **auth.client_kwargs())
     except ValueError as e:
         print(f"jaxserve generate: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2

@@ -185,9 +185,7 @@ def _served_model(args: argparse.Namespace) -> str | None:
         if args.backend == "grpc":
             from jaxserve.frontend.client import JaxserveClient
 
-            kwargs = dict(tls=auth.tls, tls_ca_cert=auth.tls_ca_cert, tls_cert=auth.tls_cert,
-                          tls_key=auth.tls_key, api_key=auth.api_key)  # fmt: skip
-            with JaxserveClient(args.server, **kwargs) as c:
+            with JaxserveClient(args.server, **auth.client_kwargs()) as c:
                 return c.server_info(timeout=10).model
         import urllib.request
 
