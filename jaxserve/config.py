@@ -80,7 +80,11 @@ class SchedulerConfig:
     max_num_seqs: most requests in one step (per dp rank).
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_model_len: most tokens (prompt + output) of one request; None = the model's.
-    async_scheduling: schedule and pack step N+1 while the device runs step N.
+    async_scheduling: schedule and pack step N+1 while the device runs step N (vLLM's
+        `--async-scheduling`). None (the default) follows the backend, resolved once at
+        start-up by `resolve_async_scheduling`: on for an accelerator, off for the CPU,
+        where the device is the same two cores the host step runs on (measured by
+        scripts/bench_host_step.py --sync; see that function).
     num_decode_steps: decode steps per device call when every running request is
         decoding (multi-step decode); 1 disables it. 4 measured 5-20% more output
         tokens/s than 1 on the demo model at batch 1-32 (scripts/bench_offline.py), for
@@ -91,8 +95,24 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None
     num_decode_steps: int = 4
+
+
+def resolve_async_scheduling(value: bool | None, platform: str) -> bool:
+    """Whether the engine overlaps host and device work (`SchedulerConfig.async_scheduling`).
+
+    value: the configured setting; True or False is kept, None follows the backend.
+    platform: JAX's platform name of the engine's devices ("cpu", "gpu", "tpu", ...).
+
+    None gives on for every accelerator (as vLLM) and off for "cpu": there the "device"
+    is XLA's CPU thread pool, on the same cores as the Python host step, so overlapping
+    them only makes both contend (the interleaved A/B of scripts/bench_host_step.py
+    --sync measured sync faster on a 2-core CPU at batch 1-32 and even at 128).
+    """
+    if value is not None:
+        return bool(value)
+    return platform != "cpu"
 
 
 @dataclass(slots=True)

@@ -151,6 +151,8 @@ class EngineStats:
         summed over MoE layers (cumulative).
     kv_bytes_per_token: KV-cache bytes of one token over all layers, in the model's
         layout `kv_layout` ("per-head K/V" or "MLA latent"; `models.base.KVLayout`).
+    async_scheduling: whether the engine overlaps host and device work, as resolved at
+        start-up (`config.resolve_async_scheduling`); None: not reported.
     """
 
     model: str = ""
@@ -169,6 +171,7 @@ class EngineStats:
     expert_routed_tokens: int = 0
     kv_bytes_per_token: int = 0
     kv_layout: str = ""
+    async_scheduling: bool | None = None
 
 
 @dataclass(slots=True)

@@ -102,6 +102,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            async_scheduling=args.async_scheduling,
         )
     )
     eplb = EplbConfig(
@@ -347,6 +348,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         type=_int_at_least(2),
         help="most tokens (prompt + output) per request (default: the model's "
         "max_position_embeddings, lowered to what the KV cache holds)",
+    )
+    sc.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and pack the next step while the device runs this one (default: "
+        "on for a GPU or other accelerator, off for the CPU, where both share the cores)",
     )
 
     par = s.add_argument_group("parallelism")

@@ -152,8 +152,8 @@ def config_block(
             f"max_num_seqs={sc.max_num_seqs}, max_num_batched_tokens="
             f"{sc.max_num_batched_tokens}, chunked prefill "
             f"{'on' if sc.enable_chunked_prefill else 'off'}, async scheduling "
-            f"{'on' if sc.async_scheduling else 'off'}, decode steps per call "
-            f"{sc.num_decode_steps}",
+            f"{_async_scheduling(sc.async_scheduling, stats.async_scheduling)}, decode "
+            f"steps per call {sc.num_decode_steps}",
         ),
         (
             "EPLB",
@@ -168,3 +168,12 @@ def config_block(
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _async_scheduling(configured: bool | None, resolved: bool | None) -> str:
+    """The config block's async scheduling: what the engine resolved (its stats), and
+    whether that was the backend's default (`config.resolve_async_scheduling`)."""
+    value = configured if resolved is None else resolved
+    if value is None:
+        return "auto (on for an accelerator, off for the CPU)"
+    return ("on" if value else "off") + (" (the backend's default)" if configured is None else "")

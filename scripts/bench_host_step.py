@@ -1,9 +1,10 @@
 """Where one engine step's wall time goes: schedule, pack, dispatch, device, fetch, outputs.
 
 Runs the offline engine (`LLM`'s `EngineCore`, as `compare_hf.py` builds it: max_num_seqs
-= the largest batch, max_model_len 256, the default scheduling: async with 4-step decode
-calls) on the demo model and the random Qwen3-MoE of `compare_hf.py`, at batch 1, 8, 32
-and 128 (fresh random prompts, greedy, EOS ignored), with the profiler's host timeline
+= the largest batch, max_model_len 256, the default scheduling: 4-step decode calls,
+async scheduling as the backend's default, off on the CPU) on the demo model and the
+random Qwen3-MoE of `compare_hf.py`, at batch 1, 8, 32 and 128 (fresh random prompts,
+greedy, EOS ignored), with the profiler's host timeline
 on (`observability.profile.TIMELINE`: the spans `EngineCore.step` records). Per engine
 call (`EngineCore.step`) it prints the mean milliseconds of each phase:
 
@@ -16,8 +17,9 @@ call (`EngineCore.step`) it prints the mean milliseconds of each phase:
 - outputs: `Scheduler.update` (tokens into requests, RequestOutputs);
 - other: the rest of `EngineCore.step` (metering, EPLB poll, the engine's own loop).
 
-With `--sync` the engine runs without async scheduling as well (then wait is the device
-time of the step). Modes and batches are interleaved per repetition; medians.
+With `--sync` the engine runs both with and without async scheduling (without, wait is
+the device time of the step): the A/B behind the CPU's default. Modes and batches are
+interleaved per repetition; medians.
 
     python scripts/bench_host_step.py [--models demo,qwen3moe] [--batches 1,8,32,128]
         [--max-tokens 64] [--repeats 3] [--sync] [--profile] [--out bench_results/host_step.json]
@@ -107,7 +109,8 @@ def bench_model(name: str, model: str, args) -> list[dict]:
         max_model_len=args.max_model_len,
     )
     engine = llm.engine
-    modes = [True, False] if args.sync else [True]
+    default = engine.async_scheduling  # the backend's default (config.resolve_async_scheduling)
+    modes = [True, False] if args.sync else [default]
     run_once(engine, 4, args.prompt_len, 8, seed=0)  # warm caches of the smallest shapes
     samples: dict[tuple[int, bool], list[dict]] = defaultdict(list)
     profiles: dict[int, str] = {}
@@ -116,7 +119,7 @@ def bench_model(name: str, model: str, args) -> list[dict]:
         for batch in args.batches:
             for mode in modes:
                 engine.async_scheduling = mode
-                last = rep == args.repeats - 1 and mode and args.profile
+                last = rep == args.repeats - 1 and mode == default and args.profile
                 prof = cProfile.Profile() if last else None
                 samples[batch, mode].append(
                     run_once(engine, batch, args.prompt_len, args.max_tokens, seed, prof)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sync", action="store_true", help="also without async scheduling")
+    parser.add_argument("--sync", action="store_true", help="async and sync, interleaved")
     parser.add_argument("--profile", action="store_true", help="cProfile the last repetition")
     parser.add_argument("--out", default="bench_results/host_step.json")
     args = parser.parse_args(argv)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                                   max_model_len=256, num_decode_steps=4),
     ))  # fmt: skip
     vocab = engine.model_config.vocab_size
-    mode = (engine.config.scheduler.async_scheduling, SchedulerConfig().num_decode_steps)
+    mode = (engine.async_scheduling, SchedulerConfig().num_decode_steps)  # as resolved
     configure(engine, *mode, True)
     run_batch(engine, shared_prefix_prompts(8, args.prompt_len, vocab, 0), 8, False)  # warm
 

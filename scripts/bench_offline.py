@@ -189,7 +189,7 @@ def bench_model(name: str, model_dir: str, args) -> tuple[list[Run], dict]:
         "compile_s": engine.compile_time_s,
         "num_executables": len(engine.runner.buckets()),
     }
-    default_mode = (config.scheduler.async_scheduling, SchedulerConfig().num_decode_steps)
+    default_mode = (engine.async_scheduling, SchedulerConfig().num_decode_steps)
     vocab = engine.model_config.vocab_size
     # Warm-up: every executable once (start-up compiled them; this warms caches).
     configure(engine, True, 4, True)
@@ -244,7 +244,8 @@ def bench_moe_ab(name: str, model_dir: str, args) -> tuple[list[Run], dict]:
         engines[variant] = EngineCore(config)
     del os.environ[dispatch.MOE_ENV_VAR]
     startup_s = time.perf_counter() - start
-    default_mode = (config.scheduler.async_scheduling, SchedulerConfig().num_decode_steps)
+    sparse = engines[dispatch.MOE_SPARSE]
+    default_mode = (sparse.async_scheduling, SchedulerConfig().num_decode_steps)
     vocab = engines[dispatch.MOE_SPARSE].model_config.vocab_size
     for engine in engines.values():
         configure(engine, True, 4, True)
@@ -353,7 +354,7 @@ def bench_ab(model_dir: str, args) -> dict:
     # The compile counter is per process: the old engine's count grew by the new one's
     # start-up; count from here on for both.
     compiles_before = {variant: e.num_compilations for variant, e in engines.items()}
-    mode = (config.scheduler.async_scheduling, config.scheduler.num_decode_steps)
+    mode = (engines["new"].async_scheduling, config.scheduler.num_decode_steps)
     print(
         f"{'batch':>5} {'variant':>7} {'tok/s':>8} {'device ms/step':>14} {'host ms/step':>12} "
         f"{'steps':>6}  uptime"

@@ -52,7 +52,8 @@ MESH_MAX_NUM_SEQS = 4
 
 def mesh_engine_config(model_dir, dp: int, tp: int):
     """The EngineConfig of the mesh-engine tests on a (dp, tp) mesh (1, 1: one device):
-    multi-step decode (4 steps), 32-token budget, async scheduling as the default."""
+    multi-step decode (4 steps), 32-token budget, async scheduling (on: the default
+    of an accelerator; the CPU's default is off)."""
     from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
 
     return EngineConfig(
@@ -62,7 +63,10 @@ def mesh_engine_config(model_dir, dp: int, tp: int):
             num_blocks=1 + MESH_MAX_NUM_SEQS * MESH_MAX_LEN // MESH_BLOCK_SIZE,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=MESH_MAX_NUM_SEQS, max_num_batched_tokens=32, num_decode_steps=4
+            max_num_seqs=MESH_MAX_NUM_SEQS,
+            max_num_batched_tokens=32,
+            num_decode_steps=4,
+            async_scheduling=True,
         ),
         mesh=MeshConfig(dp, tp),
     )

@@ -71,6 +71,26 @@ def test_prefix_caching_flags(flags, enabled):
     assert _config(*flags).cache.enable_prefix_caching is enabled
 
 
+@pytest.mark.parametrize(
+    "flags, configured, on_cpu, on_gpu",
+    [
+        ((), None, False, True),
+        (("--async-scheduling",), True, True, True),
+        (("--no-async-scheduling",), False, False, False),
+    ],
+)
+def test_async_scheduling_flag_and_the_backend_default(flags, configured, on_cpu, on_gpu):
+    """Unset, async scheduling follows the backend (off for the CPU, on for an
+    accelerator); the flag overrides it either way."""
+    from jaxserve.config import resolve_async_scheduling
+
+    value = _config(*flags).scheduler.async_scheduling
+    assert value is configured
+    assert resolve_async_scheduling(value, "cpu") is on_cpu
+    assert resolve_async_scheduling(value, "gpu") is on_gpu
+    assert resolve_async_scheduling(value, "tpu") is on_gpu
+
+
 def test_dtype_auto_reads_the_checkpoint(tmp_path):
     for written, want in [("bfloat16", "bfloat16"), ("float16", "float16"), ("int8", "float32")]:
         (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": written}))

@@ -75,6 +75,22 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "http://[::1]:9090/metrics" in block and "64 tokens" in block
 
 
+def test_config_block_names_the_async_scheduling_the_engine_resolved():
+    from jaxserve.config import SchedulerConfig
+
+    server = ServerConfig(port=0)
+    auto = EngineConfig(model="/m/demo")  # async_scheduling None: the backend's default
+    stats = _stats()
+    stats.async_scheduling = False  # what a CPU engine resolved
+    assert "async scheduling off (the backend's default)" in config_block(auto, server, stats, 1)
+    forced = EngineConfig(model="/m/demo", scheduler=SchedulerConfig(async_scheduling=True))
+    stats.async_scheduling = True
+    block = config_block(forced, server, stats, 1)
+    assert "async scheduling on," in block and "default" not in block.split("async")[1][:20]
+    # Stats that do not say (an older engine): the rule, not a guess.
+    assert "async scheduling auto (on for an accelerator" in config_block(auto, server, _stats(), 1)
+
+
 def test_a_running_server_logs_its_config_and_stats(mock_model_dir):
     from server_harness import ServerProcess
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig, EplbConfig
+from jaxserve.config import EngineConfig, EplbConfig, resolve_async_scheduling
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile_counter import BACKEND_COMPILE_EVENT, CompileCounter  # noqa: F401
 from jaxserve.engine.kv_sizing import (
@@ -65,6 +65,9 @@ class EngineParts:
 
     model_config: the model's config; mesh: its (dp, tp) mesh (one device: 1 x 1).
     max_model_len: the effective limit (one sequence fits in one dp rank's KV pool).
+    async_scheduling: whether the engine overlaps host and device work: the config's
+        setting, or for None the backend's default (`config.resolve_async_scheduling`:
+        on for an accelerator, off for the CPU). Resolved here, once.
     num_blocks: KV blocks of one dp rank, its null block included.
     scheduler: the `Scheduler` over one `BlockManager` per dp rank.
     runner: the compiled `ModelRunner`.
@@ -81,6 +84,7 @@ class EngineParts:
     model_config: ModelConfig
     mesh: jax.sharding.Mesh
     max_model_len: int
+    async_scheduling: bool
     num_blocks: int
     scheduler: Scheduler
     runner: ModelRunner
@@ -165,10 +169,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
     warmup = WarmUp(runner, scheduler, background=config.background_compile)
     compile_time_s = warmup.start()
+    async_scheduling = resolve_async_scheduling(sc.async_scheduling, mesh.devices.flat[0].platform)
     parts = EngineParts(
         model_config=mc,
         mesh=mesh,
         max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
         num_blocks=num_blocks,
         scheduler=scheduler,
         runner=runner,
@@ -181,7 +187,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     logger.info(
         "engine ready in %.1f s: %s, %d usable KV blocks of %d tokens (per dp rank; "
-        "one more is the null block), max_model_len %d, KV %d bytes per token (%s)",
+        "one more is the null block), max_model_len %d, KV %d bytes per token (%s), "
+        "async scheduling %s%s",
         parts.startup_time_s,
         config.model,
         num_blocks - 1,
@@ -189,6 +196,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len,
         kv_token_bytes(mc, dtype, kv_layout),
         kv_layout.label,
+        "on" if async_scheduling else "off",
+        f" (the {mesh.devices.flat[0].platform} default)" if sc.async_scheduling is None else "",
     )
     return parts
 

@@ -10,12 +10,14 @@ whose busy loop calls `add_request` / `abort_requests` / `step`. Nothing here to
 socket or text: outputs are token ids. Building the engine (load, mesh, KV sizing, EP
 calibration, compile) is `engine.builder`.
 
-With `async_scheduling` (the default) a step overlaps host and device work, as vLLM
-v1's async scheduling does: while the device runs step N, the host schedules and packs
-step N+1 (each of N's sampling rows counts as one pending token); then it waits for N's
-tokens, writes them into N+1's inputs, dispatches N+1, and only then turns N's tokens
-into outputs, so the device idles only for the copy back and the dispatch. A request
-that N stops (EOS, stop token) wastes its row of N+1, whose result is discarded.
+With `async_scheduling` (the default on an accelerator; off on the CPU, where host and
+"device" share the cores: `config.resolve_async_scheduling`) a step overlaps host and
+device work, as vLLM v1's async scheduling does: while the device runs step N, the host
+schedules and packs step N+1 (each of N's sampling rows counts as one pending token);
+then it waits for N's tokens, writes them into N+1's inputs, dispatches N+1, and only
+then turns N's tokens into outputs, so the device idles only for the copy back and the
+dispatch. A request that N stops (EOS, stop token) wastes its row of N+1, whose result
+is discarded.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class EngineCore:
         self.startup_time_s = parts.startup_time_s
         self._compiles_at_ready = parts.compiles_at_ready
         self.executor = executor(self.runner)
-        self.async_scheduling = config.scheduler.async_scheduling
+        # Resolved once by the builder (None in the config: the backend's default).
+        self.async_scheduling = parts.async_scheduling
         # The async batch queue: the dispatched step whose outputs are not processed yet.
         self._inflight: InFlightStep | None = None
         self._rng = np.random.default_rng(config.seed)
@@ -354,6 +357,7 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             kv_layout=self.runner.kv_layout.label,
+            async_scheduling=self.async_scheduling,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             ready=True,
