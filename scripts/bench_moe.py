@@ -13,7 +13,9 @@ experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a to
 (hidden 128, 64 experts) at decode sizes. `--sweep` adds the sparse path at each block size
 (ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`;
 `--gather 24,21` the sparse path with other weight-gather chunks (2^24, 2^21 elements),
-the measurement behind `moe_sparse.GATHER_ELEMENTS`.
+the measurement behind `moe_sparse.GATHER_ELEMENTS`; `--loop 4,16` the expert loop
+(`moe_sparse.expert_loop_ffn`, each expert's weights read once) at those chunk sizes, its
+flops/routed the rows it ran on that routing.
 Writes bench_results/bench_moe.json.
 """
 
@@ -64,6 +66,9 @@ def main() -> None:
     parser.add_argument(
         "--gather", default="", help="also sparse at these log2 GATHER_ELEMENTS, e.g. 24,21"
     )
+    parser.add_argument(
+        "--loop", default="", help="also the expert loop at these chunk sizes, e.g. 4,16"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -112,6 +117,14 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
+            for c in [int(c) for c in args.loop.split(",") if c]:
+                loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=c)
+
+                def loop_moe(x, tw, ids, wg, wu, wd, loop=loop):
+                    y = loop(x, ids, wg, wu, wd)
+                    return jnp.einsum("tk,tkh->th", tw, y)
+
+                variants[f"loop@{c}"] = (jax.jit(loop_moe), -c)
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
                 # The chunk size is read when the function is traced: trace it now.
@@ -132,11 +145,13 @@ def main() -> None:
             routed = tokens * top_k * 6 * hidden * inter
             for label, (_, b) in variants.items():
                 ms = statistics.median(times[label]) * 1e3
-                flops = (
-                    tokens * experts * 6 * hidden * inter
-                    if b is None
-                    else sparse_moe_flops(tokens, top_k, experts, b, hidden, inter)
-                )
+                if b is None:
+                    flops = tokens * experts * 6 * hidden * inter
+                elif b < 0:  # the expert loop: the rows it runs on this routing
+                    g = np.bincount(np.asarray(ids).ravel(), minlength=experts)
+                    flops = int((-(-g // -b) * -b).sum()) * 6 * hidden * inter
+                else:
+                    flops = sparse_moe_flops(tokens, top_k, experts, b, hidden, inter)
                 ratio = flops / routed
                 row = f"{tokens:>6} {label:>10} {b or '-':>5} {ms:>9.3f} {dense_ms / ms:>7.2f}x "
                 print(f"{row}{ratio:>12.2f}", flush=True)

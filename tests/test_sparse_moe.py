@@ -243,3 +243,48 @@ def test_bad_shapes_are_named():
         sparse_expert_ffn(x, jnp.zeros((4, 2), jnp.int32), w, w, w)
     with pytest.raises(ValueError, match="block_size"):
         padded_rows(8, EXPERTS, 0)
+
+
+# ----- the expert loop (each expert's weights read once) ---------------------------------
+
+
+@functools.cache
+def _loop(chunk: int):
+    return jax.jit(functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk))
+
+
+@pytest.mark.parametrize("name", ["one_expert", "two_experts", "ties", "group_edges"])
+@pytest.mark.parametrize("chunk", [1, 4, 8, 64])
+def test_expert_loop_equals_the_row_oracle(experts, name, chunk):
+    """Every routing the block layout must survive, through the expert loop at chunk
+    sizes below, at and above the group sizes (a chunk running past its expert's rows)."""
+    num_tokens, top_k = 24, 2
+    x = _tokens(num_tokens, seed=5)
+    _, ids = _adversarial(name, num_tokens, top_k)
+    got = _loop(chunk)(x, ids, *experts)
+    np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_expert_loop_gives_empty_copies_zero(experts, chunk):
+    rng = np.random.default_rng(11)
+    x = _tokens(20, seed=11)
+    ids = jnp.asarray(rng.integers(0, EXPERTS + 1, (20, 2)), jnp.int32)
+    ids = ids.at[-1].set(EXPERTS)  # the last sorted rows are empty copies
+    got = np.asarray(_loop(chunk)(x, ids, *experts))
+    np.testing.assert_allclose(got, _rows_oracle(x, ids, *experts), atol=1e-5)
+    assert not got[np.asarray(ids) == EXPERTS].any()
+
+
+def test_default_path_is_the_expert_loop_from_loop_min_rows(experts):
+    """block_size None: the block layout below LOOP_MIN_ROWS routed rows, the expert loop
+    (a while loop, no per-block weight gather) from there; both equal the dense oracle."""
+    for num_tokens in (moe_sparse.LOOP_MIN_ROWS // 2 - 1, moe_sparse.LOOP_MIN_ROWS // 2 + 3):
+        x = _tokens(num_tokens, seed=13)
+        weights, ids = route(x, jnp.asarray(np.eye(HIDDEN, EXPERTS), jnp.float32), 2, True)
+        jaxpr = jax.make_jaxpr(functools.partial(moe_experts_sparse, block_size=None))(
+            x, weights, ids, *experts
+        )
+        loops = {e.primitive.name for e in jaxpr.jaxpr.eqns} & {"while"}
+        assert bool(loops) == (num_tokens * 2 >= moe_sparse.LOOP_MIN_ROWS)
+        _assert_close(_sparse(None)(x, weights, ids, *experts), _dense(x, weights, ids, *experts))
