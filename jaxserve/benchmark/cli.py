@@ -6,9 +6,12 @@
 The traffic flags are `vllm bench serve`'s (--request-rate, --burstiness,
 --max-concurrency, --num-warmups, --ignore-eos); the length flags are shared by the
 datasets (--input-len, --output-len, ...) where vLLM has one set per dataset. Prints
-the results table (report.py) to stdout, progress and errors to stderr. Exit status: 0,
-1 if the server failed the warm-up or every request, 2 for a bad flag (its name in the
-message).
+the results table (report.py) to stdout, progress and errors to stderr. Before any
+request the server is asked for its model (gRPC GetServerInfo, HTTP GET /v1/models); a
+server that does not answer (nothing listens, the engine is starting or dead, a wrong
+key) ends the run with one line naming --server and the cause. Exit status: 0, 1 if the
+server cannot be reached or failed the warm-up or every request (one line, no table),
+2 for a bad flag (its name in the message).
 """
 
 from __future__ import annotations
@@ -147,15 +150,20 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
 
 
-def _tokenizer_dir(args: argparse.Namespace) -> str:
+_ASK = object()  # _tokenizer_dir: ask the server for its model
+
+
+def _tokenizer_dir(args: argparse.Namespace, served: str | None | object = _ASK) -> str:
     """The folder whose tokenizer.json builds the prompts: --tokenizer; else the server's
     model when this machine has it (the served name as a folder, or a Hugging Face id
     `hub.resolve_model` finds); else the demo's when the server serves the demo model.
+    served: the served model's name when already asked (`_ask_server`), None for an
+    unreachable server; by default the server is asked here.
     Raises ValueError naming --tokenizer for any other model: prompts built with another
     model's tokenizer would carry wrong token ids and counts."""
     if args.tokenizer:
         return args.tokenizer
-    name = _served_model(args)
+    name = _served_model(args) if served is _ASK else served
     if name is None:  # unreachable now: the run's own requests will say so
         return str(DEMO_MODEL_DIR)
     if (Path(name) / "tokenizer.json").is_file():
@@ -178,24 +186,77 @@ def _tokenizer_dir(args: argparse.Namespace) -> str:
 
 
 def _served_model(args: argparse.Namespace) -> str | None:
-    """The model name the server reports (gRPC GetServerInfo, HTTP /v1/models), None when
-    it cannot be asked."""
+    """The model name the server reports (`_ask_server`), None when it cannot be asked."""
     try:
-        auth = client_auth.from_args(args)
-        if args.backend == "grpc":
-            from jaxserve.frontend.client import JaxserveClient
-
-            with JaxserveClient(args.server, **auth.client_kwargs()) as c:
-                return c.server_info(timeout=10).model
-        import urllib.request
-
-        req = urllib.request.Request(auth.url(args.server).rstrip("/") + "/v1/models")
-        for k, v in auth.headers.items():
-            req.add_header(k, v)
-        with urllib.request.urlopen(req, timeout=10, context=auth.ssl_context()) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - any failure here: the run's requests will say why
+        return _ask_server(args, client_auth.from_args(args))
+    except Exception:  # noqa: BLE001 - any failure here: the caller decides
         return None
+
+
+# Seconds to wait for the server's answer to the first question (its model).
+PROBE_TIMEOUT_S = 10.0
+
+
+class ServerUnreachableError(RuntimeError):
+    """The server did not answer the first question; one line naming --server."""
+
+
+def _ask_server(args: argparse.Namespace, auth: client_auth.ClientAuth) -> str:
+    """The model name the server reports: gRPC GetServerInfo, or HTTP GET /v1/models
+    (the first model's id), within PROBE_TIMEOUT_S.
+
+    Raises ServerUnreachableError ("--server ADDR: ...") when nothing answers there,
+    the server is not serving (engine starting or dead: UNAVAILABLE / 503), refuses the
+    key, or answers something that is not this API."""
+    where = f"--server {args.server}"
+    if args.backend == "grpc":
+        import grpc
+
+        from jaxserve.frontend.client import JaxserveClient
+
+        try:
+            with JaxserveClient(args.server, **auth.client_kwargs()) as c:
+                return c.server_info(timeout=PROBE_TIMEOUT_S).model
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE and details.startswith("engine unavailable"):
+                raise ServerUnreachableError(
+                    f"{where}: the server is not serving ({details})"
+                ) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ServerUnreachableError(
+                    f"{where}: no jaxserve gRPC server answers there within "
+                    f"{PROBE_TIMEOUT_S:g} s ({code.name}: {details})"
+                ) from None
+            raise ServerUnreachableError(
+                f"{where}: GetServerInfo failed ({code.name}: {details})"
+            ) from None
+    import urllib.error
+    import urllib.request
+
+    url = auth.url(args.server).rstrip("/") + "/v1/models"
+    req = urllib.request.Request(url)
+    for k, v in auth.headers.items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(
+            req, timeout=PROBE_TIMEOUT_S, context=auth.ssl_context()
+        ) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except urllib.error.HTTPError as e:
+        text = e.read(300).decode(errors="replace").replace("\n", " ")
+        raise ServerUnreachableError(
+            f"{where}: GET {url} answered HTTP {e.code} ({text})"
+        ) from None
+    except (urllib.error.URLError, OSError) as e:  # refused, timed out, unresolvable
+        reason = getattr(e, "reason", e)
+        raise ServerUnreachableError(
+            f"{where}: no HTTP server answers at {url} within {PROBE_TIMEOUT_S:g} s ({reason})"
+        ) from None
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ServerUnreachableError(
+            f"{where}: GET {url} did not answer an OpenAI model list ({type(e).__name__}: {e})"
+        ) from None
 
 
 def build_dataset(args: argparse.Namespace, tokenizer):
@@ -253,7 +314,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
-        tokenizer_dir = _tokenizer_dir(args)
+        try:
+            served = _ask_server(args, auth)
+        except ServerUnreachableError as e:
+            return _error(str(e), 1)
+        tokenizer_dir = _tokenizer_dir(args, served)
         tokenizer = load_tokenizer(tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
@@ -283,6 +348,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     metrics = report.compute_metrics(
         result.outputs, result.duration, slo=slo, percentiles=percentiles
     )
+    if not metrics["completed"]:  # a table of zeros says nothing: the cause does
+        first = next((o.error for o in result.outputs if o.error), "no request was sent")
+        return _error(f"every request failed ({len(result.outputs)}), the first: {first}", 1)
     load_after = os.getloadavg()
     print(report.format_table(metrics, percentiles, args.label))
     print(f"load average before {_load(load_before)}, after {_load(load_after)}; "
@@ -318,7 +386,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {write_plot(args.plot, result.outputs, timeline, args.label)}")
         except RuntimeError as e:
             return _error(str(e), 1)
-    return 0 if metrics["completed"] else 1
+    return 0
 
 
 def _load(avg) -> str:
