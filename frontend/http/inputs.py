@@ -22,7 +22,6 @@ from jaxserve.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
-    prompt_shape,
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits
@@ -118,8 +117,13 @@ def completion_requests(
         raise FieldError("echo", "echo: not supported")
     if body.suffix is not None:
         raise FieldError("suffix", "suffix: not supported")
-    prompt = body.prompt
-    prompts = [prompt] if prompt_shape(prompt) in ("text", "ids") else list(prompt)
+    prompt = body.prompt  # of one of the shapes of protocol.prompt_shape
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise FieldError("prompt", "prompt: must not be empty")
     n = body.n if body.n is not None else 1
     if len(prompts) > 1 and n * len(prompts) > MAX_N:
         raise FieldError("n", f"n: n x prompts must be at most {MAX_N}, got {n} x {len(prompts)}")
