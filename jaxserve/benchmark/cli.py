@@ -223,10 +223,11 @@ def _ask_server(args: argparse.Namespace, auth: client_auth.ClientAuth) -> str:
                 raise ServerUnreachableError(
                     f"{where}: the server is not serving ({details})"
                 ) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = f"no answer within {PROBE_TIMEOUT_S:g} s"
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise ServerUnreachableError(
-                    f"{where}: no jaxserve gRPC server answers there within "
-                    f"{PROBE_TIMEOUT_S:g} s ({code.name}: {details})"
+                    f"{where}: no jaxserve gRPC server answers there ({code.name}: {details})"
                 ) from None
             raise ServerUnreachableError(
                 f"{where}: GetServerInfo failed ({code.name}: {details})"
@@ -251,7 +252,8 @@ def _ask_server(args: argparse.Namespace, auth: client_auth.ClientAuth) -> str:
     except (urllib.error.URLError, OSError) as e:  # refused, timed out, unresolvable
         reason = getattr(e, "reason", e)
         raise ServerUnreachableError(
-            f"{where}: no HTTP server answers at {url} within {PROBE_TIMEOUT_S:g} s ({reason})"
+            f"{where}: no HTTP server answers at {url} ({reason}; waited at most "
+            f"{PROBE_TIMEOUT_S:g} s)"
         ) from None
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise ServerUnreachableError(

@@ -137,8 +137,10 @@ def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelco
         if left <= 0:
             if connected:
                 why = f"{host}:{port} accepted the connection but sent no answer"
+            elif refused:
+                why = f"nothing listens at {host}:{port} (every connection attempt failed)"
             else:
-                why = f"nothing listens at {host}:{port} (the connection is refused)"
+                why = f"no connection to {host}:{port} was made (is the address reachable?)"
             raise HeadlessError(
                 f"frontend: no answer within {timeout_s:g} s (--handshake-timeout-s): {why}; "
                 f"is `jaxserve serve --replica-listen {host}:{port}` running there?",
@@ -155,7 +157,7 @@ def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelco
             elif event == zmq.EVENT_CONNECT_RETRIED and not connected and not refused:
                 refused = True
                 logger.warning(
-                    "nothing listens at %s:%d yet (connection refused): retrying until "
+                    "nothing listens at %s:%d yet (the connection failed): retrying until "
                     "`jaxserve serve --replica-listen %s:%d` answers, for up to %g s",
                     host, port, host, port, timeout_s,
                 )  # fmt: skip
