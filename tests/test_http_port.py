@@ -15,6 +15,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from email.message import Message
 
 import openai
 import pytest
@@ -56,15 +57,15 @@ def client(server):
         yield c
 
 
-def _get(url: str, key: str | None = None) -> tuple[int, dict[str, str], str]:
+def _get(url: str, key: str | None = None) -> tuple[int, Message, str]:
     req = urllib.request.Request(url)
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
-            return r.status, dict(r.headers), r.read().decode()
+            return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode()
+        return e.code, e.headers, e.read().decode()
 
 
 def _post(server, path: str, body) -> tuple[int, dict]:
