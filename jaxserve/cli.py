@@ -110,7 +110,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
-        from jaxserve.engine.process import run_follower
+        from jaxserve.distributed.processes import run_follower
 
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).

@@ -25,6 +25,7 @@ import platform
 import sys
 from pathlib import Path
 
+from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
 from jaxserve.frontend import client_auth
 
@@ -114,6 +115,11 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     t.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    t.add_argument(
+        "--warmup-timeout", type=float, default=900.0, metavar="SECONDS",
+        help="gRPC: wait at most this long for the server's background compilation to end "
+        "before the run (jaxserve.benchmark.server_warmup); 0: run at once (default 900)",
+    )  # fmt: skip
     r = b.add_argument_group("report")
     r.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft=500,tpot=50 (also e2el)")
     r.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
@@ -138,6 +144,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset-path: required by --dataset {args.dataset}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
+    if args.warmup_timeout < 0:
+        raise ValueError(f"--warmup-timeout: must be >= 0, got {args.warmup_timeout}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
     if args.temperature < 0:
@@ -261,6 +269,20 @@ def _ask_server(args: argparse.Namespace, auth: client_auth.ClientAuth) -> str:
         ) from None
 
 
+def _pending_shapes(args: argparse.Namespace, auth) -> int | None:
+    """The server's step shapes still compiling (gRPC GetServerInfo), None when it cannot
+    be asked (the HTTP backend, a server that is down: the run's requests say why)."""
+    if args.backend != "grpc":
+        return None
+    try:
+        from jaxserve.frontend.client import JaxserveClient
+
+        with JaxserveClient(args.server, **auth.client_kwargs()) as c:
+            return c.server_info(timeout=10).warmup_pending_shapes
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
 def build_dataset(args: argparse.Namespace, tokenizer):
     """The sessions the flags ask for. Raises ValueError naming a bad flag, OSError for
     an unreadable --dataset-path."""
@@ -327,6 +349,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
     except OSError as e:
         return _error(f"--dataset-path: {e}")
+    warmup = wait_for_warmup(lambda: _pending_shapes(args, auth), args.warmup_timeout)
     n_requests = sum(len(s.turns) for s in sessions)
     load_before = os.getloadavg()
     bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")
@@ -373,6 +396,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "load_avg_before": load_before,
                 "load_avg_after": load_after,
             },  # fmt: skip
+            "server_warmup": warmup,
             "metrics": metrics,
             "timeline": timeline,
             "requests": report.per_request_records(result.outputs, result.t0),
