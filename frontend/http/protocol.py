@@ -14,6 +14,8 @@ Limits of the lists a body carries (a longer one is a 400 naming the field):
 limit (`sampling_params.MAX_LOGIT_BIAS`, checked by the shared rules). The body itself is
 at most `MAX_BODY_BYTES` (413 beyond it), which is also the only bound on the keys of a
 message, of a tool and of chat_template_kwargs (they go to the chat template as given).
+A chat `chat_template` (vLLM's extra) is declared only to be refused, whatever its length
+(`inputs.check_request_template`): no client Jinja is compiled.
 
 Every 400 names the exact field, with list indices (`prompt[1]`, `messages[0].content`,
 `stream_options.include_usage`); "body" only when the bytes are not a JSON object. A
