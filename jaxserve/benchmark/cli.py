@@ -25,6 +25,7 @@ import platform
 import sys
 from pathlib import Path
 
+from jaxserve.benchmark.probe import ServerUnreachableError, ask_server
 from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
 from jaxserve.frontend import client_auth
@@ -165,7 +166,7 @@ def _tokenizer_dir(args: argparse.Namespace, served: str | None | object = _ASK)
     """The folder whose tokenizer.json builds the prompts: --tokenizer; else the server's
     model when this machine has it (the served name as a folder, or a Hugging Face id
     `hub.resolve_model` finds); else the demo's when the server serves the demo model.
-    served: the served model's name when already asked (`_ask_server`), None for an
+    served: the served model's name when already asked (`probe.ask_server`), None for an
     unreachable server; by default the server is asked here.
     Raises ValueError naming --tokenizer for any other model: prompts built with another
     model's tokenizer would carry wrong token ids and counts."""
@@ -194,79 +195,11 @@ def _tokenizer_dir(args: argparse.Namespace, served: str | None | object = _ASK)
 
 
 def _served_model(args: argparse.Namespace) -> str | None:
-    """The model name the server reports (`_ask_server`), None when it cannot be asked."""
+    """The model name the server reports (`probe.ask_server`), None when it cannot be asked."""
     try:
-        return _ask_server(args, client_auth.from_args(args))
+        return ask_server(args.server, args.backend, client_auth.from_args(args))
     except Exception:  # noqa: BLE001 - any failure here: the caller decides
         return None
-
-
-# Seconds to wait for the server's answer to the first question (its model).
-PROBE_TIMEOUT_S = 10.0
-
-
-class ServerUnreachableError(RuntimeError):
-    """The server did not answer the first question; one line naming --server."""
-
-
-def _ask_server(args: argparse.Namespace, auth: client_auth.ClientAuth) -> str:
-    """The model name the server reports: gRPC GetServerInfo, or HTTP GET /v1/models
-    (the first model's id), within PROBE_TIMEOUT_S.
-
-    Raises ServerUnreachableError ("--server ADDR: ...") when nothing answers there,
-    the server is not serving (engine starting or dead: UNAVAILABLE / 503), refuses the
-    key, or answers something that is not this API."""
-    where = f"--server {args.server}"
-    if args.backend == "grpc":
-        import grpc
-
-        from jaxserve.frontend.client import JaxserveClient
-
-        try:
-            with JaxserveClient(args.server, **auth.client_kwargs()) as c:
-                return c.server_info(timeout=PROBE_TIMEOUT_S).model
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-            if code == grpc.StatusCode.UNAVAILABLE and details.startswith("engine unavailable"):
-                raise ServerUnreachableError(
-                    f"{where}: the server is not serving ({details})"
-                ) from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                details = f"no answer within {PROBE_TIMEOUT_S:g} s"
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise ServerUnreachableError(
-                    f"{where}: no jaxserve gRPC server answers there ({code.name}: {details})"
-                ) from None
-            raise ServerUnreachableError(
-                f"{where}: GetServerInfo failed ({code.name}: {details})"
-            ) from None
-    import urllib.error
-    import urllib.request
-
-    url = auth.url(args.server).rstrip("/") + "/v1/models"
-    req = urllib.request.Request(url)
-    for k, v in auth.headers.items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(
-            req, timeout=PROBE_TIMEOUT_S, context=auth.ssl_context()
-        ) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
-    except urllib.error.HTTPError as e:
-        text = e.read(300).decode(errors="replace").replace("\n", " ")
-        raise ServerUnreachableError(
-            f"{where}: GET {url} answered HTTP {e.code} ({text})"
-        ) from None
-    except (urllib.error.URLError, OSError) as e:  # refused, timed out, unresolvable
-        reason = getattr(e, "reason", e)
-        raise ServerUnreachableError(
-            f"{where}: no HTTP server answers at {url} ({reason}; waited at most "
-            f"{PROBE_TIMEOUT_S:g} s)"
-        ) from None
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ServerUnreachableError(
-            f"{where}: GET {url} did not answer an OpenAI model list ({type(e).__name__}: {e})"
-        ) from None
 
 
 def _pending_shapes(args: argparse.Namespace, auth) -> int | None:
@@ -339,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
         try:
-            served = _ask_server(args, auth)
+            served = ask_server(args.server, args.backend, auth)
         except ServerUnreachableError as e:
             return _error(str(e), 1)
         tokenizer_dir = _tokenizer_dir(args, served)
