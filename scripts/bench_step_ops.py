@@ -1,0 +1,128 @@
+"""What one engine step's device time is made of: XLA CPU ops by total time, from a JAX
+profiler trace of `LLM.generate` on the random Qwen3-MoE of `compare_hf.py` (or the demo).
+
+For each batch size: build the offline engine once (as `compare_hf.py`: max_num_seqs =
+the largest batch, max_model_len 256), warm it, then generate `--max-tokens` greedy
+tokens for `batch` fresh random prompts under `jax.profiler` (host tracer only, Python
+tracer off) and sum the trace's events by name (the perfetto JSON the profiler writes:
+on the CPU every XLA thunk is one event named after its HLO op or fusion). Prints the
+top `--top` names with their share of the traced wall time and their count, with
+`uptime`; writes bench_results/step_ops.json. Nested events (a while loop and the ops
+inside it) both count, so shares can add up past 100%.
+
+    python scripts/bench_step_ops.py [--model qwen3moe|demo] [--batches 1,128]
+        [--max-tokens 32] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+HERE = Path(__file__).resolve().parent
+
+
+def _events(trace_dir: Path) -> list[dict]:
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("*.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def profile_batch(llm, batch: int, args) -> dict:
+    import jax
+
+    from jaxserve import SamplingParams
+
+    rng = random.Random(batch)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def prompts():
+        return [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+
+    llm.generate(prompts(), params)  # warm
+    with tempfile.TemporaryDirectory(prefix="jaxserve_ops_") as tmp:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        options.host_tracer_level = 2
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True, profiler_options=options)
+        start = time.perf_counter()
+        llm.generate(prompts(), params)
+        wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        events = _events(Path(tmp))
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            total[e["name"]] += e["dur"] * 1e-6
+            count[e["name"]] += 1
+    top = sorted(total, key=total.get, reverse=True)[: args.top]
+    tokens = batch * args.max_tokens
+    print(f"\n## batch {batch}: {tokens / wall:.1f} tok/s, traced wall {wall:.2f} s")
+    print(f"{'op':<60} {'ms':>9} {'share':>6} {'count':>7}")
+    rows = []
+    for name in top:
+        share = total[name] / wall
+        print(f"{name[:60]:<60} {1e3 * total[name]:>9.1f} {share:>6.1%} {count[name]:>7}")
+        rows.append(dict(name=name, seconds=total[name], share=share, count=count[name]))
+    return dict(batch=batch, tok_s=tokens / wall, wall_s=wall, top=rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3moe", choices=["qwen3moe", "demo"])
+    parser.add_argument("--batches", default="1,128")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", default="bench_results/step_ops.json")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    sys.path.insert(0, str(HERE))
+    from bench_offline import write_random_checkpoint
+    from compare_hf import QWEN3MOE_SHAPE
+
+    from jaxserve import LLM
+    from jaxserve.config import DEMO_MODEL_DIR
+
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"# {uptime}")
+    with tempfile.TemporaryDirectory(prefix="jaxserve_ops_model_") as tmp:
+        if args.model == "demo":
+            path = str(DEMO_MODEL_DIR)
+        else:
+            path = str(write_random_checkpoint(Path(tmp) / "qwen3moe", QWEN3MOE_SHAPE, 2048))
+        llm = LLM(
+            model=path,
+            tokenizer=DEMO_MODEL_DIR,
+            max_num_seqs=max(batches),
+            max_model_len=args.max_model_len,
+        )
+        results = [profile_batch(llm, b, args) for b in batches]
+    uptime_end = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\n# {uptime_end}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(uptime=[uptime, uptime_end], args=vars(args), rows=results)))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
