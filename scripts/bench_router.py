@@ -3,11 +3,12 @@
     .venv/bin/python scripts/bench_router.py --micro [--replicas 4] [--blocks 10000]
         [--prompt-tokens 1024] [--block-size 16] [--json PATH]
     .venv/bin/python scripts/bench_router.py --workload [--replicas 4]
-        [--policies kv round-robin least-loaded random] [--rates 1 2 4 8]
+        [--policies kv round-robin least-loaded random] [--rates 2 4 8 16]
         [--conversations 64] [--turns 6] [--system-prompts 4] [--json PATH]
 
 --workload: a multi-turn chat on `jaxserve serve --replicas N` (the demo model, CPU;
-one server per policy, started by this script on a free port, every step shape
+one server per policy (`kv:W`: the kv policy with --router-weight W), started by this
+script on a free port, every step shape
 compiled before it serves: `--compile-all-at-start`, after one 1-replica start that
 fills the persistent compilation cache, so that no background compilation runs during
 a measurement): --conversations conversations of --turns turns, each starting with one
@@ -154,9 +155,11 @@ class _Server:
 
     def __init__(self, args: argparse.Namespace, policy: str, replicas: int) -> None:
         self.port = _free_port()
+        name, _, weight = policy.partition(":")  # "kv:W": the kv policy with weight W
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port),
-            "--replicas", str(replicas), "--router-policy", policy,
+            "--replicas", str(replicas), "--router-policy", name,
+            *(["--router-weight", weight] if weight else []),
             "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -408,13 +411,14 @@ def workload(args: argparse.Namespace) -> dict:
     # One replica first, with the same engine flags: it fills the persistent compilation
     # cache, so the N replicas of each policy load the shapes instead of each compiling
     # them on the same cores.
-    prime = _Server(args, "round-robin", 1)
-    try:
-        t = time.perf_counter()
-        prime.wait(args.start_timeout)
-        print(f"# compiled (1 replica) in {time.perf_counter() - t:.0f} s", flush=True)
-    finally:
-        prime.stop()
+    if not args.no_prime:
+        prime = _Server(args, "round-robin", 1)
+        try:
+            t = time.perf_counter()
+            prime.wait(args.start_timeout)
+            print(f"# compiled (1 replica) in {time.perf_counter() - t:.0f} s", flush=True)
+        finally:
+            prime.stop()
     rows = []
     for policy in args.policies:
         server = _Server(args, policy, args.replicas)
@@ -453,7 +457,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5000, help="--micro: timed routes")
     ap.add_argument("--policies", nargs="+", default=["kv", "round-robin", "least-loaded",
                                                      "random"])  # fmt: skip
-    ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 4.0, 8.0])
+    ap.add_argument("--rates", nargs="+", type=float, default=[2.0, 4.0, 8.0, 16.0])
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-prompts", type=int, default=4)
@@ -467,6 +471,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--start-timeout", type=float, default=1800.0)
+    ap.add_argument("--no-prime", action="store_true",
+                    help="skip the 1-replica start (the compilation cache is warm)")  # fmt: skip
     ap.add_argument("--serve-args", default="", help="more `jaxserve serve` flags (one string)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

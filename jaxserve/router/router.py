@@ -115,7 +115,10 @@ class Router:
             raise ValueError("candidates: no live replica to route to")
         hashes = hash_token_blocks(prompt_token_ids, self.block_size)
         matched = self.index.match(hashes, candidates)
-        choice = self.policy.choose(candidates, len(hashes), matched, self.load)
+        cached = None
+        if self.policy.uses_cache:
+            cached = {r: self.index.num_blocks(r) for r in candidates}
+        choice = self.policy.choose(candidates, len(hashes), matched, self.load, cached)
         return Decision(
             choice.replica,
             self.policy.name,
