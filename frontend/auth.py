@@ -172,16 +172,20 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny, des, ser)
 
 
+_OPEN_PATHS = ("/health", "/metrics")  # served without the API key
+
+
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 for every HTTP request but /health without
-    `Authorization: Bearer <key>` (what OpenAI clients send with api_key=...)."""
+    """ASGI middleware: 401 for every HTTP request but /health and /metrics without
+    `Authorization: Bearer <key>` (what OpenAI clients send with api_key=...). /metrics
+    needs no key, as on --metrics-port and on vLLM's API port."""
 
     def __init__(self, app, api_key: str) -> None:
         self._app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") == "/health":
+        if scope["type"] != "http" or scope.get("path") in _OPEN_PATHS:
             return await self._app(scope, receive, send)
         for name, value in scope.get("headers", ()):
             if name == b"authorization":

@@ -111,6 +111,8 @@ class ServerInfo:
     vocab_size: int
     kv_bytes_per_token: int = 0
     kv_layout: str = ""
+    # Step shapes still compiling in the background (below steady-state speed until 0).
+    warmup_pending_shapes: int = 0
     # With `serve --replicas N`: one dict per replica, the fields of the proto's
     # `ReplicaInfo` (replica, state, reason, KV blocks, requests, router load, ...).
     replicas: list[dict] = field(default_factory=list)

@@ -177,6 +177,7 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             vocab_size=s.vocab_size,
             kv_bytes_per_token=s.kv_bytes_per_token,
             kv_layout=s.kv_layout,
+            warmup_pending_shapes=s.counters.warmup_pending_shapes,
         )
         # Several replicas (jaxserve.router.replicas.ReplicaSet): one entry each.
         for replica in getattr(self._engine, "replica_info", list)():

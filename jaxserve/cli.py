@@ -101,12 +101,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
-        preflight.check_model_folder(config.model, check_model=args.engine_class is None)
+        preflight.check_model_folder(
+            config.model,
+            check_model=args.engine_class is None,
+            max_model_len=config.scheduler.max_model_len,
+        )
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
-        from jaxserve.engine.process import run_follower
+        from jaxserve.distributed.processes import run_follower
 
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).

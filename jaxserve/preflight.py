@@ -3,7 +3,8 @@ common mistakes end with one line naming the cause and the fix (and exit code 2 
 not a traceback from a child process a minute later.
 
 What is checked here: the model folder (config.json present, valid JSON, a supported
-architecture with the fields it needs, weights and tokenizer present) and the
+architecture with the fields it needs, weights and tokenizer present, a --max-model-len
+within its max_position_embeddings) and the
 addresses (`--host` resolves to an address of this machine; `--port`, `--metrics-port`
 and `--http-port` are distinct and free). What needs the devices (a mesh that cannot hold the model,
 memory) is checked by the engine, which reports its start-up error through
@@ -22,12 +23,17 @@ from pathlib import Path
 _ORBAX_MARKER = "jaxserve_checkpoint.json"
 
 
-def check_model_folder(model_dir: str | Path, *, check_model: bool = True) -> None:
+def check_model_folder(
+    model_dir: str | Path, *, check_model: bool = True, max_model_len: int | None = None
+) -> None:
     """Raise ValueError ("model: ...") if `model_dir` cannot be served.
 
     check_model: also parse config.json as a model of a supported family and look for
     its weights; False for a stand-in engine (`--engine-class`, tests), which reads only
     the tokenizer and config.json's sizes.
+    max_model_len: --max-model-len (None: unset); with check_model, a value above the
+    model's max_position_embeddings raises ValueError("max-model-len: ...") naming the
+    flag and the model's limit, as the engine would after loading (vLLM's check too).
 
     A broken config.json is named with the file, line and column of the JSON error.
     """
@@ -57,10 +63,17 @@ def check_model_folder(model_dir: str | Path, *, check_model: bool = True) -> No
     from jaxserve.models.config import ModelConfig  # plain dicts, no JAX
 
     try:
-        ModelConfig.from_hf(hf)
+        model_config = ModelConfig.from_hf(hf)
     except (ValueError, TypeError) as e:
         message = str(e).removeprefix("config.json: ")
         raise ValueError(f"model: {config_path}: {message}") from None
+    limit = model_config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"max-model-len: {max_model_len} tokens is above the model's limit of {limit} "
+            f"(max_position_embeddings in {config_path}); pass --max-model-len {limit} "
+            "or less"
+        )
     if not (folder / _ORBAX_MARKER).is_file() and not any(folder.glob("*.safetensors")):
         raise ValueError(
             f"model: no *.safetensors weights in {folder} (only safetensors are read; "

@@ -1,7 +1,7 @@
 """A/B: one benchmark script of two source trees, interleaved in one run, medians.
 
     python scripts/bench_ab.py --old /tmp/old [--rounds 3] [--bench offline|serve] \
-        [-- ARGS for the benchmark script]
+        [--new-args "ARGS for this tree's run only"] [-- ARGS for the benchmark script]
     python scripts/bench_ab.py --summarize DIR [--bench offline|serve]
 
 Runs `scripts/bench_<bench>.py` of the old tree and of this one alternately (old, new,
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,10 @@ def main() -> None:
     ap.add_argument("--bench", choices=["offline", "serve"], default="offline")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="default bench_results/ab_<bench>.json")
+    ap.add_argument(
+        "--new-args", default="",
+        help="more arguments for this tree's run only (options the old script lacks)",
+    )  # fmt: skip
     ap.add_argument("bench_args", nargs="*", help="after --: arguments of the benchmark")
     args = ap.parse_args()
     values: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
@@ -76,7 +81,8 @@ def main() -> None:
     for i in range(args.rounds):
         for name, tree in trees.items():
             loads[name].append(os.getloadavg()[0])
-            rows = _run(tree, args.bench, args.bench_args, tmp / f"{name}{i}.json")
+            extra = shlex.split(args.new_args) if name == "new" else []
+            rows = _run(tree, args.bench, [*args.bench_args, *extra], tmp / f"{name}{i}.json")
             for key, value in rows.items():
                 values[name].setdefault(key, []).append(value)
             print(f"# round {i + 1}/{args.rounds} {name} done", flush=True)

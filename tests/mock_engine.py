@@ -9,7 +9,8 @@ a request holds ceil((prompt + max_tokens) / block_size) blocks while admitted.
 The engine process loads it with `--engine-class mock_engine:MockEngineCore` (the tests
 folder on PYTHONPATH). `JAXSERVE_MOCK_STEP_DELAY_S` makes each step sleep, so that
 streams last long enough to be aborted mid-way; `JAXSERVE_MOCK_START_DELAY_S` delays
-start-up.
+start-up; `JAXSERVE_MOCK_WARMUP_S` reports `MOCK_WARMUP_SHAPES` step shapes compiling in
+the background for that many seconds after start-up (as `engine.warmup` does).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MOCK_VOCAB_SIZE = 512
 MOCK_MAX_MODEL_LEN = 4096
+MOCK_WARMUP_SHAPES = 4  # "compiling in the background" while JAXSERVE_MOCK_WARMUP_S lasts
 
 # Multi-byte UTF-8 (CJK, emoji, accents) so that single tokens split characters.
 _CORPUS = [
@@ -132,6 +134,8 @@ class MockEngineCore:
         self.step_delay_s = float(os.environ.get("JAXSERVE_MOCK_STEP_DELAY_S", "0"))
         # Stands in for loading weights and compiling: the server is not ready meanwhile.
         time.sleep(float(os.environ.get("JAXSERVE_MOCK_START_DELAY_S", "0")))
+        warmup_s = float(os.environ.get("JAXSERVE_MOCK_WARMUP_S", "0"))
+        self._warm_at = time.monotonic() + warmup_s
         self._free_blocks = self.num_blocks
         self._waiting: deque[_MockRequest] = deque()
         self._running: dict[str, _MockRequest] = {}
@@ -168,7 +172,7 @@ class MockEngineCore:
         return outputs
 
     def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             model=self.model,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
@@ -178,6 +182,9 @@ class MockEngineCore:
             num_running=len(self._running),
             num_waiting=len(self._waiting),
         )
+        if time.monotonic() < self._warm_at:
+            stats.counters.warmup_pending_shapes = MOCK_WARMUP_SHAPES
+        return stats
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:

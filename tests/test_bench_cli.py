@@ -503,3 +503,33 @@ def test_http_backend_sends_the_key_and_reads_sse():
     assert out.success and out.text == "abc" and len(out.chunk_times) == 2
     assert (out.prompt_len, out.output_len) == (5, 3)
     assert 0 < out.ttft == out.chunk_times[0] < out.chunk_times[1] <= out.latency
+
+
+def test_wait_for_warmup_polls_until_nothing_compiles():
+    """server_warmup.wait_for_warmup on a scripted server: it polls until 0, gives up at
+    the timeout (saying the numbers include warm-up), and asks nothing of a server that
+    cannot say (None) or with a timeout of 0."""
+    from jaxserve.benchmark.server_warmup import POLL_S, wait_for_warmup
+
+    def run(answers, timeout_s):
+        now, lines, asked = [0.0], [], iter(answers)
+
+        def sleep(s):
+            now[0] += s
+
+        rec = wait_for_warmup(lambda: next(asked), timeout_s, lines.append, sleep, lambda: now[0])
+        return rec, lines
+
+    rec, lines = run([3, 2, 0], 60)
+    assert rec == {"pending_at_start": 3, "waited_s": 2 * POLL_S, "pending_at_run": 0}
+    assert "3 step shapes still compiling" in lines[0] and "compiled after 2.0 s" in lines[-1]
+    rec, lines = run([5] * 10, 3 * POLL_S)
+    assert rec["pending_at_run"] == 5 and rec["waited_s"] == 3 * POLL_S
+    assert "include its warm-up" in lines[-1]
+    rec, lines = run([None], 60)
+    assert rec == {"pending_at_start": None, "waited_s": 0.0, "pending_at_run": None}
+    assert lines == []
+    rec, lines = run([4], 0)  # --warmup-timeout 0: no wait, but the record says so
+    assert rec["pending_at_run"] == 4 and lines == [
+        "server: 4 step shapes still compiling: the numbers below include its warm-up"
+    ]

@@ -198,7 +198,7 @@ def test_distributed_config_round_trips_through_its_flags():
 _CHANNEL_END = """
 import logging, sys, time
 from jaxserve.distributed import DistributedConfig
-from jaxserve.engine.process import exit_on_lost_peer
+from jaxserve.distributed.processes import exit_on_lost_peer
 from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
 logging.basicConfig(level="INFO")
 port, role = int(sys.argv[1]), sys.argv[2]
@@ -279,7 +279,7 @@ def test_step_channel_names_a_dead_leader_at_once():
 def test_a_follower_exits_with_code_3_naming_the_dead_leader():
     """The follower's reaction in `jaxserve serve` (`exit_on_lost_peer`): when the
     leader's process dies, it exits at once with EXIT_PEER_LOST and says why."""
-    from jaxserve.engine.process import EXIT_PEER_LOST
+    from jaxserve.distributed.processes import EXIT_PEER_LOST
 
     port = free_port_range()
     leader = _channel_end_process(port, "leader")
@@ -441,7 +441,7 @@ def test_two_process_serve_ends_when_the_follower_dies(two_process_serve):
     """SIGKILL the follower mid-stream: the open stream ends with UNAVAILABLE, the leading
     engine exits with code 3 naming process 1, the server exits non-zero, all within
     DEAD_PROCESS_BOUND_S, and no process of the run is left."""
-    from jaxserve.engine.process import EXIT_PEER_LOST
+    from jaxserve.distributed.processes import EXIT_PEER_LOST
     from jaxserve.frontend.client import JaxserveClient
 
     server, follower, _, _ = two_process_serve

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxserve.engine import sampler
-from jaxserve.engine.sampler import SamplingRow, prepare_sampling_metadata
-from jaxserve.sampling_params import FLOAT32_MAX, SamplingParams
+from jaxserve.engine import sampler, sampling_metadata
+from jaxserve.engine.sampling_metadata import SamplingRow, prepare_sampling_metadata
+from jaxserve.sampling_params import FLOAT32_MAX, MAX_LOGIT_BIAS, SamplingParams
 from tests import sampler_reference as ref
 
 VOCAB = 257
@@ -90,7 +90,7 @@ def test_without_penalties_history_can_be_empty():
         SamplingRow(SamplingParams(logit_bias={3: 2.5, 200: -1.0}), np.arange(5), [7, 7], 1),
         SamplingRow(SamplingParams(temperature=0.0), np.arange(3), [1], 2),
     ]
-    assert sampler.history_len_needed(rows) == 0
+    assert sampling_metadata.history_len_needed(rows) == 0
     md = prepare_sampling_metadata(rows, 4, VOCAB, 0)
     expected = reference_penalized(logits[:2], rows)
     np.testing.assert_allclose(np.asarray(apply_penalties(logits, md))[:2], expected, atol=1e-6)
@@ -324,7 +324,7 @@ def test_sample_compiles_once_for_every_parameter_mix(mixed_batch):
 
 def test_bad_rows_raise_naming_the_field():
     prompt = np.array([1, 2], np.int32)
-    too_many = {t: 1.0 for t in range(sampler.MAX_LOGIT_BIAS + 1)}
+    too_many = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     with pytest.raises(ValueError, match="^logit_bias"):
         prepare_sampling_metadata(
             [SamplingRow(SamplingParams(logit_bias=too_many), prompt, [], 0)], 1, VOCAB, 4
@@ -334,7 +334,7 @@ def test_bad_rows_raise_naming_the_field():
             [SamplingRow(SamplingParams(logit_bias={VOCAB: 1.0}), prompt, [], 0)], 1, VOCAB, 4
         )
     long_row = SamplingRow(SamplingParams(presence_penalty=0.5), prompt, [3, 4, 5], 0)
-    assert sampler.history_len_needed([long_row]) == 5
+    assert sampling_metadata.history_len_needed([long_row]) == 5
     with pytest.raises(ValueError, match="^max_len"):
         prepare_sampling_metadata([long_row], 1, VOCAB, 4)
     with pytest.raises(ValueError, match="^num_rows"):
@@ -384,7 +384,7 @@ def test_unpackable_row_is_reported_and_left_as_padding(mixed_batch):
     padding, its error is reported, and the other rows are packed as usual."""
     _, rows = mixed_batch
     too_many = SamplingParams()  # more entries than SamplingParams accepts: set past its check
-    too_many.logit_bias = {t: 1.0 for t in range(sampler.MAX_LOGIT_BIAS + 1)}
+    too_many.logit_bias = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     bad = SamplingRow(
         too_many,
         rows[1].prompt_token_ids,
@@ -397,7 +397,7 @@ def test_unpackable_row_is_reported_and_left_as_padding(mixed_batch):
     good = prepare_sampling_metadata([rows[0], rows[0], rows[2]], 4, VOCAB, HISTORY)
     padding = prepare_sampling_metadata([], 4, VOCAB, HISTORY)
     for name, leaf, good_leaf, pad_leaf in zip(
-        sampler.SamplingMetadata.__dataclass_fields__,
+        sampling_metadata.SamplingMetadata.__dataclass_fields__,
         jax.tree.leaves(got),
         jax.tree.leaves(good),
         jax.tree.leaves(padding),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine import sampler
+from jaxserve.engine import sampling_metadata
 from jaxserve.sampling_params import FLOAT32_MAX, MAX_LOGIT_BIAS, SamplingParams
 
 VOCAB = 1000
@@ -15,8 +15,8 @@ VOCAB = 1000
 def test_logit_bias_limit_is_the_samplers():
     # The sampler's bias arrays are [rows, MAX_LOGIT_BIAS]: the limit validate enforces
     # must be exactly their width.
-    md = sampler.prepare_sampling_metadata([], 1, VOCAB, 0)
-    assert md.logit_bias_ids.shape[1] == MAX_LOGIT_BIAS == sampler.MAX_LOGIT_BIAS
+    md = sampling_metadata.prepare_sampling_metadata([], 1, VOCAB, 0)
+    assert md.logit_bias_ids.shape[1] == MAX_LOGIT_BIAS
     SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS)}).validate(VOCAB)
     too_many = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     with pytest.raises(ValueError, match=f"^logit_bias: at most {MAX_LOGIT_BIAS} entries"):

@@ -116,6 +116,16 @@ def test_bad_chat_template_is_a_bad_setting(model_copy, tmp_path, text, cause):
     assert code == 2 and f"chat-template: {cause}" in one_error_line(lines)
 
 
+def test_max_model_len_above_the_models_limit_fails_before_any_process_starts():
+    # The real engine (no mock) would say so only after starting and loading the model.
+    code, lines = serve(str(DEMO_MODEL_DIR), "--max-model-len", str(10**9), timeout=30)
+    limit = json.loads((DEMO_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    assert code == 2
+    line = one_error_line(lines)
+    assert line.startswith(f"jaxserve serve: error: max-model-len: {10**9} tokens"), line
+    assert f"limit of {limit}" in line and f"--max-model-len {limit} or less" in line
+
+
 def test_busy_port(model_copy):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

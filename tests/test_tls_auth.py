@@ -194,8 +194,9 @@ def test_serve_warns_for_a_public_address_without_tls(mock_model_dir):
 
 
 def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
-    """The OpenAI HTTP port gets the same TLS and API key: /health is open, every other
-    path needs `Authorization: Bearer <key>` (401 otherwise)."""
+    """The OpenAI HTTP port gets the same TLS and API key: /health (and /metrics, as on
+    vLLM's port) is open, every other path needs `Authorization: Bearer <key>` (401
+    otherwise)."""
     import json
 
     http_port = free_port()

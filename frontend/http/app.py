@@ -5,6 +5,9 @@
     GET  /v1/models             the served model
     GET  /health                200 once the engine is ready, 503 before and after it died
     GET  /version               {"version": ...}
+    GET  /metrics               Prometheus metrics, as vLLM serves them on its API port: the
+                                registry and exposition of --metrics-port (prometheus_client's
+                                ASGI app over `RequestPath.metrics.registry`), no API key
 
 Each body is parsed (protocol.py), translated into `GenerateRequest`s (inputs.py) and sent
 through `RequestPath.start`, the same validation and engine path as a gRPC Generate;
@@ -23,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from importlib import metadata
 
+from prometheus_client import make_asgi_app
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -31,7 +35,13 @@ from starlette.routing import Route
 
 from jaxserve.frontend.http.chat_template import ChatTemplate
 from jaxserve.frontend.http.errors import HttpError, bad_field, error_body, unavailable
-from jaxserve.frontend.http.inputs import chat_request, completion_requests, log_unknown_fields
+from jaxserve.frontend.http.inputs import (
+    chat_request,
+    check_request_template,
+    completion_requests,
+    log_unknown_fields,
+    prompt_aliases,
+)
 from jaxserve.frontend.http.outputs import Choice, ResponseWriter, TokenTexts
 from jaxserve.frontend.http.protocol import (
     MAX_BODY_BYTES,
@@ -127,6 +137,11 @@ class OpenAIApi:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
+                Route(
+                    "/metrics",
+                    _AsgiEndpoint(make_asgi_app(requests.metrics.registry)),
+                    methods=["GET"],
+                ),
             ],
             exception_handlers={HTTPException: _http_exception, Exception: _internal_error},
         )
@@ -179,6 +194,7 @@ class OpenAIApi:
             body = parse_body(ChatCompletionRequest, await read_body(request, MAX_BODY_BYTES))
             log_unknown_fields(body, "chat.completions")
             model = self._model(body.model)
+            check_request_template(body)
             if self._chat_template is None:
                 raise HttpError(
                     400,
@@ -238,7 +254,8 @@ class OpenAIApi:
             for g in generations:
                 g.release()
             if isinstance(e, RequestValidationError):
-                raise bad_field(str(e), aliases) from None
+                own = prompt_aliases(len(generations), len(messages))
+                raise bad_field(str(e), {**aliases, **own}) from None
             if isinstance(e, AdmissionError):  # past an admission limit: retry later
                 raise HttpError(429, str(e), None, "overloaded") from None
             raise
@@ -298,6 +315,17 @@ class OpenAIApi:
         except SampleFailedError as e:
             yield sse_event(error_body(400, str(e)))
         yield DONE
+
+
+class _AsgiEndpoint:
+    """An ASGI app as a Route's endpoint: Starlette calls a function endpoint with a
+    Request, any other callable with (scope, receive, send)."""
+
+    def __init__(self, app) -> None:
+        self._app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._app(scope, receive, send)
 
 
 async def _http_exception(request: Request, exc: HTTPException):

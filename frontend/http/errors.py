@@ -55,12 +55,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def bad_field(message: str, aliases: dict[str, str] | None = None) -> HttpError:
     """A 400 from a validation message "field: ...": param is the field, renamed by
-    `aliases` where the HTTP body spells it differently (chat: prompt -> messages)."""
+    `aliases` where the HTTP body spells it differently (chat: prompt -> messages,
+    logprobs -> top_logprobs; prompt -> prompt[i] in a list of prompts), and the message
+    then starts with the HTTP name too."""
     field = message.split(":", 1)[0] if ":" in message else None
     if field is not None and " " in field:
         field = None
-    if field is not None and aliases:
-        field = aliases.get(field, field)
+    if field is not None and aliases and field in aliases:
+        message = aliases[field] + message[len(field) :]
+        field = aliases[field]
     return HttpError(400, message, field)
 
 

@@ -93,6 +93,10 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
     request.ignore_eos = body.ignore_eos
     if body.skip_special_tokens is not None:
         request.skip_special_tokens = body.skip_special_tokens
+    if body.stream_options is not None and not body.stream:
+        raise FieldError(
+            "stream_options", "stream_options: only allowed when stream is true (as OpenAI)"
+        )
     best_of = (body.model_extra or {}).get("best_of")
     if best_of is not None and best_of != (body.n or 1):
         raise FieldError("best_of", "best_of: only best_of = n is supported")
@@ -113,7 +117,7 @@ def completion_requests(
         raise FieldError("echo", "echo: not supported")
     if body.suffix is not None:
         raise FieldError("suffix", "suffix: not supported")
-    prompt = body.prompt
+    prompt = body.prompt  # of one of the shapes of protocol.prompt_shape
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
     else:
@@ -137,9 +141,19 @@ def completion_requests(
         if isinstance(p, str):
             request.text = p
         else:
-            request.token_ids.ids.extend(_token_ids("prompt.token_ids", p, limits))
+            name = f"prompt[{i}]" if len(prompts) > 1 else "prompt.token_ids"
+            request.token_ids.ids.extend(_token_ids(name, p, limits))
         out.append(request)
     return out
+
+
+def prompt_aliases(index: int, num_prompts: int) -> dict[str, str]:
+    """The names the shared rules' prompt fields take in the error of prompt `index` of a
+    completions body: `prompt[i]` when the body has several prompts (as gRPC has one, its
+    words are "prompt" and "prompt.token_ids")."""
+    if num_prompts == 1:
+        return {}
+    return {"prompt": f"prompt[{index}]", "prompt.token_ids": f"prompt[{index}]"}
 
 
 def _content_text(index: int, content: Any) -> str | None:
@@ -180,6 +194,32 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def check_request_template(body: ChatCompletionRequest) -> None:
+    """Refuse a chat template sent with the request, as vLLM does by default (without
+    its --trust-request-chat-template, which jaxserve does not offer): the server renders
+    chats with the model's template (or --chat-template) only, since a client's Jinja
+    would run in the frontend with every other request's CPU. So `chat_template`, of any
+    length, and a `chat_template` key of chat_template_kwargs (vLLM reads the template
+    from there too) are a 400 naming the field, never silently ignored.
+
+    Raises FieldError("chat_template" or "chat_template_kwargs.chat_template")."""
+    if body.chat_template is not None:
+        raise FieldError(
+            "chat_template",
+            "chat_template: a chat template sent with the request is refused (as vLLM "
+            "without --trust-request-chat-template); the server renders chats with the "
+            "model's template, or the one given to jaxserve serve --chat-template FILE",
+        )
+    if (body.chat_template_kwargs or {}).get("chat_template") is not None:
+        raise FieldError(
+            "chat_template_kwargs.chat_template",
+            "chat_template_kwargs.chat_template: a chat template sent with the request is "
+            "refused (as vLLM without --trust-request-chat-template); the server renders "
+            "chats with the model's template, or the one given to jaxserve serve "
+            "--chat-template FILE",
+        )
+
+
 def chat_request(
     body: ChatCompletionRequest,
     request_id: str,
@@ -191,6 +231,7 @@ def chat_request(
     chat template and tokenized (CPU work: call it off the event loop). An unset
     max_tokens (and max_completion_tokens) is the room the model length leaves after the
     prompt, as in vLLM. Raises FieldError naming the field."""
+    check_request_template(body)
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise FieldError("response_format", "response_format: only type 'text' is supported")
     tool_choice = (body.model_extra or {}).get("tool_choice")

@@ -6,9 +6,12 @@
 The traffic flags are `vllm bench serve`'s (--request-rate, --burstiness,
 --max-concurrency, --num-warmups, --ignore-eos); the length flags are shared by the
 datasets (--input-len, --output-len, ...) where vLLM has one set per dataset. Prints
-the results table (report.py) to stdout, progress and errors to stderr. Exit status: 0,
-1 if the server failed the warm-up or every request, 2 for a bad flag (its name in the
-message).
+the results table (report.py) to stdout, progress and errors to stderr. Before any
+request the server is asked for its model (gRPC GetServerInfo, HTTP GET /v1/models); a
+server that does not answer (nothing listens, the engine is starting or dead, a wrong
+key) ends the run with one line naming --server and the cause. Exit status: 0, 1 if the
+server cannot be reached or failed the warm-up or every request (one line, no table),
+2 for a bad flag (its name in the message).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import platform
 import sys
 from pathlib import Path
 
+from jaxserve.benchmark.probe import ServerUnreachableError, ask_server
+from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
 from jaxserve.frontend import client_auth
 
@@ -111,6 +116,11 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     t.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    t.add_argument(
+        "--warmup-timeout", type=float, default=900.0, metavar="SECONDS",
+        help="gRPC: wait at most this long for the server's background compilation to end "
+        "before the run (jaxserve.benchmark.server_warmup); 0: run at once (default 900)",
+    )  # fmt: skip
     r = b.add_argument_group("report")
     r.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft=500,tpot=50 (also e2el)")
     r.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
@@ -135,6 +145,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset-path: required by --dataset {args.dataset}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
+    if args.warmup_timeout < 0:
+        raise ValueError(f"--warmup-timeout: must be >= 0, got {args.warmup_timeout}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
     if args.temperature < 0:
@@ -147,15 +159,20 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
 
 
-def _tokenizer_dir(args: argparse.Namespace) -> str:
+_ASK = object()  # _tokenizer_dir: ask the server for its model
+
+
+def _tokenizer_dir(args: argparse.Namespace, served: str | None | object = _ASK) -> str:
     """The folder whose tokenizer.json builds the prompts: --tokenizer; else the server's
     model when this machine has it (the served name as a folder, or a Hugging Face id
     `hub.resolve_model` finds); else the demo's when the server serves the demo model.
+    served: the served model's name when already asked (`probe.ask_server`), None for an
+    unreachable server; by default the server is asked here.
     Raises ValueError naming --tokenizer for any other model: prompts built with another
     model's tokenizer would carry wrong token ids and counts."""
     if args.tokenizer:
         return args.tokenizer
-    name = _served_model(args)
+    name = _served_model(args) if served is _ASK else served
     if name is None:  # unreachable now: the run's own requests will say so
         return str(DEMO_MODEL_DIR)
     if (Path(name) / "tokenizer.json").is_file():
@@ -178,23 +195,24 @@ def _tokenizer_dir(args: argparse.Namespace) -> str:
 
 
 def _served_model(args: argparse.Namespace) -> str | None:
-    """The model name the server reports (gRPC GetServerInfo, HTTP /v1/models), None when
-    it cannot be asked."""
+    """The model name the server reports (`probe.ask_server`), None when it cannot be asked."""
     try:
-        auth = client_auth.from_args(args)
-        if args.backend == "grpc":
-            from jaxserve.frontend.client import JaxserveClient
+        return ask_server(args.server, args.backend, client_auth.from_args(args))
+    except Exception:  # noqa: BLE001 - any failure here: the caller decides
+        return None
 
-            with JaxserveClient(args.server, **auth.client_kwargs()) as c:
-                return c.server_info(timeout=10).model
-        import urllib.request
 
-        req = urllib.request.Request(auth.url(args.server).rstrip("/") + "/v1/models")
-        for k, v in auth.headers.items():
-            req.add_header(k, v)
-        with urllib.request.urlopen(req, timeout=10, context=auth.ssl_context()) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - any failure here: the run's requests will say why
+def _pending_shapes(args: argparse.Namespace, auth) -> int | None:
+    """The server's step shapes still compiling (gRPC GetServerInfo), None when it cannot
+    be asked (the HTTP backend, a server that is down: the run's requests say why)."""
+    if args.backend != "grpc":
+        return None
+    try:
+        from jaxserve.frontend.client import JaxserveClient
+
+        with JaxserveClient(args.server, **auth.client_kwargs()) as c:
+            return c.server_info(timeout=10).warmup_pending_shapes
+    except Exception:  # noqa: BLE001 - see above
         return None
 
 
@@ -253,13 +271,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
-        tokenizer_dir = _tokenizer_dir(args)
+        try:
+            served = ask_server(args.server, args.backend, auth)
+        except ServerUnreachableError as e:
+            return _error(str(e), 1)
+        tokenizer_dir = _tokenizer_dir(args, served)
         tokenizer = load_tokenizer(tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
     except OSError as e:
         return _error(f"--dataset-path: {e}")
+    warmup = wait_for_warmup(lambda: _pending_shapes(args, auth), args.warmup_timeout)
     n_requests = sum(len(s.turns) for s in sessions)
     load_before = os.getloadavg()
     bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")
@@ -283,6 +306,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     metrics = report.compute_metrics(
         result.outputs, result.duration, slo=slo, percentiles=percentiles
     )
+    if not metrics["completed"]:  # a table of zeros says nothing: the cause does
+        first = next((o.error for o in result.outputs if o.error), "no request was sent")
+        return _error(f"every request failed ({len(result.outputs)}), the first: {first}", 1)
     load_after = os.getloadavg()
     print(report.format_table(metrics, percentiles, args.label))
     print(f"load average before {_load(load_before)}, after {_load(load_after)}; "
@@ -303,6 +329,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "load_avg_before": load_before,
                 "load_avg_after": load_after,
             },  # fmt: skip
+            "server_warmup": warmup,
             "metrics": metrics,
             "timeline": timeline,
             "requests": report.per_request_records(result.outputs, result.t0),
@@ -318,7 +345,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {write_plot(args.plot, result.outputs, timeline, args.label)}")
         except RuntimeError as e:
             return _error(str(e), 1)
-    return 0 if metrics["completed"] else 1
+    return 0
 
 
 def _load(avg) -> str:

@@ -5,6 +5,8 @@
 - `step_channel`: process 0 publishes each step's packed inputs, the others receive them;
 - `executor`: the engine's executor for process 0 (publish, then dispatch) and the
   followers' step loop;
+- `processes`: process 0's executor factory, the followers' main (`run_follower`), and
+  how every process of the run exits when one is gone;
 - `arrays`: host buffers onto a mesh whose devices span processes, and replicated
   outputs back to the host.
 

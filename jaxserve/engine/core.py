@@ -33,7 +33,7 @@ from jaxserve.engine.builder import CompileCounter, build_engine
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.request import Request
-from jaxserve.engine.sampler import uses_penalties
+from jaxserve.engine.sampling_metadata import uses_penalties
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_inputs import StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.sampling_metadata import SamplingMetadata
 from jaxserve.models.base import AttentionMetadata
 
 
@@ -35,7 +35,7 @@ class DeviceInputs:
     positions: np.ndarray
     metadata: AttentionMetadata
     logits_indices: np.ndarray
-    sampling: sampler_lib.SamplingMetadata
+    sampling: SamplingMetadata
     prompt_next_ids: np.ndarray
 
 

@@ -24,13 +24,9 @@ working is counted for the metrics (`EngineCounters.loop_wait_s` / `loop_work_s`
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
 
-Several processes (`jaxserve.distributed`): this process leads (its core's executor is
-a `distributed.executor.LeaderExecutor`), `run_follower` runs in the others. No process
-can go on without the others, so when one is gone (its step channel connection closed:
-`jaxserve.distributed.step_channel`) or a step fails, every process exits
-at once with a non-zero code and a log line that says why, and never waits at
-jax.distributed's shutdown barrier, which a dead process never reaches (measured: the
-survivor hung there until the heartbeat timeout, then JAX aborted it).
+Several processes: this process leads (its core's executor is process 0's, from
+`jaxserve.distributed.processes`, which also runs the others and says how every process of
+the run ends when one is gone).
 """
 
 from __future__ import annotations
@@ -39,17 +35,22 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import zmq
 
 from jaxserve import distributed
 from jaxserve.config import EngineConfig
+from jaxserve.distributed.processes import (
+    EXIT_START_FAILED,
+    EXIT_STEP_FAILED,
+    PEER_LOSS_GRACE_S,
+    exit_now,
+    leader_executor,
+)
 from jaxserve.engine.control import EngineControl
 from jaxserve.ipc import (
     AbortRequest,
@@ -76,15 +77,6 @@ DEFAULT_ENGINE_CLASS = "jaxserve.engine.core:EngineCore"
 # An idle engine wakes this often even without messages (ms); parent death is handled
 # by jaxserve.lifetime, so this only bounds how stale nothing can be.
 _IDLE_POLL_MS = 1000
-
-# Exit codes of the engine process and of followers.
-EXIT_STEP_FAILED = 1
-EXIT_START_FAILED = 2
-EXIT_PEER_LOST = 3  # another process of a multi-process run is gone
-# After a failed step in a multi-process run: how long to let the step channel's watcher
-# name a dead peer (a collective fails the moment a peer's connection drops, about when
-# the watcher reads its EOF) before exiting with EXIT_STEP_FAILED.
-_PEER_LOSS_GRACE_S = 1.0
 
 
 def load_engine_class(path: str) -> type:
@@ -306,7 +298,8 @@ def run_engine_process(
         requests), besides `engine_control` bound here for its sidecar.
 
     dist: the multi-process run this engine leads (process 0), or None. The leader
-        publishes every step to the followers (`run_follower`) and stops them on exit;
+        publishes every step to the followers (`distributed.processes.run_follower`) and
+        stops them on exit;
         should a follower be gone, this process exits at once with EXIT_PEER_LOST.
 
     A failure to start (bad model folder, out of memory) logs the error and returns 2; a
@@ -330,7 +323,7 @@ def run_engine_process(
         try:
             cls = load_engine_class(engine_class)
             if dist is not None and dist.num_processes > 1:
-                core = cls(config, executor=_leader_executor(dist))
+                core = cls(config, executor=leader_executor(dist))
             else:
                 core = cls(config)
         except Exception as e:
@@ -350,7 +343,7 @@ def run_engine_process(
         except Exception:
             logger.exception("engine step failed; the engine process exits")
             if dist is not None and dist.num_processes > 1:
-                time.sleep(_PEER_LOSS_GRACE_S)  # a dead follower: let the watcher name it
+                time.sleep(PEER_LOSS_GRACE_S)  # a dead follower: let the watcher name it
                 exit_now(EXIT_STEP_FAILED)  # no STOP: a follower may be stuck in the step
             return EXIT_STEP_FAILED
         return 0
@@ -363,108 +356,6 @@ def run_engine_process(
             if sock is not None:
                 sock.close()
         ctx.term()
-
-
-def run_follower(config: EngineConfig, dist: distributed.DistributedConfig) -> int:
-    """Processes 1..N-1 of a multi-process run: join it, build the same engine as
-    process 0 (same mesh, same executables in the same order), then run each step it
-    publishes until it stops.
-
-    Returns:
-        0 once the leader stopped the run. Any failure ends the process instead, at once
-        (`exit_now`): EXIT_START_FAILED, EXIT_STEP_FAILED, or EXIT_PEER_LOST when the
-        leader is gone.
-    """
-    distributed.initialize(dist)  # before any other JAX call
-    from jaxserve.distributed.executor import follow  # noqa: PLC0415
-    from jaxserve.distributed.step_channel import StepSubscriber  # noqa: PLC0415
-    from jaxserve.engine.builder import build_engine  # noqa: PLC0415
-
-    # jax.distributed's preemption notifier takes SIGTERM over and the process would run on
-    # (measured): take it back, so that stopping a follower (e.g. deleting its pod) ends
-    # it, and with it the run (the leader sees it gone).
-    signal.signal(signal.SIGTERM, lambda *_: _leave_on_sigterm(dist.process_id))
-    try:
-        parts = build_engine(config)
-        runner = parts.runner
-        # EPLB: the leader's new placements, applied here between the same two steps.
-        on_placement = None if parts.eplb is None else parts.eplb.apply_table
-        port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
-        channel = StepSubscriber(
-            dist.coordinator_host, port, dist.process_id, on_leader_lost=exit_on_lost_peer(dist)
-        )
-    except Exception as e:
-        report_start_failure(f"follower {dist.process_id}", e, logger)
-        exit_now(EXIT_START_FAILED)
-    try:
-        steps = follow(runner, channel, on_placement=on_placement)
-    except Exception:
-        logger.exception("follower %d: a step failed; the process exits", dist.process_id)
-        time.sleep(_PEER_LOSS_GRACE_S)  # a dead leader: let the watcher name it
-        exit_now(EXIT_STEP_FAILED)
-    channel.close()
-    logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
-    return 0
-
-
-def _leader_executor(dist: distributed.DistributedConfig):
-    """The executor factory of process 0: publish every step to the followers (once they
-    all joined the step channel), exiting at once should one be gone."""
-
-    def make(runner):
-        from jaxserve.distributed.executor import LeaderExecutor  # noqa: PLC0415
-        from jaxserve.distributed.step_channel import StepPublisher  # noqa: PLC0415
-
-        port = dist.coordinator_port + distributed.STEP_CHANNEL_PORT_OFFSET
-        publisher = StepPublisher(
-            dist.coordinator_host,
-            port,
-            dist.num_processes - 1,
-            on_follower_lost=exit_on_lost_peer(dist),
-        )
-        return LeaderExecutor(runner, publisher)
-
-    return make
-
-
-def _leave_on_sigterm(process_id: int) -> NoReturn:
-    logger.warning(
-        "follower %d: SIGTERM: leaving the run (the leader ends it: it cannot go on without "
-        "this process)",
-        process_id,
-    )
-    exit_now(0)
-
-
-def exit_on_lost_peer(dist: distributed.DistributedConfig) -> Callable[[int], None]:
-    """The step channel's lost-peer callback for this process: log which process is gone
-    and exit with EXIT_PEER_LOST (from the channel's watcher thread, so it also ends a
-    process whose main thread is blocked in a step's collectives)."""
-
-    def lost(process_id: int) -> None:
-        role = "the leader" if process_id == 0 else "a follower"
-        logger.error(
-            "process %d (%s) of the %d-process run is gone; the run cannot go on without "
-            "it: process %d exits (code %d)",
-            process_id,
-            role,
-            dist.num_processes,
-            dist.process_id,
-            EXIT_PEER_LOST,
-        )
-        exit_now(EXIT_PEER_LOST)
-
-    return lost
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the process with `code` at once, after flushing logs: skips the interpreter's
-    exit hooks, among them jax.distributed's shutdown barrier, which waits for every
-    process of the run (a dead one: until the heartbeat timeout, then JAX aborts)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine import sampling_metadata
 from jaxserve.engine.packed_layout import DeviceInputs, PackedLayout
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -222,7 +222,7 @@ class InputBuilder:
     def needs_full(self, sched: SchedulerOutput) -> bool:
         """Whether a decision needs the full variant (penalty history, prompt logits)."""
         return any(
-            sampler_lib.uses_penalties(r.seq.params)
+            sampling_metadata.uses_penalties(r.seq.params)
             or self._prompt_span(row, r.seq, r.start, r.num_tokens) is not None
             for row, r in enumerate(sched.requests)
         )
@@ -250,7 +250,7 @@ class InputBuilder:
         reqs = sched.requests
         spans = [self._prompt_span(row, r.seq, r.start, r.num_tokens) for row, r in enumerate(reqs)]
         if shape is None:
-            penalized = any(sampler_lib.uses_penalties(r.seq.params) for r in reqs)
+            penalized = any(sampling_metadata.uses_penalties(r.seq.params) for r in reqs)
             wants_prompt = any(span is not None for span in spans)
             shape = self.shape_for(sched, penalized or wants_prompt)
         x = self.empty(shape)
@@ -343,7 +343,7 @@ class InputBuilder:
     ) -> None:
         """Rank k's sampling metadata (rows `rows` of the step: reqs)."""
         sampling_rows = [
-            sampler_lib.SamplingRow(
+            sampling_metadata.SamplingRow(
                 r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.seed
             )
             for r in reqs
@@ -352,7 +352,7 @@ class InputBuilder:
         # other request): a row that cannot be packed is reported, not raised.
         errors: dict[int, str] = {}
         # Written straight into rank k's (padding-filled) buffers.
-        sampling = sampler_lib.prepare_sampling_metadata(
+        sampling = sampling_metadata.prepare_sampling_metadata(
             sampling_rows,
             x.shape.num_rows,
             self.vocab_size,
@@ -369,7 +369,7 @@ class InputBuilder:
             seq = r.seq
             prior = max(0, r.start + r.num_tokens - seq.num_tokens)
             sampling.num_output_tokens[j] += prior
-            if prior and sampler_lib.uses_penalties(seq.params):
+            if prior and sampling_metadata.uses_penalties(seq.params):
                 for i in range(prior):
                     x.pending_history.append((k, j, seq.num_tokens + i, prev_rows[seq], i))
 
@@ -409,7 +409,7 @@ class InputBuilder:
             positions=np.zeros(t_bucket, np.int32),
             metadata=metadata,
             logits_indices=np.zeros(r_bucket, np.int32),
-            sampling=sampler_lib.prepare_sampling_metadata(
+            sampling=sampling_metadata.prepare_sampling_metadata(
                 [], r_bucket, self.vocab_size, shape.history_len
             ),
             prompt_next_ids=np.full(shape.num_prompt_logits, -1, np.int32),

@@ -108,10 +108,8 @@ def mesh_peak(device_kind: str, num_devices: int, platform: str) -> Peak | None:
 
 
 def engine_peak(mesh) -> Peak | None:
-    """`mesh_peak` of the devices a step runs on: those of `mesh` (a jax Mesh), or the
-    default device when None."""
-    import jax  # noqa: PLC0415 - the engine process only
-
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    """`mesh_peak` of the devices a step runs on: those of `mesh` (a jax Mesh; one device
+    is a 1x1 mesh, `engine.builder`)."""
+    devices = list(mesh.devices.flat)
     d = devices[0]
     return mesh_peak(d.device_kind, len(devices), d.platform)

@@ -13,7 +13,9 @@ host's sidecar detokenizes, so it needs the same model folder (tokenizer include
 
 It supervises its children and the handshake connection:
 - refused (another protocol version or model): one line naming the field, exit 2;
-- no answer from the frontend within --handshake-timeout-s: exit 1;
+- no answer from the frontend within --handshake-timeout-s (default 60 s): one line,
+  exit 1; it logs at once what it waits for, and a warning when nothing listens at the
+  address (ZeroMQ retries the connection every 0.1 s until then);
 - a child dies: the frontend is told why (`ReplicaLeft`), the other child is stopped,
   exit 1 (a supervisor restarts it; it rejoins with empty entries);
 - the frontend goes away (its connection closes, or the frontend sends `ReplicaLeft`):
@@ -86,7 +88,9 @@ def run_headless(
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.HEARTBEAT_IVL, HANDSHAKE_HEARTBEAT_MS)
     dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HANDSHAKE_HEARTBEAT_TIMEOUT_MS)
-    monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = dealer.get_monitor_socket(
+        zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+    )
     dealer.connect(f"tcp://{host}:{port}")
     children: list[_Child] = []
     remove_dead_socket_dirs()
@@ -97,8 +101,11 @@ def run_headless(
     try:
         name = f"{socket.gethostname()} pid {os.getpid()}"
         dealer.send(encode(ReplicaHello(PROTOCOL_VERSION, model_identity(engine_config), name)))
-        logger.info("joining the frontend at %s:%d as %s", host, port, name)
-        welcome = _await_welcome(dealer, host, port, handshake_timeout_s, stop)
+        logger.info(
+            "joining the frontend at %s:%d as %s: waiting up to %g s (--handshake-timeout-s) "
+            "for its answer", host, port, name, handshake_timeout_s,
+        )  # fmt: skip
+        welcome = _await_welcome(dealer, monitor, host, port, handshake_timeout_s, stop)
         if welcome is None:
             return 0
         k = welcome.replica
@@ -115,17 +122,46 @@ def run_headless(
         ctx.term()
 
 
-def _await_welcome(dealer, host, port, timeout_s, stop) -> ReplicaWelcome | None:
+def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelcome | None:
+    """The frontend's answer to the hello; None after a signal. Logs a warning the first
+    time the connection is refused (nothing listens there yet) and a line when it is
+    made. Raises HeadlessError when refused, or with no answer within timeout_s (the
+    line says whether anything listened at host:port)."""
     deadline = time.monotonic() + timeout_s
+    connected = refused = False
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     while not stop:
         left = deadline - time.monotonic()
         if left <= 0:
+            if connected:
+                why = f"{host}:{port} accepted the connection but sent no answer"
+            elif refused:
+                why = f"nothing listens at {host}:{port} (every connection attempt failed)"
+            else:
+                why = f"no connection to {host}:{port} was made (is the address reachable?)"
             raise HeadlessError(
-                f"frontend: no answer from {host}:{port} within {timeout_s:g} s (is "
-                f"`jaxserve serve --replica-listen {host}:{port}` running there?)",
+                f"frontend: no answer within {timeout_s:g} s (--handshake-timeout-s): {why}; "
+                f"is `jaxserve serve --replica-listen {host}:{port}` running there?",
                 EXIT_LOST,
             )
-        if not dealer.poll(int(min(left, 0.2) * 1000)):
+        ready = dict(poller.poll(int(min(left, 0.2) * 1000)))
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                connected = True
+                logger.info("connected to %s:%d; waiting for the frontend's answer", host, port)
+            elif event == zmq.EVENT_DISCONNECTED:
+                connected = False
+            elif event == zmq.EVENT_CONNECT_RETRIED and not connected and not refused:
+                refused = True
+                logger.warning(
+                    "nothing listens at %s:%d yet (the connection failed): retrying until "
+                    "`jaxserve serve --replica-listen %s:%d` answers, for up to %g s",
+                    host, port, host, port, timeout_s,
+                )  # fmt: skip
+        if dealer not in ready:
             continue
         msg = decode(dealer.recv())
         if isinstance(msg, ReplicaRefused):
@@ -211,7 +247,12 @@ def cmd_engine(args) -> int:
     try:
         frontend = host_port("frontend", args.frontend)
         config = engine_config(args, model=resolve_model(model_argument(args)))
-        preflight.check_model_folder(config.model, check_model=args.engine_class is None)
+        preflight.check_model_folder(
+            config.model, check_model=args.engine_class is None,
+            max_model_len=config.scheduler.max_model_len,
+        )  # fmt: skip
+        if not args.handshake_timeout_s > 0:
+            raise ValueError(f"handshake-timeout-s: must be > 0, got {args.handshake_timeout_s}")
     except (ValueError, OSError) as e:
         print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -265,7 +306,8 @@ def add_subparser(sub) -> None:
     )  # fmt: skip
     e.add_argument(
         "--handshake-timeout-s", type=float, default=60.0, metavar="S",
-        help="how long to wait for the frontend's answer (default: 60)",
+        help="how long to wait for the frontend's answer, retrying while nothing listens "
+        "at --frontend; then exit 1 (default: 60)",
     )  # fmt: skip
     e.set_defaults(func=cmd_engine)
     _PARSER_DEFAULTS.update({a.dest: a.default for a in e._actions})

@@ -18,13 +18,17 @@ RPC_TIMEOUT_S = 30
 FFFD = "\ufffd"
 
 
-def MockServer(model_dir: Path, *, start_delay_s: float = 0.0, extra_args=()) -> ServerProcess:
-    """The real three-process server with the mock engine in the engine process."""
+def MockServer(
+    model_dir: Path, *, start_delay_s: float = 0.0, warmup_s: float = 0.0, extra_args=()
+) -> ServerProcess:
+    """The real three-process server with the mock engine in the engine process
+    (`warmup_s`: seconds it reports step shapes compiling in the background)."""
     args = ("--num-blocks", "256", "--block-size", "16")
     args += ("--engine-class", "mock_engine:MockEngineCore", *extra_args)
     env = {
         "JAXSERVE_MOCK_STEP_DELAY_S": str(STEP_DELAY_S),
         "JAXSERVE_MOCK_START_DELAY_S": str(start_delay_s),
+        "JAXSERVE_MOCK_WARMUP_S": str(warmup_s),
     }
     return ServerProcess(model_dir, extra_args=args, env=env, start_timeout_s=START_TIMEOUT_S)
 

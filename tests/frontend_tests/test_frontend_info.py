@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from mock_engine import MOCK_WARMUP_SHAPES
 
 from frontend_tests.helpers import (
+    REPO_DIR,
+    MockServer,
     _wait_idle,
 )
+from jaxserve.frontend.client import JaxserveClient
 
 # ---------------------------------------------------------------- health, reflection, info
 
@@ -38,3 +46,29 @@ def test_server_info_reports_engine_facts(client, vocab):
     info = _wait_idle(client)
     assert info.max_model_len == 4096 and info.block_size == 16
     assert info.kv_blocks_total == 256 and info.vocab_size == vocab[0]
+
+
+def test_server_info_and_bench_wait_for_the_background_compilation(model_dir, tmp_path):
+    """While the engine compiles step shapes in the background, GetServerInfo says how
+    many; `jaxserve bench` waits until none is left before its run (and records it), so
+    it measures the server, not its warm-up."""
+    srv = MockServer(model_dir, warmup_s=8).wait_ready()
+    try:
+        with JaxserveClient(srv.target) as c:
+            assert c.server_info().warmup_pending_shapes == MOCK_WARMUP_SHAPES
+            out = tmp_path / "b.json"
+            r = subprocess.run(
+                [sys.executable, "-m", "jaxserve.cli", "bench", "--server", srv.target,
+                 "--tokenizer", str(model_dir), "--dataset", "random", "--num-prompts", "2",
+                 "--input-len", "4", "--output-len", "2", "--no-progress", "--out", str(out)],
+                cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            assert f"{MOCK_WARMUP_SHAPES} step shapes still compiling" in r.stderr, r.stderr
+            assert "every step shape compiled after" in r.stderr, r.stderr
+            warmup = json.loads(out.read_text())["server_warmup"]
+            assert warmup["pending_at_start"] == MOCK_WARMUP_SHAPES
+            assert warmup["pending_at_run"] == 0 and warmup["waited_s"] > 0
+            assert c.server_info().warmup_pending_shapes == 0
+    finally:
+        srv.terminate(15)

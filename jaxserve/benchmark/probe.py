@@ -1,0 +1,81 @@
+"""The question `jaxserve bench` asks a server before its run: which model it serves.
+
+The answer names the tokenizer that builds the prompts (cli._tokenizer_dir); no answer
+ends the run before any request with one line naming --server and the cause (nothing
+listens there, the engine is starting or dead, a wrong key, not this API), where the run
+would otherwise send every request to fail and print a table of zeros.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jaxserve.frontend.client_auth import ClientAuth
+
+# Seconds to wait for the server's answer to the first question (its model).
+PROBE_TIMEOUT_S = 10.0
+
+
+class ServerUnreachableError(RuntimeError):
+    """The server did not answer the first question; one line naming --server."""
+
+
+def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
+    """The model name the server at `server` (HOST:PORT; http: also a URL) reports over
+    `backend` ("grpc": GetServerInfo; "http": GET /v1/models, the first model's id),
+    within PROBE_TIMEOUT_S.
+
+    Raises ServerUnreachableError ("--server ADDR: ...") when nothing answers there,
+    the server is not serving (engine starting or dead: UNAVAILABLE / 503), refuses the
+    key, or answers something that is not this API."""
+    where = f"--server {server}"
+    if backend == "grpc":
+        import grpc
+
+        from jaxserve.frontend.client import JaxserveClient
+
+        try:
+            with JaxserveClient(server, **auth.client_kwargs()) as c:
+                return c.server_info(timeout=PROBE_TIMEOUT_S).model
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE and details.startswith("engine unavailable"):
+                raise ServerUnreachableError(
+                    f"{where}: the server is not serving ({details})"
+                ) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = f"no answer within {PROBE_TIMEOUT_S:g} s"
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ServerUnreachableError(
+                    f"{where}: no jaxserve gRPC server answers there ({code.name}: {details})"
+                ) from None
+            raise ServerUnreachableError(
+                f"{where}: GetServerInfo failed ({code.name}: {details})"
+            ) from None
+    import urllib.error
+    import urllib.request
+
+    url = auth.url(server).rstrip("/") + "/v1/models"
+    req = urllib.request.Request(url)
+    for k, v in auth.headers.items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(
+            req, timeout=PROBE_TIMEOUT_S, context=auth.ssl_context()
+        ) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except urllib.error.HTTPError as e:
+        text = e.read(300).decode(errors="replace").replace("\n", " ")
+        raise ServerUnreachableError(
+            f"{where}: GET {url} answered HTTP {e.code} ({text})"
+        ) from None
+    except (urllib.error.URLError, OSError) as e:  # refused, timed out, unresolvable
+        reason = getattr(e, "reason", e)
+        raise ServerUnreachableError(
+            f"{where}: no HTTP server answers at {url} ({reason}; waited at most "
+            f"{PROBE_TIMEOUT_S:g} s)"
+        ) from None
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ServerUnreachableError(
+            f"{where}: GET {url} did not answer an OpenAI model list ({type(e).__name__}: {e})"
+        ) from None

@@ -1,0 +1,82 @@
+"""The client-side commands against an address where nothing listens end with one line
+naming it and a non-zero exit, never a table of zeros or a silent wait:
+`jaxserve bench` (both backends) and `jaxserve engine --frontend` (which logs what it
+waits for at once and gives up after --handshake-timeout-s). Each runs the real command
+as a subprocess, as a user would; no server is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from server_harness import REPO_DIR, free_port
+
+from jaxserve.config import DEMO_MODEL_DIR
+
+
+def _jaxserve(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", *argv],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_DIR,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["grpc", "http"])
+def test_bench_against_a_dead_server_is_one_line(backend):
+    address = f"127.0.0.1:{free_port()}"
+    r = _jaxserve(
+        "bench", "--backend", backend, "--server", address, "--num-prompts", "3",
+        "--no-progress",
+    )  # fmt: skip
+    assert r.returncode == 1, r
+    assert r.stdout == ""  # no table
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"jaxserve bench: error: --server {address}: "), lines[0]
+    assert "refused" in lines[0].lower(), lines[0]
+
+
+def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up():
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "jaxserve.cli", "engine", str(DEMO_MODEL_DIR),
+        "--frontend", address, "--handshake-timeout-s", "4",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO_DIR, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+
+    def read():
+        lines.extend((time.monotonic(), line.rstrip("\n")) for line in proc.stderr)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    reader.join(10)
+    ended = time.monotonic()
+    text = "\n".join(line for _, line in lines)
+    assert code == 1, text
+    waiting = [t for t, line in lines if "waiting up to 4 s (--handshake-timeout-s)" in line]
+    refused = [t for t, line in lines if f"nothing listens at {address} yet" in line]
+    assert waiting and refused, text
+    # Both said at once, not only when giving up 4 s later.
+    assert refused[0] < ended - 2.0, text
+    last = lines[-1][1]
+    assert last.startswith("jaxserve engine: error: frontend: no answer within 4 s"), text
+    assert f"nothing listens at {address}" in last and "Traceback" not in text
+
+
+def test_engine_max_model_len_above_the_models_limit_is_one_line():
+    r = _jaxserve(
+        "engine", str(DEMO_MODEL_DIR), "--frontend", f"127.0.0.1:{free_port()}",
+        "--max-model-len", str(10**9),
+    )  # fmt: skip
+    assert r.returncode == 2, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "max-model-len: " in lines[0], r.stderr
+    assert lines[0].startswith("jaxserve engine: error: "), lines[0]

@@ -1,0 +1,180 @@
+"""What a vLLM user expects of the HTTP (OpenAI API) port, on one mock-engine server
+(tests/mock_engine.py, started in about a second) with an API key and a chat template:
+
+- `GET /metrics` on the API port is the --metrics-port exposition (the same registry:
+  the same families, and the same counts once idle), and needs no API key (as vLLM's);
+- every 400 names the exact field in `param` and at the start of its message, list
+  indices included (`prompt[0]`, `prompt[1][1]`, `stream_options`, `top_logprobs`);
+- a chat template sent with the request is refused (400 naming `chat_template`), as
+  vLLM refuses it without --trust-request-chat-template, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from email.message import Message
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import ServerProcess, free_port
+
+KEY = "test-key-1"
+TIMEOUT_S = 60
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def server(mock_model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "chatml.jinja"
+    template.write_text(CHATML)
+    metrics_port = free_port()
+    args = (
+        "--engine-class", "mock_engine:MockEngineCore", "--http-port", "0",
+        "--metrics-port", str(metrics_port), "--chat-template", str(template),
+        "--api-key", KEY,
+    )  # fmt: skip
+    env = {"JAXSERVE_MOCK_STEP_DELAY_S": "0.002"}
+    srv = ServerProcess(mock_model_dir, extra_args=args, env=env, start_timeout_s=TIMEOUT_S)
+    srv.wait_ready()
+    srv.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield srv
+    srv.terminate(15) if srv.proc.poll() is None else srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(
+        base_url=server.http_url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S
+    ) as c:
+        yield c
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, Message, str]:
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def _post(server, path: str, body) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        server.http_url + path, data=json.dumps(body).encode(), method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of an exposition: (name, sorted labels) -> value."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _finished(samples: dict) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "jaxserve_request_success_total")
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def test_metrics_on_the_api_port_are_the_metrics_ports(server, client):
+    status, headers, before = _get(server.http_url + "/metrics")  # no key: open, as vLLM's
+    assert status == 200, before
+    assert headers["Content-Type"].startswith("text/plain; version=")
+    model = client.models.list().data[0].id
+    got = client.completions.create(model=model, prompt="def ", max_tokens=5)
+    assert got.choices[0].finish_reason == "length"
+    # The frontend counts a finished request as its last output goes out: poll briefly.
+    deadline = time.monotonic() + 10
+    want = _finished(_samples(before)) + 1
+    while _finished(_samples(_get(server.http_url + "/metrics")[2])) < want:
+        assert time.monotonic() < deadline, "the request was not counted"
+        time.sleep(0.05)
+    api = _samples(_get(server.http_url + "/metrics")[2])
+    port = _samples(_get(server.metrics_url)[2])
+    assert {name for name, _ in api} == {name for name, _ in port}
+    for key in api:  # counts of requests and tokens: one registry, so equal
+        if key[0].startswith(("jaxserve_request_", "jaxserve_prompt_", "jaxserve_generation_")):
+            assert api[key] == port[key], key
+    assert _finished(api) == want
+
+
+def test_the_api_key_still_guards_the_api(server):
+    assert _get(server.http_url + "/v1/models")[0] == 401
+    assert _get(server.http_url + "/v1/models", KEY)[0] == 200
+
+
+# ---------------------------------------------------------------- field names in 400s
+
+# (path, body, the field, words the message must hold)
+BAD = [
+    ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": "yes"},
+     "stream_options", "JSON object"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}},
+     "stream_options", "stream is true"),
+    ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "boolean"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt[0]", "must not be empty"),
+    ("/v1/completions", {"prompt": [1e30]}, "prompt[0]", "1e+30"),
+    ("/v1/completions", {"prompt": [5, 2.5]}, "prompt[1]", "token id"),
+    ("/v1/completions", {"prompt": [[5], [6, 1e30]]}, "prompt[1][1]", "1e+30"),
+    ("/v1/completions", {"prompt": ["def ", 7]}, "prompt[1]", "string"),
+    ("/v1/completions", {"prompt": {"text": "a"}}, "prompt", "an object"),
+    ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
+    # The shared rules' "prompt.token_ids" is the element of a list of prompts.
+    ("/v1/completions", {"prompt": [[5, 6], [5, 10**6]]}, "prompt[1]", "outside the vocab"),
+    ("/v1/completions", {"prompt": ["def ", ""]}, "prompt[1]", "must not be empty"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "21"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": []}, "stream_options",
+     "JSON object"),
+    ("/v1/chat/completions", {"messages": [CHAT[0], 5]}, "messages[1]", "JSON object"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"},
+     "chat_template", "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}},
+     "chat_template_kwargs.chat_template", "--trust-request-chat-template"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path,body,field,words", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)]
+)
+def test_bad_field_names_the_exact_field(server, path, body, field, words):
+    status, answer = _post(server, path, {"max_tokens": 4, **body})
+    error = answer["error"]
+    assert status == 400, answer
+    assert error["param"] == field, error
+    assert error["message"].startswith(f"{field}: "), error
+    assert words in error["message"], error
+
+
+def test_a_long_request_template_is_refused_and_the_servers_is_used(server, client):
+    # Whatever its length (up to the body limit), never compiled: refused before rendering.
+    status, answer = _post(
+        server, "/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ x }}" * 100_000}
+    )
+    assert status == 400 and answer["error"]["param"] == "chat_template", answer
+    model = client.models.list().data[0].id
+    got = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3)
+    assert got.choices[0].finish_reason == "length"
+    assert "Traceback" not in server.log()
