@@ -159,3 +159,43 @@ def test_bad_policy_arguments_name_the_field():
         KvPolicy(weight=float("nan"))
     with pytest.raises(ValueError, match="candidates"):
         Router(BS).route("a", [1, 2, 3], [])
+
+
+def test_kv_ties_in_cost_and_load_go_to_the_fewest_cached_blocks():
+    rng = random.Random(4)
+    for trial in range(300):
+        router = Router(BS, "kv", seed=trial)
+        replicas = list(range(rng.randrange(1, 6)))
+        prompt = [rng.randrange(8) for _ in range(rng.randrange(1, 6 * BS))]
+        hashes = hash_token_blocks(prompt, BS)
+        for r in replicas:
+            k = rng.randrange(min(2, len(hashes)) + 1)  # few distinct matches: many ties
+            router.index.store(r, None, hashes[:k])
+            other = [rng.randrange(10**6) for _ in range(rng.randrange(3) * BS)]
+            router.index.store(r, None, hash_token_blocks(other, BS))  # unrelated blocks
+            if rng.random() < 0.3:
+                router.load.dispatch(f"bg{r}", r, BS, 0)
+        matched = router.index.match(hashes, replicas)
+        cost = {r: len(hashes) - matched[r] + router.load.load(r) for r in replicas}
+        best = [r for r in replicas if math.isclose(cost[r], min(cost.values()))]
+        low_load = min(router.load.load(r) for r in best)
+        best = [r for r in best if math.isclose(router.load.load(r), low_load)]
+        fewest = min(router.index.num_blocks(r) for r in best)
+        allowed = {r for r in best if router.index.num_blocks(r) == fewest}
+        assert router.route(f"q{trial}", prompt, replicas).replica in allowed, (trial, cost)
+
+
+def test_new_prefixes_on_idle_replicas_go_where_the_least_is_cached():
+    """Four system prompts, one after another on four idle replicas (each request done
+    and its blocks in the index before the next): one per replica, not at random."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        router = Router(BS, "kv", seed=seed)
+        homes = []
+        for i in range(4):
+            prompt = [rng.randrange(10**6) for _ in range(6 * BS)]
+            d = router.route(f"s{i}", prompt, [0, 1, 2, 3])
+            router.on_output(f"s{i}", 1, finished=True)
+            router.index.store(d.replica, None, hash_token_blocks(prompt, BS))
+            homes.append(d.replica)
+        assert sorted(homes) == [0, 1, 2, 3], (seed, homes)

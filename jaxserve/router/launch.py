@@ -22,7 +22,7 @@ import zmq
 
 from jaxserve.config import EngineConfig
 from jaxserve.ipc import IpcAddresses
-from jaxserve.launcher import CHILD_POLL_INTERVAL_S, _Child, _spawn
+from jaxserve.launcher import CHILD_POLL_INTERVAL_S, CHILD_TERM_TIMEOUT_S, _Child, _spawn
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.replicas import ReplicaSet
 from jaxserve.router.router import Router
@@ -136,14 +136,20 @@ async def start_listener(replicas, engine_config, router_options):
 
 async def watch_replica_children(children: list[_Child], replicas, restart: bool) -> str:
     """With several replicas: a dead child takes its replica out of rotation (and its
-    other child is stopped). With `restart`, the replica's children are started again
-    (at most once per `REPLICA_RESTART_BACKOFF_S`) and it rejoins with empty entries.
-    Returns a description once every replica is dead at the same time."""
+    other child is stopped: SIGTERM, SIGKILL after `CHILD_TERM_TIMEOUT_S`, and reaped,
+    so that no engine outlives its dead sidecar, running or as a zombie). With
+    `restart`, the replica's children are started again (at most once per
+    `REPLICA_RESTART_BACKOFF_S`) and it rejoins with empty entries. Returns a
+    description once every replica is dead at the same time."""
     down: dict[int, float] = {}  # replica -> when it went down
+    stopping: dict[int, float] = {}  # id(child) -> when it was sent SIGTERM
     while True:
         for child in list(children):
             k = child.replica
-            if k in down or child.process.poll() is None:
+            if k in down:
+                _reap(child, stopping)
+                continue
+            if child.process.poll() is None:
                 continue
             reason = child.describe_exit()
             down[k] = time.monotonic()
@@ -152,6 +158,7 @@ async def watch_replica_children(children: list[_Child], replicas, restart: bool
             for other in children:
                 if other.replica == k and other.process.poll() is None:
                     other.process.terminate()
+                    stopping[id(other)] = time.monotonic()
             if replicas.dead_reason is not None:  # remote ones included
                 return f"every replica died (last: {reason})"
         if restart:
@@ -162,6 +169,7 @@ async def watch_replica_children(children: list[_Child], replicas, restart: bool
                 ):
                     continue  # its other child is still stopping, or too soon
                 for old in mine:
+                    stopping.pop(id(old), None)
                     children[children.index(old)] = old.respawn()
                 logger.warning("replica %d: restarted; it rejoins with empty entries", k)
                 await replicas.rejoin(k)
@@ -169,3 +177,15 @@ async def watch_replica_children(children: list[_Child], replicas, restart: bool
         if down and len(down) == len(children) // 2 and replicas.dead_reason is not None:
             return replicas.dead_reason  # the local ones are down, the last remote one too
         await asyncio.sleep(CHILD_POLL_INTERVAL_S)
+
+
+def _reap(child: _Child, stopping: dict[int, float]) -> None:
+    """A child of a replica that is down: reap it once it has exited; SIGKILL it when it
+    outlives its SIGTERM by `CHILD_TERM_TIMEOUT_S`."""
+    if child.process.poll() is not None:  # poll() reaps
+        stopping.pop(id(child), None)
+        return
+    since = stopping.setdefault(id(child), time.monotonic())
+    if time.monotonic() - since > CHILD_TERM_TIMEOUT_S:
+        logger.warning("the %s process did not stop; killing it", child.name)
+        child.process.kill()

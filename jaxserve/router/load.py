@@ -6,24 +6,34 @@ blocks so that it adds to the policy's cache term:
     load = pending prefill tokens / block_size  +  blocks held by running requests
 
 A request adds its uncached prompt tokens (prefill still to compute) and its prompt's
-blocks (`dispatch`); the n samples of one request (`group`) share their prompt's full
-blocks (all but the last token's) and their prefill in the engine
-(`ipc.EngineRequest.cache_group`), so these are booked once per group, held until its
-last sample ends, and each sample adds only its own blocks (the rest of the prompt, then
-its output); its first output moves it from prefill to decode (`first_token`, the
-prefill part leaves); it leaves entirely on its final output, an abort, an error or its
-replica's death (`finish`). Every entry is keyed by request id and `finish` is
-idempotent, so the counters cannot drift: a request that ends twice, or ends without
-ever reaching the engine, leaves them where they were (the failure mode where drifting
-counters send all new traffic to one replica). Health checks and engine stats never
-change them. This is the "active blocks + potential prefill blocks" load of NVIDIA
-Dynamo's KV router (`kv_router/scheduler.rs`), tracked here by the frontend alone.
+blocks (`dispatch`). Blocks held are counted as the engine holds them: a prompt's full
+blocks before its last token (the engine computes the last token's block itself,
+`block_manager.lookup_prefix`) are shared by every running request with the same
+prefix, through the prefix cache, so when `dispatch` is given the prompt's block hashes
+each such block counts once per replica however many running requests hold it (a
+reference count per hash: a system prompt under 8 running chats is its blocks once,
+not 8 times), as NVIDIA Dynamo's `ActiveSequences` (`kv_router/sequence.rs`) counts
+its unique blocks. Without the hashes every request's blocks count apart. The n
+samples of one request (`group`) share their prompt's full blocks (all but the last
+token's) and their prefill in the engine (`ipc.EngineRequest.cache_group`), so these
+are booked once per group, held until its last sample ends, and each sample adds only
+its own blocks (the rest of the prompt, then its output). A request's first output
+moves it from prefill to decode (`first_token`, the prefill part leaves); it leaves
+entirely on its final output, an abort, an error or its replica's death (`finish`).
+Every entry is keyed by request id and `finish` is idempotent, so the counters cannot
+drift: a request that ends twice, or ends without ever reaching the engine, leaves
+them where they were (the failure mode where drifting counters send all new traffic
+to one replica). Health checks and engine stats never change them. This is the
+"active blocks + potential prefill blocks" load of NVIDIA Dynamo's KV router
+(`kv_router/scheduler.rs`), tracked here by the frontend alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.engine.block_hash import BlockHash
 from jaxserve.router.prefix_index import ReplicaId
 
 
@@ -35,6 +45,7 @@ class _Group:
     prefill_tokens: int  # uncached tokens of the shared blocks, until any sample's output
     shared_blocks: int  # the prompt's full blocks before its last token
     members: int = 0
+    hashes: tuple = ()  # their names, when known: held through the replica's counts
 
 
 @dataclass(slots=True)
@@ -44,7 +55,8 @@ class _Active:
     blocks: int  # its own blocks: of the prompt (past the group's), then of its output
     tokens: int  # prompt + output tokens so far
     group: str | None = None
-    shared_blocks: int = 0  # the group's full prompt blocks, not counted in `blocks`
+    shared_blocks: int = 0  # the group's (or its named) full prompt blocks, not in `blocks`
+    hashes: tuple = ()  # its named shared prompt blocks (alone, not in a group)
 
 
 class LoadTracker:
@@ -66,6 +78,8 @@ class LoadTracker:
         self._prefill: dict[ReplicaId, int] = {}
         self._blocks: dict[ReplicaId, int] = {}
         self._requests: dict[ReplicaId, int] = {}
+        # replica -> {block hash: running requests (or groups) holding it}
+        self._refs: dict[ReplicaId, dict[BlockHash, int]] = {}
 
     def load(self, replica: ReplicaId) -> float:
         """The replica's load in blocks: pending prefill tokens / block_size + held blocks."""
@@ -97,10 +111,14 @@ class LoadTracker:
         num_prompt_tokens: int,
         num_cached_tokens: int,
         group: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
     ) -> None:
         """`request_id` (prompt of `num_prompt_tokens`, of which the index expects
         `num_cached_tokens` cached there) was sent to `replica`. group: the samples of
         one request share it (the same prompt, replica and cached tokens); None alone.
+        block_hashes: the prompt's full-block chained hashes (`block_hash.
+        hash_token_blocks`), or None; with them, its full blocks before the last token
+        count once per replica across running requests (module docstring).
 
         Raises:
             ValueError: request_id is active already (ids are the engine's, unique), or
@@ -110,18 +128,30 @@ class LoadTracker:
             raise ValueError(f"request_id: {request_id!r} is already active")
         prefill = max(num_prompt_tokens - num_cached_tokens, 0)
         blocks = -(-num_prompt_tokens // self.block_size)
-        if group is None:
-            self._active[request_id] = _Active(replica, prefill, blocks, num_prompt_tokens)
-            self._add(replica, prefill, blocks, 1)
-            return
-        # The engine's later samples reuse the full blocks before the prompt's last token
-        # (`block_manager.lookup_prefix`) and compute the rest themselves.
+        # The engine's later samples (and later requests with the same prefix) reuse the
+        # full blocks before the prompt's last token (`block_manager.lookup_prefix`) and
+        # compute the rest themselves.
         shared = max(num_prompt_tokens - 1, 0) // self.block_size
+        names = ()
+        if block_hashes is not None and len(block_hashes) >= shared:
+            names = tuple(block_hashes[:shared])
+        if group is None:
+            if not names:
+                self._active[request_id] = _Active(replica, prefill, blocks, num_prompt_tokens)
+                self._add(replica, prefill, blocks, 1)
+                return
+            own = blocks - shared
+            self._active[request_id] = _Active(
+                replica, prefill, own, num_prompt_tokens, None, shared, names
+            )
+            self._add(replica, prefill, self._hold(replica, names) + own, 1)
+            return
         g = self._groups.get(group)
         if g is None:
             shared_prefill = max(shared * self.block_size - num_cached_tokens, 0)
-            g = self._groups[group] = _Group(replica, shared_prefill, shared)
-            self._add(replica, shared_prefill, shared, 0)
+            g = self._groups[group] = _Group(replica, shared_prefill, shared, hashes=names)
+            held = self._hold(replica, names) if names else shared
+            self._add(replica, shared_prefill, held, 0)
         elif g.replica != replica:
             raise ValueError(f"group: {group!r} is on replica {g.replica}, not {replica}")
         g.members += 1
@@ -160,13 +190,15 @@ class LoadTracker:
         active = self._active.pop(request_id, None)
         if active is None:
             return None
-        self._add(active.replica, -active.prefill_tokens, -active.blocks, -1)
+        released = self._release(active.replica, active.hashes) if active.hashes else 0
+        self._add(active.replica, -active.prefill_tokens, -active.blocks - released, -1)
         if active.group is not None:
             g = self._groups[active.group]
             g.members -= 1
             if g.members == 0:  # the last sample: the shared part leaves too
                 del self._groups[active.group]
-                self._add(g.replica, -g.prefill_tokens, -g.shared_blocks, 0)
+                held = self._release(g.replica, g.hashes) if g.hashes else g.shared_blocks
+                self._add(g.replica, -g.prefill_tokens, -held, 0)
         return active.replica
 
     def finish_replica(self, replica: ReplicaId) -> list[str]:
@@ -175,6 +207,29 @@ class LoadTracker:
         for rid in ids:
             self.finish(rid)
         return ids
+
+    def _hold(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> int:
+        """One more holder of each block; returns how many were held by none before."""
+        refs = self._refs.setdefault(replica, {})
+        new = 0
+        for h in hashes:
+            n = refs.get(h, 0)
+            new += n == 0
+            refs[h] = n + 1
+        return new
+
+    def _release(self, replica: ReplicaId, hashes: Sequence[BlockHash]) -> int:
+        """One holder less of each block; returns how many are held by none now."""
+        refs = self._refs[replica]
+        gone = 0
+        for h in hashes:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+                gone += 1
+        return gone
 
     def _add(self, replica: ReplicaId, prefill: int, blocks: int, requests: int) -> None:
         self._prefill[replica] = self._prefill.get(replica, 0) + prefill

@@ -7,11 +7,14 @@
 
 where the cached blocks are the longest prefix of the prompt in r's entries of the
 `PrefixIndex` and load_r is the `LoadTracker`'s active load (blocks), and takes the
-lowest cost. Ties go to the less loaded replica, then to a random one, so a stream of
-cache misses (every replica costs the same cache term) spreads by load instead of piling
-onto the first replica. With `temperature` t > 0 it samples instead, with probability
-proportional to exp(-(cost_r - min cost) / (t * spread)), spread = max cost - min cost
-(1 if all equal): t is relative to the candidates' spread, as in NVIDIA Dynamo's KV
+lowest cost. Ties go to the less loaded replica, then to the one with the fewest blocks
+in the index, then to a random one, so a stream of cache misses (every replica costs the
+same cache term) spreads by load instead of piling onto the first replica, and on idle
+replicas (every load 0) new prefixes go where the least is cached, as SGLang's
+cache-aware router sends a miss to the worker with the smallest tree. With
+`temperature` t > 0 it samples instead, with probability proportional to
+exp(-(cost_r - min cost) / (t * spread)), spread = max cost - min cost (1 if all
+equal): t is relative to the candidates' spread, as in NVIDIA Dynamo's KV
 router (`kv_router/scheduler.rs`: softmax over normalized logits). The cost is Dynamo's
 (`overlap_score_weight` is w); SGLang's cache-aware router instead switches between
 "best match" and "shortest queue" by thresholds.
@@ -59,6 +62,7 @@ class Policy:
         num_blocks: int,
         matched: dict[ReplicaId, int],
         load: LoadTracker,
+        cached: dict[ReplicaId, int] | None = None,
     ) -> Choice:
         """Pick one of `candidates` (non-empty, live replicas).
 
@@ -67,6 +71,8 @@ class Policy:
             num_blocks: full blocks of the prompt.
             matched: {replica: leading prompt blocks it caches} (`PrefixIndex.match`).
             load: the active load per replica.
+            cached: {replica: blocks it caches in all} (`PrefixIndex.num_blocks`), for
+                the kv policy's last tie-break; None: not known (ties go at random).
         """
         raise NotImplementedError
 
@@ -114,7 +120,7 @@ class KvPolicy(Policy):
         w = self.weight
         return [w * (num_blocks - matched.get(r, 0)) + load.load(r) for r in candidates]
 
-    def choose(self, candidates, num_blocks, matched, load) -> Choice:
+    def choose(self, candidates, num_blocks, matched, load, cached=None) -> Choice:
         costs = self.costs(candidates, num_blocks, matched, load)
         low = min(costs)
         if self.temperature > 0 and len(candidates) > 1:
@@ -123,7 +129,13 @@ class KvPolicy(Policy):
             i = self.rng.choices(range(len(candidates)), weights)[0]
             return Choice(candidates[i], costs[i])
         best = [r for r, c in zip(candidates, costs, strict=True) if c <= low + _TIE_EPS]
-        replica = best[0] if len(best) == 1 else self._least_loaded(best, load)
+        if len(best) > 1:
+            loads = [load.load(r) for r in best]
+            best = [r for r, x in zip(best, loads, strict=True) if x <= min(loads) + _TIE_EPS]
+        if len(best) > 1 and cached is not None:
+            fewest = min(cached.get(r, 0) for r in best)
+            best = [r for r in best if cached.get(r, 0) == fewest]
+        replica = best[0] if len(best) == 1 else self.rng.choice(best)
         return Choice(replica, low)
 
 
@@ -136,7 +148,7 @@ class RoundRobinPolicy(Policy):
         super().__init__(rng)
         self._counter = itertools.count()
 
-    def choose(self, candidates, num_blocks, matched, load) -> Choice:
+    def choose(self, candidates, num_blocks, matched, load, cached=None) -> Choice:
         ordered = sorted(candidates)
         return Choice(ordered[next(self._counter) % len(ordered)])
 
@@ -146,7 +158,7 @@ class LeastLoadedPolicy(Policy):
 
     name = "least-loaded"
 
-    def choose(self, candidates, num_blocks, matched, load) -> Choice:
+    def choose(self, candidates, num_blocks, matched, load, cached=None) -> Choice:
         return Choice(self._least_loaded(candidates, load))
 
 
@@ -155,7 +167,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def choose(self, candidates, num_blocks, matched, load) -> Choice:
+    def choose(self, candidates, num_blocks, matched, load, cached=None) -> Choice:
         return Choice(self.rng.choice(list(candidates)))
 
 

@@ -45,6 +45,7 @@ from jaxserve.ipc import (
     KvEvents,
     KvSnapshot,
     KvSnapshotRequest,
+    ProfileRequest,
     TextOutput,
     TextOutputs,
     bound_endpoint,
@@ -54,6 +55,7 @@ from jaxserve.ipc import (
 )
 from jaxserve.router.events import ReplicaEvents
 from jaxserve.router.metrics import RouterMetrics
+from jaxserve.router.profiles import profile_replicas
 from jaxserve.router.replica import Replica
 from jaxserve.router.replica_stats import aggregate_stats, replica_info, update_gauges
 from jaxserve.router.router import Decision, Router
@@ -96,6 +98,7 @@ class ReplicaSet:
         self.dead_reason: str | None = None
         self.stalled_reason: str | None = None  # set only when every live replica is stalled
         self.last_heartbeat: dict[str, float] = {}  # per replica instead (liveness is here)
+        self._profiles: set[asyncio.Task] = set()  # captures over the replicas, running
 
     # ----- life ----------------------------------------------------------------------------
 
@@ -221,13 +224,21 @@ class ReplicaSet:
             rep.client.add_outputs_listener(listener)
 
     def send_control(self, msg) -> None:
-        """Send a control message (a `ProfileRequest`) to the first replica that serves
-        (a profile captures one replica). Raises EngineDeadError when none serves."""
-        for rep in self.replicas:
-            if rep.client.ready:
-                rep.client.send_control(msg)
-                return
-        raise EngineDeadError(self._unavailable())
+        """Send a control message to the replicas that serve: a `ProfileRequest` to every
+        one, each into its own folder, with the combined manifest written when they are
+        done (`profiles.profile_replicas`); another message to the first. Raises
+        EngineDeadError when none serves."""
+        live = [rep for rep in self.replicas if rep.client.ready]
+        if not live:
+            raise EngineDeadError(self._unavailable())
+        if isinstance(msg, ProfileRequest) and len(self.replicas) > 1:
+            from jaxserve.observability.profile_rpc import MANIFEST_GRACE_S  # noqa: PLC0415
+
+            task = asyncio.create_task(profile_replicas(live, msg, MANIFEST_GRACE_S))
+            self._profiles.add(task)
+            task.add_done_callback(self._profiles.discard)
+            return
+        live[0].client.send_control(msg)
 
     def add_serving_listener(self, listener: Callable[[bool], Awaitable[None]]) -> None:
         """Awaited with `ready` whenever a replica's health changes (health service)."""

@@ -28,7 +28,9 @@ class Decision:
 
     replica: the chosen replica. policy: the policy's name. matched_blocks: leading
     prompt blocks the index expects cached there. num_blocks: the prompt's full blocks.
-    cost: the kv policy's cost of the choice (0.0 for the others).
+    cost: the kv policy's cost of the choice (0.0 for the others). block_hashes: the
+    prompt's full-block hashes (`decide` sets them; `dispatch` books the blocks that
+    running requests share once, `LoadTracker`), or None.
     """
 
     replica: ReplicaId
@@ -36,6 +38,7 @@ class Decision:
     matched_blocks: int
     num_blocks: int
     cost: float = 0.0
+    block_hashes: list | None = None
 
 
 @dataclass(slots=True)
@@ -112,9 +115,17 @@ class Router:
             raise ValueError("candidates: no live replica to route to")
         hashes = hash_token_blocks(prompt_token_ids, self.block_size)
         matched = self.index.match(hashes, candidates)
-        choice = self.policy.choose(candidates, len(hashes), matched, self.load)
+        cached = None
+        if self.policy.uses_cache:
+            cached = {r: self.index.num_blocks(r) for r in candidates}
+        choice = self.policy.choose(candidates, len(hashes), matched, self.load, cached)
         return Decision(
-            choice.replica, self.policy.name, matched[choice.replica], len(hashes), choice.cost
+            choice.replica,
+            self.policy.name,
+            matched[choice.replica],
+            len(hashes),
+            choice.cost,
+            hashes,
         )
 
     def dispatch(
@@ -127,7 +138,9 @@ class Router:
         # The engine always computes the prompt's last token (block_manager.lookup_prefix).
         cached = min(decision.matched_blocks * self.block_size, max(num_prompt_tokens - 1, 0))
         first = group is None or not self.load.has_group(group)
-        self.load.dispatch(request_id, decision.replica, num_prompt_tokens, cached, group)
+        self.load.dispatch(
+            request_id, decision.replica, num_prompt_tokens, cached, group, decision.block_hashes
+        )
         if not first:
             return
         s = self.stats
