@@ -6,9 +6,9 @@ counters (`observability.metrics.Metrics.update_from_engine`) read as one engine
 gauges (running, waiting, KV blocks) over the live replicas; cumulative counters over
 every replica ever seen, dead ones included at their last value, so that a replica's
 death never makes a counter go down (the engine histograms too, bucket by bucket); the
-`last_*` step values and the `peak_*` device peaks are the maximum. Model limits come
-from the first replica (they agree: `ReplicaSet` refuses a replica whose model or block
-size differs).
+`last_*` step values and the `peak_*` device peaks are the maximum. Model limits and the
+resolved async scheduling come from the first replica (they agree: every replica runs
+one config, and `ReplicaSet` refuses a replica whose model or block size differs).
 `replica_info` and `update_gauges` give each replica's line (GetServerInfo, metrics).
 """
 
@@ -58,6 +58,7 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         vocab_size=first.vocab_size,
         kv_bytes_per_token=first.kv_bytes_per_token,
         kv_layout=first.kv_layout,
+        async_scheduling=first.async_scheduling,  # every replica runs one config
         num_running=sum(s.num_running for s in live),
         num_waiting=sum(s.num_waiting for s in live),
         ready=bool(live),
