@@ -163,6 +163,13 @@ def sampling_params_from_proto(
     )
 
 
+def max_prompt_chars(tokenizer: Tokenizer, limits: ModelLimits) -> int:
+    """The most characters a text can have and still fit in max_model_len tokens,
+    whatever it encodes to: a longer one is refused before it is tokenized (seconds of
+    frontend CPU for a text of megabytes)."""
+    return limits.max_model_len * _max_token_chars(tokenizer)
+
+
 def _max_token_chars(tokenizer: Tokenizer) -> int:
     """The most characters of text one token can cover: the longest vocabulary entry
     (byte-level BPE entries hold one character per byte, and a character is >= 1 byte)."""
@@ -185,7 +192,7 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits:
             raise RequestValidationError("prompt: text must not be empty")
         # A text this long cannot fit in max_model_len tokens whatever it encodes to:
         # reject it before spending seconds of frontend CPU on tokenizing it.
-        max_chars = limits.max_model_len * _max_token_chars(tokenizer)
+        max_chars = max_prompt_chars(tokenizer, limits)
         if len(request.text) > max_chars:
             raise RequestValidationError(
                 f"prompt: {len(request.text)} characters cannot fit in max_model_len "

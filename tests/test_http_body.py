@@ -50,3 +50,64 @@ def test_union_field_errors_name_the_real_cause():
     with pytest.raises(FieldError) as info:
         parse_body(CompletionRequest, b'{"prompt": [1.5, 2]}')
     assert str(info.value).startswith("prompt[0]")  # the element at fault, not the union
+
+
+def test_a_body_that_stops_coming_is_a_408_at_the_deadline(monkeypatch):
+    """A client that sends part of a body and then nothing (slowloris) gets 408 once
+    BODY_READ_TIMEOUT_S has passed, instead of holding its connection for ever."""
+    from jaxserve.frontend.http import responses
+
+    monkeypatch.setattr(responses, "BODY_READ_TIMEOUT_S", 0.2)
+    sent = [{"type": "http.request", "body": b"{", "more_body": True}]
+
+    async def receive():
+        if sent:
+            return sent.pop(0)
+        await asyncio.Event().wait()  # the rest never comes
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    with pytest.raises(HttpError) as info:
+        asyncio.run(read_body(Request(scope, receive), 1000))
+    assert info.value.status == 408 and "not received within 0.2 s (1 bytes came)" in str(
+        info.value
+    )
+
+
+def test_connections_past_the_cap_get_503(monkeypatch):
+    """HttpServer caps open connections (MAX_HTTP_CONNECTIONS): idle connections that
+    never send a request fill it, and the next client is answered 503 at once instead of
+    the process running out of file descriptors."""
+    import socket
+
+    from jaxserve.frontend.http import server as http_server
+
+    monkeypatch.setattr(http_server, "MAX_HTTP_CONNECTIONS", 2)
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def go():
+        srv = http_server.HttpServer(app)
+        port = await srv.start("127.0.0.1", 0)
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        await asyncio.sleep(0.3)  # the server has accepted both
+
+        def get() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                return s.recv(100)
+
+        try:
+            over = await asyncio.to_thread(get)
+            for s in idle:
+                s.close()
+            await asyncio.sleep(0.3)
+            under = await asyncio.to_thread(get)
+        finally:
+            await srv.stop(1.0)
+        return over, under
+
+    over, under = asyncio.run(go())
+    assert over.startswith(b"HTTP/1.1 503"), over
+    assert under.startswith(b"HTTP/1.1 200"), under

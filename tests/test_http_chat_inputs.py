@@ -43,3 +43,15 @@ def test_messages_in_kwargs_is_a_field_error():
     with pytest.raises(FieldError, match="^chat_template_kwargs: 'messages' is reserved") as e:
         _prompt(chat_template_kwargs={"messages": []})
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_a_chat_too_long_for_the_model_is_refused_before_tokenizing():
+    """A chat whose rendered text has more characters than max_model_len tokens can hold
+    is a 400 naming `messages` from its length alone, as a completions prompt is (it
+    used to be tokenized first: 40 s of the frontend for 32 MB)."""
+    from jaxserve.frontend.validation import max_prompt_chars
+
+    limit = max_prompt_chars(TOKENIZER, LIMITS)
+    with pytest.raises(FieldError, match="cannot fit in max_model_len 256") as e:
+        _prompt(messages=[{"role": "user", "content": "ab " * (limit // 3 + 1)}])
+    assert e.value.param == "messages" and f"at most {limit})" in str(e.value)

@@ -24,7 +24,7 @@ from jaxserve.frontend.http.protocol import (
     FieldError,
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
-from jaxserve.frontend.validation import MAX_N, ModelLimits
+from jaxserve.frontend.validation import MAX_N, ModelLimits, max_prompt_chars
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error
 
 logger = logging.getLogger("jaxserve.frontend.http")
@@ -262,6 +262,13 @@ def chat_request(
     except ChatTemplateError as e:
         param = str(e).split(":", 1)[0]
         raise FieldError(param, str(e)) from None
+    # As for a completions prompt: a chat this long cannot fit whatever it encodes to;
+    # tokenizing megabytes would hold the frontend for seconds (measured: 40 s for 32 MB).
+    if len(text) > (max_chars := max_prompt_chars(tokenizer, limits)):
+        raise FieldError(
+            "messages", f"messages: the chat renders to {len(text)} characters, which cannot "
+            f"fit in max_model_len {limits.max_model_len} tokens (at most {max_chars})",
+        )  # fmt: skip
     ids = encode_chat(tokenizer, text)
     if not ids:
         raise FieldError("messages", "messages: the chat renders to no tokens")

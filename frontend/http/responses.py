@@ -34,6 +34,9 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),  # proxies (nginx) must not buffer the stream
 ]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+# Seconds a client has to send a whole request body (408 after): a 32 MiB body at
+# 1 MB/s takes half of it.
+BODY_READ_TIMEOUT_S = 60.0
 DONE = b"data: [DONE]\n\n"
 
 
@@ -47,18 +50,26 @@ def sse_event(obj) -> bytes:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most `limit` bytes. Raises HttpError 413 beyond it (judged
-    from Content-Length when given, before anything is read)."""
+    """The request body, at most `limit` bytes, within BODY_READ_TIMEOUT_S. Raises
+    HttpError 413 beyond the limit (judged from Content-Length when given, before
+    anything is read), 408 past the deadline: a client that sends part of a body and
+    stops must not hold its connection (and a file descriptor) for ever."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HttpError(
+            408, f"body: not received within {BODY_READ_TIMEOUT_S:g} s ({size} bytes came)",
+            "body", "request_timeout",
+        ) from None  # fmt: skip
     except ClientDisconnect:
         # A client that hangs up mid-body is gone, not a server error: no traceback (a
         # client doing it in a loop must not flood the log); nobody reads the answer.

@@ -19,6 +19,10 @@ import uvicorn
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
+# Open HTTP connections (and their requests) at most; the request body deadline is
+# `responses.BODY_READ_TIMEOUT_S`.
+MAX_HTTP_CONNECTIONS = 4096
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0 picks a free one; SO_REUSEADDR, no
@@ -54,6 +58,10 @@ class HttpServer:
             lifespan="off",
             # Several idle streams per client are normal (benchmarks, SDK pools).
             timeout_keep_alive=30,
+            # Connections beyond this get 503 at once: clients that open connections
+            # and never finish a request (slowloris) must not use up the process's file
+            # descriptors, which the gRPC port and the metrics share.
+            limit_concurrency=MAX_HTTP_CONNECTIONS,
             **(tls or {}),
         )
         self._server: uvicorn.Server | None = None
