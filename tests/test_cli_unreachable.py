@@ -39,6 +39,39 @@ def test_bench_against_a_dead_server_is_one_line(backend):
     assert "refused" in lines[0].lower(), lines[0]
 
 
+def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():
+    """--backend http given the gRPC port (a server that answers HTTP/2 frames, not an
+    HTTP/1.1 status line) is one line naming --server, not a BadStatusLine traceback."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def answer():  # what a grpc server sends first: an HTTP/2 SETTINGS frame
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1000)
+                conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x04\x00\x00\xff\xff")
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        r = _jaxserve(
+            "bench", "--backend", "http", "--server", address, "--num-prompts", "3",
+            "--no-progress",
+        )  # fmt: skip
+    finally:
+        listener.close()
+    assert r.returncode == 1 and r.stdout == "", r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"jaxserve bench: error: --server {address}: "), lines[0]
+    assert "--http-port" in lines[0], lines[0]
+
+
 def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up():
     address = f"127.0.0.1:{free_port()}"
     cmd = [
@@ -80,3 +113,21 @@ def test_engine_max_model_len_above_the_models_limit_is_one_line():
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and "max-model-len: " in lines[0], r.stderr
     assert lines[0].startswith("jaxserve engine: error: "), lines[0]
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run():
+    """--plot needs the bench extra's matplotlib: without it the command stops at once
+    with the flag named (exit 2), not after a whole run (the server here is dead, so a
+    run would have failed differently)."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from jaxserve.cli import main; "
+        f"main(['bench', '--server', '127.0.0.1:{free_port()}', '--plot', 'x.png', "
+        "'--num-prompts', '2', '--no-progress'])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_DIR
+    )
+    assert r.returncode == 2, r
+    assert r.stderr.strip().splitlines() == [
+        "jaxserve bench: error: --plot: needs matplotlib (pip install 'jaxserve[bench]')"
+    ], r.stderr

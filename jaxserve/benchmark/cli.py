@@ -139,6 +139,11 @@ def _error(message: str, status: int = 2) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first bad flag."""
+    if args.plot:  # before the run, not after it
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot: needs matplotlib (pip install 'jaxserve[bench]')")
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
         raise ValueError(f"--num-prompts: must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
     if args.dataset in ("sharegpt", "text") and not args.dataset_path:

@@ -52,6 +52,7 @@ def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
             raise ServerUnreachableError(
                 f"{where}: GetServerInfo failed ({code.name}: {details})"
             ) from None
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -74,6 +75,11 @@ def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
         raise ServerUnreachableError(
             f"{where}: no HTTP server answers at {url} ({reason}; waited at most "
             f"{PROBE_TIMEOUT_S:g} s)"
+        ) from None
+    except http.client.HTTPException as e:  # not HTTP at all: a gRPC port, say
+        raise ServerUnreachableError(
+            f"{where}: GET {url} got no HTTP answer ({type(e).__name__}); is it the gRPC "
+            "port? --backend http takes serve's --http-port"
         ) from None
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise ServerUnreachableError(
