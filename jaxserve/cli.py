@@ -373,7 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C in a client command (generate, bench, diagnose): no traceback; its open
+        # requests end on the server with the connection. `serve` handles SIGINT itself.
+        print(file=sys.stderr)
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":

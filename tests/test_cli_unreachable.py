@@ -131,3 +131,30 @@ def test_bench_plot_without_matplotlib_fails_before_the_run():
     assert r.stderr.strip().splitlines() == [
         "jaxserve bench: error: --plot: needs matplotlib (pip install 'jaxserve[bench]')"
     ], r.stderr
+
+
+def test_ctrl_c_in_a_client_command_is_exit_130_without_a_traceback():
+    """SIGINT during `jaxserve bench` (here: waiting on a server that accepts and never
+    answers) ends it with 130 and no traceback, as a shell expects."""
+    import signal
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    listener.settimeout(30)  # a bench that died before connecting fails the test, not hangs
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "bench", "--backend", "http", "--server",
+         address, "--num-prompts", "2", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_DIR,
+    )  # fmt: skip
+    try:
+        conn, _ = listener.accept()  # bench is now waiting for its probe's answer
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        conn.close()
+    finally:
+        listener.close()
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and out == "", err

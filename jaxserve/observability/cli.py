@@ -81,11 +81,12 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         if args.from_file:
             print(f"jaxserve diagnose: error: cannot read {args.from_file}: {e}", file=sys.stderr)
             return 1
-        # A gRPC or API port answers HTTP/1 badly (BadStatusLine) or with 404.
+        # A gRPC port answers HTTP/1 badly (BadStatusLine); the HTTP API port serves
+        # /metrics too.
         where = client_auth.from_args(args).url(args.server, "/metrics")
         why = e if isinstance(e, OSError) else f"not an HTTP metrics endpoint ({type(e).__name__})"
         print(f"jaxserve diagnose: error: cannot read {where}: {why}; --server takes the "
-              "address of serve's --metrics-port, not its gRPC or HTTP API port",
+              "address of serve's --metrics-port (or its --http-port), not its gRPC port",
               file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
