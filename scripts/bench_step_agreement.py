@@ -3,6 +3,7 @@ step's packed host inputs on the step channel (PUB/SUB: one send, fanned out by 
 the others receive them. Measured alone (no JAX) at 2, 4 and 8 processes on one machine:
 
     .venv/bin/python scripts/bench_step_agreement.py --steps 1000 [--processes 2 4 8]
+        [--blocks-per-row 256]
 
 Per step the agreement latency is the slowest follower's transit (the leader's send ->
 that follower has the arrays unpacked; one machine, so one clock); printed as p50 / p99
@@ -28,14 +29,14 @@ import numpy as np
 STEP_TOKENS, STEP_ROWS, BLOCKS_PER_ROW = 64, 64, 256
 
 
-def _step_host_inputs(step: int) -> list[np.ndarray]:
+def _step_host_inputs(step: int, blocks_per_row: int = BLOCKS_PER_ROW) -> list[np.ndarray]:
     """Arrays shaped like one engine step's packed inputs (~70 KB)."""
     rng = np.random.default_rng(step)
     return [
         rng.integers(0, 32000, STEP_TOKENS, dtype=np.int32),  # token ids
         np.arange(STEP_TOKENS, dtype=np.int32),  # positions
         np.arange(STEP_TOKENS, dtype=np.int32),  # slot mapping
-        rng.integers(0, 4096, (STEP_ROWS, BLOCKS_PER_ROW), dtype=np.int32),  # block tables
+        rng.integers(0, 4096, (STEP_ROWS, blocks_per_row), dtype=np.int32),  # block tables
         np.full(STEP_ROWS, 100, np.int32),  # seq lens
         np.arange(STEP_ROWS + 1, dtype=np.int32),  # query start loc
         np.arange(STEP_TOKENS, dtype=np.int32) % STEP_ROWS,  # token -> row
@@ -49,7 +50,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def agreement_worker(process_id: int, num_processes: int, port: int, steps: int, out: str):
+def agreement_worker(
+    process_id: int, num_processes: int, port: int, steps: int, out: str, blocks: int
+):
     """One process of the agreement benchmark: process 0 publishes `steps` steps of
     engine-shaped host inputs (plus 20 warm-up steps), 1 ms apart; the others receive
     them and write their per-step transit (leader's send -> arrays unpacked)."""
@@ -58,7 +61,8 @@ def agreement_worker(process_id: int, num_processes: int, port: int, steps: int,
     if process_id == 0:
         channel = StepPublisher("127.0.0.1", port, num_processes - 1)
         for i in range(steps + 20):
-            channel.publish(_step_host_inputs(i % 8), meta={"shape": [STEP_TOKENS, STEP_ROWS]})
+            meta = {"shape": [STEP_TOKENS, STEP_ROWS]}
+            channel.publish(_step_host_inputs(i % 8, blocks), meta=meta)
             time.sleep(0.001)
         result = {"publish_s": channel.stats.samples_s[20:], "bytes": channel.bytes_sent}
         channel.close()
@@ -71,7 +75,7 @@ def agreement_worker(process_id: int, num_processes: int, port: int, steps: int,
     Path(f"{out}.{process_id}.json").write_text(json.dumps(result))
 
 
-def bench_agreement(process_counts: list[int], steps: int) -> list[dict]:
+def bench_agreement(process_counts: list[int], steps: int, blocks: int) -> list[dict]:
     """p50 / p99 of the step agreement latency (per step, the slowest follower's
     transit) and of single follower transits, and the leader's publish time."""
     rows = []
@@ -80,7 +84,7 @@ def bench_agreement(process_counts: list[int], steps: int) -> list[dict]:
             out = str(Path(tmp) / "agreement")
             port = _free_port()
             cmd = [sys.executable, __file__, "--agreement-worker", str(num_processes), str(port)]
-            cmd += ["--steps", str(steps), "--out", out]
+            cmd += ["--steps", str(steps), "--out", out, "--blocks-per-row", str(blocks)]
             procs = [subprocess.Popen([*cmd, "--process-id", str(i)]) for i in range(num_processes)]
             for p in procs:
                 if p.wait(timeout=600) != 0:
@@ -121,6 +125,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument(
+        "--blocks-per-row", type=int, default=BLOCKS_PER_ROW,
+        help="block-table width of the step's inputs (the bytes per step; 4: ~3.7 KB)",
+    )  # fmt: skip
     parser.add_argument("--json", default="bench_results/step_agreement.json")
     parser.add_argument("--agreement-worker", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
@@ -128,11 +136,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.agreement_worker:
         num_processes, port = args.agreement_worker
-        agreement_worker(args.process_id, num_processes, port, args.steps, args.out)
+        agreement_worker(
+            args.process_id, num_processes, port, args.steps, args.out, args.blocks_per_row
+        )
         return
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {uptime}")
-    rows = bench_agreement(args.processes, args.steps)
+    rows = bench_agreement(args.processes, args.steps, args.blocks_per_row)
     print_agreement(rows)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
