@@ -9,6 +9,7 @@ import random
 import threading
 
 import pytest
+from conftest import TINY_NUM_BLOCKS
 from engine_helpers import assert_idle, greedy, random_prompts, run_engine
 
 from jaxserve.engine.warmup import WarmUp, warmup_tiers
@@ -47,7 +48,14 @@ def test_background_compile_serves_under_the_compiled_budget(
 ):
     from jaxserve.engine.core import EngineCore
 
-    config = dataclasses.replace(tiny_engine_config, background_compile=True)
+    # One KV block more than the session's engine: every step executable differs from
+    # the ones it wrote to the session's persistent compilation cache, so this engine's
+    # background thread compiles instead of deserializing them. Two full-suite runs
+    # (never this file alone) segfaulted inside jax's cache read
+    # (compilation_cache.get_executable_and_time) in exactly that thread, here; the
+    # cause is not found (see the closing note of session 5).
+    cache = dataclasses.replace(tiny_engine_config.cache, num_blocks=TINY_NUM_BLOCKS + 1)
+    config = dataclasses.replace(tiny_engine_config, background_compile=True, cache=cache)
     engine = EngineCore(config)
     warmup, runner = engine.warmup, engine.runner
     t0 = runner.token_buckets[0]
