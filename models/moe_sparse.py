@@ -53,6 +53,8 @@ MAX_BLOCK_SIZE = 64
 GATHER_ELEMENTS = 1 << 19
 # Routed rows (tokens x top-k) from which the default path is the expert loop.
 LOOP_MIN_ROWS = 16
+# Chunk sizes of the expert loop: chunk, 4 x chunk, 16 x chunk (`loop_chunk_sizes`).
+LOOP_LEVELS = 3
 
 
 def padded_rows(num_rows: int, num_experts: int, block_size: int) -> int:
@@ -228,6 +230,15 @@ def sparse_expert_ffn(
     return out.reshape(num_tokens, top_k, hidden)
 
 
+def loop_chunk_sizes(chunk: int, levels: int = LOOP_LEVELS) -> tuple[int, ...]:
+    """The chunk sizes of the expert loop, largest first: chunk * 4^(levels-1), ..., chunk.
+
+    Raises ValueError if chunk or levels < 1."""
+    if chunk < 1 or levels < 1:
+        raise ValueError(f"loop_chunk_sizes: need chunk >= 1, levels >= 1, got {chunk}, {levels}")
+    return tuple(chunk * 4**i for i in reversed(range(levels)))
+
+
 def expert_loop_ffn(
     x: jax.Array,
     ids: jax.Array,
@@ -236,27 +247,34 @@ def expert_loop_ffn(
     w_down: jax.Array,
     *,
     chunk: int,
+    levels: int = LOOP_LEVELS,
 ) -> jax.Array:
     """`sparse_expert_ffn` as a loop over the experts that hold rows, each expert's
-    weights read in place once, its rows in chunks of `chunk` (see the module docstring).
+    weights read in place once, its rows in chunks (see the module docstring).
 
     The block layout gathers a copy of an expert's three matrices for every block (at
     batch 128 of a 32-expert top-4 layer: ~5 copies of every expert per layer); here a
     `lax.fori_loop` runs over the distinct experts routed to (a traced count) and, inside,
-    over ceil(g_e / chunk) chunks of that expert's g_e sorted rows (a traced count), each
-    chunk one [chunk, H] x [H, I] SwiGLU with the expert's weights. A chunk may run past
-    its expert's rows into the next expert's: those rows are overwritten when the next
-    expert (later in the loop) writes its own, and the last one's run into `chunk` spare
-    rows. Work: sum_e ceil(g_e / chunk) * chunk rows, at most `padded_rows(N, E, chunk)`
-    (the block layout's static count) and usually less; nothing is done for experts
-    without rows.
+    over that expert's g_e sorted rows in chunks of the sizes `loop_chunk_sizes(chunk,
+    levels)`, largest first: as many whole chunks of the largest size as fit, then of the
+    next, and the rest in chunks of `chunk` (traced counts). Each chunk is one
+    [size, H] x [H, I] SwiGLU with the expert's weights: large chunks make few, wide
+    matmuls (a matmul of a few rows re-reads the expert's weights for little work), the
+    smallest bounds the padding. Only the last chunk of an expert may run past its rows
+    into the next expert's: those rows are overwritten when the next expert (later in the
+    loop) writes its own, and the last one's run into spare rows. Work: sum_e
+    ceil(g_e / chunk) * chunk rows, at most `padded_rows(N, E, chunk)` (the block layout's
+    static count) and usually less; nothing is done for experts without rows.
 
     Args / Returns: as `sparse_expert_ffn` (ids in [0, E], E: an empty copy, output 0).
-    chunk: rows per SwiGLU call, >= 1.
+    chunk: the smallest chunk, >= 1; levels: how many chunk sizes, >= 1 (1: every chunk
+    has `chunk` rows).
     """
     num_tokens, top_k = ids.shape
     num_experts, hidden, _ = w_gate.shape
     n = num_tokens * top_k
+    # A size above n never has a whole chunk (and could not be sliced): skipped.
+    sizes_desc = [s for s in loop_chunk_sizes(chunk, levels) if s <= n or s == chunk]
     flat = ids.reshape(n).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)  # sorted row r is copy order[r]
     sorted_ids = flat[order]
@@ -270,14 +288,20 @@ def expert_loop_ffn(
     def one_expert(j, y):
         e = used[j]
         w = [lax.dynamic_index_in_dim(a, e, keepdims=False) for a in (w_gate, w_up, w_down)]
+        start, left = starts[e], sizes[e]
+        for size in sizes_desc:
 
-        def one_chunk(c, y):
-            start = starts[e] + c * chunk
-            rows = lax.dynamic_slice_in_dim(x_sorted, start, chunk)
-            out = _swiglu_rows(rows[None], w[0][None], w[1][None], w[2][None], x.dtype)[0]
-            return lax.dynamic_update_slice_in_dim(y, out, start, 0)
+            def one_chunk(c, y, size=size, start=start):
+                first = start + c * size
+                rows = lax.dynamic_slice_in_dim(x_sorted, first, size)
+                out = _swiglu_rows(rows[None], w[0][None], w[1][None], w[2][None], x.dtype)
+                return lax.dynamic_update_slice_in_dim(y, out[0], first, 0)
 
-        return lax.fori_loop(0, (sizes[e] + chunk - 1) // chunk, one_chunk, y)
+            # Whole chunks of this size; the smallest size also takes the remainder.
+            count = left // size if size != chunk else (left + size - 1) // size
+            y = lax.fori_loop(0, count, one_chunk, y)
+            start, left = start + count * size, left - count * size
+        return y
 
     y = lax.fori_loop(0, num_used, one_expert, jnp.zeros_like(x_sorted))
     y = jnp.where((sorted_ids < num_experts)[:, None], y[:n], 0)  # empty copies: 0

@@ -14,8 +14,9 @@ experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a to
 (ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`;
 `--gather 24,21` the sparse path with other weight-gather chunks (2^24, 2^21 elements),
 the measurement behind `moe_sparse.GATHER_ELEMENTS`; `--loop 4,16` the expert loop
-(`moe_sparse.expert_loop_ffn`, each expert's weights read once) at those chunk sizes, its
-flops/routed the rows it ran on that routing.
+(`moe_sparse.expert_loop_ffn`, each expert's weights read once) at those smallest chunk
+sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_sparse.loop_chunk_sizes`;
+1: one size, the loop before the levels), its flops/routed the rows it ran on that routing.
 Writes bench_results/bench_moe.json.
 """
 
@@ -69,6 +70,12 @@ def main() -> None:
     parser.add_argument(
         "--loop", default="", help="also the expert loop at these chunk sizes, e.g. 4,16"
     )
+    parser.add_argument(
+        "--loop-levels",
+        default="",
+        help="the expert loop's numbers of chunk sizes to try, e.g. 1,3 (loop@C/L in the "
+        "table; default: moe_sparse.LOOP_LEVELS)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,13 +125,15 @@ def main() -> None:
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
             for c in [int(c) for c in args.loop.split(",") if c]:
-                loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=c)
+                levels = [int(v) for v in args.loop_levels.split(",") if v]
+                for lv in levels or [moe_sparse.LOOP_LEVELS]:
+                    loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=c, levels=lv)
 
-                def loop_moe(x, tw, ids, wg, wu, wd, loop=loop):
-                    y = loop(x, ids, wg, wu, wd)
-                    return jnp.einsum("tk,tkh->th", tw, y)
+                    def loop_moe(x, tw, ids, wg, wu, wd, loop=loop):
+                        y = loop(x, ids, wg, wu, wd)
+                        return jnp.einsum("tk,tkh->th", tw, y)
 
-                variants[f"loop@{c}"] = (jax.jit(loop_moe), -c)
+                    variants[f"loop@{c}/{lv}"] = (jax.jit(loop_moe), -c)
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
                 # The chunk size is read when the function is traced: trace it now.

@@ -249,20 +249,43 @@ def test_bad_shapes_are_named():
 
 
 @functools.cache
-def _loop(chunk: int):
-    return jax.jit(functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk))
+def _loop(chunk: int, levels: int = moe_sparse.LOOP_LEVELS):
+    return jax.jit(functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk, levels=levels))
 
 
 @pytest.mark.parametrize("name", ["one_expert", "two_experts", "ties", "group_edges"])
 @pytest.mark.parametrize("chunk", [1, 4, 8, 64])
-def test_expert_loop_equals_the_row_oracle(experts, name, chunk):
+@pytest.mark.parametrize("levels", [1, 3])
+def test_expert_loop_equals_the_row_oracle(experts, name, chunk, levels):
     """Every routing the block layout must survive, through the expert loop at chunk
-    sizes below, at and above the group sizes (a chunk running past its expert's rows)."""
+    sizes below, at and above the group sizes (a chunk running past its expert's rows),
+    with one chunk size and with several (whole large chunks, then the rest)."""
     num_tokens, top_k = 24, 2
     x = _tokens(num_tokens, seed=5)
     _, ids = _adversarial(name, num_tokens, top_k)
-    got = _loop(chunk)(x, ids, *experts)
+    got = _loop(chunk, levels)(x, ids, *experts)
     np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 15, 16, 17, 21, 37])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_expert_loop_levels_cover_every_group_size(experts, group, chunk):
+    """One expert with `group` rows and another with the rest, levels 3 (chunk 1: sizes
+    16, 4, 1; chunk 3: 48, 12, 3, the last chunk running into the next expert's rows):
+    every mix of whole large chunks, middle ones and the rest equals the oracle."""
+    num_tokens = 40
+    x = _tokens(num_tokens, seed=group)
+    ids = np.full((num_tokens, 1), 1, np.int32)
+    ids[:group, 0] = 0
+    got = _loop(chunk, 3)(x, jnp.asarray(ids), *experts)
+    np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+
+
+def test_loop_chunk_sizes_are_powers_of_four_of_the_chunk():
+    assert moe_sparse.loop_chunk_sizes(4, 3) == (64, 16, 4)
+    assert moe_sparse.loop_chunk_sizes(3, 1) == (3,)
+    with pytest.raises(ValueError, match="chunk"):
+        moe_sparse.loop_chunk_sizes(0)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
