@@ -25,7 +25,7 @@ from jaxserve.frontend.http.protocol import (
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits, max_prompt_chars
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error, token_id_error
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -50,9 +50,7 @@ def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
     is reported with the shared rule's words."""
     for t in ids:
         if not 0 <= t <= INT32_MAX:
-            raise FieldError(
-                name, f"{name}: token id {t} outside the vocabulary [0, {limits.vocab_size})"
-            )
+            raise FieldError(name, token_id_error(name, t, limits.vocab_size))
     return ids
 
 
