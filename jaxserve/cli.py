@@ -39,6 +39,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _SubParser(_Parser):
+    """A subcommand's parser: it refuses the arguments it does not know itself, so the
+    error names it (`jaxserve serve: error: unrecognized arguments: ...`); argparse hands
+    them back to the top parser, whose error names only `jaxserve`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -351,7 +363,7 @@ def _print_samples(completions) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
 
     s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
     add_serve_arguments(s)
