@@ -305,6 +305,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params["n"] = args.n
     last = None
     completions = []
+    streamed = False  # some text is on stdout: an error ends its line first
     try:
         auth = client_auth.from_args(args)
         client = JaxserveClient(args.server, **auth.client_kwargs())
@@ -321,13 +322,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 for delta in client.generate(prompt, timeout=args.timeout, **params):
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
+                    streamed = streamed or bool(delta.text)
                     last = delta
                 # End the output with a newline, terminal or pipe, as `llm` does: the
                 # shell prompt starts on its own line, and a file of it is a text file.
                 sys.stdout.write("\n")
                 sys.stdout.flush()
         except grpc.RpcError as e:
-            print(f"\njaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            if streamed:  # end the text's line; nothing printed: no empty line
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"jaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
             print(file=sys.stderr)
