@@ -154,6 +154,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 _DENIED = "authorization: a valid API key is required (metadata 'authorization: Bearer <key>')"
+# The HTTP port's words name what an HTTP client sets: a header, not gRPC metadata.
+_HTTP_DENIED = (
+    "authorization: a valid API key is required (HTTP header 'Authorization: Bearer <key>')"
+)
 
 
 def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -194,7 +198,7 @@ class ApiKeyMiddleware:
                     return await self._app(scope, receive, send)
                 break
         body = json.dumps(
-            {"error": {"message": _DENIED, "type": "invalid_request_error", "param": None,
+            {"error": {"message": _HTTP_DENIED, "type": "invalid_request_error", "param": None,
                        "code": "invalid_api_key"}}
         ).encode()  # fmt: skip
         await send(

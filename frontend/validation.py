@@ -25,6 +25,7 @@ from jaxserve.sampling_params import (
     SamplingParams,
     check_lengths,
     logit_bias_count_error,
+    token_id_error,
 )
 
 DEFAULT_MAX_TOKENS = 16
@@ -214,7 +215,5 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, limits:
         raise RequestValidationError("prompt.token_ids: must not be empty")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestValidationError(
-            f"prompt.token_ids: token id {bad} outside the vocabulary [0, {vocab_size})"
-        )
+        raise RequestValidationError(token_id_error("prompt.token_ids", bad, vocab_size))
     return ids

@@ -39,6 +39,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _SubParser(_Parser):
+    """A subcommand's parser: it refuses the arguments it does not know itself, so the
+    error names it (`jaxserve serve: error: unrecognized arguments: ...`); argparse hands
+    them back to the top parser, whose error names only `jaxserve`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -293,6 +305,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params["n"] = args.n
     last = None
     completions = []
+    streamed = False  # some text is on stdout: an error ends its line first
     try:
         auth = client_auth.from_args(args)
         client = JaxserveClient(args.server, **auth.client_kwargs())
@@ -309,13 +322,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 for delta in client.generate(prompt, timeout=args.timeout, **params):
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
+                    streamed = streamed or bool(delta.text)
                     last = delta
                 # End the output with a newline, terminal or pipe, as `llm` does: the
                 # shell prompt starts on its own line, and a file of it is a text file.
                 sys.stdout.write("\n")
                 sys.stdout.flush()
         except grpc.RpcError as e:
-            print(f"\njaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            if streamed:  # end the text's line; nothing printed: no empty line
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"jaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
             print(file=sys.stderr)
@@ -351,7 +368,7 @@ def _print_samples(completions) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
 
     s = sub.add_parser("serve", help="serve a model over gRPC (and HTTP with --http-port)")
     add_serve_arguments(s)

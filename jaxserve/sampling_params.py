@@ -162,7 +162,7 @@ class SamplingParams:
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
-                    raise ValueError(f"stop_token_ids: token id {t} outside [0, {vocab_size})")
+                    raise ValueError(token_id_error("stop_token_ids", t, vocab_size))
 
     def _validate_types(self) -> None:
         """Integers where the sampler indexes or counts with them, numbers where it
@@ -215,7 +215,7 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id)
             if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} outside [0, {vocab_size})")
+                raise ValueError(token_id_error("logit_bias", token_id, vocab_size))
             if not isinstance(bias, Real):
                 raise ValueError(f"logit_bias: the bias of token {token_id} is not a number")
             _check_float32("logit_bias", bias, f"the bias of token {token_id}")
@@ -250,6 +250,12 @@ def logit_bias_count_error(count: int) -> str:
     """The message of a logit_bias map past MAX_LOGIT_BIAS entries (the gRPC and HTTP
     frontends check the count before reading the map, with these words)."""
     return f"logit_bias: at most {MAX_LOGIT_BIAS} entries are supported, got {count}"
+
+
+def token_id_error(field: str, token_id: int, vocab_size: int) -> str:
+    """The message of a token id outside the vocabulary, in the same words wherever an id
+    is checked (prompt, stop_token_ids, logit_bias; gRPC, HTTP, the offline LLM)."""
+    return f"{field}: token id {token_id} outside the vocabulary [0, {vocab_size})"
 
 
 def check_lengths(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> None:

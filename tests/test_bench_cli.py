@@ -533,3 +533,55 @@ def test_wait_for_warmup_polls_until_nothing_compiles():
     assert rec["pending_at_run"] == 4 and lines == [
         "server: 4 step shapes still compiling: the numbers below include its warm-up"
     ]
+
+
+@pytest.mark.parametrize("pending", [[0], [3, 0]])
+def test_bench_asks_the_server_once_at_start_up(pending, tmp_path, monkeypatch, capsys):
+    """`jaxserve bench` learns the model and the step shapes still compiling from one
+    GetServerInfo (it used to ask twice: once for the model, once for the warm-up); it
+    asks again only to poll a warm-up in progress. A scripted gRPC server counts the
+    calls: `pending` are its successive warmup_pending_shapes answers."""
+    from concurrent import futures
+
+    import grpc
+
+    from jaxserve.benchmark import server_warmup
+    from jaxserve.cli import build_parser
+    from jaxserve.frontend.proto import jaxserve_pb2 as pb
+    from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+    class Scripted(pb_grpc.JaxserveServicer):
+        info_calls = 0
+
+        def GetServerInfo(self, request, context):
+            answer = pending[min(self.info_calls, len(pending) - 1)]
+            self.info_calls += 1
+            return pb.ServerInfo(
+                model=DEMO_MODEL_DIR.name, max_model_len=512, warmup_pending_shapes=answer
+            )
+
+        def Generate(self, request, context):
+            yield pb.GenerateResponse(
+                text="x", token_ids=[5], finish_reason="length",
+                prompt_tokens=len(request.token_ids.ids), completion_tokens=1,
+            )  # fmt: skip
+
+    monkeypatch.setattr(server_warmup, "POLL_S", 0.01)
+    servicer = Scripted()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_JaxserveServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = tmp_path / "b.json"
+    try:
+        args = build_parser().parse_args(
+            ["bench", "--server", f"127.0.0.1:{port}", "--dataset", "random",
+             "--num-prompts", "2", "--input-len", "4", "--output-len", "1", "--no-progress",
+             "--out", str(out)]
+        )  # fmt: skip
+        assert args.func(args) == 0, capsys.readouterr().err
+    finally:
+        server.stop(None)
+    assert servicer.info_calls == len(pending)  # one probe, then one poll per non-zero
+    warmup = json.loads(out.read_text())["server_warmup"]
+    assert warmup["pending_at_start"] == pending[0] and warmup["pending_at_run"] == 0

@@ -136,6 +136,36 @@ def test_usage_error_is_one_line():
     assert out.stderr.count("\n") == 1 and "--max-num-seqs: must be >= 1, got 0" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["generate", "hi"],
+        ["bench"],
+        ["diagnose", "--from", "b.json"],
+        ["profile", "--server", "h:1", "--out", "d"],
+    ],
+)
+def test_an_unknown_flag_is_named_by_its_subcommand(argv, capsys):
+    """`jaxserve serve --bogus-flag` is `jaxserve serve: error: ...`, pointing at that
+    subcommand's --help (argparse hands a subcommand's unknown arguments back to the top
+    parser, whose error said only `jaxserve: error:`)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--bogus-flag"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"jaxserve {argv[0]}: error: unrecognized arguments: --bogus-flag "
+        f"(see jaxserve {argv[0]} --help)"
+    ]
+
+
+def test_an_unknown_flag_before_the_subcommand_is_the_top_commands(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--bogus-flag", "generate", "hi"])
+    assert capsys.readouterr().err.startswith("jaxserve: error: unrecognized arguments")
+
+
 # ----- Hugging Face model ids -------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """The client-side commands against an address where nothing listens end with one line
 naming it and a non-zero exit, never a table of zeros or a silent wait:
-`jaxserve bench` (both backends) and `jaxserve engine --frontend` (which logs what it
-waits for at once and gives up after --handshake-timeout-s). Each runs the real command
-as a subprocess, as a user would; no server is started."""
+`jaxserve bench` (both backends), `jaxserve generate`, and `jaxserve engine --frontend`
+(which logs what it waits for at once and gives up after --handshake-timeout-s). Each
+runs the real command as a subprocess, as a user would; no server is started."""
 
 from __future__ import annotations
 
@@ -37,6 +37,17 @@ def test_bench_against_a_dead_server_is_one_line(backend):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"jaxserve bench: error: --server {address}: "), lines[0]
     assert "refused" in lines[0].lower(), lines[0]
+
+
+def test_generate_against_a_dead_server_is_one_line_and_no_empty_one():
+    """A failed `jaxserve generate` that printed no text says so in one stderr line; it
+    used to print an empty line first (the newline that ends streamed text)."""
+    address = f"127.0.0.1:{free_port()}"
+    r = _jaxserve("generate", "--server", address, "--timeout", "20", "hi")
+    assert r.returncode == 1, r
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: UNAVAILABLE: "), r.stderr
 
 
 def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():

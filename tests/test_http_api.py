@@ -513,6 +513,9 @@ def test_body_over_limit_is_413_and_bad_json_is_400(mock_model_dir):
         assert status == 413 and body["error"]["code"] == "request_too_large"
         r = _http("POST", srv.http_url + "/v1/completions", b'{"prompt": ')
         assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        r = _http("POST", srv.http_url + "/v1/completions", b'{"prompt": "\\ud800"}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        assert r.json()["error"]["message"].startswith("body: not valid JSON in UTF-8")
         r = _http("GET", srv.http_url + "/v1/nothing")
         assert r.status_code == 404 and "error" in r.json()
         assert "Traceback" not in srv.log()

@@ -1,4 +1,5 @@
-"""frontend/http/responses.read_body: the body limit and a client that leaves mid-body."""
+"""frontend/http/responses.read_body: the body limit and a client that leaves mid-body;
+protocol.parse_body: what a body that is not a request is called."""
 
 import asyncio
 import logging
@@ -111,3 +112,41 @@ def test_connections_past_the_cap_get_503(monkeypatch):
     over, under = asyncio.run(go())
     assert over.startswith(b"HTTP/1.1 503"), over
     assert under.startswith(b"HTTP/1.1 200"), under
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "\\ud800"}',  # a lone leading surrogate: no Unicode text
+        b'{"prompt": "a", "user": "\\udc00x"}',  # a lone trailing one
+        b'{"prompt": "a\xff"}',  # bytes that are not UTF-8
+        b'{"prompt": ',  # cut short
+    ],
+)
+def test_a_body_that_is_not_json_text_is_named_as_such(body):
+    """Bytes that are not JSON text in UTF-8 (a lone surrogate escape included) are a 400
+    on `body` that says so; "not a JSON object" (what they used to get) is kept for valid
+    JSON of another type."""
+    import json
+
+    from jaxserve.frontend.http.protocol import CompletionRequest, FieldError, parse_body
+
+    def strict_json(raw: bytes):
+        # Independent of pydantic: UTF-8, JSON, and every string encodable as UTF-8.
+        value = json.loads(raw.decode("utf-8"))
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+
+    with pytest.raises((UnicodeError, ValueError)):
+        strict_json(body)
+    with pytest.raises(FieldError) as info:
+        parse_body(CompletionRequest, body)
+    assert info.value.param == "body"
+    assert str(info.value).startswith("body: not valid JSON in UTF-8 ("), str(info.value)
+    assert "line 1 column" in str(info.value)  # where the fault is
+
+    array = b'["\\ud83d\\ude00"]'  # valid JSON text (a surrogate pair), but not an object
+    assert strict_json(array) == ["\U0001f600"]
+    with pytest.raises(FieldError) as info:
+        parse_body(CompletionRequest, array)
+    assert info.value.param == "body" and str(info.value).startswith("body: not a JSON object")

@@ -1,6 +1,7 @@
 """chat_template_kwargs on /v1/chat/completions (frontend/http/inputs.py): as in vLLM,
 they reach the template as variables and override the named fields; `messages` is
-reserved. Host only: the request is built as the server builds it, no server."""
+reserved; and the words of inputs.py's own range checks (max_tokens past int32). Host
+only: the request is built as the server builds it, no server."""
 
 from __future__ import annotations
 
@@ -55,3 +56,46 @@ def test_a_chat_too_long_for_the_model_is_refused_before_tokenizing():
     with pytest.raises(FieldError, match="cannot fit in max_model_len 256") as e:
         _prompt(messages=[{"role": "user", "content": "ab " * (limit // 3 + 1)}])
     assert e.value.param == "messages" and f"at most {limit})" in str(e.value)
+
+
+def _completion(**fields) -> list:
+    from jaxserve.frontend.http.inputs import completion_requests
+    from jaxserve.frontend.http.protocol import CompletionRequest
+
+    body = parse_body(CompletionRequest, json.dumps({"prompt": [1], **fields}).encode())
+    return completion_requests(body, "r", LIMITS)
+
+
+def _accepted(max_tokens: int) -> bool:
+    """Whether the shared rule (the gRPC path) takes max_tokens for a one-token prompt."""
+    from jaxserve.frontend.proto import jaxserve_pb2 as pb
+    from jaxserve.frontend.validation import RequestValidationError, build_engine_request
+
+    request = pb.GenerateRequest(max_tokens=max_tokens)
+    request.token_ids.ids.append(1)
+    try:
+        build_engine_request(request, "r", TOKENIZER, LIMITS)
+    except RequestValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 10**30])
+def test_max_tokens_past_int32_names_the_range_the_server_accepts(name, value):
+    """A max_tokens that cannot fit the proto's int32 used to be refused with int32's
+    range ("must be within [-2147483648, 2147483647]"), though the server refuses every
+    value below 1. The message gives the real range: each end is accepted by the shared
+    rule and the values just past it are refused."""
+    import re
+
+    make = (lambda: _completion(**{name: value})) if name == "max_tokens" else (
+        lambda: _prompt(**{name: value})
+    )  # fmt: skip
+    with pytest.raises(FieldError) as e:
+        make()
+    assert e.value.param == name and str(e.value).startswith(f"{name}: "), str(e.value)
+    low, high = map(int, re.search(r"within \[(-?\d+), (-?\d+)\]", str(e.value)).groups())
+    assert _accepted(low) and _accepted(high)
+    assert not _accepted(low - 1) and not _accepted(high + 1)
+    assert str(value) in str(e.value)

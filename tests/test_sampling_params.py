@@ -134,3 +134,56 @@ def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():
     params = SamplingParams(stop_token_ids=[10**6])  # no vocabulary known yet
     with pytest.raises(ValueError, match="^stop_token_ids: token id 1000000 outside"):
         params.validate(VOCAB)
+
+
+def test_a_token_id_outside_the_vocabulary_has_one_wording_everywhere():
+    """Every place that checks a token id against the vocabulary (the shared rule, the
+    gRPC prompt check, the HTTP API's int32 check, the engine's sampler packing) says it
+    in the same words; they used to be "outside [0, V)" in some and "outside the
+    vocabulary [0, V)" in others."""
+    import json
+
+    from jaxserve.frontend.http.inputs import completion_requests
+    from jaxserve.frontend.http.protocol import CompletionRequest, parse_body
+    from jaxserve.frontend.proto import jaxserve_pb2 as pb
+    from jaxserve.frontend.validation import ModelLimits, build_engine_request
+
+    def error(call) -> str:
+        with pytest.raises(ValueError) as e:
+            call()
+        return str(e.value)
+
+    def http(**fields):
+        body = parse_body(CompletionRequest, json.dumps({"prompt": "a", **fields}).encode())
+        return completion_requests(body, "r", ModelLimits(max_model_len=64, vocab_size=VOCAB))
+
+    grpc_prompt = pb.GenerateRequest()
+    grpc_prompt.token_ids.ids.append(VOCAB)
+    md = sampling_metadata.prepare_sampling_metadata([], 1, VOCAB, 0)
+    big = 2**31  # past the proto's int32: refused by the HTTP API itself
+    messages = {
+        ("stop_token_ids", VOCAB): error(
+            lambda: SamplingParams(stop_token_ids=[VOCAB]).validate(VOCAB)
+        ),
+        ("logit_bias", VOCAB): error(
+            lambda: SamplingParams(logit_bias={VOCAB: 1.0}).validate(VOCAB)
+        ),
+        ("logit_bias", VOCAB + 1): error(
+            lambda: sampling_metadata._fill_logit_bias(md, 0, {VOCAB + 1: 1.0}, VOCAB)
+        ),
+        ("prompt.token_ids", VOCAB): error(
+            lambda: build_engine_request(
+                grpc_prompt, "r", None, ModelLimits(max_model_len=64, vocab_size=VOCAB)
+            )
+        ),
+        ("stop_token_ids", big): error(lambda: http(stop_token_ids=[big])),
+        ("logit_bias", -1): error(lambda: http(logit_bias={"-1": 1.0})),
+    }
+    tails = set()
+    for (field, token_id), message in messages.items():
+        head = f"{field}: token id {token_id} "
+        assert message.startswith(head), message
+        tails.add(message[len(head) :])
+    assert len(tails) == 1, tails
+    (tail,) = tails
+    assert tail.endswith(f"[0, {VOCAB})") and "vocabulary" in tail, tail

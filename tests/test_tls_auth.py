@@ -217,7 +217,9 @@ def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, context=ctx, timeout=10)
             assert e.value.code == 401
-            assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+            error = json.loads(e.value.read())["error"]
+            assert error["code"] == "invalid_api_key"
+            assert "header 'Authorization: Bearer" in error["message"], error
         req = urllib.request.Request(
             f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
         )
@@ -300,3 +302,29 @@ def test_bench_diagnose_and_profile_speak_tls(tls_server, pki, mock_model_dir, t
     profile = jaxserve("profile", "--server", tls_server.target, "--tls-ca-cert", ca,
                        "--seconds", "1", "--out", str(tmp_path / "prof"))  # fmt: skip
     assert profile.returncode == 1 and "UNAUTHENTICATED" in profile.stderr, profile.stderr
+
+
+@pytest.mark.parametrize("headers", [[], [(b"authorization", b"Bearer wrong")]])
+def test_http_401_names_the_header_not_grpc_metadata(headers):
+    """The HTTP port's 401 says what an HTTP client must send: the Authorization header
+    (it used to say "metadata", gRPC's word). The ASGI middleware alone, no server."""
+    import asyncio
+    import json
+
+    from jaxserve.frontend.auth import ApiKeyMiddleware
+
+    async def app(scope, receive, send):  # what the key lets through
+        raise AssertionError("reached the app without the key")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": headers}
+    asyncio.run(ApiKeyMiddleware(app, KEY)(scope, None, send))
+    start, body = sent
+    assert start["status"] == 401
+    message = json.loads(body["body"])["error"]["message"]
+    assert "metadata" not in message, message
+    assert "header 'Authorization: Bearer <key>'" in message, message

@@ -25,7 +25,7 @@ from jaxserve.frontend.http.protocol import (
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits, max_prompt_chars
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error, token_id_error
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -50,9 +50,7 @@ def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
     is reported with the shared rule's words."""
     for t in ids:
         if not 0 <= t <= INT32_MAX:
-            raise FieldError(
-                name, f"{name}: token id {t} outside the vocabulary [0, {limits.vocab_size})"
-            )
+            raise FieldError(name, token_id_error(name, t, limits.vocab_size))
     return ids
 
 
@@ -102,10 +100,22 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
         raise FieldError("best_of", "best_of: only best_of = n is supported")
 
 
-def _max_tokens(name: str, value: int | None, request: pb.GenerateRequest) -> None:
-    if value is not None:
-        _check_int(name, value)
-        request.max_tokens = value
+def _max_tokens(
+    name: str, value: int | None, request: pb.GenerateRequest, limits: ModelLimits
+) -> None:
+    """`value` onto `request`. One that cannot fit the proto's int32 is refused here with
+    the range the shared rule accepts (>= 1, and prompt + max_tokens <= max_model_len; at
+    most max_model_len - 1, for a one-token prompt), not int32's; any other value is left
+    to that rule (validation.py), so it gets gRPC's words."""
+    if value is None:
+        return
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        high = limits.max_model_len - 1
+        raise FieldError(
+            name, f"{name}: must be within [1, {high}] (prompt + {name} <= max_model_len "
+            f"{limits.max_model_len}), got {value}",
+        )  # fmt: skip
+    request.max_tokens = value
 
 
 def completion_requests(
@@ -129,7 +139,7 @@ def completion_requests(
         raise FieldError("n", f"n: n x prompts must be at most {MAX_N}, got {n} x {len(prompts)}")
     template = pb.GenerateRequest()
     _sampling(body, template, limits)
-    _max_tokens("max_tokens", body.max_tokens, template)
+    _max_tokens("max_tokens", body.max_tokens, template, limits)
     _check_int("logprobs", body.logprobs)
     if body.logprobs is not None:
         template.logprobs = body.logprobs
@@ -274,9 +284,9 @@ def chat_request(
         raise FieldError("messages", "messages: the chat renders to no tokens")
     request.token_ids.ids.extend(ids)
     if body.max_completion_tokens is not None:
-        _max_tokens("max_completion_tokens", body.max_completion_tokens, request)
+        _max_tokens("max_completion_tokens", body.max_completion_tokens, request, limits)
     elif body.max_tokens is not None:
-        _max_tokens("max_tokens", body.max_tokens, request)
+        _max_tokens("max_tokens", body.max_tokens, request, limits)
     else:
         request.max_tokens = max(1, limits.max_model_len - len(ids))
     return request

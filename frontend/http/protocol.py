@@ -18,7 +18,8 @@ A chat `chat_template` (vLLM's extra) is declared only to be refused, whatever i
 (`inputs.check_request_template`): no client Jinja is compiled.
 
 Every 400 names the exact field, with list indices (`prompt[1]`, `messages[0].content`,
-`stream_options.include_usage`); "body" only when the bytes are not a JSON object. A
+`stream_options.include_usage`); "body" only when the bytes are not valid JSON in UTF-8
+(a lone surrogate escape such as "\ud800" included) or not a JSON object. A
 completions `prompt` that fails its union type is named by `prompt_shape`, by hand: the
 union's errors name the branch that failed first, not the element at fault.
 """
@@ -237,7 +238,7 @@ _NOT_AN_OBJECT = ("model_type", "model_attributes_type", "dict_type")
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """The body as `model`. Raises FieldError naming the first bad field, by its path
     (`field_path`: "stream_options", "messages[0].role"); "body" only when the bytes are
-    not JSON or not a JSON object."""
+    not valid JSON in UTF-8 (pydantic's position of the fault kept) or not a JSON object."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -252,6 +253,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         # the cause: a list past its limit wins, then the error deepest inside the value.
         first = min(errors, key=lambda err: (err["type"] != "too_long", -len(err["loc"])))
         if not first["loc"]:  # the body itself
+            if first["type"] == "json_invalid":  # not JSON text, or a string not Unicode
+                why = first["msg"].removeprefix("Invalid JSON: ")
+                raise FieldError("body", f"body: not valid JSON in UTF-8 ({why})") from None
             raise FieldError("body", f"body: not a JSON object ({first['msg']})") from None
         param = field_path(first["loc"])
         if first["type"] in _NOT_AN_OBJECT:

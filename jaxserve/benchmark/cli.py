@@ -202,7 +202,7 @@ def _tokenizer_dir(args: argparse.Namespace, served: str | None | object = _ASK)
 def _served_model(args: argparse.Namespace) -> str | None:
     """The model name the server reports (`probe.ask_server`), None when it cannot be asked."""
     try:
-        return ask_server(args.server, args.backend, client_auth.from_args(args))
+        return ask_server(args.server, args.backend, client_auth.from_args(args)).model
     except Exception:  # noqa: BLE001 - any failure here: the caller decides
         return None
 
@@ -277,17 +277,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
         try:
+            # One question: the model (for the tokenizer) and, over gRPC, the step shapes
+            # still compiling (the warm-up wait's first count).
             served = ask_server(args.server, args.backend, auth)
         except ServerUnreachableError as e:
             return _error(str(e), 1)
-        tokenizer_dir = _tokenizer_dir(args, served)
+        tokenizer_dir = _tokenizer_dir(args, served.model)
         tokenizer = load_tokenizer(tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
     except OSError as e:
         return _error(f"--dataset-path: {e}")
-    warmup = wait_for_warmup(lambda: _pending_shapes(args, auth), args.warmup_timeout)
+    warmup = wait_for_warmup(
+        lambda: _pending_shapes(args, auth), args.warmup_timeout,
+        first=served.warmup_pending_shapes,
+    )  # fmt: skip
     n_requests = sum(len(s.turns) for s in sessions)
     load_before = os.getloadavg()
     bar = tqdm(total=n_requests, disable=args.no_progress, file=sys.stderr, unit="req")

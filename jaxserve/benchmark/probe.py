@@ -1,6 +1,8 @@
-"""The question `jaxserve bench` asks a server before its run: which model it serves.
+"""The question `jaxserve bench` asks a server before its run: which model it serves and,
+over gRPC, how many step shapes it still compiles, in one GetServerInfo call.
 
-The answer names the tokenizer that builds the prompts (cli._tokenizer_dir); no answer
+The model names the tokenizer that builds the prompts (cli._tokenizer_dir); the step
+shapes start the wait for the server's warm-up (server_warmup.wait_for_warmup). No answer
 ends the run before any request with one line naming --server and the cause (nothing
 listens there, the engine is starting or dead, a wrong key, not this API), where the run
 would otherwise send every request to fail and print a table of zeros.
@@ -9,6 +11,7 @@ would otherwise send every request to fail and print a table of zeros.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from jaxserve.frontend.client_auth import ClientAuth
 
@@ -20,10 +23,19 @@ class ServerUnreachableError(RuntimeError):
     """The server did not answer the first question; one line naming --server."""
 
 
-def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
-    """The model name the server at `server` (HOST:PORT; http: also a URL) reports over
-    `backend` ("grpc": GetServerInfo; "http": GET /v1/models, the first model's id),
-    within PROBE_TIMEOUT_S.
+@dataclass(frozen=True, slots=True)
+class ServerAnswer:
+    """What the server said: its model's name, and its step shapes still compiling in the
+    background (GetServerInfo's warmup_pending_shapes; None over HTTP, which cannot say)."""
+
+    model: str
+    warmup_pending_shapes: int | None = None
+
+
+def ask_server(server: str, backend: str, auth: ClientAuth) -> ServerAnswer:
+    """What the server at `server` (HOST:PORT; http: also a URL) reports over `backend`
+    ("grpc": one GetServerInfo, the model and the step shapes still compiling; "http":
+    GET /v1/models, the first model's id), within PROBE_TIMEOUT_S.
 
     Raises ServerUnreachableError ("--server ADDR: ...") when nothing answers there,
     the server is not serving (engine starting or dead: UNAVAILABLE / 503), refuses the
@@ -36,7 +48,8 @@ def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
 
         try:
             with JaxserveClient(server, **auth.client_kwargs()) as c:
-                return c.server_info(timeout=PROBE_TIMEOUT_S).model
+                info = c.server_info(timeout=PROBE_TIMEOUT_S)
+            return ServerAnswer(info.model, info.warmup_pending_shapes)
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.UNAVAILABLE and details.startswith("engine unavailable"):
@@ -64,7 +77,7 @@ def ask_server(server: str, backend: str, auth: ClientAuth) -> str:
         with urllib.request.urlopen(
             req, timeout=PROBE_TIMEOUT_S, context=auth.ssl_context()
         ) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
+            return ServerAnswer(json.loads(resp.read())["data"][0]["id"])
     except urllib.error.HTTPError as e:
         text = e.read(300).decode(errors="replace").replace("\n", " ")
         raise ServerUnreachableError(

@@ -18,6 +18,8 @@ from collections.abc import Callable
 # Seconds between two GetServerInfo calls while the server compiles.
 POLL_S = 1.0
 
+_ASK = object()  # wait_for_warmup: no answer in hand, ask first
+
 
 def wait_for_warmup(
     pending_shapes: Callable[[], int | None],
@@ -25,17 +27,20 @@ def wait_for_warmup(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    first: int | None | object = _ASK,
 ) -> dict:
     """Poll `pending_shapes()` (the server's step shapes still compiling; None: it cannot
     be asked, e.g. the HTTP backend or a server that is down) until it is 0 or `timeout_s`
-    seconds have passed (0: no wait).
+    seconds have passed (0: no wait). `first`: the count already in hand (the start-up
+    probe's, `probe.ask_server`), which saves the first call; by default it is asked.
 
     Returns the record for the run's JSON: `pending_at_start` (None when unknown),
     `waited_s`, and `pending_at_run` (what was still compiling when the run began: not 0
     means the numbers include warm-up).
     """
     start = clock()
-    pending = first = pending_shapes()
+    pending = first = pending_shapes() if first is _ASK else first
     if pending:
         if timeout_s > 0:
             log(

@@ -48,7 +48,7 @@ from jaxserve.observability.stats import (
     Histogram,
 )
 from jaxserve.observability.step_cost import StepCostModel, StepMeter
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, token_id_error
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class EngineCore:
             raise ValueError(f"prompt_token_ids: expected integers, got {prompt.dtype}")
         bad = prompt[(prompt < 0) | (prompt >= vocab)]
         if bad.size:
-            raise ValueError(f"prompt_token_ids: token id {int(bad[0])} outside [0, {vocab})")
+            raise ValueError(token_id_error("prompt_token_ids", int(bad[0]), vocab))
         return params, prompt.astype(np.int64).tolist()
 
     def abort_requests(self, request_ids: list[str]) -> None:

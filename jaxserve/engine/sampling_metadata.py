@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, token_id_error
 
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing by them would
 # overflow the logits to inf.
@@ -192,7 +192,7 @@ def _fill_logit_bias(
         )
     for j, (token_id, bias) in enumerate(logit_bias.items()):
         if not 0 <= int(token_id) < vocab_size:
-            raise ValueError(f"logit_bias: token id {token_id} outside [0, {vocab_size})")
+            raise ValueError(token_id_error("logit_bias", token_id, vocab_size))
         md.logit_bias_ids[i, j] = int(token_id)
         md.logit_bias_values[i, j] = bias
 

@@ -59,4 +59,6 @@ def test_cli_generate_reports_bad_input(server):
         capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
     )  # fmt: skip
     assert out.returncode == 1
-    assert "INVALID_ARGUMENT: top_p:" in out.stderr
+    assert out.stdout == ""  # no text, so no newline to end it
+    lines = out.stderr.splitlines()  # one line, no empty one before it
+    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: INVALID_ARGUMENT: top_p:")
