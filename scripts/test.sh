@@ -6,6 +6,17 @@ cd "$(dirname "$0")/.."
 # The bench extra too: tests/test_bench_cli.py runs `jaxserve bench` (aiohttp, matplotlib).
 bash scripts/setup_venv.sh test bench
 venv="${JAXSERVE_VENV:-.venv}"
+# The suite's one pytest process keeps hundreds of compiled XLA executables, each a few
+# memory maps: a full run passes Linux's default limit of 65530 maps per process, and at
+# the limit an mmap in XLA's CPU runtime fails and the process segfaults (two of three full
+# runs died so, in jax's compilation-cache read; /proc/PID/maps counted ~33k at a third of
+# the run). Raise the limit where we may (root: CI), else say how.
+min_maps=262144
+if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo "$min_maps")" -lt "$min_maps" ]; then
+  { echo "$min_maps" > /proc/sys/vm/max_map_count; } 2>/dev/null ||
+    echo "warning: vm.max_map_count is $(cat /proc/sys/vm/max_map_count), under the" \
+      "$min_maps a full run needs: 'sudo sysctl -w vm.max_map_count=$min_maps'" >&2
+fi
 # Lint first: the whole tree, as ruff is configured in pyproject.toml.
 "$venv/bin/ruff" check .
 # Tests that need several devices get them from emulated CPU devices (see tests/conftest.py).
