@@ -6,11 +6,11 @@ cd "$(dirname "$0")/.."
 # The bench extra too: tests/test_bench_cli.py runs `jaxserve bench` (aiohttp, matplotlib).
 bash scripts/setup_venv.sh test bench
 venv="${JAXSERVE_VENV:-.venv}"
-# The suite's one pytest process keeps hundreds of compiled XLA executables, each a few
-# memory maps: a full run passes Linux's default limit of 65530 maps per process, and at
-# the limit an mmap in XLA's CPU runtime fails and the process segfaults (two of three full
-# runs died so, in jax's compilation-cache read; /proc/PID/maps counted ~33k at a third of
-# the run). Raise the limit where we may (root: CI), else say how.
+# The suite's one pytest process keeps hundreds of compiled XLA executables, ~15 memory
+# maps each: a full run peaked at 65,250 maps, at Linux's default limit of 65530 per
+# process, where XLA's CPU runtime fails an mmap ("LLVM compilation error: Cannot allocate
+# memory") and segfaults: two of three full runs died so, in jax's compilation-cache read.
+# `scripts/map_count.py` measures both. Raise the limit where we may (root: CI), else say how.
 min_maps=262144
 if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo "$min_maps")" -lt "$min_maps" ]; then
   { echo "$min_maps" > /proc/sys/vm/max_map_count; } 2>/dev/null ||
