@@ -53,7 +53,8 @@ MAX_BLOCK_SIZE = 64
 GATHER_ELEMENTS = 1 << 19
 # Routed rows (tokens x top-k) from which the default path is the expert loop.
 LOOP_MIN_ROWS = 16
-# Chunk sizes of the expert loop: chunk, 4 x chunk, 16 x chunk (`loop_chunk_sizes`).
+# Chunk sizes of the expert loop: chunk, 4 x chunk, 16 x chunk (`loop_chunk_sizes`); the
+# default path keeps those up to twice the mean group (`loop_levels_for`).
 LOOP_LEVELS = 3
 
 
@@ -185,9 +186,9 @@ def sparse_expert_ffn(
     n = num_tokens * top_k
     if block_size is None:
         if n >= LOOP_MIN_ROWS:
-            return expert_loop_ffn(
-                x, ids, w_gate, w_up, w_down, chunk=block_size_for(n, num_experts)
-            )
+            chunk = block_size_for(n, num_experts)
+            levels = loop_levels_for(n, num_experts, chunk)
+            return expert_loop_ffn(x, ids, w_gate, w_up, w_down, chunk=chunk, levels=levels)
         block_size = block_size_for(n, num_experts)
     if block_size < 1:
         raise ValueError(f"sparse_expert_ffn: block_size must be >= 1, got {block_size}")
@@ -237,6 +238,15 @@ def loop_chunk_sizes(chunk: int, levels: int = LOOP_LEVELS) -> tuple[int, ...]:
     if chunk < 1 or levels < 1:
         raise ValueError(f"loop_chunk_sizes: need chunk >= 1, levels >= 1, got {chunk}, {levels}")
     return tuple(chunk * 4**i for i in reversed(range(levels)))
+
+
+def loop_levels_for(num_rows: int, num_experts: int, chunk: int) -> int:
+    """The default path's number of chunk sizes (at most LOOP_LEVELS): the sizes up to
+    twice the mean group, max(chunk, 2 * ceil(num_rows / num_experts)). A larger size
+    would rarely hold a whole chunk, and each size costs every expert one more (empty)
+    loop, which at decode sizes (about a row per expert) costs more than it saves."""
+    top = max(chunk, 2 * -(-num_rows // num_experts))
+    return sum(1 for size in loop_chunk_sizes(chunk) if size <= top)
 
 
 def expert_loop_ffn(

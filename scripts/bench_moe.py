@@ -16,7 +16,9 @@ experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a to
 the measurement behind `moe_sparse.GATHER_ELEMENTS`; `--loop 4,16` the expert loop
 (`moe_sparse.expert_loop_ffn`, each expert's weights read once) at those smallest chunk
 sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_sparse.loop_chunk_sizes`;
-1: one size, the loop before the levels), its flops/routed the rows it ran on that routing.
+1: one size, the loop before the levels), its flops/routed the rows it ran on that routing;
+with `--loop`, also the default path (`loop@auto`: smallest chunk `block_size_for`, levels
+`loop_levels_for`) beside it with one level (`loop@auto/1`).
 Writes bench_results/bench_moe.json.
 """
 
@@ -124,6 +126,17 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
+            if args.loop and tokens * top_k >= moe_sparse.LOOP_MIN_ROWS:
+                # The default path (block_size None): the expert loop, its levels chosen.
+                default = functools.partial(moe_experts_sparse, block_size=None)
+                variants["loop@auto"] = (jax.jit(default), -auto)
+                # The same with one chunk size (the default before the levels).
+                one = functools.partial(moe_sparse.expert_loop_ffn, chunk=auto, levels=1)
+
+                def one_level(x, tw, ids, wg, wu, wd, one=one):
+                    return jnp.einsum("tk,tkh->th", tw, one(x, ids, wg, wu, wd))
+
+                variants["loop@auto/1"] = (jax.jit(one_level), -auto)
             for c in [int(c) for c in args.loop.split(",") if c]:
                 levels = [int(v) for v in args.loop_levels.split(",") if v]
                 for lv in levels or [moe_sparse.LOOP_LEVELS]:
