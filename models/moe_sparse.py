@@ -55,7 +55,7 @@ GATHER_ELEMENTS = 1 << 19
 # Routed rows (tokens x top-k) from which the default path is the expert loop.
 LOOP_MIN_ROWS = 16
 # Chunk sizes of the expert loop: chunk, 4 x chunk, 16 x chunk (`loop_chunk_sizes`); the
-# default path keeps those up to twice the mean group (`loop_levels_for`).
+# default path keeps those up to the mean group (`loop_levels_for`).
 LOOP_LEVELS = 3
 
 
@@ -242,11 +242,11 @@ def loop_chunk_sizes(chunk: int, levels: int = LOOP_LEVELS) -> tuple[int, ...]:
 
 
 def loop_levels_for(num_rows: int, num_experts: int, chunk: int) -> int:
-    """The default path's number of chunk sizes (at most LOOP_LEVELS): the sizes up to
-    twice the mean group, max(chunk, 2 * ceil(num_rows / num_experts)). A larger size
-    would rarely hold a whole chunk, and each size costs every expert one more (empty)
-    loop, which at decode sizes (about a row per expert) costs more than it saves."""
-    top = max(chunk, 2 * -(-num_rows // num_experts))
+    """The default path's number of chunk sizes (at most LOOP_LEVELS): the sizes up to the
+    mean group, max(chunk, ceil(num_rows / num_experts)). A larger size would rarely hold
+    a whole chunk, and each size costs every expert one more loop, which at decode sizes
+    (a row or two per expert) costs more than it saves: there it is the one-size loop."""
+    top = max(chunk, -(-num_rows // num_experts))
     return sum(1 for size in loop_chunk_sizes(chunk) if size <= top)
 
 

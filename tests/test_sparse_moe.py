@@ -313,15 +313,15 @@ def test_default_path_is_the_expert_loop_from_loop_min_rows(experts):
         _assert_close(_sparse(None)(x, weights, ids, *experts), _dense(x, weights, ids, *experts))
 
 
-def test_loop_levels_keep_the_sizes_up_to_twice_the_mean_group():
+def test_loop_levels_keep_the_sizes_up_to_the_mean_group():
     """Against the rule spelled out: sizes chunk * 4^i (i < LOOP_LEVELS) that are at most
-    max(chunk, 2 * ceil(rows / experts)); the smallest is always kept."""
+    max(chunk, ceil(rows / experts)); the smallest is always kept."""
     rng = np.random.default_rng(3)
     for _ in range(200):
         rows, experts = int(rng.integers(16, 5000)), int(rng.integers(1, 300))
         chunk = int(2 ** rng.integers(0, 7))
-        top = max(chunk, 2 * math.ceil(rows / experts))
+        top = max(chunk, math.ceil(rows / experts))
         want = sum(chunk * 4**i <= top for i in range(moe_sparse.LOOP_LEVELS))
         assert moe_sparse.loop_levels_for(rows, experts, chunk) == want >= 1
-    # Decode with a row per expert: one size, the loop without levels.
-    assert moe_sparse.loop_levels_for(32, 32, 1) == 1
+    # Decode with a row or two per expert: one size, the loop without levels.
+    assert moe_sparse.loop_levels_for(64, 32, 1) == 1
