@@ -33,6 +33,8 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # bound through its OpenAI server): each sample is a full engine request. The gRPC
 # frontend and the offline LLM both enforce it (through `validate`).
 MAX_N = 128
+# The top_k values a request may give, in the words of every top_k error.
+TOP_K_ACCEPTED = "-1 (disabled) or >= 1"
 # Stop strings: the detokenizer matches all of a request's stop strings with one automaton
 # (O(1) per output character whatever their number), but building it costs O(total size)
 # on the sidecar's single thread, so the lists are bounded. OpenAI allows 4 stop strings
@@ -138,7 +140,7 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0 and np.float32(self.top_p) > 0.0):
             raise ValueError(f"top_p: must be in (0, 1] (and > 0 in float32), got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k: must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise ValueError(f"top_k: must be {TOP_K_ACCEPTED}, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:

@@ -99,3 +99,41 @@ def test_max_tokens_past_int32_names_the_range_the_server_accepts(name, value):
     assert _accepted(low) and _accepted(high)
     assert not _accepted(low - 1) and not _accepted(high + 1)
     assert str(value) in str(e.value)
+
+
+def _shared_rule_error(field: str, value: int) -> str:
+    """The shared rule's (gRPC's) message for `field` = value on a one-token prompt."""
+    from jaxserve.frontend.proto import jaxserve_pb2 as pb
+    from jaxserve.frontend.validation import RequestValidationError, build_engine_request
+
+    request = pb.GenerateRequest(max_tokens=4)
+    request.token_ids.ids.append(1)
+    if field == "logprobs":
+        request.logprobs = value
+    else:
+        setattr(request.sampling, field, value)
+    with pytest.raises(RequestValidationError) as e:
+        build_engine_request(request, "r", TOKENIZER, LIMITS)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "rule_field", "refused"),
+    [("n", "n", 10**6), ("top_k", "top_k", -5), ("logprobs", "logprobs", 10**6),
+     ("top_logprobs", "logprobs", 10**6)],
+)  # fmt: skip
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1])
+def test_other_ints_past_int32_get_the_shared_rules_words(name, rule_field, refused, value):
+    """n, top_k, logprobs and top_logprobs past int32 used to say "must be within
+    [-2147483648, 2147483647]"; they now say what the shared rule says of a refused value
+    that fits int32 (its accepted values), naming the HTTP field."""
+    if name == "top_logprobs":
+        make = lambda: _prompt(logprobs=True, top_logprobs=value)  # noqa: E731
+    else:
+        make = lambda: _completion(**{name: value})  # noqa: E731
+    with pytest.raises(FieldError) as e:
+        make()
+    assert e.value.param == name
+    shared = _shared_rule_error(rule_field, refused)
+    want = shared.replace(str(refused), str(value)).replace(rule_field, name, 1)
+    assert str(e.value) == want

@@ -25,7 +25,13 @@ from jaxserve.frontend.http.protocol import (
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits, max_prompt_chars
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, logit_bias_count_error, token_id_error
+from jaxserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    TOP_K_ACCEPTED,
+    logit_bias_count_error,
+    token_id_error,
+)
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -40,9 +46,19 @@ def log_unknown_fields(body, endpoint: str) -> None:
         logger.debug("%s: ignoring unknown fields %s", endpoint, sorted(body.model_extra))
 
 
-def _check_int(name: str, value: int | None, high: int = INT32_MAX, low: int = -INT32_MAX - 1):
+def _check_int(
+    name: str,
+    value: int | None,
+    high: int = INT32_MAX,
+    low: int = -INT32_MAX - 1,
+    accepted: str | None = None,
+) -> None:
+    """Refuse a value the proto's field cannot hold ([low, high]). `accepted`: the values
+    the shared rule takes, in its words ("in [1, 128]"), named instead of the field's
+    range, which would suggest that values the server refuses anyway are fine."""
     if value is not None and not low <= value <= high:
-        raise FieldError(name, f"{name}: must be within [{low}, {high}], got {value}")
+        rule = accepted or f"within [{low}, {high}]"
+        raise FieldError(name, f"{name}: must be {rule}, got {value}")
 
 
 def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
@@ -63,11 +79,11 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
             setattr(s, name, value)
     if body.repetition_penalty is not None:
         s.repetition_penalty = body.repetition_penalty
-    _check_int("top_k", body.top_k)
+    _check_int("top_k", body.top_k, accepted=TOP_K_ACCEPTED)
     if body.top_k is not None:
         s.top_k = body.top_k
     if body.n is not None:
-        _check_int("n", body.n)
+        _check_int("n", body.n, accepted=f"in [1, {MAX_N}]")
         s.n = body.n
     _check_int("seed", body.seed, INT64_MAX, -INT64_MAX - 1)
     if body.seed is not None:
@@ -140,7 +156,7 @@ def completion_requests(
     template = pb.GenerateRequest()
     _sampling(body, template, limits)
     _max_tokens("max_tokens", body.max_tokens, template, limits)
-    _check_int("logprobs", body.logprobs)
+    _check_int("logprobs", body.logprobs, accepted=f"in [0, {MAX_LOGPROBS}]")
     if body.logprobs is not None:
         template.logprobs = body.logprobs
     out = []
@@ -251,7 +267,7 @@ def chat_request(
     _sampling(body, request, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise FieldError("top_logprobs", "top_logprobs: needs logprobs set to true")
-    _check_int("top_logprobs", body.top_logprobs)
+    _check_int("top_logprobs", body.top_logprobs, accepted=f"in [0, {MAX_LOGPROBS}]")
     if body.logprobs:
         request.logprobs = body.top_logprobs or 0
     messages = chat_messages(body)
