@@ -40,10 +40,12 @@ produces exactly --max-tokens tokens.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -423,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     tmp = Path(tempfile.mkdtemp(prefix="jaxserve_bench_"))
+    # The random checkpoints (~90 MB a run) go with the process: runs left them behind.
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     models = {}
     demo = Path(args.model) if args.model else DEMO_MODEL_DIR
     if (demo / "config.json").is_file():
