@@ -24,7 +24,7 @@ same sorted rows as an *expert loop* instead (`expert_loop_ffn`): a `lax.fori_lo
 the experts that hold rows, each expert's weights sliced once and its rows run in
 chunks of up to three sizes, the smallest B (the same B, so the same worst-case padding;
 `loop_levels_for` picks the sizes), instead of a gathered copy of an expert's weights
-per block. Measured (one chunk size) (`scripts/bench_moe.py --loop 4,16`, Qwen3-MoE-
+per block. Measured with one chunk size (`scripts/bench_moe.py --loop 4,16`, Qwen3-MoE-
 like layer, load 9-10): 65.0 -> 28.3 ms at 128 tokens, 17.0 -> 13.0 at 32, 7.0 -> 3.7 at
 8, and a tie at 1 token (0.54 vs 0.59 ms), where the block path stays.
 

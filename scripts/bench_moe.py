@@ -95,6 +95,18 @@ def main() -> None:
     print(f"uptime: {load}", flush=True)
     results = []
     configs = _configs()
+    loop_levels = [int(v) for v in args.loop_levels.split(",") if v]
+    loop_levels = loop_levels or [moe_sparse.LOOP_LEVELS]
+
+    def _loop_moe(chunk: int, levels: int):
+        """The expert loop at `chunk` / `levels` as a whole MoE call (weighted sum)."""
+        loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk, levels=levels)
+
+        def moe(x, tw, ids, wg, wu, wd):
+            return jnp.einsum("tk,tkh->th", tw, loop(x, ids, wg, wu, wd))
+
+        return jax.jit(moe)
+
     for name in args.configs.split(","):
         hidden, inter, experts, top_k = configs[name]
         rng = np.random.default_rng(0)
@@ -131,22 +143,10 @@ def main() -> None:
                 default = functools.partial(moe_experts_sparse, block_size=None)
                 variants["loop@auto"] = (jax.jit(default), -auto)
                 # The same with one chunk size (the default before the levels).
-                one = functools.partial(moe_sparse.expert_loop_ffn, chunk=auto, levels=1)
-
-                def one_level(x, tw, ids, wg, wu, wd, one=one):
-                    return jnp.einsum("tk,tkh->th", tw, one(x, ids, wg, wu, wd))
-
-                variants["loop@auto/1"] = (jax.jit(one_level), -auto)
+                variants["loop@auto/1"] = (_loop_moe(auto, 1), -auto)
             for c in [int(c) for c in args.loop.split(",") if c]:
-                levels = [int(v) for v in args.loop_levels.split(",") if v]
-                for lv in levels or [moe_sparse.LOOP_LEVELS]:
-                    loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=c, levels=lv)
-
-                    def loop_moe(x, tw, ids, wg, wu, wd, loop=loop):
-                        y = loop(x, ids, wg, wu, wd)
-                        return jnp.einsum("tk,tkh->th", tw, y)
-
-                    variants[f"loop@{c}/{lv}"] = (jax.jit(loop_moe), -c)
+                for lv in loop_levels:
+                    variants[f"loop@{c}/{lv}"] = (_loop_moe(c, lv), -c)
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
                 # The chunk size is read when the function is traced: trace it now.
