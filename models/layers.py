@@ -255,6 +255,17 @@ def paged_attention_step(
     return out, (k_cache, v_cache)
 
 
+def merge_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The output projection: x [T, heads, D] . w [heads, D, embed] -> [T, embed], in
+    x's dtype, contracting heads and D in that order.
+
+    One `dot_general` rather than `jnp.einsum("thd,hde->te")`: einsum orders the
+    contraction (D, heads), so XLA's CPU backend re-lays-out the whole weight (1 MB a
+    layer at Qwen3-MoE-like shapes) on every call before the dot.
+    """
+    return jax.lax.dot_general(x, w, (((1, 2), (0, 1)), ((), ())))
+
+
 class Attention(nnx.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE, optional per-head q/k
     RMSNorm (Qwen3) and optional q/k/v biases (Qwen2), reading and writing the paged KV
@@ -344,7 +355,7 @@ class Attention(nnx.Module):
                 paged_attention_step, scale=self.scale, sliding_window=self.sliding_window
             )
             out, kv = self.parallel.paged_attention(step, q, k, v, kv, positions, metadata)
-        return jnp.einsum("thd,hde->te", out, self.o_proj[...]), kv
+        return merge_heads(out, self.o_proj[...]), kv
 
 
 class MLP(nnx.Module):

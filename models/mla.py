@@ -38,7 +38,15 @@ from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import AttentionMetadata, KVLayout
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.deepseek_config import MlaConfig, RopeScaling, yarn_mscale
-from jaxserve.models.layers import ONE_DEVICE, KVPair, Parallelism, RMSNorm, param, write_kv
+from jaxserve.models.layers import (
+    ONE_DEVICE,
+    KVPair,
+    Parallelism,
+    RMSNorm,
+    merge_heads,
+    param,
+    write_kv,
+)
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
 _LORA_NORM_EPS = 1e-6
@@ -214,7 +222,7 @@ class MlaAttention(nnx.Module):
                 mla_paged_step, *step_args, scale=self.scale
             )
             out = jnp.einsum("thl,lhv->thv", out_latent, w_uv)
-        return jnp.einsum("thv,hve->te", out, self.o_proj[...]), kv
+        return merge_heads(out, self.o_proj[...]), kv
 
 
 def _expanded_causal_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
