@@ -33,6 +33,7 @@ from jaxserve.kernels import dispatch
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 from jaxserve.models.config import Llama3RopeScaling
+from jaxserve.models.moe_slices import ExpertSlices, moe_experts_sliced
 from jaxserve.models.moe_sparse import moe_experts_sparse
 
 KVPair = tuple[jax.Array, jax.Array]
@@ -440,15 +441,20 @@ def moe_experts_grouped(
 
 def moe_experts_local(*args) -> jax.Array:
     """The single-device experts: the grouped-matmul kernel where a kernel backend is
-    active (NVIDIA GPU); elsewhere the sparse blocked path (`moe_sparse`, only the routed
-    rows), or the dense oracle if `JAXSERVE_MOE_EXPERTS=dense` (`dispatch`)."""
-    from jaxserve.kernels import dispatch
-
+    active (NVIDIA GPU); elsewhere the sparse path (only the routed rows: `moe_slices`
+    for weights held per expert, else `moe_sparse`), or the dense oracle if
+    `JAXSERVE_MOE_EXPERTS=dense` (`dispatch.moe_reference_experts`)."""
+    sparse = dispatch.get_backend() == dispatch.REFERENCE
+    sparse = sparse and dispatch.moe_reference_experts() != dispatch.MOE_DENSE
+    if isinstance(args[3], ExpertSlices):  # w_gate held per expert (`moe_slices`)
+        if sparse:
+            return moe_experts_sliced(*args)
+        args = (*args[:3], *(w.stacked() for w in args[3:]))
+    if sparse:
+        return moe_experts_sparse(*args)
     if dispatch.get_backend() != dispatch.REFERENCE:
         return moe_experts_grouped(*args)
-    if dispatch.moe_reference_experts() == dispatch.MOE_DENSE:
-        return moe_experts_dense(*args)
-    return moe_experts_sparse(*args)
+    return moe_experts_dense(*args)
 
 
 class MoeBlock(nnx.Module):

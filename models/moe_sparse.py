@@ -40,6 +40,9 @@ intermediate stored in x.dtype, each expert output rounded to x.dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -281,43 +284,98 @@ def expert_loop_ffn(
     chunk: the smallest chunk, >= 1; levels: how many chunk sizes, >= 1 (1: every chunk
     has `chunk` rows).
     """
-    num_tokens, top_k = ids.shape
-    num_experts, hidden, _ = w_gate.shape
-    n = num_tokens * top_k
-    # A size above n never has a whole chunk (and could not be sliced): skipped.
-    sizes_desc = [s for s in loop_chunk_sizes(chunk, levels) if s <= n or s == chunk]
-    flat = ids.reshape(n).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)  # sorted row r is copy order[r]
-    sorted_ids = flat[order]
-    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
-    starts = jnp.cumsum(sizes) - sizes  # [E] first sorted row of expert e
-    # The experts holding rows first (ascending), then the empty ones.
-    used = jnp.argsort(sizes == 0, stable=True).astype(jnp.int32)
-    num_used = jnp.sum(sizes > 0)
-    x_sorted = jnp.concatenate([x[order // top_k], jnp.zeros((chunk, hidden), x.dtype)])
+    num_experts = w_gate.shape[0]
+    rows = SortedRows.of(x, ids, num_experts, chunk)
+    sizes_desc = rows.chunk_sizes(chunk, levels)
 
     def one_expert(j, y):
-        e = used[j]
+        e = rows.used[j]
         w = [lax.dynamic_index_in_dim(a, e, keepdims=False) for a in (w_gate, w_up, w_down)]
-        start, left = starts[e], sizes[e]
-        for size in sizes_desc:
 
-            def one_chunk(c, y, size=size, start=start):
-                first = start + c * size
-                rows = lax.dynamic_slice_in_dim(x_sorted, first, size)
-                out = _swiglu_rows(rows[None], w[0][None], w[1][None], w[2][None], x.dtype)
-                return lax.dynamic_update_slice_in_dim(y, out[0], first, 0)
+        def swiglu(r: jax.Array) -> jax.Array:
+            return _swiglu_rows(r[None], w[0][None], w[1][None], w[2][None], x.dtype)[0]
 
-            # Whole chunks of this size; the smallest size also takes the remainder.
-            count = left // size if size != chunk else (left + size - 1) // size
-            y = lax.fori_loop(0, count, one_chunk, y)
-            start, left = start + count * size, left - count * size
-        return y
+        return run_expert_rows(y, rows.x_sorted, swiglu, rows.starts[e], rows.sizes[e], sizes_desc)
 
-    y = lax.fori_loop(0, num_used, one_expert, jnp.zeros_like(x_sorted))
-    y = jnp.where((sorted_ids < num_experts)[:, None], y[:n], 0)  # empty copies: 0
-    out = jnp.zeros_like(y).at[order].set(y)
-    return out.reshape(num_tokens, top_k, hidden)
+    y = lax.fori_loop(0, rows.num_used, one_expert, jnp.zeros_like(rows.x_sorted))
+    return rows.unsort(y)
+
+
+class SortedRows(NamedTuple):
+    """The N = T*k token copies sorted by expert (the expert loops' shared layout).
+
+    order: [N] sorted row r is copy order[r]; sorted_ids: [N] their experts (E: empty);
+    sizes / starts: [E] rows of expert e and its first sorted row; used: [E] the experts
+    holding rows first (ascending), then the empty ones; num_used: their count;
+    x_sorted: [N + chunk, H] the rows, then `chunk` zero rows for the last chunk's overrun.
+    """
+
+    order: jax.Array
+    sorted_ids: jax.Array
+    sizes: jax.Array
+    starts: jax.Array
+    used: jax.Array
+    num_used: jax.Array
+    x_sorted: jax.Array
+    top_k: int
+
+    @classmethod
+    def of(cls, x: jax.Array, ids: jax.Array, num_experts: int, chunk: int) -> SortedRows:
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1).astype(jnp.int32)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
+        x_sorted = jnp.concatenate([x[order // top_k], jnp.zeros((chunk, x.shape[1]), x.dtype)])
+        return cls(
+            order=order,
+            sorted_ids=flat[order],
+            sizes=sizes,
+            starts=jnp.cumsum(sizes) - sizes,
+            used=jnp.argsort(sizes == 0, stable=True).astype(jnp.int32),
+            num_used=jnp.sum(sizes > 0),
+            x_sorted=x_sorted,
+            top_k=top_k,
+        )
+
+    def chunk_sizes(self, chunk: int, levels: int) -> list[int]:
+        """`loop_chunk_sizes` less those above N (never a whole chunk; could not be
+        sliced), the smallest always kept."""
+        n = self.order.shape[0]
+        return [s for s in loop_chunk_sizes(chunk, levels) if s <= n or s == chunk]
+
+    def unsort(self, y: jax.Array) -> jax.Array:
+        """y [N + chunk, H] in sorted order -> [T, k, H] in copy order, 0 for empty copies."""
+        n = self.order.shape[0]
+        num_experts = self.sizes.shape[0]
+        y = jnp.where((self.sorted_ids < num_experts)[:, None], y[:n], 0)
+        out = jnp.zeros_like(y).at[self.order].set(y)
+        return out.reshape(n // self.top_k, self.top_k, y.shape[1])
+
+
+def run_expert_rows(
+    y: jax.Array,
+    x_sorted: jax.Array,
+    swiglu: Callable[[jax.Array], jax.Array],
+    start: jax.Array,
+    left: jax.Array,
+    sizes_desc: Sequence[int],
+) -> jax.Array:
+    """One expert's `left` sorted rows from `start`, in chunks of `sizes_desc` (largest
+    first, the last the smallest, which also takes the remainder), through `swiglu`
+    (that expert's FFN: [size, H] -> [size, H]), written into y [N + chunk, H]."""
+    smallest = sizes_desc[-1]
+    for size in sizes_desc:
+
+        def one_chunk(c, y, size=size, start=start):
+            first = start + c * size
+            out = swiglu(lax.dynamic_slice_in_dim(x_sorted, first, size))
+            return lax.dynamic_update_slice_in_dim(y, out, first, 0)
+
+        # Whole chunks of this size; the smallest size also takes the remainder.
+        count = left // size if size != smallest else (left + size - 1) // size
+        y = lax.fori_loop(0, count, one_chunk, y)
+        start, left = start + count * size, left - count * size
+    return y
 
 
 def moe_experts_sparse(
@@ -338,5 +396,11 @@ def moe_experts_sparse(
     sum in float32, rounded once). block_size: see `sparse_expert_ffn`.
     """
     y = sparse_expert_ffn(x, topk_ids, w_gate, w_up, w_down, block_size=block_size)
+    return combine_copies(topk_weights, y, x.dtype)
+
+
+def combine_copies(topk_weights: jax.Array, y: jax.Array, dtype) -> jax.Array:
+    """sum_j topk_weights[t, j] * y[t, j]: [T, k], [T, k, H] -> [T, H] in dtype (the sum
+    in float32, rounded once)."""
     combined = jnp.einsum("tk,tkh->th", topk_weights.astype(jnp.float32), y.astype(jnp.float32))
-    return combined.astype(x.dtype)
+    return combined.astype(dtype)

@@ -18,7 +18,9 @@ the measurement behind `moe_sparse.GATHER_ELEMENTS`; `--loop 4,16` the expert lo
 sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_sparse.loop_chunk_sizes`;
 1: one size, the loop before the levels), its flops/routed the rows it ran on that routing;
 with `--loop`, also the default path (`loop@auto`: smallest chunk `block_size_for`, levels
-`loop_levels_for`) beside it with one level (`loop@auto/1`).
+`loop_levels_for`) beside it with one level (`loop@auto/1`). `--slices` adds the experts
+held one array per expert (`moe_slices`, what the one-device engine runs on the CPU;
+`slices`) beside `loop@auto`, the same loop over the stacked weights.
 Writes bench_results/bench_moe.json.
 """
 
@@ -78,6 +80,12 @@ def main() -> None:
         help="the expert loop's numbers of chunk sizes to try, e.g. 1,3 (loop@C/L in the "
         "table; default: moe_sparse.LOOP_LEVELS)",
     )
+    parser.add_argument(
+        "--slices",
+        action="store_true",
+        help="also the experts held one array per expert (moe_slices; 'slices') beside the "
+        "default path over the stacked weights",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -89,6 +97,7 @@ def main() -> None:
 
     from jaxserve.models import moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
+    from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
     from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -138,12 +147,20 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
-            if args.loop and tokens * top_k >= moe_sparse.LOOP_MIN_ROWS:
+            if (args.loop or args.slices) and tokens * top_k >= moe_sparse.LOOP_MIN_ROWS:
                 # The default path (block_size None): the expert loop, its levels chosen.
                 default = functools.partial(moe_experts_sparse, block_size=None)
                 variants["loop@auto"] = (jax.jit(default), -auto)
                 # The same with one chunk size (the default before the levels).
                 variants["loop@auto/1"] = (_loop_moe(auto, 1), -auto)
+            if args.slices:
+                # Its weights are other arrays: the call's stacked ones are ignored.
+                sliced_fn = jax.jit(moe_experts_sliced)
+                sliced = [ExpertSlices.split(a) for a in weights]
+                variants["slices"] = (
+                    lambda x, tw, ids, *_, fn=sliced_fn, ws=sliced: fn(x, tw, ids, *ws),
+                    -max(MIN_CHUNK, auto),
+                )
             for c in [int(c) for c in args.loop.split(",") if c]:
                 for lv in loop_levels:
                     variants[f"loop@{c}/{lv}"] = (_loop_moe(c, lv), -c)

@@ -178,7 +178,7 @@ def _sparse_reference() -> bool:
 
     return (
         dispatch.get_backend() == dispatch.REFERENCE
-        and dispatch.moe_reference_experts() == dispatch.MOE_SPARSE
+        and dispatch.moe_reference_experts() != dispatch.MOE_DENSE
     )
 
 

@@ -58,9 +58,11 @@ from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_fn import StepOutput, step
 from jaxserve.engine.step_inputs import InputBuilder, StepInputs, StepShape, pow2_buckets
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
+from jaxserve.kernels import dispatch
 from jaxserve.logs import ProgressLog
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.moe_slices import MAX_EXPERT_BRANCHES, split_expert_params
 from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
@@ -166,6 +168,10 @@ class ModelRunner:
         # every call costs milliseconds of host time per step.
         self._params, self._params_def = jax.tree.flatten(self.state)
         self._param_index = _leaf_index(self.state)
+        if self._holds_experts_per_expert():
+            paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
+            self._params = split_expert_params(self._params, self._param_index, paths)
+            self.state = jax.tree.unflatten(self._params_def, self._params)
         # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
         self.kv_layout: KVLayout = model.kv_layout()
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
@@ -184,11 +190,27 @@ class ModelRunner:
         self._executables: dict[StepShape, jax.stages.Compiled] = {}
         # Shapes being compiled (`compile_shapes`): their executables, once ready.
         self._pending: dict[StepShape, Future] = {}
-        self._param_specs = [_spec(p) for p in self._params]
+        self._param_specs = [jax.tree.map(_spec, p) for p in self._params]
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
         self.num_compile_waits = 0
+
+    def _holds_experts_per_expert(self) -> bool:
+        """Whether the expert weights are held one array per expert (`moe_slices`): on
+        one device (no placement tables: no expert parallelism) with the sparse
+        reference experts, where XLA's CPU backend would copy every expert slice, and
+        for at most `MAX_EXPERT_BRANCHES` experts over all MoE layers (compile time)."""
+        if not self.moe_layers:
+            return False
+        if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
+            return False
+        w_gate = self._params[self._param_index[expert_param_path(self.moe_layers[0], "w_gate")]]
+        return (
+            dispatch.get_backend() == dispatch.REFERENCE
+            and dispatch.moe_reference_experts() == dispatch.MOE_SPARSE
+            and w_gate.shape[0] * len(self.moe_layers) <= MAX_EXPERT_BRANCHES
+        )
 
     # ----- compilation -------------------------------------------------------------------
 

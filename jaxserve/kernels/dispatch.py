@@ -12,10 +12,12 @@ NVIDIA GPU, the references elsewhere (the CPU). The environment variable
 Model code calls only the functions here (`paged_attention`, `moe_ffn`,
 `grouped_matmul`), never a kernel module, so the choice lives in this one place.
 
-The MoE experts on the reference backend (`moe_reference_experts`) are the sparse
-blocked path (`jaxserve.models.moe_sparse`, only the routed rows); the environment
-variable `JAXSERVE_MOE_EXPERTS=dense` forces the dense oracle (every token through every
-expert) instead, for A/B benchmarks. The kernel backends always use the grouped matmul. The
+The MoE experts on the reference backend (`moe_reference_experts`) are the sparse path
+(only the routed rows): on one device, with weights held one array per expert where the
+model is small enough (`jaxserve.models.moe_slices`), else over the stacked weights
+(`jaxserve.models.moe_sparse`). The environment variable `JAXSERVE_MOE_EXPERTS=stacked`
+keeps the stacked weights, and `=dense` forces the dense oracle (every token through
+every expert), for A/B benchmarks. The kernel backends always use the grouped matmul. The
 choice is read when a function is traced, so set the variable (or use
 `backend_override`) before the first jit of a model. Shapes or dtypes a kernel cannot
 take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
@@ -46,6 +48,7 @@ from jaxserve.models.base import AttentionMetadata
 ENV_VAR = "JAXSERVE_KERNELS"
 MOE_ENV_VAR = "JAXSERVE_MOE_EXPERTS"
 MOE_SPARSE = "sparse"
+MOE_STACKED = "stacked"
 MOE_DENSE = "dense"
 REFERENCE = "reference"
 PALLAS_MGPU = "pallas_mgpu"
@@ -95,14 +98,17 @@ def get_backend() -> str:
 
 
 def moe_reference_experts() -> str:
-    """How the MoE experts run on the reference backend: 'sparse' (default) or 'dense'
-    (`JAXSERVE_MOE_EXPERTS`, read when a model is traced, so one process can A/B both).
+    """How the MoE experts run on the reference backend: 'sparse' (default), 'stacked'
+    (sparse, never weights held per expert) or 'dense' (`JAXSERVE_MOE_EXPERTS`, read when
+    a model is built and traced, so one process can A/B them).
 
     Raises ValueError if JAXSERVE_MOE_EXPERTS holds another value.
     """
     value = os.environ.get(MOE_ENV_VAR, "").strip().lower() or MOE_SPARSE
-    if value not in (MOE_SPARSE, MOE_DENSE):
-        raise ValueError(f"{MOE_ENV_VAR}={value!r}: expected {MOE_SPARSE} or {MOE_DENSE}")
+    if value not in (MOE_SPARSE, MOE_STACKED, MOE_DENSE):
+        raise ValueError(
+            f"{MOE_ENV_VAR}={value!r}: expected {MOE_SPARSE}, {MOE_STACKED} or {MOE_DENSE}"
+        )
     return value
 
 
