@@ -201,7 +201,7 @@ class ModelRunner:
         one device (no placement tables: no expert parallelism) with the sparse
         reference experts, where XLA's CPU backend would copy every expert slice, and
         for at most `MAX_EXPERT_BRANCHES` experts over all MoE layers (compile time)."""
-        if not self.moe_layers:
+        if not self.moe_layers or self.mesh.size > 1:
             return False
         if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
             return False
@@ -330,7 +330,8 @@ class ModelRunner:
 
     def expert_weights(self) -> list[tuple[jax.Array, ...]]:
         """[M] MoE layers (`moe_layers` order), each (w_gate [S, H, I], w_up [S, H, I],
-        w_down [S, I, H]): the slot-indexed expert weights the compiled steps read."""
+        w_down [S, I, H]): the slot-indexed expert weights the compiled steps read (their
+        `moe_slices.ExpertSlices` where held per expert: one device, no EPLB)."""
         return [
             tuple(self._params[self._param_index[expert_param_path(i, w)]] for w in EXPERT_WEIGHTS)
             for i in self.moe_layers
