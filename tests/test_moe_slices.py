@@ -153,7 +153,8 @@ def test_runner_holds_experts_per_expert_on_the_cpu_within_the_cap(
     """Held per expert on one CPU device by default (the session engine too); kept
     stacked under JAXSERVE_MOE_EXPERTS=stacked and above MAX_EXPERT_BRANCHES experts
     over all MoE layers."""
-    assert all(isinstance(w, ExpertSlices) for ws in tiny_engine.runner.expert_weights() for w in ws)
+    held = [w for ws in tiny_engine.runner.expert_weights() for w in ws]
+    assert all(isinstance(w, ExpertSlices) for w in held)
     monkeypatch.delenv(dispatch.MOE_ENV_VAR, raising=False)
     with dispatch.backend_override(dispatch.REFERENCE):
         assert _holds_slices(tiny_moe_dir)
