@@ -14,8 +14,9 @@ Each branch is compiled code in every step executable, so the engine holds exper
 way only up to `MAX_EXPERT_BRANCHES` experts over all MoE layers.
 
 `ExpertSlices` is the held form: `split_expert_params` turns the engine's flat parameter
-list into it once, at start-up, on one device off the NVIDIA kernels and unless
-`JAXSERVE_MOE_EXPERTS` says otherwise (`dispatch.moe_reference_experts`; the
+list into it once, at start-up, on one device off the NVIDIA kernels when
+`JAXSERVE_MOE_EXPERTS=sliced` (`dispatch.moe_reference_experts`; opt-in: measured faster
+at batch 8 but not at 1 or 128 in the engine, see the note of issue 17; the
 expert-parallel path keeps the stacked, sharded arrays). The model reads `w_gate[...]`
 as before and gets the `ExpertSlices`; `layers.moe_experts_local` routes it here, or
 stacks it back (`stacked`, a copy) for a path that wants [E, H, I].

@@ -147,23 +147,40 @@ def _holds_slices(tiny_moe_dir) -> bool:
     return kinds == {ExpertSlices}
 
 
-def test_runner_holds_experts_per_expert_on_the_cpu_within_the_cap(
+def test_runner_holds_experts_per_expert_when_asked_within_the_cap(
     tiny_engine, tiny_moe_dir, monkeypatch
 ):
-    """Held per expert on one CPU device by default (the session engine too); kept
-    stacked under JAXSERVE_MOE_EXPERTS=stacked and above MAX_EXPERT_BRANCHES experts
-    over all MoE layers."""
+    """Stacked by default (the session engine too); held per expert under
+    JAXSERVE_MOE_EXPERTS=sliced, unless over MAX_EXPERT_BRANCHES experts over all MoE
+    layers."""
     held = [w for ws in tiny_engine.runner.expert_weights() for w in ws]
-    assert all(isinstance(w, ExpertSlices) for w in held)
+    assert not any(isinstance(w, ExpertSlices) for w in held)
+    branches = held[0].shape[0] * len(tiny_engine.runner.moe_layers)
     monkeypatch.delenv(dispatch.MOE_ENV_VAR, raising=False)
     with dispatch.backend_override(dispatch.REFERENCE):
-        assert _holds_slices(tiny_moe_dir)
-        monkeypatch.setenv(dispatch.MOE_ENV_VAR, dispatch.MOE_STACKED)
         assert not _holds_slices(tiny_moe_dir)
-        monkeypatch.delenv(dispatch.MOE_ENV_VAR)
-        runner = tiny_engine.runner
-        branches = runner.expert_weights()[0][0].shape[0] * len(runner.moe_layers)
+        monkeypatch.setenv(dispatch.MOE_ENV_VAR, dispatch.MOE_SLICED)
+        assert _holds_slices(tiny_moe_dir)
         monkeypatch.setattr(model_runner, "MAX_EXPERT_BRANCHES", branches - 1)
         assert not _holds_slices(tiny_moe_dir)
         monkeypatch.setattr(model_runner, "MAX_EXPERT_BRANCHES", branches)
         assert _holds_slices(tiny_moe_dir)
+
+
+def test_sliced_engine_greedy_equals_hf(tiny_engine_config, hf_model, monkeypatch):
+    """An engine holding its experts per expert (its deepest path: async scheduling,
+    4-step decode calls, chunked prefill) generates transformers' greedy tokens."""
+    from engine_helpers import greedy, hf_greedy, run_engine
+
+    from jaxserve.engine.core import EngineCore
+
+    monkeypatch.setenv(dispatch.MOE_ENV_VAR, dispatch.MOE_SLICED)
+    engine = EngineCore(tiny_engine_config)
+    assert isinstance(engine.runner.expert_weights()[0][0], ExpertSlices)
+    rng = np.random.default_rng(12)
+    vocab = engine.model_config.vocab_size
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 23, 40)]
+    requests = [(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    results = run_engine(engine, requests)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].tokens == hf_greedy(hf_model, p, 12), f"prompt {i}"

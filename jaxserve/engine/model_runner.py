@@ -197,10 +197,10 @@ class ModelRunner:
         self.num_compile_waits = 0
 
     def _holds_experts_per_expert(self) -> bool:
-        """Whether the expert weights are held one array per expert (`moe_slices`): on
-        one device (no placement tables: no expert parallelism) with the sparse
-        reference experts, where XLA's CPU backend would copy every expert slice, and
-        for at most `MAX_EXPERT_BRANCHES` experts over all MoE layers (compile time)."""
+        """Whether the expert weights are held one array per expert (`moe_slices`): asked
+        for (`JAXSERVE_MOE_EXPERTS=sliced`), on the reference backend, on one device (no
+        placement tables: no expert parallelism), and for at most `MAX_EXPERT_BRANCHES`
+        experts over all MoE layers (compile time)."""
         if not self.moe_layers or self.mesh.size > 1:
             return False
         if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
@@ -208,7 +208,7 @@ class ModelRunner:
         w_gate = self._params[self._param_index[expert_param_path(self.moe_layers[0], "w_gate")]]
         return (
             dispatch.get_backend() == dispatch.REFERENCE
-            and dispatch.moe_reference_experts() == dispatch.MOE_SPARSE
+            and dispatch.moe_reference_experts() == dispatch.MOE_SLICED
             and w_gate.shape[0] * len(self.moe_layers) <= MAX_EXPERT_BRANCHES
         )
 

@@ -13,11 +13,11 @@ Model code calls only the functions here (`paged_attention`, `moe_ffn`,
 `grouped_matmul`), never a kernel module, so the choice lives in this one place.
 
 The MoE experts on the reference backend (`moe_reference_experts`) are the sparse path
-(only the routed rows): on one device, with weights held one array per expert where the
-model is small enough (`jaxserve.models.moe_slices`), else over the stacked weights
-(`jaxserve.models.moe_sparse`). The environment variable `JAXSERVE_MOE_EXPERTS=stacked`
-keeps the stacked weights, and `=dense` forces the dense oracle (every token through
-every expert), for A/B benchmarks. The kernel backends always use the grouped matmul. The
+over the stacked weights (`jaxserve.models.moe_sparse`, only the routed rows). The
+environment variable `JAXSERVE_MOE_EXPERTS=sliced` holds them one array per expert on one
+device instead (`jaxserve.models.moe_slices`; opt-in until it measures better at every
+batch size), and `=dense` forces the dense oracle (every token through every expert),
+for A/B benchmarks. The kernel backends always use the grouped matmul. The
 choice is read when a function is traced, so set the variable (or use
 `backend_override`) before the first jit of a model. Shapes or dtypes a kernel cannot
 take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
@@ -48,7 +48,7 @@ from jaxserve.models.base import AttentionMetadata
 ENV_VAR = "JAXSERVE_KERNELS"
 MOE_ENV_VAR = "JAXSERVE_MOE_EXPERTS"
 MOE_SPARSE = "sparse"
-MOE_STACKED = "stacked"
+MOE_SLICED = "sliced"
 MOE_DENSE = "dense"
 REFERENCE = "reference"
 PALLAS_MGPU = "pallas_mgpu"
@@ -98,16 +98,17 @@ def get_backend() -> str:
 
 
 def moe_reference_experts() -> str:
-    """How the MoE experts run on the reference backend: 'sparse' (default), 'stacked'
-    (sparse, never weights held per expert) or 'dense' (`JAXSERVE_MOE_EXPERTS`, read when
-    a model is built and traced, so one process can A/B them).
+    """How the MoE experts run on the reference backend: 'sparse' (default), 'sliced'
+    (sparse, weights held per expert where `ModelRunner` can) or 'dense'
+    (`JAXSERVE_MOE_EXPERTS`, read when a model is built and traced, so one process can
+    A/B them).
 
     Raises ValueError if JAXSERVE_MOE_EXPERTS holds another value.
     """
     value = os.environ.get(MOE_ENV_VAR, "").strip().lower() or MOE_SPARSE
-    if value not in (MOE_SPARSE, MOE_STACKED, MOE_DENSE):
+    if value not in (MOE_SPARSE, MOE_SLICED, MOE_DENSE):
         raise ValueError(
-            f"{MOE_ENV_VAR}={value!r}: expected {MOE_SPARSE}, {MOE_STACKED} or {MOE_DENSE}"
+            f"{MOE_ENV_VAR}={value!r}: expected {MOE_SPARSE}, {MOE_SLICED} or {MOE_DENSE}"
         )
     return value
 
