@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_oracle import expert_rows_oracle, random_experts
 
 from jaxserve.engine import model_runner
 from jaxserve.engine.model_runner import ModelRunner
@@ -27,9 +28,7 @@ HIDDEN, INTER, EXPERTS = 16, 8, 8
 
 @pytest.fixture(scope="module")
 def stacked():
-    rng = np.random.default_rng(0)
-    shapes = [(EXPERTS, HIDDEN, INTER), (EXPERTS, HIDDEN, INTER), (EXPERTS, INTER, HIDDEN)]
-    return tuple(jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in shapes)
+    return random_experts(EXPERTS, HIDDEN, INTER)
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +39,6 @@ def sliced(stacked):
 def _tokens(num_tokens: int, seed: int) -> jax.Array:
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.standard_normal((num_tokens, HIDDEN)), jnp.float32)
-
-
-def _rows_oracle(x, ids, w_gate, w_up, w_down):
-    """[T, k, H]: each copy through its own expert, in NumPy float64; 0 for id E."""
-    x, ids = np.asarray(x, np.float64), np.asarray(ids)
-    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
-    out = np.zeros((*ids.shape, x.shape[1]))
-    for t, j in np.ndindex(ids.shape):
-        e = ids[t, j]
-        if e < w_gate.shape[0]:
-            gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
-            out[t, j] = (gate / (1 + np.exp(-gate)) * up) @ w_down[e]
-    return out
 
 
 def _routing(name: str, num_tokens: int, top_k: int) -> np.ndarray:
@@ -82,7 +68,7 @@ def test_sliced_ffn_equals_the_row_oracle(stacked, sliced, name, num_tokens, top
     x = _tokens(num_tokens, seed=num_tokens + top_k)
     ids = _routing(name, num_tokens, top_k)
     got = np.asarray(_ffn(x, jnp.asarray(ids, jnp.int32), *sliced))
-    np.testing.assert_allclose(got, _rows_oracle(x, ids, *stacked), atol=1e-5)
+    np.testing.assert_allclose(got, expert_rows_oracle(x, ids, *stacked), atol=1e-5)
     assert not got[ids == EXPERTS].any()
 
 

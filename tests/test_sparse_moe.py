@@ -17,6 +17,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_oracle import expert_rows_oracle, random_experts
 
 from jaxserve.kernels import dispatch
 from jaxserve.models import moe_sparse
@@ -34,9 +35,7 @@ HIDDEN, INTER, EXPERTS = 16, 8, 8
 
 @pytest.fixture(scope="module")
 def experts():
-    rng = np.random.default_rng(0)
-    shapes = [(EXPERTS, HIDDEN, INTER), (EXPERTS, HIDDEN, INTER), (EXPERTS, INTER, HIDDEN)]
-    return tuple(jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in shapes)
+    return random_experts(EXPERTS, HIDDEN, INTER)
 
 
 def _tokens(num_tokens: int, seed: int) -> jax.Array:
@@ -99,19 +98,6 @@ def test_sparse_equals_dense_on_adversarial_routing(experts, name, block_size):
     _assert_close(got, _dense(x, weights, ids, *experts))
 
 
-def _rows_oracle(x, ids, w_gate, w_up, w_down):
-    """[T, k, H]: each copy through its own expert, in NumPy float64; 0 for empty ids."""
-    x, ids = np.asarray(x, np.float64), np.asarray(ids)
-    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
-    out = np.zeros((*ids.shape, x.shape[1]))
-    for t, j in np.ndindex(ids.shape):
-        e = ids[t, j]
-        if e < w_gate.shape[0]:
-            gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
-            out[t, j] = (gate / (1 + np.exp(-gate)) * up) @ w_down[e]
-    return out
-
-
 @pytest.mark.parametrize("block_size", [1, 2, 8])
 def test_empty_copies_give_zero_and_others_their_expert(experts, block_size):
     """Id E marks an empty copy (the expert-parallel receive buffer's padding)."""
@@ -120,7 +106,7 @@ def test_empty_copies_give_zero_and_others_their_expert(experts, block_size):
     ids = jnp.asarray(rng.integers(0, EXPERTS + 1, (20, 1)), jnp.int32)
     assert (np.asarray(ids) == EXPERTS).any()
     got = jax.jit(functools.partial(sparse_expert_ffn, block_size=block_size))(x, ids, *experts)
-    np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), expert_rows_oracle(x, ids, *experts), atol=1e-5)
     assert not np.asarray(got)[np.asarray(ids)[:, 0] == EXPERTS].any()
 
 
@@ -264,7 +250,7 @@ def test_expert_loop_equals_the_row_oracle(experts, name, chunk, levels):
     x = _tokens(num_tokens, seed=5)
     _, ids = _adversarial(name, num_tokens, top_k)
     got = _loop(chunk, levels)(x, ids, *experts)
-    np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), expert_rows_oracle(x, ids, *experts), atol=1e-5)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 5, 15, 16, 17, 21, 37])
@@ -278,7 +264,7 @@ def test_expert_loop_levels_cover_every_group_size(experts, group, chunk):
     ids = np.full((num_tokens, 1), 1, np.int32)
     ids[:group, 0] = 0
     got = _loop(chunk, 3)(x, jnp.asarray(ids), *experts)
-    np.testing.assert_allclose(np.asarray(got), _rows_oracle(x, ids, *experts), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), expert_rows_oracle(x, ids, *experts), atol=1e-5)
 
 
 def test_loop_chunk_sizes_are_powers_of_four_of_the_chunk():
@@ -295,7 +281,7 @@ def test_expert_loop_gives_empty_copies_zero(experts, chunk):
     ids = jnp.asarray(rng.integers(0, EXPERTS + 1, (20, 2)), jnp.int32)
     ids = ids.at[-1].set(EXPERTS)  # the last sorted rows are empty copies
     got = np.asarray(_loop(chunk)(x, ids, *experts))
-    np.testing.assert_allclose(got, _rows_oracle(x, ids, *experts), atol=1e-5)
+    np.testing.assert_allclose(got, expert_rows_oracle(x, ids, *experts), atol=1e-5)
     assert not got[np.asarray(ids) == EXPERTS].any()
 
 
