@@ -7,7 +7,8 @@
         [--conversations 64] [--turns 6] [--system-prompts 4] [--json PATH]
 
 --workload: a multi-turn chat on `jaxserve serve --replicas N` (the demo model, CPU;
-one server per policy (`kv:W`: the kv policy with --router-weight W), started by this
+one server per policy (`kv:W`: the kv policy with --router-weight W; `LABEL=FLAGS`:
+the router flags FLAGS, e.g. "kvb=--router-policy kv --router-balance-abs 2"), started by this
 script on a free port, every step shape
 compiled before it serves: `--compile-all-at-start`, after one 1-replica start that
 fills the persistent compilation cache, so that no background compilation runs during
@@ -155,11 +156,16 @@ class _Server:
 
     def __init__(self, args: argparse.Namespace, policy: str, replicas: int) -> None:
         self.port = _free_port()
-        name, _, weight = policy.partition(":")  # "kv:W": the kv policy with weight W
+        # "LABEL=FLAGS": the router flags given (--router-policy among them);
+        # "kv:W": the kv policy with weight W; else a policy name.
+        label, eq, flags = policy.partition("=")
+        name, _, weight = label.partition(":")
+        router = shlex.split(flags) if eq else [
+            "--router-policy", name, *(["--router-weight", weight] if weight else []),
+        ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port),
-            "--replicas", str(replicas), "--router-policy", name,
-            *(["--router-weight", weight] if weight else []),
+            "--replicas", str(replicas), *router,
             "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -412,7 +418,7 @@ def workload(args: argparse.Namespace) -> dict:
     # cache, so the N replicas of each policy load the shapes instead of each compiling
     # them on the same cores.
     if not args.no_prime:
-        prime = _Server(args, "round-robin", 1)
+        prime = _Server(args, "round-robin", 1)  # the router flags change no shape
         try:
             t = time.perf_counter()
             prime.wait(args.start_timeout)
@@ -431,7 +437,8 @@ def workload(args: argparse.Namespace) -> dict:
                 # A new seed per rate: new system prompts and conversations, so the
                 # caches the previous rate left cannot hit.
                 row = asyncio.run(_run_rate(args, server.port, rate, seed=1000 + i))
-                row["policy"] = policy
+                row["policy"] = policy.partition("=")[0]
+                row["policy_spec"] = policy
                 row["uptime"] = _uptime()
                 rows.append(row)
                 print(_line(row) + f"  # {row['uptime']}", flush=True)
