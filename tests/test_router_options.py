@@ -21,6 +21,10 @@ def test_flags_and_defaults():
     opts = _parse("--replicas", "4", "--router-policy", "round-robin", "--router-weight", "2")
     assert (opts.replicas, opts.policy_name, opts.weight) == (4, "round-robin", 2.0)
     assert _parse("--replicas", "2").policy_name == "kv"
+    opts = _parse(
+        "--router-balance-abs", "3", "--router-balance-rel", "2", "--router-decode-weight", "0.5"
+    )
+    assert opts.kv_options() == {"balance_abs": 3.0, "balance_rel": 2.0, "decode_weight": 0.5}
 
 
 @pytest.mark.parametrize(
@@ -30,6 +34,9 @@ def test_flags_and_defaults():
         (("--devices-per-replica", "0"), "devices-per-replica"),
         (("--router-weight", "-1"), "router-weight"),
         (("--router-temperature", "nan"), "router-temperature"),
+        (("--router-balance-abs", "-1"), "router-balance-abs"),
+        (("--router-balance-rel", "0.5"), "router-balance-rel"),
+        (("--router-decode-weight", "inf"), "router-decode-weight"),
     ],
 )
 def test_bad_values_name_the_flag(argv, flag):

@@ -40,6 +40,22 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         "(default: 0)",
     )  # fmt: skip
     g.add_argument(
+        "--router-balance-abs", type=float, metavar="N",
+        help="kv policy: the load is imbalanced when the most active requests on a "
+        "replica exceed the fewest by more than N (and by --router-balance-rel); then "
+        "the request goes to the fewest, whatever the cache (SGLang's cache-aware "
+        "router) (default: never imbalanced)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-balance-rel", type=float, default=1.0, metavar="R",
+        help="kv policy: ... and the most exceed R x the fewest (default: 1.0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-decode-weight", type=float, default=1.0, metavar="D",
+        help="kv policy: weight of a replica's held blocks in its load, against its "
+        "pending prefill blocks (default: 1.0)",
+    )  # fmt: skip
+    g.add_argument(
         "--restart-dead-replicas", action="store_true",
         help="start a replica whose engine or detokenizer died again; it rejoins with "
         "empty entries in the router (default: off: it stays out of rotation)",
@@ -77,5 +93,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         policy=args.router_policy,
         weight=args.router_weight,
         temperature=args.router_temperature,
+        balance_abs=args.router_balance_abs,
+        balance_rel=args.router_balance_rel,
+        decode_weight=args.router_decode_weight,
         restart_dead_replicas=args.restart_dead_replicas,
     )

@@ -29,6 +29,9 @@ class RouterOptions:
     policy: str | None = None
     weight: float = 1.0
     temperature: float = 0.0
+    balance_abs: float | None = None
+    balance_rel: float = 1.0
+    decode_weight: float = 1.0
     restart_dead_replicas: bool = False
     replica_listen: tuple[str, int] | None = None
     allow_remote: bool = False
@@ -50,6 +53,16 @@ class RouterOptions:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"router-temperature: must be finite and >= 0, got {self.temperature}")
 
+        if self.balance_abs is not None and not (
+            math.isfinite(self.balance_abs) and self.balance_abs >= 0
+        ):
+            raise ValueError(f"router-balance-abs: must be finite and >= 0, got {self.balance_abs}")
+        if not (math.isfinite(self.balance_rel) and self.balance_rel >= 1):
+            raise ValueError(f"router-balance-rel: must be finite and >= 1, got {self.balance_rel}")
+        if not (math.isfinite(self.decode_weight) and self.decode_weight >= 0):
+            raise ValueError(
+                f"router-decode-weight: must be finite and >= 0, got {self.decode_weight}"
+            )
         if self.replica_listen is not None:
             host, port = self.replica_listen
             if not 0 <= port < 65536:
@@ -76,6 +89,14 @@ class RouterOptions:
                 f"{mesh_devices} (each replica runs --mesh on its own {mesh_devices} devices; "
                 "leave the flag out to use that)"
             )
+
+    def kv_options(self) -> dict:
+        """The kv policy's keyword-only arguments (`policy.KvPolicy`)."""
+        return {
+            "balance_abs": self.balance_abs,
+            "balance_rel": self.balance_rel,
+            "decode_weight": self.decode_weight,
+        }
 
     @property
     def policy_name(self) -> str:
