@@ -10,6 +10,7 @@ import random
 import pytest
 
 from jaxserve.engine.block_hash import hash_token_blocks
+from jaxserve.router.load import LoadTracker
 from jaxserve.router.policy import KvPolicy
 from jaxserve.router.router import Router
 
@@ -158,3 +159,75 @@ def test_bad_balance_arguments_name_the_field():
         KvPolicy(balance_rel=0.5)
     with pytest.raises(ValueError, match="decode_weight"):
         KvPolicy(decode_weight=float("inf"))
+    with pytest.raises(ValueError, match="share_limit"):
+        KvPolicy(share_limit=0.5)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recent_decisions_are_a_decayed_count_of_dispatches():
+    clock, rng = _Clock(), random.Random(5)
+    tracker = LoadTracker(BS, window_s=7.0, clock=clock)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(300):
+        clock.now += rng.expovariate(2.0)
+        r = rng.randrange(2)
+        samples = rng.choice([1, 1, 3])  # a request of 3 samples (a group) counts once
+        group = f"g{i}" if samples > 1 else None
+        for k in range(samples):
+            tracker.dispatch(f"{i}.{k}", r, rng.randrange(1, 40), 0, group)
+        times[r].append(clock.now)
+        if rng.random() < 0.5:
+            for k in range(samples):
+                tracker.finish(f"{i}.{k}")  # finishing leaves the count as it is
+        for x in (0, 1):
+            want = sum(math.exp(-(clock.now - t) / 7.0) for t in times[x])
+            assert math.isclose(tracker.recent(x), want, rel_tol=1e-9, abs_tol=1e-12), i
+
+
+def _capped(recent: dict[int, float], c: float) -> set[int]:
+    cap = math.ceil(c * (sum(recent.values()) + 1) / len(recent))
+    under = {r for r, x in recent.items() if x + 1 <= cap}
+    return under or set(recent)
+
+
+def test_bounded_load_excludes_exactly_the_replicas_over_the_cap():
+    rng = random.Random(6)
+    for trial in range(300):
+        c = rng.choice([1.0, 1.25, 2.0])
+        policy = KvPolicy(weight=100.0, share_limit=c, rng=random.Random(trial))
+        load = LoadTracker(BS, clock=_Clock())
+        n = rng.randrange(2, 6)
+        for r in range(n):
+            for j in range(rng.randrange(6)):
+                load.dispatch(f"{r}.{j}", r, BS, 0)
+                load.finish(f"{r}.{j}")  # finished: only the recent count stays
+        recent = {r: load.recent(r) for r in range(n)}
+        allowed = _capped(recent, c)
+        matched = {r: 4 for r in range(n)}  # every replica caches it: the cap decides
+        matched[rng.randrange(n)] = 8
+        best = max(matched[r] for r in allowed)
+        want = {r for r in allowed if matched[r] == best}
+        assert policy.choose(list(range(n)), 8, matched, load).replica in want, trial
+
+
+def test_bounded_load_moves_new_conversations_off_the_replica_that_took_too_many():
+    """Replica 0 caches the one system prompt and has taken 6 requests lately, replica 1
+    none: with c = 1.25 (cap ceil(1.25 * 7 / 2) = 5) a new conversation goes to replica 1
+    although only replica 0 caches its system prompt. Without the cap it stays on 0."""
+    rng = random.Random(8)
+    system = [rng.randrange(10**6) for _ in range(6 * BS)]
+    for limit, want in ((1.25, 1), (None, 0)):
+        router = Router(BS, "kv", seed=0, decode_weight=0.0, share_limit=limit)
+        router.index.store(0, None, hash_token_blocks(system, BS))
+        for j in range(6):
+            router.load.dispatch(f"old{j}", 0, 8 * BS, 8 * BS)
+            router.finish(f"old{j}")
+        d = router.route("new", system + [1, 2, 3], [0, 1])
+        assert d.replica == want, limit

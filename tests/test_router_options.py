@@ -22,9 +22,12 @@ def test_flags_and_defaults():
     assert (opts.replicas, opts.policy_name, opts.weight) == (4, "round-robin", 2.0)
     assert _parse("--replicas", "2").policy_name == "kv"
     opts = _parse(
-        "--router-balance-abs", "3", "--router-balance-rel", "2", "--router-decode-weight", "0.5"
-    )
-    assert opts.kv_options() == {"balance_abs": 3.0, "balance_rel": 2.0, "decode_weight": 0.5}
+        "--router-balance-abs", "3", "--router-balance-rel", "2", "--router-decode-weight",
+        "0.5", "--router-share-limit", "1.25",
+    )  # fmt: skip
+    assert opts.kv_options() == {
+        "balance_abs": 3.0, "balance_rel": 2.0, "decode_weight": 0.5, "share_limit": 1.25,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -37,6 +40,7 @@ def test_flags_and_defaults():
         (("--router-balance-abs", "-1"), "router-balance-abs"),
         (("--router-balance-rel", "0.5"), "router-balance-rel"),
         (("--router-decode-weight", "inf"), "router-decode-weight"),
+        (("--router-share-limit", "0.9"), "router-share-limit"),
     ],
 )
 def test_bad_values_name_the_flag(argv, flag):

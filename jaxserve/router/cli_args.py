@@ -56,6 +56,12 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         "pending prefill blocks (default: 1.0)",
     )  # fmt: skip
     g.add_argument(
+        "--router-share-limit", type=float, metavar="C",
+        help="kv policy: a replica that has taken more than C x the mean of the requests "
+        "routed in the last minute or so takes none while another is under (bounded "
+        "load) (default: no limit)",
+    )  # fmt: skip
+    g.add_argument(
         "--restart-dead-replicas", action="store_true",
         help="start a replica whose engine or detokenizer died again; it rejoins with "
         "empty entries in the router (default: off: it stays out of rotation)",
@@ -96,5 +102,6 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         balance_abs=args.router_balance_abs,
         balance_rel=args.router_balance_rel,
         decode_weight=args.router_decode_weight,
+        share_limit=args.router_share_limit,
         restart_dead_replicas=args.restart_dead_replicas,
     )

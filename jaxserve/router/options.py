@@ -32,6 +32,7 @@ class RouterOptions:
     balance_abs: float | None = None
     balance_rel: float = 1.0
     decode_weight: float = 1.0
+    share_limit: float | None = None
     restart_dead_replicas: bool = False
     replica_listen: tuple[str, int] | None = None
     allow_remote: bool = False
@@ -63,6 +64,10 @@ class RouterOptions:
             raise ValueError(
                 f"router-decode-weight: must be finite and >= 0, got {self.decode_weight}"
             )
+        if self.share_limit is not None and not (
+            math.isfinite(self.share_limit) and self.share_limit >= 1
+        ):
+            raise ValueError(f"router-share-limit: must be finite and >= 1, got {self.share_limit}")
         if self.replica_listen is not None:
             host, port = self.replica_listen
             if not 0 <= port < 65536:
@@ -96,6 +101,7 @@ class RouterOptions:
             "balance_abs": self.balance_abs,
             "balance_rel": self.balance_rel,
             "decode_weight": self.decode_weight,
+            "share_limit": self.share_limit,
         }
 
     @property

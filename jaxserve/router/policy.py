@@ -30,6 +30,16 @@ conversations holds many blocks yet starts a new prefill in its next step, so wi
 gate, d < 1 keeps a conversation where its history is cached until the queues really
 differ (d = 0 is SGLang's "best match while balanced").
 
+Bounded load (`share_limit` c set): a replica whose recent decisions (`LoadTracker.
+recent`: requests routed there, decaying over a minute) would pass
+ceil(c * (all candidates' recent + 1) / candidates) with this one takes no request
+while another is under that bound (Mirrokni, Thorup, Zadimoghaddam, "Consistent
+Hashing with Bounded Loads", SODA 2018: each server's capacity is (1 + eps) times the
+average load). Affinity alone piles conversations onto the replicas that first cached
+their system prompt, and at a low rate the active requests are too few for the gate to
+see it; this caps each replica's share of the traffic instead, moving only requests
+(one miss each) from the replica over it.
+
 The others ignore the cache: for comparison in benchmarks, and for engines without
 prefix caching.
 """
@@ -106,6 +116,8 @@ class KvPolicy(Policy):
         balance_rel: the gate's relative threshold (>= 1).
         decode_weight: d, the cost of one held block relative to one block of pending
             prefill (>= 0; 1: Dynamo's cost).
+        share_limit: c, the bounded-load cap on recent decisions, relative to the mean
+            (>= 1); None: no cap.
 
     Raises:
         ValueError: an argument out of range (or not finite), naming it.
@@ -123,6 +135,7 @@ class KvPolicy(Policy):
         balance_abs: float | None = None,
         balance_rel: float = 1.0,
         decode_weight: float = 1.0,
+        share_limit: float | None = None,
     ) -> None:
         super().__init__(rng)
         if not (math.isfinite(weight) and weight >= 0):
@@ -135,11 +148,24 @@ class KvPolicy(Policy):
             raise ValueError(f"router balance_rel: must be finite and >= 1, got {balance_rel}")
         if not (math.isfinite(decode_weight) and decode_weight >= 0):
             raise ValueError(f"router decode_weight: must be finite and >= 0, got {decode_weight}")
+        if share_limit is not None and not (math.isfinite(share_limit) and share_limit >= 1):
+            raise ValueError(f"router share_limit: must be finite and >= 1, got {share_limit}")
         self.weight = weight
         self.temperature = temperature
+        self.share_limit = share_limit
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.decode_weight = decode_weight
+
+    def under_share(self, candidates: Sequence[ReplicaId], load: LoadTracker) -> list:
+        """The candidates within the bounded-load cap (module docstring); all of them
+        when none is (or share_limit is None)."""
+        if self.share_limit is None or len(candidates) < 2:
+            return list(candidates)
+        recent = [load.recent(r) for r in candidates]
+        cap = math.ceil(self.share_limit * (sum(recent) + 1) / len(candidates))
+        under = [r for r, x in zip(candidates, recent, strict=True) if x + 1 <= cap]
+        return under or list(candidates)
 
     def imbalanced(self, candidates: Sequence[ReplicaId], load: LoadTracker) -> bool:
         """SGLang's test: max - min > balance_abs and max > balance_rel * min, over the
@@ -167,6 +193,7 @@ class KvPolicy(Policy):
         ]
 
     def choose(self, candidates, num_blocks, matched, load, cached=None) -> Choice:
+        candidates = self.under_share(candidates, load)
         if self.imbalanced(candidates, load):
             # Shortest queue: the fewest active requests; among those, the lowest cost.
             fewest = min(load.num_requests(r) for r in candidates)
