@@ -191,17 +191,18 @@ def test_recent_decisions_are_a_decayed_count_of_dispatches():
             assert math.isclose(tracker.recent(x), want, rel_tol=1e-9, abs_tol=1e-12), i
 
 
-def _capped(recent: dict[int, float], c: float) -> set[int]:
+def _capped(recent: dict[int, float], c: float, ab: float | None) -> set[int]:
     cap = math.ceil(c * (sum(recent.values()) + 1) / len(recent))
-    under = {r for r, x in recent.items() if x + 1 <= cap}
+    slack = min(recent.values()) + (ab or 0)
+    under = {r for r, x in recent.items() if x + 1 <= cap or x <= slack}
     return under or set(recent)
 
 
 def test_bounded_load_excludes_exactly_the_replicas_over_the_cap():
     rng = random.Random(6)
     for trial in range(300):
-        c = rng.choice([1.0, 1.25, 2.0])
-        policy = KvPolicy(weight=100.0, share_limit=c, rng=random.Random(trial))
+        c, ab = rng.choice([1.0, 1.25, 2.0]), rng.choice([None, 0, 2])
+        policy = KvPolicy(weight=100.0, share_limit=c, balance_abs=ab, rng=random.Random(trial))
         load = LoadTracker(BS, clock=_Clock())
         n = rng.randrange(2, 6)
         for r in range(n):
@@ -209,7 +210,7 @@ def test_bounded_load_excludes_exactly_the_replicas_over_the_cap():
                 load.dispatch(f"{r}.{j}", r, BS, 0)
                 load.finish(f"{r}.{j}")  # finished: only the recent count stays
         recent = {r: load.recent(r) for r in range(n)}
-        allowed = _capped(recent, c)
+        allowed = _capped(recent, c, ab)
         matched = {r: 4 for r in range(n)}  # every replica caches it: the cap decides
         matched[rng.randrange(n)] = 8
         best = max(matched[r] for r in allowed)
@@ -218,16 +219,19 @@ def test_bounded_load_excludes_exactly_the_replicas_over_the_cap():
 
 
 def test_bounded_load_moves_new_conversations_off_the_replica_that_took_too_many():
-    """Replica 0 caches the one system prompt and has taken 6 requests lately, replica 1
-    none: with c = 1.25 (cap ceil(1.25 * 7 / 2) = 5) a new conversation goes to replica 1
-    although only replica 0 caches its system prompt. Without the cap it stays on 0."""
+    """Replica 0 caches the one system prompt and has taken `old` requests lately,
+    replica 1 none. With c = 1.25 and 6 (cap ceil(1.25 * 7 / 2) = 5) a new conversation
+    goes to replica 1 although only replica 0 caches its system prompt; without the cap
+    it stays on 0; with the gate's slack of 4 it stays after 4 (4 - 0 <= 4: a lone
+    conversation keeps its replica) and moves after 6 (6 - 0 > 4, over the cap)."""
     rng = random.Random(8)
     system = [rng.randrange(10**6) for _ in range(6 * BS)]
-    for limit, want in ((1.25, 1), (None, 0)):
-        router = Router(BS, "kv", seed=0, decode_weight=0.0, share_limit=limit)
+    cases = [(1.25, None, 6, 1), (None, None, 6, 0), (1.25, 4, 4, 0), (1.25, 4, 6, 1)]
+    for limit, ab, old, want in cases:
+        router = Router(BS, "kv", seed=0, decode_weight=0.0, share_limit=limit, balance_abs=ab)
         router.index.store(0, None, hash_token_blocks(system, BS))
-        for j in range(6):
+        for j in range(old):
             router.load.dispatch(f"old{j}", 0, 8 * BS, 8 * BS)
             router.finish(f"old{j}")
         d = router.route("new", system + [1, 2, 3], [0, 1])
-        assert d.replica == want, limit
+        assert d.replica == want, (limit, ab, old)

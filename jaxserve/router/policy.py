@@ -35,7 +35,9 @@ recent`: requests routed there, decaying over a minute) would pass
 ceil(c * (all candidates' recent + 1) / candidates) with this one takes no request
 while another is under that bound (Mirrokni, Thorup, Zadimoghaddam, "Consistent
 Hashing with Bounded Loads", SODA 2018: each server's capacity is (1 + eps) times the
-average load). Affinity alone piles conversations onto the replicas that first cached
+average load); with the balance gate on, a replica within balance_abs of the fewest
+stays under it, so a few requests (one conversation at a low rate) keep their
+affinity. Affinity alone piles conversations onto the replicas that first cached
 their system prompt, and at a low rate the active requests are too few for the gate to
 see it; this caps each replica's share of the traffic instead, moving only requests
 (one miss each) from the replica over it.
@@ -164,7 +166,8 @@ class KvPolicy(Policy):
             return list(candidates)
         recent = [load.recent(r) for r in candidates]
         cap = math.ceil(self.share_limit * (sum(recent) + 1) / len(candidates))
-        under = [r for r, x in zip(candidates, recent, strict=True) if x + 1 <= cap]
+        slack = min(recent) + (self.balance_abs or 0.0)
+        under = [r for r, x in zip(candidates, recent, strict=True) if x + 1 <= cap or x <= slack]
         return under or list(candidates)
 
     def imbalanced(self, candidates: Sequence[ReplicaId], load: LoadTracker) -> bool:
