@@ -52,10 +52,11 @@ an earlier rate cached cannot hit. Writes bench_results/router_workload.json.
 
 --micro: the router's own cost per request (`jaxserve.router.router.Router.route`:
 hash the prompt, match it in the prefix index, choose, book the load, then the request's
-finish), with --blocks cached blocks per replica in the index: each replica caches
-conversations of --prompt-tokens tokens that share a system prompt of a quarter of that,
-and each routed prompt extends one cached conversation (so the match walks about half
-its blocks on one replica and the system prompt on all). Prints the median and p99 of
+finish; the kv policy with `jaxserve serve`'s defaults), with --blocks cached blocks
+per replica in the index: each replica caches conversations of --prompt-tokens tokens
+that share a system prompt of a quarter of that, and each routed prompt extends one
+cached conversation (so the match walks about half its blocks on one replica and the
+system prompt on all). Prints the median and p99 of
 --requests timed routes (time.perf_counter, one thread), with the hashing alone beside
 it, and writes JSON (default bench_results/router_micro.json). The machine load
 (`uptime`) is printed with the numbers.
@@ -81,6 +82,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.engine.block_hash import hash_token_blocks
+from jaxserve.router.options import RouterOptions
 from jaxserve.router.router import Router
 
 
@@ -96,7 +98,8 @@ def _pct(xs: list[float], q: float) -> float:
 def micro(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     bs, p = args.block_size, args.prompt_tokens
-    router = Router(bs, "kv", seed=0)
+    # The kv policy as `jaxserve serve` runs it (its default gate, cap and weights).
+    router = Router(bs, "kv", seed=0, **RouterOptions().kv_options())
     system = rng.integers(0, 50000, p // 4, dtype=np.int32)
     convs: list[tuple[int, np.ndarray]] = []
     for r in range(args.replicas):

@@ -28,6 +28,14 @@ def test_flags_and_defaults():
     assert opts.kv_options() == {
         "balance_abs": 3.0, "balance_rel": 2.0, "decode_weight": 0.5, "share_limit": 1.25,
     }  # fmt: skip
+    # inf turns the gate and the cap off: with decode weight 1, Dynamo's cost alone.
+    dynamo = _parse(
+        "--router-balance-abs", "inf", "--router-share-limit", "inf",
+        "--router-decode-weight", "1",
+    ).kv_options()  # fmt: skip
+    assert (dynamo["balance_abs"], dynamo["share_limit"], dynamo["decode_weight"]) == (
+        None, None, 1.0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
