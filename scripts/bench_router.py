@@ -7,7 +7,8 @@
         [--conversations 64] [--turns 6] [--system-prompts 4] [--json PATH]
 
 --workload: a multi-turn chat on `jaxserve serve --replicas N` (the demo model, CPU;
-one server per policy (`kv:W`: the kv policy with --router-weight W), started by this
+one server per policy (`kv:W`: the kv policy with --router-weight W; `LABEL=FLAGS`:
+the router flags FLAGS, e.g. "kvb=--router-policy kv --router-balance-abs 2"), started by this
 script on a free port, every step shape
 compiled before it serves: `--compile-all-at-start`, after one 1-replica start that
 fills the persistent compilation cache, so that no background compilation runs during
@@ -51,10 +52,11 @@ an earlier rate cached cannot hit. Writes bench_results/router_workload.json.
 
 --micro: the router's own cost per request (`jaxserve.router.router.Router.route`:
 hash the prompt, match it in the prefix index, choose, book the load, then the request's
-finish), with --blocks cached blocks per replica in the index: each replica caches
-conversations of --prompt-tokens tokens that share a system prompt of a quarter of that,
-and each routed prompt extends one cached conversation (so the match walks about half
-its blocks on one replica and the system prompt on all). Prints the median and p99 of
+finish; the kv policy with `jaxserve serve`'s defaults), with --blocks cached blocks
+per replica in the index: each replica caches conversations of --prompt-tokens tokens
+that share a system prompt of a quarter of that, and each routed prompt extends one
+cached conversation (so the match walks about half its blocks on one replica and the
+system prompt on all). Prints the median and p99 of
 --requests timed routes (time.perf_counter, one thread), with the hashing alone beside
 it, and writes JSON (default bench_results/router_micro.json). The machine load
 (`uptime`) is printed with the numbers.
@@ -80,6 +82,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.engine.block_hash import hash_token_blocks
+from jaxserve.router.options import RouterOptions
 from jaxserve.router.router import Router
 
 
@@ -95,7 +98,8 @@ def _pct(xs: list[float], q: float) -> float:
 def micro(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     bs, p = args.block_size, args.prompt_tokens
-    router = Router(bs, "kv", seed=0)
+    # The kv policy as `jaxserve serve` runs it (its default gate, cap and weights).
+    router = Router(bs, "kv", seed=0, **RouterOptions().kv_options())
     system = rng.integers(0, 50000, p // 4, dtype=np.int32)
     convs: list[tuple[int, np.ndarray]] = []
     for r in range(args.replicas):
@@ -155,11 +159,16 @@ class _Server:
 
     def __init__(self, args: argparse.Namespace, policy: str, replicas: int) -> None:
         self.port = _free_port()
-        name, _, weight = policy.partition(":")  # "kv:W": the kv policy with weight W
+        # "LABEL=FLAGS": the router flags given (--router-policy among them);
+        # "kv:W": the kv policy with weight W; else a policy name.
+        label, eq, flags = policy.partition("=")
+        name, _, weight = label.partition(":")
+        router = shlex.split(flags) if eq else [
+            "--router-policy", name, *(["--router-weight", weight] if weight else []),
+        ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port),
-            "--replicas", str(replicas), "--router-policy", name,
-            *(["--router-weight", weight] if weight else []),
+            "--replicas", str(replicas), *router,
             "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -412,7 +421,7 @@ def workload(args: argparse.Namespace) -> dict:
     # cache, so the N replicas of each policy load the shapes instead of each compiling
     # them on the same cores.
     if not args.no_prime:
-        prime = _Server(args, "round-robin", 1)
+        prime = _Server(args, "round-robin", 1)  # the router flags change no shape
         try:
             t = time.perf_counter()
             prime.wait(args.start_timeout)
@@ -431,7 +440,8 @@ def workload(args: argparse.Namespace) -> dict:
                 # A new seed per rate: new system prompts and conversations, so the
                 # caches the previous rate left cannot hit.
                 row = asyncio.run(_run_rate(args, server.port, rate, seed=1000 + i))
-                row["policy"] = policy
+                row["policy"] = policy.partition("=")[0]
+                row["policy_spec"] = policy
                 row["uptime"] = _uptime()
                 rows.append(row)
                 print(_line(row) + f"  # {row['uptime']}", flush=True)

@@ -21,6 +21,21 @@ def test_flags_and_defaults():
     opts = _parse("--replicas", "4", "--router-policy", "round-robin", "--router-weight", "2")
     assert (opts.replicas, opts.policy_name, opts.weight) == (4, "round-robin", 2.0)
     assert _parse("--replicas", "2").policy_name == "kv"
+    opts = _parse(
+        "--router-balance-abs", "3", "--router-balance-rel", "2", "--router-decode-weight",
+        "0.5", "--router-share-limit", "1.25",
+    )  # fmt: skip
+    assert opts.kv_options() == {
+        "balance_abs": 3.0, "balance_rel": 2.0, "decode_weight": 0.5, "share_limit": 1.25,
+    }  # fmt: skip
+    # inf turns the gate and the cap off: with decode weight 1, Dynamo's cost alone.
+    dynamo = _parse(
+        "--router-balance-abs", "inf", "--router-share-limit", "inf",
+        "--router-decode-weight", "1",
+    ).kv_options()  # fmt: skip
+    assert (dynamo["balance_abs"], dynamo["share_limit"], dynamo["decode_weight"]) == (
+        None, None, 1.0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -30,6 +45,10 @@ def test_flags_and_defaults():
         (("--devices-per-replica", "0"), "devices-per-replica"),
         (("--router-weight", "-1"), "router-weight"),
         (("--router-temperature", "nan"), "router-temperature"),
+        (("--router-balance-abs", "-1"), "router-balance-abs"),
+        (("--router-balance-rel", "0.5"), "router-balance-rel"),
+        (("--router-decode-weight", "inf"), "router-decode-weight"),
+        (("--router-share-limit", "0.9"), "router-share-limit"),
     ],
 )
 def test_bad_values_name_the_flag(argv, flag):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxserve.router import options
 from jaxserve.router.options import RouterOptions
 from jaxserve.router.policy import POLICIES
 
@@ -38,6 +39,29 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         "--router-temperature", type=float, default=0.0, metavar="T",
         help="kv policy: 0 takes the lowest cost; > 0 samples among the near-best "
         "(default: 0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-balance-abs", type=float, default=options.BALANCE_ABS, metavar="N",
+        help="kv policy: the load is imbalanced when the most active requests on a "
+        "replica exceed the fewest by more than N (and by --router-balance-rel); then "
+        "the request goes to the fewest, whatever the cache (SGLang's cache-aware "
+        "router) (default: 4; inf: never imbalanced)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-balance-rel", type=float, default=options.BALANCE_REL, metavar="R",
+        help="kv policy: ... and only if, too, the most exceed R x the fewest "
+        "(default: 1.5)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-decode-weight", type=float, default=options.DECODE_WEIGHT, metavar="D",
+        help="kv policy: weight of a replica's held blocks in its load, against its "
+        "pending prefill blocks (default: 0; 1 with the two above off is NVIDIA Dynamo's cost)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-share-limit", type=float, default=options.SHARE_LIMIT, metavar="C",
+        help="kv policy: a replica that has taken more than C x the mean of the requests "
+        "routed in the last minute or so takes none while another is under (bounded "
+        "load) (default: 1.25; inf: no limit)",
     )  # fmt: skip
     g.add_argument(
         "--restart-dead-replicas", action="store_true",
@@ -77,5 +101,9 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         policy=args.router_policy,
         weight=args.router_weight,
         temperature=args.router_temperature,
+        balance_abs=args.router_balance_abs,
+        balance_rel=args.router_balance_rel,
+        decode_weight=args.router_decode_weight,
+        share_limit=args.router_share_limit,
         restart_dead_replicas=args.restart_dead_replicas,
     )

@@ -98,6 +98,7 @@ def make_replica_set(addresses, engine_config, metrics, options, router_options)
     router = Router(
         engine_config.cache.block_size, router_options.policy_name,
         weight=router_options.weight, temperature=router_options.temperature,
+        **router_options.kv_options(),
     )  # fmt: skip
     return ReplicaSet(
         addresses, router, RouterMetrics(metrics.registry, name), options.stall_timeout_s

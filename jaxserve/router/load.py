@@ -26,11 +26,19 @@ them where they were (the failure mode where drifting counters send all new traf
 to one replica). Health checks and engine stats never change them. This is the
 "active blocks + potential prefill blocks" load of NVIDIA Dynamo's KV router
 (`kv_router/scheduler.rs`), tracked here by the frontend alone.
+
+Beside the active load, each replica's recent decisions (`recent`): every request (a
+group once) routed there counts 1, decaying as exp(-age / window_s). Active requests
+come and go within a second at a low rate, so they cannot show that one replica holds
+more of the conversations than another (their later turns return where their history
+is cached); the decayed count does, and the kv policy's share gate reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from jaxserve.engine.block_hash import BlockHash
@@ -64,15 +72,28 @@ class LoadTracker:
 
     Args:
         block_size: tokens per KV block (> 0), the unit of the load.
+        window_s: the decay time of `recent` (seconds, > 0).
+        clock: seconds, monotonic (time.monotonic; tests give their own).
 
     Raises:
-        ValueError: block_size < 1.
+        ValueError: block_size < 1 or window_s <= 0.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"window_s: must be finite and > 0, got {window_s}")
         self.block_size = block_size
+        self.window_s = window_s
+        self._clock = clock
+        # replica -> (decayed decisions, when last updated)
+        self._recent: dict[ReplicaId, tuple[float, float]] = {}
         self._active: dict[str, _Active] = {}
         self._groups: dict[str, _Group] = {}
         self._prefill: dict[ReplicaId, int] = {}
@@ -84,6 +105,15 @@ class LoadTracker:
     def load(self, replica: ReplicaId) -> float:
         """The replica's load in blocks: pending prefill tokens / block_size + held blocks."""
         return self._prefill.get(replica, 0) / self.block_size + self._blocks.get(replica, 0)
+
+    def recent(self, replica: ReplicaId) -> float:
+        """Requests (groups once) dispatched to `replica`, each weighted by
+        exp(-age / window_s): about its request rate times window_s."""
+        count, at = self._recent.get(replica, (0.0, 0.0))
+        return count * math.exp(-(self._clock() - at) / self.window_s) if count else 0.0
+
+    def _count_decision(self, replica: ReplicaId) -> None:
+        self._recent[replica] = (self.recent(replica) + 1.0, self._clock())
 
     def num_requests(self, replica: ReplicaId) -> int:
         """Requests dispatched to `replica` and not finished."""
@@ -135,6 +165,8 @@ class LoadTracker:
         names = ()
         if block_hashes is not None and len(block_hashes) >= shared:
             names = tuple(block_hashes[:shared])
+        if group is None or group not in self._groups:
+            self._count_decision(replica)
         if group is None:
             if not names:
                 self._active[request_id] = _Active(replica, prefill, blocks, num_prompt_tokens)

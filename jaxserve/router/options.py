@@ -1,7 +1,8 @@
 """`RouterOptions`: how many engine replicas `jaxserve serve` runs and how it routes
 (`--replicas`, `--devices-per-replica`, `--router-policy`, `--router-weight`,
-`--router-temperature`), and whether replicas on other hosts may join (`--replica-listen`,
-`--allow-remote`)."""
+`--router-temperature`, `--router-balance-abs`, `--router-balance-rel`,
+`--router-decode-weight`, `--router-share-limit`), and whether replicas on other hosts
+may join (`--replica-listen`, `--allow-remote`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from dataclasses import dataclass
 from jaxserve.frontend.auth import is_loopback
 from jaxserve.router.policy import POLICIES
 
+# The kv policy's defaults, measured on the multi-turn chat of
+# `scripts/bench_router.py --workload` (README.md, "Replicas and KV-aware routing").
+BALANCE_ABS = 4.0
+BALANCE_REL = 1.5
+DECODE_WEIGHT = 0.0
+SHARE_LIMIT = 1.25
+
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
@@ -20,7 +28,9 @@ class RouterOptions:
     each (a disjoint set, through CUDA_VISIBLE_DEVICES), None: the mesh's size (dp * tp);
     on the CPU every replica has its own emulated devices anyway. policy: one of
     `policy.POLICIES` (None: "kv" with several replicas). weight / temperature: the kv
-    policy's (`policy.KvPolicy`). replica_listen: (host, port) where headless engine
+    policy's (`policy.KvPolicy`), as are balance_abs / balance_rel (the balance gate, in
+    active requests; inf or None: off), decode_weight and share_limit (the bounded
+    load; inf or None: off). replica_listen: (host, port) where headless engine
     replicas join (`router.remote`; port 0: the OS picks), None: none. allow_remote: lets
     replica_listen be an address other than loopback."""
 
@@ -29,6 +39,10 @@ class RouterOptions:
     policy: str | None = None
     weight: float = 1.0
     temperature: float = 0.0
+    balance_abs: float | None = BALANCE_ABS
+    balance_rel: float = BALANCE_REL
+    decode_weight: float = DECODE_WEIGHT
+    share_limit: float | None = SHARE_LIMIT
     restart_dead_replicas: bool = False
     replica_listen: tuple[str, int] | None = None
     allow_remote: bool = False
@@ -50,6 +64,16 @@ class RouterOptions:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"router-temperature: must be finite and >= 0, got {self.temperature}")
 
+        if self.balance_abs is not None and not self.balance_abs >= 0:  # inf: off
+            raise ValueError(f"router-balance-abs: must be >= 0 (inf: off), got {self.balance_abs}")
+        if not (math.isfinite(self.balance_rel) and self.balance_rel >= 1):
+            raise ValueError(f"router-balance-rel: must be finite and >= 1, got {self.balance_rel}")
+        if not (math.isfinite(self.decode_weight) and self.decode_weight >= 0):
+            raise ValueError(
+                f"router-decode-weight: must be finite and >= 0, got {self.decode_weight}"
+            )
+        if self.share_limit is not None and not self.share_limit >= 1:  # inf: off
+            raise ValueError(f"router-share-limit: must be >= 1 (inf: off), got {self.share_limit}")
         if self.replica_listen is not None:
             host, port = self.replica_listen
             if not 0 <= port < 65536:
@@ -76,6 +100,19 @@ class RouterOptions:
                 f"{mesh_devices} (each replica runs --mesh on its own {mesh_devices} devices; "
                 "leave the flag out to use that)"
             )
+
+    def kv_options(self) -> dict:
+        """The kv policy's keyword-only arguments (`policy.KvPolicy`)."""
+
+        def off(x: float | None) -> float | None:
+            return None if x is None or math.isinf(x) else x
+
+        return {
+            "balance_abs": off(self.balance_abs),
+            "balance_rel": self.balance_rel,
+            "decode_weight": self.decode_weight,
+            "share_limit": off(self.share_limit),
+        }
 
     @property
     def policy_name(self) -> str:

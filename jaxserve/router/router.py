@@ -56,7 +56,8 @@ class Router:
     Args:
         block_size: tokens per KV block of every replica (> 0; they must agree).
         policy: a `Policy`, or a name for `make_policy`.
-        weight / temperature: for `make_policy("kv", ...)` when policy is a name.
+        weight / temperature / kv_options: for `make_policy("kv", ...)` when policy is a
+            name (kv_options: `KvPolicy`'s keyword-only arguments).
         seed: seeds the tie-breaking and sampling (None: random).
 
     Raises:
@@ -72,10 +73,15 @@ class Router:
         weight: float = 1.0,
         temperature: float = 0.0,
         seed: int | None = None,
+        **kv_options,
     ) -> None:
         if isinstance(policy, str):
             policy = make_policy(
-                policy, weight=weight, temperature=temperature, rng=random.Random(seed)
+                policy,
+                weight=weight,
+                temperature=temperature,
+                rng=random.Random(seed),
+                **kv_options,
             )
         self.policy = policy
         self.block_size = block_size
