@@ -43,3 +43,11 @@ def replica_pid(server: ServerProcess, replica: int, module: str) -> int:
         if module in cmd and f"/r{replica}/" in cmd:
             return pid
     raise AssertionError(f"no child of replica {replica} runs {module}")
+
+
+def leading_blocks(blocks: set[bytes], hashes: list[bytes]) -> int:
+    """Brute force: how many of `hashes` (a prompt's chained block hashes) lead in `blocks`."""
+    n = 0
+    while n < len(hashes) and hashes[n] in blocks:
+        n += 1
+    return n

@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+from router_helpers import leading_blocks
 
 from jaxserve.engine.block_hash import hash_token_blocks
 from jaxserve.router.load import LoadTracker
@@ -15,13 +16,6 @@ from jaxserve.router.policy import KvPolicy
 from jaxserve.router.router import Router
 
 BS = 4
-
-
-def _leading(blocks: set[bytes], hashes: list[bytes]) -> int:
-    n = 0
-    while n < len(hashes) and hashes[n] in blocks:
-        n += 1
-    return n
 
 
 def _brute_force_allowed(
@@ -36,7 +30,7 @@ def _brute_force_allowed(
             replicas = [r for r in replicas if requests[r] == lo]
     load = {r: prefill[r] / BS + blocks[r] for r in replicas}
     cost = {
-        r: w * (len(hashes) - _leading(cached[r], hashes)) + prefill[r] / BS + d * blocks[r]
+        r: w * (len(hashes) - leading_blocks(cached[r], hashes)) + prefill[r] / BS + d * blocks[r]
         for r in replicas
     }
     best = [r for r in replicas if math.isclose(cost[r], min(cost.values()))]

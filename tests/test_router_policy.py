@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+from router_helpers import leading_blocks
 
 from jaxserve.engine.block_hash import hash_token_blocks
 from jaxserve.router.load import LoadTracker
@@ -14,13 +15,6 @@ from jaxserve.router.policy import KvPolicy, make_policy
 from jaxserve.router.router import Router
 
 BS = 4
-
-
-def _leading(blocks: set[bytes], hashes: list[bytes]) -> int:
-    n = 0
-    while n < len(hashes) and hashes[n] in blocks:
-        n += 1
-    return n
 
 
 def test_kv_choice_is_a_brute_force_minimum_with_ties_to_the_less_loaded():
@@ -39,7 +33,7 @@ def test_kv_choice_is_a_brute_force_minimum_with_ties_to_the_less_loaded():
                 router.load.dispatch(f"bg{r}.{j}", r, rng.randrange(0, 4) * BS, 0)
         w = router.policy.weight
         cost = {
-            r: w * (len(hashes) - _leading(cached[r], hashes)) + router.load.load(r)
+            r: w * (len(hashes) - leading_blocks(cached[r], hashes)) + router.load.load(r)
             for r in replicas
         }
         low = min(cost.values())
@@ -48,7 +42,7 @@ def test_kv_choice_is_a_brute_force_minimum_with_ties_to_the_less_loaded():
         allowed = {r for r in best if math.isclose(router.load.load(r), low_load)}
         decision = router.route(f"req{trial}", prompt, replicas)
         assert decision.replica in allowed, (trial, cost)
-        assert decision.matched_blocks == _leading(cached[decision.replica], hashes)
+        assert decision.matched_blocks == leading_blocks(cached[decision.replica], hashes)
         assert decision.num_blocks == len(hashes)
         assert math.isclose(decision.cost, low)
 
