@@ -444,8 +444,7 @@ def moe_experts_local(*args) -> jax.Array:
     active (NVIDIA GPU); elsewhere the sparse path (only the routed rows: `moe_slices`
     for weights held per expert, else `moe_sparse`), or the dense oracle if
     `JAXSERVE_MOE_EXPERTS=dense` (`dispatch.moe_reference_experts`)."""
-    sparse = dispatch.get_backend() == dispatch.REFERENCE
-    sparse = sparse and dispatch.moe_reference_experts() != dispatch.MOE_DENSE
+    sparse = dispatch.sparse_reference_experts()
     if isinstance(args[3], ExpertSlices):  # w_gate held per expert (`moe_slices`)
         if sparse:
             return moe_experts_sliced(*args)

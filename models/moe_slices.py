@@ -33,6 +33,7 @@ from jax import lax
 from jaxserve.models.moe_sparse import (
     SortedRows,
     block_size_for,
+    check_expert_shapes,
     combine_copies,
     loop_levels_for,
     run_expert_rows,
@@ -116,19 +117,8 @@ def sliced_expert_ffn(
 
     Raises ValueError if the shapes disagree.
     """
-    num_experts, hidden, inter = w_gate.shape
-    if (
-        x.ndim != 2
-        or ids.ndim != 2
-        or ids.shape[0] != x.shape[0]
-        or hidden != x.shape[1]
-        or w_up.shape != w_gate.shape
-        or w_down.shape != (num_experts, inter, hidden)
-    ):
-        raise ValueError(
-            f"sliced_expert_ffn: shapes disagree: x {x.shape}, ids {ids.shape}, w_gate "
-            f"{w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}"
-        )
+    check_expert_shapes("sliced_expert_ffn", x, ids, w_gate, w_up, w_down)
+    num_experts, hidden, _ = w_gate.shape
     n = ids.shape[0] * ids.shape[1]
     if n == 0:
         return jnp.zeros((*ids.shape, hidden), x.dtype)

@@ -62,6 +62,24 @@ LOOP_MIN_ROWS = 16
 LOOP_LEVELS = 3
 
 
+def check_expert_shapes(fn: str, x, ids, w_gate, w_up, w_down) -> None:
+    """Raise ValueError (naming `fn` and the arrays) unless x [T, H], ids [T, k], w_gate
+    and w_up [E, H, I], w_down [E, I, H] agree. The weights may be any objects with a
+    `shape` (arrays, `moe_slices.ExpertSlices`)."""
+    if x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{fn}: x [T, H] and ids [T, k] disagree: {x.shape}, {ids.shape}")
+    num_experts, hidden, inter = w_gate.shape
+    if (
+        hidden != x.shape[1]
+        or w_up.shape != w_gate.shape
+        or w_down.shape != (num_experts, inter, hidden)
+    ):
+        raise ValueError(
+            f"{fn}: weights disagree with x [T, {x.shape[1]}]: w_gate "
+            f"{w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}"
+        )
+
+
 def padded_rows(num_rows: int, num_experts: int, block_size: int) -> int:
     """Rows the sparse experts compute for `num_rows` routed rows: the static number of
     blocks times `block_size`, the worst case over every routing.
@@ -172,20 +190,8 @@ def sparse_expert_ffn(
     Raises:
         ValueError: if the shapes disagree or block_size < 1.
     """
-    if x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"sparse_expert_ffn: x [T, H] and ids [T, k] disagree: {x.shape}, {ids.shape}"
-        )
-    num_experts, hidden, inter = w_gate.shape
-    if (
-        hidden != x.shape[1]
-        or w_up.shape != w_gate.shape
-        or w_down.shape != (num_experts, inter, hidden)
-    ):
-        raise ValueError(
-            f"sparse_expert_ffn: weights disagree with x [T, {x.shape[1]}]: w_gate "
-            f"{w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}"
-        )
+    check_expert_shapes("sparse_expert_ffn", x, ids, w_gate, w_up, w_down)
+    num_experts, hidden, _ = w_gate.shape
     num_tokens, top_k = ids.shape
     n = num_tokens * top_k
     if block_size is None:

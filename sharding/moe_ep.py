@@ -176,10 +176,7 @@ def _sparse_reference() -> bool:
     not forced dense; see `jaxserve.kernels.dispatch.moe_reference_experts`)."""
     from jaxserve.kernels import dispatch  # noqa: PLC0415 -- kernels import models; keep lazy
 
-    return (
-        dispatch.get_backend() == dispatch.REFERENCE
-        and dispatch.moe_reference_experts() != dispatch.MOE_DENSE
-    )
+    return dispatch.sparse_reference_experts()
 
 
 def _token_chunk(a: jax.Array, chunk: int, index: jax.Array) -> jax.Array:

@@ -113,6 +113,13 @@ def moe_reference_experts() -> str:
     return value
 
 
+def sparse_reference_experts() -> bool:
+    """Whether the MoE experts run a sparse reference path: the reference backend and
+    `moe_reference_experts` not 'dense' (the one-device experts and the expert-parallel
+    path's local experts both ask this)."""
+    return get_backend() == REFERENCE and moe_reference_experts() != MOE_DENSE
+
+
 @contextlib.contextmanager
 def backend_override(backend: str) -> Iterator[None]:
     """Use `backend` for calls traced inside the block (tests and benchmarks)."""
