@@ -1,7 +1,7 @@
 """One-device MoE experts held as one array per expert, so the CPU reads them in place.
 
 XLA's CPU backend copies any slice of an array before a dot reads it (a `dot` does not
-fuse a `slice` / `dynamic-slice` operand), so `moe_sparse.expert_loop_ffn`, which slices
+fuse a `slice` / `dynamic-slice` operand), so `moe_loop.expert_loop_ffn`, which slices
 expert e out of the stacked [E, H, I] weights, copies the expert's three matrices (1.5
 MB at Qwen3-MoE-like shapes, H 512, I 256) before using them once: at decode sizes (a row
 or two per expert) the copy costs more than the matmuls. Held as E separate arrays, each
@@ -30,14 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxserve.models.moe_sparse import (
-    SortedRows,
-    block_size_for,
-    check_expert_shapes,
-    combine_copies,
-    loop_levels_for,
-    run_expert_rows,
-)
+from jaxserve.models.moe_loop import SortedRows, loop_levels_for, run_expert_rows
+from jaxserve.models.moe_sparse import block_size_for, check_expert_shapes, combine_copies
 
 # Smallest chunk of rows: XLA rewrites a one-row dot into a fused multiply-reduce, which
 # its CPU backend compiles with LLVM, once per branch (E per switch): 9 s against 2.6 s
@@ -106,7 +100,7 @@ def sliced_expert_ffn(
 ) -> jax.Array:
     """`moe_sparse.sparse_expert_ffn`'s contract with per-expert weights: the copies
     sorted by expert, a loop over the experts holding rows and over each one's rows in
-    chunks (`moe_sparse.run_expert_rows`; chunk sizes from `block_size_for` and
+    chunks (`moe_loop.run_expert_rows`; chunk sizes from `block_size_for` and
     `loop_levels_for`, at least `MIN_CHUNK`), each chunk's matmuls a `lax.switch` on the
     expert over E branches that hold nothing but the dots (gate and up in one switch,
     down in another; SiLU and the product outside, shared).

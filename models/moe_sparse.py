@@ -19,14 +19,13 @@ block instead of a block-sparse matmul):
 B = 1 is the decode fast path: no sort, each copy gathers its own expert's weights.
 Shapes are static (no host sync), and `lax.ragged_dot`, dense on the CPU, is not used.
 
-From `LOOP_MIN_ROWS` routed rows up, `sparse_expert_ffn` (block_size None) runs the
-same sorted rows as an *expert loop* instead (`expert_loop_ffn`): a `lax.fori_loop` over
-the experts that hold rows, each expert's weights sliced once and its rows run in
-chunks of up to three sizes, the smallest B (the same B, so the same worst-case padding;
-`loop_levels_for` picks the sizes), instead of a gathered copy of an expert's weights
-per block. Measured with one chunk size (`scripts/bench_moe.py --loop 4,16`, Qwen3-MoE-
-like layer, load 9-10): 65.0 -> 28.3 ms at 128 tokens, 17.0 -> 13.0 at 32, 7.0 -> 3.7 at
-8, and a tie at 1 token (0.54 vs 0.59 ms), where the block path stays.
+With block_size None, `sparse_expert_ffn` picks the layout from the routed rows N:
+the block layout below `LOOP_MIN_ROWS`, the expert loop (`moe_loop`: each expert's
+weights sliced once, its rows in chunks of B) from there, and from
+`moe_capacity.CAPACITY_MIN_MEAN_GROUP` rows per expert the capacity layout
+(`moe_capacity`: every expert's first C rows in one batched matmul, the overflow through
+the expert loop, or the loop alone when the routing is too skewed for any capacity to
+keep the work within MAX_PADDING).
 
 The block size is chosen from the static row count (`block_size_for`): the largest power
 of two up to `MAX_BLOCK_SIZE` whose worst-case padding keeps the work within
@@ -40,12 +39,12 @@ intermediate stored in x.dtype, each expert output rounded to x.dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxserve.models import moe_capacity
+from jaxserve.models.moe_loop import expert_loop_ffn, loop_levels_for, swiglu_rows
 
 # Most work the static padding may add over the routed rows (worst case, any routing).
 MAX_PADDING = 1.3
@@ -57,9 +56,6 @@ MAX_BLOCK_SIZE = 64
 GATHER_ELEMENTS = 1 << 19
 # Routed rows (tokens x top-k) from which the default path is the expert loop.
 LOOP_MIN_ROWS = 16
-# Chunk sizes of the expert loop: chunk, 4 x chunk, 16 x chunk (`loop_chunk_sizes`); the
-# default path keeps those up to the mean group (`loop_levels_for`).
-LOOP_LEVELS = 3
 
 
 def check_expert_shapes(fn: str, x, ids, w_gate, w_up, w_down) -> None:
@@ -124,19 +120,6 @@ def sparse_moe_flops(
     return padded_rows(num_tokens * top_k, num_experts, block_size) * 6 * hidden * inter
 
 
-def _swiglu_rows(
-    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dtype
-) -> jax.Array:
-    """Row batches with their own weights: x [n, B, H], w_* [n, H, I] / [n, I, H] ->
-    [n, B, H] in dtype (float32 products, intermediate rounded to dtype)."""
-    f32 = jnp.float32
-    x32 = x.astype(f32)
-    gate = jnp.einsum("nbh,nhi->nbi", x32, w_gate.astype(f32))
-    up = jnp.einsum("nbh,nhi->nbi", x32, w_up.astype(f32))
-    hidden = (jax.nn.silu(gate) * up).astype(dtype).astype(f32)
-    return jnp.einsum("nbi,nih->nbh", hidden, w_down.astype(f32)).astype(dtype)
-
-
 def _blocks(
     x_blocks: jax.Array,
     block_expert: jax.Array,
@@ -152,11 +135,11 @@ def _blocks(
 
     if chunk >= num_blocks:
         e = block_expert
-        return _swiglu_rows(x_blocks, w_gate[e], w_up[e], w_down[e], x_blocks.dtype)
+        return swiglu_rows(x_blocks, w_gate[e], w_up[e], w_down[e], x_blocks.dtype)
 
     def one_block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         xs, e = args  # [B, H], scalar: vectorized by lax.map into one gather per chunk
-        return _swiglu_rows(xs[None], w_gate[e][None], w_up[e][None], w_down[e][None],
+        return swiglu_rows(xs[None], w_gate[e][None], w_up[e][None], w_down[e][None],
                             xs.dtype)[0]  # fmt: skip
 
     # lax.map with batch_size: a scan over chunks of blocks, each chunk vectorized.
@@ -198,6 +181,11 @@ def sparse_expert_ffn(
         if n >= LOOP_MIN_ROWS:
             chunk = block_size_for(n, num_experts)
             levels = loop_levels_for(n, num_experts, chunk)
+            if moe_capacity.uses_capacity(n, num_experts):
+                return moe_capacity.capacity_expert_ffn(
+                    x, ids, w_gate, w_up, w_down, chunk=chunk, levels=levels,
+                    max_padding=MAX_PADDING,
+                )  # fmt: skip
             return expert_loop_ffn(x, ids, w_gate, w_up, w_down, chunk=chunk, levels=levels)
         block_size = block_size_for(n, num_experts)
     if block_size < 1:
@@ -239,149 +227,6 @@ def sparse_expert_ffn(
     copy_dest = jnp.zeros(n, jnp.int32).at[order].set(dest)
     out = y.at[copy_dest].get(mode="fill", fill_value=0)  # padded (empty) -> 0
     return out.reshape(num_tokens, top_k, hidden)
-
-
-def loop_chunk_sizes(chunk: int, levels: int = LOOP_LEVELS) -> tuple[int, ...]:
-    """The chunk sizes of the expert loop, largest first: chunk * 4^(levels-1), ..., chunk.
-
-    Raises ValueError if chunk or levels < 1."""
-    if chunk < 1 or levels < 1:
-        raise ValueError(f"loop_chunk_sizes: need chunk >= 1, levels >= 1, got {chunk}, {levels}")
-    return tuple(chunk * 4**i for i in reversed(range(levels)))
-
-
-def loop_levels_for(num_rows: int, num_experts: int, chunk: int) -> int:
-    """The default path's number of chunk sizes (at most LOOP_LEVELS): the sizes up to the
-    mean group, max(chunk, ceil(num_rows / num_experts)). A larger size would rarely hold
-    a whole chunk, and each size costs every expert one more loop, which at decode sizes
-    (a row or two per expert) costs more than it saves: there it is the one-size loop."""
-    top = max(chunk, -(-num_rows // num_experts))
-    return sum(1 for size in loop_chunk_sizes(chunk) if size <= top)
-
-
-def expert_loop_ffn(
-    x: jax.Array,
-    ids: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    chunk: int,
-    levels: int = LOOP_LEVELS,
-) -> jax.Array:
-    """`sparse_expert_ffn` as a loop over the experts that hold rows, each expert's
-    weights read in place once, its rows in chunks (see the module docstring).
-
-    The block layout gathers a copy of an expert's three matrices for every block (at
-    batch 128 of a 32-expert top-4 layer: ~5 copies of every expert per layer); here a
-    `lax.fori_loop` runs over the distinct experts routed to (a traced count) and, inside,
-    over that expert's g_e sorted rows in chunks of the sizes `loop_chunk_sizes(chunk,
-    levels)`, largest first: as many whole chunks of the largest size as fit, then of the
-    next, and the rest in chunks of `chunk` (traced counts). Each chunk is one
-    [size, H] x [H, I] SwiGLU with the expert's weights: large chunks make few, wide
-    matmuls (a matmul of a few rows re-reads the expert's weights for little work), the
-    smallest bounds the padding. Only the last chunk of an expert may run past its rows
-    into the next expert's: those rows are overwritten when the next expert (later in the
-    loop) writes its own, and the last one's run into spare rows. Work: sum_e
-    ceil(g_e / chunk) * chunk rows, at most `padded_rows(N, E, chunk)` (the block layout's
-    static count) and usually less; nothing is done for experts without rows.
-
-    Args / Returns: as `sparse_expert_ffn` (ids in [0, E], E: an empty copy, output 0).
-    chunk: the smallest chunk, >= 1; levels: how many chunk sizes, >= 1 (1: every chunk
-    has `chunk` rows).
-    """
-    num_experts = w_gate.shape[0]
-    rows = SortedRows.of(x, ids, num_experts, chunk)
-    sizes_desc = rows.chunk_sizes(chunk, levels)
-
-    def one_expert(j, y):
-        e = rows.used[j]
-        w = [lax.dynamic_index_in_dim(a, e, keepdims=False) for a in (w_gate, w_up, w_down)]
-
-        def swiglu(r: jax.Array) -> jax.Array:
-            return _swiglu_rows(r[None], w[0][None], w[1][None], w[2][None], x.dtype)[0]
-
-        return run_expert_rows(y, rows.x_sorted, swiglu, rows.starts[e], rows.sizes[e], sizes_desc)
-
-    y = lax.fori_loop(0, rows.num_used, one_expert, jnp.zeros_like(rows.x_sorted))
-    return rows.unsort(y)
-
-
-class SortedRows(NamedTuple):
-    """The N = T*k token copies sorted by expert (the expert loops' shared layout).
-
-    order: [N] sorted row r is copy order[r]; sorted_ids: [N] their experts (E: empty);
-    sizes / starts: [E] rows of expert e and its first sorted row; used: [E] the experts
-    holding rows first (ascending), then the empty ones; num_used: their count;
-    x_sorted: [N + chunk, H] the rows, then `chunk` zero rows for the last chunk's overrun.
-    """
-
-    order: jax.Array
-    sorted_ids: jax.Array
-    sizes: jax.Array
-    starts: jax.Array
-    used: jax.Array
-    num_used: jax.Array
-    x_sorted: jax.Array
-    top_k: int
-
-    @classmethod
-    def of(cls, x: jax.Array, ids: jax.Array, num_experts: int, chunk: int) -> SortedRows:
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1).astype(jnp.int32)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
-        x_sorted = jnp.concatenate([x[order // top_k], jnp.zeros((chunk, x.shape[1]), x.dtype)])
-        return cls(
-            order=order,
-            sorted_ids=flat[order],
-            sizes=sizes,
-            starts=jnp.cumsum(sizes) - sizes,
-            used=jnp.argsort(sizes == 0, stable=True).astype(jnp.int32),
-            num_used=jnp.sum(sizes > 0),
-            x_sorted=x_sorted,
-            top_k=top_k,
-        )
-
-    def chunk_sizes(self, chunk: int, levels: int) -> list[int]:
-        """`loop_chunk_sizes` less those above N (never a whole chunk; could not be
-        sliced), the smallest always kept."""
-        n = self.order.shape[0]
-        return [s for s in loop_chunk_sizes(chunk, levels) if s <= n or s == chunk]
-
-    def unsort(self, y: jax.Array) -> jax.Array:
-        """y [N + chunk, H] in sorted order -> [T, k, H] in copy order, 0 for empty copies."""
-        n = self.order.shape[0]
-        num_experts = self.sizes.shape[0]
-        y = jnp.where((self.sorted_ids < num_experts)[:, None], y[:n], 0)
-        out = jnp.zeros_like(y).at[self.order].set(y)
-        return out.reshape(n // self.top_k, self.top_k, y.shape[1])
-
-
-def run_expert_rows(
-    y: jax.Array,
-    x_sorted: jax.Array,
-    swiglu: Callable[[jax.Array], jax.Array],
-    start: jax.Array,
-    left: jax.Array,
-    sizes_desc: Sequence[int],
-) -> jax.Array:
-    """One expert's `left` sorted rows from `start`, in chunks of `sizes_desc` (largest
-    first, the last the smallest, which also takes the remainder), through `swiglu`
-    (that expert's FFN: [size, H] -> [size, H]), written into y [N + chunk, H]."""
-    smallest = sizes_desc[-1]
-    for size in sizes_desc:
-
-        def one_chunk(c, y, size=size, start=start):
-            first = start + c * size
-            out = swiglu(lax.dynamic_slice_in_dim(x_sorted, first, size))
-            return lax.dynamic_update_slice_in_dim(y, out, first, 0)
-
-        # Whole chunks of this size; the smallest size also takes the remainder.
-        count = left // size if size != smallest else (left + size - 1) // size
-        y = lax.fori_loop(0, count, one_chunk, y)
-        start, left = start + count * size, left - count * size
-    return y
 
 
 def moe_experts_sparse(

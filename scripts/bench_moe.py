@@ -14,8 +14,8 @@ experts, top-4, moe_intermediate 256); `--configs top8 --tokens 1,2,4` adds a to
 (ignoring the padding rule), the measurement behind `moe_sparse.MAX_BLOCK_SIZE`;
 `--gather 24,21` the sparse path with other weight-gather chunks (2^24, 2^21 elements),
 the measurement behind `moe_sparse.GATHER_ELEMENTS`; `--loop 4,16` the expert loop
-(`moe_sparse.expert_loop_ffn`, each expert's weights read once) at those smallest chunk
-sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_sparse.loop_chunk_sizes`;
+(`moe_loop.expert_loop_ffn`, each expert's weights read once) at those smallest chunk
+sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_loop.loop_chunk_sizes`;
 1: one size, the loop before the levels), its flops/routed the rows it ran on that routing;
 with `--loop`, also the default path (`loop@auto`: smallest chunk `block_size_for`, levels
 `loop_levels_for`) beside it with one level (`loop@auto/1`). `--slices` adds the experts
@@ -78,7 +78,7 @@ def main() -> None:
         "--loop-levels",
         default="",
         help="the expert loop's numbers of chunk sizes to try, e.g. 1,3 (loop@C/L in the "
-        "table; default: moe_sparse.LOOP_LEVELS)",
+        "table; default: moe_loop.LOOP_LEVELS)",
     )
     parser.add_argument(
         "--slices",
@@ -95,7 +95,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.models import moe_sparse
+    from jaxserve.models import moe_loop, moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
     from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
     from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
@@ -105,11 +105,11 @@ def main() -> None:
     results = []
     configs = _configs()
     loop_levels = [int(v) for v in args.loop_levels.split(",") if v]
-    loop_levels = loop_levels or [moe_sparse.LOOP_LEVELS]
+    loop_levels = loop_levels or [moe_loop.LOOP_LEVELS]
 
     def _loop_moe(chunk: int, levels: int):
         """The expert loop at `chunk` / `levels` as a whole MoE call (weighted sum)."""
-        loop = functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk, levels=levels)
+        loop = functools.partial(moe_loop.expert_loop_ffn, chunk=chunk, levels=levels)
 
         def moe(x, tw, ids, wg, wu, wd):
             return jnp.einsum("tk,tkh->th", tw, loop(x, ids, wg, wu, wd))

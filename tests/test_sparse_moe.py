@@ -20,7 +20,7 @@ import pytest
 from moe_oracle import expert_rows_oracle, random_experts
 
 from jaxserve.kernels import dispatch
-from jaxserve.models import moe_sparse
+from jaxserve.models import moe_loop, moe_sparse
 from jaxserve.models.layers import moe_experts_dense, moe_experts_local, route
 from jaxserve.models.moe_sparse import (
     block_size_for,
@@ -235,8 +235,8 @@ def test_bad_shapes_are_named():
 
 
 @functools.cache
-def _loop(chunk: int, levels: int = moe_sparse.LOOP_LEVELS):
-    return jax.jit(functools.partial(moe_sparse.expert_loop_ffn, chunk=chunk, levels=levels))
+def _loop(chunk: int, levels: int = moe_loop.LOOP_LEVELS):
+    return jax.jit(functools.partial(moe_loop.expert_loop_ffn, chunk=chunk, levels=levels))
 
 
 @pytest.mark.parametrize("name", ["one_expert", "two_experts", "ties", "group_edges"])
@@ -268,10 +268,10 @@ def test_expert_loop_levels_cover_every_group_size(experts, group, chunk):
 
 
 def test_loop_chunk_sizes_are_powers_of_four_of_the_chunk():
-    assert moe_sparse.loop_chunk_sizes(4, 3) == (64, 16, 4)
-    assert moe_sparse.loop_chunk_sizes(3, 1) == (3,)
+    assert moe_loop.loop_chunk_sizes(4, 3) == (64, 16, 4)
+    assert moe_loop.loop_chunk_sizes(3, 1) == (3,)
     with pytest.raises(ValueError, match="chunk"):
-        moe_sparse.loop_chunk_sizes(0)
+        moe_loop.loop_chunk_sizes(0)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
@@ -307,7 +307,7 @@ def test_loop_levels_keep_the_sizes_up_to_the_mean_group():
         rows, experts = int(rng.integers(16, 5000)), int(rng.integers(1, 300))
         chunk = int(2 ** rng.integers(0, 7))
         top = max(chunk, math.ceil(rows / experts))
-        want = sum(chunk * 4**i <= top for i in range(moe_sparse.LOOP_LEVELS))
-        assert moe_sparse.loop_levels_for(rows, experts, chunk) == want >= 1
+        want = sum(chunk * 4**i <= top for i in range(moe_loop.LOOP_LEVELS))
+        assert moe_loop.loop_levels_for(rows, experts, chunk) == want >= 1
     # Decode with a row or two per expert: one size, the loop without levels.
-    assert moe_sparse.loop_levels_for(64, 32, 1) == 1
+    assert moe_loop.loop_levels_for(64, 32, 1) == 1
