@@ -20,7 +20,11 @@ sizes, `--loop-levels 1,3` with those numbers of chunk sizes (`moe_loop.loop_chu
 with `--loop`, also the default path (`loop@auto`: smallest chunk `block_size_for`, levels
 `loop_levels_for`) beside it with one level (`loop@auto/1`). `--slices` adds the experts
 held one array per expert (`moe_slices`, what the one-device engine runs on the CPU;
-`slices`) beside `loop@auto`, the same loop over the stacked weights.
+`slices`) beside `loop@auto`, the same loop over the stacked weights. `--capacity` adds the
+default path where it takes the capacity layout (`moe_capacity`; `capacity`) beside
+`loop@auto`, the loop it replaced there, and `--overflow-chunks 1,4` that layout with other
+`moe_capacity.OVERFLOW_CHUNK`s (`capacity/oN`); their flops/routed are the rows the chosen
+layout ran on that routing.
 Writes bench_results/bench_moe.json.
 """
 
@@ -62,6 +66,22 @@ def _time(fn, args, repeats_inner: int) -> float:
     return (time.perf_counter() - start) / repeats_inner
 
 
+def _capacity_run_rows(sizes, chunk: int, overflow_chunk: int) -> int:
+    """Rows the capacity layout runs on expert group sizes `sizes` (NumPy [E]): the
+    largest capacity whose E * C + overflow chunks fit MAX_PADDING, else the loop's."""
+    import numpy as np
+
+    from jaxserve.models import moe_capacity, moe_sparse
+
+    n, num_experts = int(sizes.sum()), len(sizes)
+    run = int((-(-sizes // chunk) * chunk).sum())  # the loop alone
+    for c in moe_capacity.capacities_for(n, num_experts):  # ascending: the last fit wins
+        over = np.maximum(sizes - c, 0)
+        rows = num_experts * c + int((-(-over // overflow_chunk)).sum()) * overflow_chunk
+        run = rows if rows <= moe_sparse.MAX_PADDING * n else run
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,8,32,128,512")
@@ -86,6 +106,14 @@ def main() -> None:
         help="also the experts held one array per expert (moe_slices; 'slices') beside the "
         "default path over the stacked weights",
     )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="also the capacity layout (moe_capacity; 'capacity') beside the expert loop",
+    )
+    parser.add_argument(
+        "--overflow-chunks", default="", help="with --capacity: these OVERFLOW_CHUNKs, e.g. 1,4"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -95,7 +123,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.models import moe_loop, moe_sparse
+    from jaxserve.models import moe_capacity, moe_loop, moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
     from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
     from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
@@ -147,10 +175,11 @@ def main() -> None:
                 label = "sparse" if b == auto else f"sparse@{b}"
                 fn = jax.jit(functools.partial(moe_experts_sparse, block_size=b))
                 variants[label] = (fn, b)
-            if (args.loop or args.slices) and tokens * top_k >= moe_sparse.LOOP_MIN_ROWS:
-                # The default path (block_size None): the expert loop, its levels chosen.
-                default = functools.partial(moe_experts_sparse, block_size=None)
-                variants["loop@auto"] = (jax.jit(default), -auto)
+            n = tokens * top_k
+            if (args.loop or args.slices or args.capacity) and n >= moe_sparse.LOOP_MIN_ROWS:
+                # The expert loop as the default path runs it, its levels chosen.
+                levels = moe_loop.loop_levels_for(n, experts, auto)
+                variants["loop@auto"] = (_loop_moe(auto, levels), -auto)
                 # The same with one chunk size (the default before the levels).
                 variants["loop@auto/1"] = (_loop_moe(auto, 1), -auto)
             if args.slices:
@@ -164,6 +193,14 @@ def main() -> None:
             for c in [int(c) for c in args.loop.split(",") if c]:
                 for lv in loop_levels:
                     variants[f"loop@{c}/{lv}"] = (_loop_moe(c, lv), -c)
+            if args.capacity and moe_capacity.uses_capacity(n, experts):
+                default = functools.partial(moe_experts_sparse, block_size=None)
+                variants["capacity"] = (jax.jit(default), "cap")
+                default_chunk = moe_capacity.OVERFLOW_CHUNK
+                for oc in [int(c) for c in args.overflow_chunks.split(",") if c]:
+                    moe_capacity.OVERFLOW_CHUNK = oc  # read when traced: trace it now
+                    variants[f"capacity/o{oc}"] = (jax.jit(default).lower(*call).compile(), oc)
+                    moe_capacity.OVERFLOW_CHUNK = default_chunk
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
                 # The chunk size is read when the function is traced: trace it now.
@@ -184,10 +221,13 @@ def main() -> None:
             routed = tokens * top_k * 6 * hidden * inter
             for label, (_, b) in variants.items():
                 ms = statistics.median(times[label]) * 1e3
+                g = np.bincount(np.asarray(ids).ravel(), minlength=experts)
                 if b is None:
                     flops = tokens * experts * 6 * hidden * inter
+                elif label.startswith("capacity"):
+                    oc = moe_capacity.OVERFLOW_CHUNK if b == "cap" else b
+                    flops = _capacity_run_rows(g, auto, oc) * 6 * hidden * inter
                 elif b < 0:  # the expert loop: the rows it runs on this routing
-                    g = np.bincount(np.asarray(ids).ravel(), minlength=experts)
                     flops = int((-(-g // -b) * -b).sum()) * 6 * hidden * inter
                 else:
                     flops = sparse_moe_flops(tokens, top_k, experts, b, hidden, inter)
