@@ -12,6 +12,7 @@ from router_helpers import leading_blocks
 
 from jaxserve.engine.block_hash import hash_token_blocks
 from jaxserve.router.load import LoadTracker
+from jaxserve.router.options import SHARE_LIMIT
 from jaxserve.router.policy import KvPolicy
 from jaxserve.router.router import Router
 
@@ -195,7 +196,7 @@ def _capped(recent: dict[int, float], c: float, ab: float | None) -> set[int]:
 def test_bounded_load_excludes_exactly_the_replicas_over_the_cap():
     rng = random.Random(6)
     for trial in range(300):
-        c, ab = rng.choice([1.0, 1.25, 2.0]), rng.choice([None, 0, 2])
+        c, ab = rng.choice([1.0, SHARE_LIMIT, 1.25, 2.0]), rng.choice([None, 0, 2])
         policy = KvPolicy(weight=100.0, share_limit=c, balance_abs=ab, rng=random.Random(trial))
         load = LoadTracker(BS, clock=_Clock())
         n = rng.randrange(2, 6)

@@ -61,7 +61,7 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
         "--router-share-limit", type=float, default=options.SHARE_LIMIT, metavar="C",
         help="kv policy: a replica that has taken more than C x the mean of the requests "
         "routed in the last minute or so takes none while another is under (bounded "
-        "load) (default: 1.25; inf: no limit)",
+        "load) (default: 1.1; inf: no limit)",
     )  # fmt: skip
     g.add_argument(
         "--restart-dead-replicas", action="store_true",

@@ -18,7 +18,7 @@ from jaxserve.router.policy import POLICIES
 BALANCE_ABS = 4.0
 BALANCE_REL = 1.5
 DECODE_WEIGHT = 0.0
-SHARE_LIMIT = 1.25
+SHARE_LIMIT = 1.1
 
 
 @dataclass(frozen=True, slots=True)

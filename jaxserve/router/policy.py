@@ -43,7 +43,7 @@ see it; this caps each replica's share of the traffic instead, moving only reque
 (one miss each) from the replica over it.
 
 `KvPolicy()` alone is Dynamo's cost (no gate, no bound, d = 1); `jaxserve serve` runs
-it with the gate at 4 requests and 1.5x, d = 0 and c = 1.25 (`options.py`; the
+it with the gate at 4 requests and 1.5x, d = 0 and c = 1.1 (`options.py`; the
 measurement behind them is in README.md, "Replicas and KV-aware routing").
 
 The others ignore the cache: for comparison in benchmarks, and for engines without
