@@ -122,12 +122,7 @@ def capacity_rows(rows: SortedRows, weights, capacity: int, dtype) -> jax.Array:
 
     # The overflow: rows from starts[e] + C, through the expert loop (its starts moved).
     over = jnp.maximum(rows.sizes - capacity, 0)
-    overflow = rows._replace(
-        sizes=over,
-        starts=rows.starts + capacity,
-        used=jnp.argsort(over == 0, stable=True).astype(jnp.int32),
-        num_used=jnp.sum(over > 0),
-    )
+    overflow = rows.regrouped(over, rows.starts + capacity)
     y = expert_loop_rows(overflow, weights, [OVERFLOW_CHUNK], dtype)
 
     # Rows within capacity take the batched output; an overflow chunk that ran past its

@@ -142,15 +142,17 @@ class SortedRows(NamedTuple):
         order = jnp.argsort(flat, stable=True)
         sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
         x_sorted = jnp.concatenate([x[order // top_k], jnp.zeros((chunk, x.shape[1]), x.dtype)])
-        return cls(
-            order=order,
-            sorted_ids=flat[order],
+        rows = cls(order, flat[order], sizes, sizes, sizes, sizes, x_sorted, top_k)
+        return rows.regrouped(sizes, jnp.cumsum(sizes) - sizes)
+
+    def regrouped(self, sizes: jax.Array, starts: jax.Array) -> SortedRows:
+        """The same rows with other groups for the loop: expert e's `sizes[e]` rows from
+        `starts[e]` ([E] int32 each); `used` and `num_used` follow from the sizes."""
+        return self._replace(
             sizes=sizes,
-            starts=jnp.cumsum(sizes) - sizes,
+            starts=starts,
             used=jnp.argsort(sizes == 0, stable=True).astype(jnp.int32),
             num_used=jnp.sum(sizes > 0),
-            x_sorted=x_sorted,
-            top_k=top_k,
         )
 
     def chunk_sizes(self, chunk: int, levels: int) -> list[int]:

@@ -140,7 +140,7 @@ def _blocks(
     def one_block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         xs, e = args  # [B, H], scalar: vectorized by lax.map into one gather per chunk
         return swiglu_rows(xs[None], w_gate[e][None], w_up[e][None], w_down[e][None],
-                            xs.dtype)[0]  # fmt: skip
+                           xs.dtype)[0]  # fmt: skip
 
     # lax.map with batch_size: a scan over chunks of blocks, each chunk vectorized.
     return lax.map(one_block, (x_blocks, block_expert), batch_size=chunk)

@@ -68,16 +68,13 @@ def _time(fn, args, repeats_inner: int) -> float:
 
 def _capacity_run_rows(sizes, chunk: int, overflow_chunk: int) -> int:
     """Rows the capacity layout runs on expert group sizes `sizes` (NumPy [E]): the
-    largest capacity whose E * C + overflow chunks fit MAX_PADDING, else the loop's."""
-    import numpy as np
-
+    largest capacity whose `executed_rows` fit MAX_PADDING, else the loop's."""
     from jaxserve.models import moe_capacity, moe_sparse
 
     n, num_experts = int(sizes.sum()), len(sizes)
     run = int((-(-sizes // chunk) * chunk).sum())  # the loop alone
     for c in moe_capacity.capacities_for(n, num_experts):  # ascending: the last fit wins
-        over = np.maximum(sizes - c, 0)
-        rows = num_experts * c + int((-(-over // overflow_chunk)).sum()) * overflow_chunk
+        rows = int(moe_capacity.executed_rows(sizes, c, overflow_chunk))
         run = rows if rows <= moe_sparse.MAX_PADDING * n else run
     return run
 
