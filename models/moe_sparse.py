@@ -20,8 +20,11 @@ B = 1 is the decode fast path: no sort, each copy gathers its own expert's weigh
 Shapes are static (no host sync), and `lax.ragged_dot`, dense on the CPU, is not used.
 
 With block_size None, `sparse_expert_ffn` picks the layout from the routed rows N:
-the block layout below `LOOP_MIN_ROWS`, the expert loop (`moe_loop`: each expert's
-weights sliced once, its rows in chunks of B) from there, and from
+on the CPU with float32 weights, below `cpu_moe.MAX_MEAN_GROUP` rows per expert, the
+C++ kernel (`jaxserve.kernels.cpu_moe`: weights read in place, which no XLA layout here
+manages on the CPU); otherwise the block layout below `LOOP_MIN_ROWS`, the expert
+loop (`moe_loop`: each expert's weights sliced once, its rows in chunks of B) from
+there, and from
 `moe_capacity.CAPACITY_MIN_MEAN_GROUP` rows per expert the capacity layout
 (`moe_capacity`: every expert's first C rows in one batched matmul, the overflow through
 the expert loop, or the loop alone when the routing is too skewed for any capacity to
@@ -163,9 +166,9 @@ def sparse_expert_ffn(
         ids: [T, k] int32 expert of each of a token's k copies, in [0, E]; E marks an
             empty copy (output 0, no work beyond the static padding).
         w_gate, w_up: [E, H, I]; w_down: [E, I, H].
-        block_size: rows per expert block; None: `block_size_for(T * k, E)`, and from
-            `LOOP_MIN_ROWS` routed rows the expert loop (`expert_loop_ffn`) with chunks
-            of that size.
+        block_size: rows per expert block; None: the layout of the module docstring
+            (the CPU kernel, the block layout with `block_size_for(T * k, E)`, the
+            expert loop with chunks of that size, or the capacity layout).
 
     Returns:
         [T, k, H] in x.dtype: expert_{ids[t, j]}(x[t]), 0 for empty copies.
@@ -178,6 +181,10 @@ def sparse_expert_ffn(
     num_tokens, top_k = ids.shape
     n = num_tokens * top_k
     if block_size is None:
+        from jaxserve.kernels import cpu_moe  # noqa: PLC0415 -- kernels import models
+
+        if cpu_moe.applies(x, n, num_experts, (w_gate, w_up, w_down)):
+            return cpu_moe.moe_rows_ffn(x, ids, w_gate, w_up, w_down)
         if n >= LOOP_MIN_ROWS:
             chunk = block_size_for(n, num_experts)
             levels = loop_levels_for(n, num_experts, chunk)

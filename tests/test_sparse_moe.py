@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from moe_oracle import expert_rows_oracle, random_experts
 
-from jaxserve.kernels import dispatch
+from jaxserve.kernels import cpu_moe, dispatch
 from jaxserve.models import moe_loop, moe_sparse
 from jaxserve.models.layers import moe_experts_dense, moe_experts_local, route
 from jaxserve.models.moe_sparse import (
@@ -285,9 +285,11 @@ def test_expert_loop_gives_empty_copies_zero(experts, chunk):
     assert not got[np.asarray(ids) == EXPERTS].any()
 
 
-def test_default_path_is_the_expert_loop_from_loop_min_rows(experts):
-    """block_size None: the block layout below LOOP_MIN_ROWS routed rows, the expert loop
-    (a while loop, no per-block weight gather) from there; both equal the dense oracle."""
+def test_default_path_is_the_expert_loop_from_loop_min_rows(experts, monkeypatch):
+    """block_size None, XLA's layouts (the CPU kernel off): the block layout below
+    LOOP_MIN_ROWS routed rows, the expert loop (a while loop, no per-block weight gather)
+    from there; both equal the dense oracle."""
+    monkeypatch.setenv(cpu_moe.ENV_VAR, "0")
     for num_tokens in (moe_sparse.LOOP_MIN_ROWS // 2 - 1, moe_sparse.LOOP_MIN_ROWS // 2 + 3):
         x = _tokens(num_tokens, seed=13)
         weights, ids = route(x, jnp.asarray(np.eye(HIDDEN, EXPERTS), jnp.float32), 2, True)

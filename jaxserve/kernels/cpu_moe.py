@@ -1,0 +1,172 @@
+"""The CPU kernel of the sparse MoE experts at small batches: routed rows, weights in place.
+
+Why: XLA's CPU backend copies an expert's weights out of the stacked [E, H, I] arrays
+(a `dynamic-slice` or `gather` into a new buffer) before every dot that reads them, so
+at decode sizes, where each expert has a row or a few, the experts read their weights
+three times (copy in, copy out, dot) and the copies are most of a decode step. This
+kernel (`cpu_moe_rows.cc`, an XLA FFI custom call) reads them in place: the copies are
+grouped by expert (a counting sort) and each expert's rows, in blocks of 4, stream its
+three matrices once; the work is shared with XLA's intra-op thread pool.
+
+Measured (`scripts/bench_moe.py --cpu-kernel`; Qwen3-MoE-like layer, hidden 512, 32
+experts, top-4, 8 layers' weights cycled so that they come from memory, not cache):
+faster than the XLA sparse path up to about 8 rows per expert, slower past it, where the
+matmuls are compute-bound and XLA's GEMM (YNNPACK) wins. So `sparse_expert_ffn` uses it
+below `MAX_MEAN_GROUP` routed rows per expert.
+
+It is compiled on first use with the C++ compiler on PATH ($CXX, else g++ or c++) for
+this CPU (-march=native) against jaxlib's FFI headers, and cached in
+`jaxserve.config.cache_root()/cpu_kernels`, keyed by the source, jaxlib's version, the
+compiler and the CPU. Without a compiler, or if the build fails, it logs one warning and
+the XLA path runs (`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off
+(read at trace time, for A/B benchmarks).
+
+Numerics: float32 only (other dtypes take the XLA path): float32 products and sums (the
+summation order differs from XLA's, so equal within float32 rounding), SiLU(gate) * up
+in float32, as `moe_loop.swiglu_rows` with a float32 model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
+SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
+TARGET = "jaxserve_cpu_moe_rows"
+# Routed rows per expert (N / E) below which the kernel beats XLA's sparse path (module
+# docstring; `scripts/bench_moe.py --cpu-kernel`).
+MAX_MEAN_GROUP = 8
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def enabled() -> bool:
+    """Whether `JAXSERVE_CPU_MOE_KERNEL` allows the kernel (unset or 1; 0 turns it off).
+
+    Raises ValueError for another value."""
+    value = os.environ.get(ENV_VAR, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def applies(x: jax.Array, num_rows: int, num_experts: int, weights) -> bool:
+    """Whether `sparse_expert_ffn` should run the kernel: the CPU backend, float32
+    activations and stacked float32 weights, fewer than MAX_MEAN_GROUP routed rows per
+    expert, the kernel enabled and built."""
+    return (
+        jax.default_backend() == "cpu"
+        and 0 < num_rows < MAX_MEAN_GROUP * num_experts
+        and x.dtype == jnp.float32
+        and all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in weights)
+        and enabled()
+        and available()
+    )
+
+
+def moe_rows_ffn(
+    x: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """SwiGLU of each token copy with its own expert, on the CPU kernel.
+
+    Args:
+        x: [T, H] float32 activations.
+        ids: [T, k] int32 expert of each copy in [0, E]; E (or any id outside [0, E))
+            marks an empty copy, whose output is 0.
+        w_gate, w_up: [E, H, I] float32; w_down: [E, I, H] float32.
+
+    Returns:
+        [T, k, H] float32: expert_{ids[t, j]}(x[t]).
+
+    Raises:
+        RuntimeError: if the kernel is not `available()`.
+    """
+    if not available():
+        raise RuntimeError("the CPU MoE kernel is not available (see the log for why)")
+    num_tokens, top_k = ids.shape
+    out = jax.ShapeDtypeStruct((num_tokens, top_k, x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x, ids.astype(jnp.int32), w_gate, w_up, w_down)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (built on the first call)."""
+    try:
+        library = _build()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        logger.warning("CPU MoE kernel unavailable, using the XLA path: %s", err)
+        return False
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMoeRows), platform="cpu")
+    return True
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else g++ or c++ on PATH; None if none."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build() -> Path:
+    """The kernel's shared library, compiled into the cache unless already there.
+
+    Raises RuntimeError without a compiler or if compiling fails."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler on PATH (set CXX, or install g++)")
+    from jaxserve.config import cache_root  # noqa: PLC0415 -- jaxserve.config imports models
+
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(),
+                 " ".join(_FLAGS).encode(), _cpu_identity().encode()):  # fmt: skip
+        key.update(part)
+    folder = cache_root() / "cpu_kernels"
+    library = folder / f"cpu_moe_rows-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    # Build to a temporary name, then rename: processes building at once never load a
+    # half-written library.
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        cmd = [cxx, *_FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, library)
+    finally:
+        partial.unlink(missing_ok=True)
+    logger.info("built the CPU MoE kernel: %s", library)
+    return library
+
+
+def _cpu_identity() -> str:
+    """The CPU a -march=native build is for: the machine, model name and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    lines.append(line.strip())
+                if len(lines) == 2:
+                    break
+    except OSError:
+        pass
+    return platform.machine() + "\n" + "\n".join(lines)

@@ -1,0 +1,161 @@
+// SwiGLU experts over routed token copies on the CPU, each expert's weights read in place.
+//
+// The XLA FFI handler behind `jaxserve.kernels.cpu_moe` (see its docstring for the
+// contract and why it exists: XLA's CPU backend copies an expert's weights out of the
+// stacked [E, H, I] arrays before every dot that reads them). Copies are grouped by
+// expert (a counting sort), and each expert's rows run in blocks of up to kRows rows
+// whose accumulators stay in registers while the weights stream through once per block.
+// Work units (expert, row block) are shared between the calling thread and XLA's
+// intra-op thread pool through an atomic counter, so a unit runs once whoever runs it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#ifndef JS_ROWS
+#define JS_ROWS 4
+#endif
+constexpr int kRows = JS_ROWS;  // rows per block
+
+// out[r][0:n] = sum_k a[r][k] * w[k][0:n] for r < R; w is [K, n] row-major.
+template <int R>
+void MatmulRows(const float* const* a, const float* w, int64_t K, int64_t n,
+                float* const* out) {
+  for (int r = 0; r < R; ++r) std::fill(out[r], out[r] + n, 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * n;
+    for (int r = 0; r < R; ++r) {
+      const float s = a[r][k];
+      float* o = out[r];
+      for (int64_t j = 0; j < n; ++j) o[j] += s * wk[j];
+    }
+  }
+}
+
+// MatmulRows<rows> for a runtime rows in [1, R].
+template <int R>
+void MatmulBlock(int rows, const float* const* a, const float* w, int64_t K, int64_t n,
+                 float* const* out) {
+  if (rows >= R) return MatmulRows<R>(a, w, K, n, out);
+  if constexpr (R > 1) MatmulBlock<R - 1>(rows, a, w, K, n, out);
+}
+
+struct Problem {
+  const float* x;
+  const float* w_gate;
+  const float* w_up;
+  const float* w_down;
+  float* y;
+  int64_t top_k, hidden, inter;
+  std::vector<int32_t> copies;  // copy indices (t * k + j) sorted by expert
+  std::vector<int32_t> unit_expert, unit_start, unit_rows;  // one work unit per block
+};
+
+// One block of rows of one expert: gate/up [rows, I], SwiGLU, down [rows, H] into y.
+void RunUnit(const Problem& p, int64_t u) {
+  const int64_t e = p.unit_expert[u], h = p.hidden, i = p.inter;
+  const int rows = p.unit_rows[u];
+  const int32_t* copy = p.copies.data() + p.unit_start[u];
+  const float* a[kRows];
+  float* out[kRows];
+  std::vector<float> gate(kRows * i), up(kRows * i);
+  float* g[kRows];
+  float* up_rows[kRows];
+  for (int r = 0; r < rows; ++r) {
+    a[r] = p.x + (copy[r] / p.top_k) * h;
+    g[r] = gate.data() + r * i;
+    up_rows[r] = up.data() + r * i;
+    out[r] = p.y + int64_t{copy[r]} * h;
+  }
+  MatmulBlock<kRows>(rows, a, p.w_gate + e * h * i, h, i, g);
+  MatmulBlock<kRows>(rows, a, p.w_up + e * h * i, h, i, up_rows);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < i; ++c) {
+      const float v = g[r][c];
+      g[r][c] = v / (1.f + std::exp(-v)) * up_rows[r][c];  // SiLU(gate) * up
+    }
+  MatmulBlock<kRows>(rows, const_cast<const float* const*>(g), p.w_down + e * i * h, i, h, out);
+}
+
+ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w_gate,
+                       ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), wd = w_gate.dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 3 || idd[0] != xd[0] ||
+      wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("moe_rows: expected x [T, H], ids [T, k], w [E, H, I]");
+  }
+  auto state = std::make_shared<Problem>();
+  Problem& p = *state;
+  const int64_t num_experts = wd[0];
+  p.x = x.typed_data();
+  p.w_gate = w_gate.typed_data();
+  p.w_up = w_up.typed_data();
+  p.w_down = w_down.typed_data();
+  p.y = y->typed_data();
+  p.top_k = idd[1];
+  p.hidden = xd[1];
+  p.inter = wd[2];
+  const int64_t n = idd[0] * idd[1];
+  const int32_t* id = ids.typed_data();
+  std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
+  // Counting sort of the copies by expert.
+  std::vector<int32_t> count(num_experts + 1, 0);
+  for (int64_t c = 0; c < n; ++c) {
+    const int32_t e = id[c];
+    if (e >= 0 && e < num_experts) ++count[e + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) count[e + 1] += count[e];
+  p.copies.resize(count[num_experts]);
+  std::vector<int32_t> next(count.begin(), count.end() - 1);
+  for (int64_t c = 0; c < n; ++c) {
+    const int32_t e = id[c];
+    if (e >= 0 && e < num_experts) p.copies[next[e]++] = static_cast<int32_t>(c);
+  }
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int32_t s = count[e]; s < count[e + 1]; s += kRows) {
+      p.unit_expert.push_back(static_cast<int32_t>(e));
+      p.unit_start.push_back(s);
+      p.unit_rows.push_back(std::min(kRows, count[e + 1] - s));
+    }
+  const int64_t units = static_cast<int64_t>(p.unit_expert.size());
+  // Units are claimed from `next_unit` by this thread and by pool tasks alike; this
+  // thread returns once every unit is done. A task that starts late finds none left
+  // (the shared state outlives this call).
+  auto next_unit = std::make_shared<std::atomic<int64_t>>(0);
+  auto done = std::make_shared<std::atomic<int64_t>>(0);
+  auto work = [state, next_unit, done, units]() {
+    for (int64_t u; (u = next_unit->fetch_add(1)) < units;) {
+      RunUnit(*state, u);
+      done->fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (done->load(std::memory_order_acquire) < units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRows, MoeRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate [E, H, I]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up [E, H, I]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_down [E, I, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, k, H]

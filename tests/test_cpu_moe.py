@@ -1,0 +1,139 @@
+"""The CPU kernel of the sparse MoE experts (`jaxserve.kernels.cpu_moe`).
+
+Oracle: each token copy through its own expert in NumPy float64 (`moe_oracle`). The
+kernel must build wherever a C++ compiler is on PATH (the test environment has one);
+without one, the XLA path must run instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from moe_oracle import expert_rows_oracle, random_experts
+
+from jaxserve.kernels import cpu_moe
+from jaxserve.models.moe_sparse import sparse_expert_ffn
+
+
+def _uses_kernel(fn, *args) -> bool:
+    """Whether the traced `fn(*args)` calls the kernel (an FFI custom call)."""
+    return "ffi_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+def _case(num_tokens, top_k, num_experts, hidden, inter, seed, routing="random"):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
+    if routing == "random":  # may repeat an expert within a token, and holds empty copies
+        ids = rng.integers(0, num_experts + 1, (num_tokens, top_k))
+    elif routing == "one expert":  # every copy on expert 1: many row blocks of one expert
+        ids = np.ones((num_tokens, top_k))
+    else:  # "all empty"
+        ids = np.full((num_tokens, top_k), num_experts)
+    experts = random_experts(num_experts, hidden, inter, seed=seed)
+    return x, jnp.asarray(ids, jnp.int32), experts
+
+
+def test_kernel_builds_where_a_compiler_is():
+    assert cpu_moe.available() or cpu_moe.compiler() is None
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,hidden,inter,routing",
+    [
+        (1, 2, 8, 16, 8, "random"),
+        (3, 4, 8, 40, 24, "random"),  # widths that are not a multiple of a SIMD vector
+        (17, 2, 6, 16, 8, "random"),
+        (9, 4, 4, 32, 16, "one expert"),  # 36 rows of one expert: 9 blocks of 4
+        (5, 2, 8, 16, 8, "all empty"),
+    ],
+)
+def test_kernel_equals_the_row_oracle(num_tokens, top_k, num_experts, hidden, inter, routing):
+    if not cpu_moe.available():
+        pytest.fail("the CPU MoE kernel did not build (see the log)")
+    x, ids, experts = _case(num_tokens, top_k, num_experts, hidden, inter, 3, routing)
+    got = np.asarray(jax.jit(cpu_moe.moe_rows_ffn)(x, ids, *experts))
+    want = expert_rows_oracle(x, ids, *experts)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[np.asarray(ids) >= num_experts].any()  # empty copies give 0
+
+
+def test_kernel_runs_inside_a_scan():
+    """As in the multi-step decode call: the kernel inside a lax.scan, each step's output
+    feeding the next step's input."""
+    x, ids, experts = _case(2, 2, 8, 16, 8, 5)
+
+    def step(h, _):
+        y = cpu_moe.moe_rows_ffn(h, ids, *experts).sum(1)
+        return jnp.tanh(y), None
+
+    got = jax.jit(lambda h: jax.lax.scan(step, h, None, length=3)[0])(x)
+    want = np.asarray(x, np.float64)
+    for _ in range(3):
+        want = np.tanh(expert_rows_oracle(want, ids, *experts).sum(1))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_default_path_uses_the_kernel_below_the_mean_group_limit():
+    """sparse_expert_ffn (block_size None) calls the kernel below MAX_MEAN_GROUP routed
+    rows per expert and not from there, and equals the oracle either way."""
+    num_experts, top_k = 4, 2
+    limit = cpu_moe.MAX_MEAN_GROUP * num_experts // top_k  # tokens at the limit
+    for num_tokens, kernel in ((1, True), (limit - 1, True), (limit, False)):
+        x, ids, experts = _case(num_tokens, top_k, num_experts, 16, 8, num_tokens)
+        fn = functools.partial(sparse_expert_ffn, block_size=None)
+        assert _uses_kernel(fn, x, ids, *experts) == kernel, num_tokens
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(fn)(x, ids, *experts)),
+            expert_rows_oracle(x, ids, *experts),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_kernel_is_skipped_when_turned_off_or_not_float32(monkeypatch):
+    x, ids, experts = _case(2, 2, 8, 16, 8, 7)
+    fn = functools.partial(sparse_expert_ffn, block_size=None)
+    monkeypatch.setenv(cpu_moe.ENV_VAR, "0")
+    assert not _uses_kernel(fn, x, ids, *experts)
+    monkeypatch.setenv(cpu_moe.ENV_VAR, "1")
+    bf16 = [w.astype(jnp.bfloat16) for w in experts]
+    assert not _uses_kernel(fn, x.astype(jnp.bfloat16), ids, *bf16)
+    monkeypatch.setenv(cpu_moe.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=cpu_moe.ENV_VAR):  # a new function: a new trace
+        jax.make_jaxpr(functools.partial(sparse_expert_ffn, block_size=None))(x, ids, *experts)
+
+
+def test_without_a_compiler_the_xla_path_runs(monkeypatch, tmp_path, caplog):
+    """No compiler: building raises a one-line reason, and the default path runs XLA's
+    layouts with the same outputs."""
+    monkeypatch.setattr(cpu_moe, "compiler", lambda: None)
+    monkeypatch.setenv("JAXSERVE_CACHE_ROOT", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_moe._build()
+    monkeypatch.setattr(cpu_moe, "available", lambda: False)
+    x, ids, experts = _case(3, 2, 8, 16, 8, 9)
+    fn = functools.partial(sparse_expert_ffn, block_size=None)
+    assert not _uses_kernel(fn, x, ids, *experts)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(fn)(x, ids, *experts)),
+        expert_rows_oracle(x, ids, *experts),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_moe.moe_rows_ffn(x, ids, *experts)
+
+
+def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_moe, "SOURCE", tmp_path / "broken.cc")
+    (tmp_path / "broken.cc").write_text("this is not C++\n")
+    monkeypatch.setenv("JAXSERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    if cpu_moe.compiler() is None:
+        pytest.fail("no C++ compiler on PATH: the test environment needs one (g++)")
+    with pytest.raises(RuntimeError, match="broken.cc"):
+        cpu_moe._build()
+    assert not list((tmp_path / "cache" / "cpu_kernels").glob("*.so"))  # nothing half-built
