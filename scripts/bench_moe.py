@@ -24,7 +24,11 @@ held one array per expert (`moe_slices`, what the one-device engine runs on the 
 default path where it takes the capacity layout (`moe_capacity`; `capacity`) beside
 `loop@auto`, the loop it replaced there, and `--overflow-chunks 1,4` that layout with other
 `moe_capacity.OVERFLOW_CHUNK`s (`capacity/oN`); their flops/routed are the rows the chosen
-layout ran on that routing.
+layout ran on that routing. `--cpu-kernel` adds, where it applies (below
+`cpu_moe.MAX_MEAN_GROUP` routed rows per expert), the default path on the CPU kernel
+(`jaxserve.kernels.cpu_moe`; `cpu-kernel`) beside the same default path with the kernel
+off (`xla@auto`); `--weight-sets 8` cycles each call through 8 copies of the weights, so
+that they come from memory as a model's layers do, not from the last-level cache.
 Writes bench_results/bench_moe.json.
 """
 
@@ -56,12 +60,13 @@ def _configs() -> dict[str, tuple[int, int, int, int]]:
     }
 
 
-def _time(fn, args, repeats_inner: int) -> float:
-    """Seconds per call: the mean of `repeats_inner` back-to-back calls (a sample; the
-    table shows the median of the samples)."""
+def _time(fn, calls: list[tuple], repeats_inner: int) -> float:
+    """Seconds per call: the mean of `repeats_inner` back-to-back calls, cycling through
+    `calls` (argument tuples: one per weight set), a sample; the table shows the median
+    of the samples."""
     start = time.perf_counter()
-    for _ in range(repeats_inner):
-        out = fn(*args)
+    for i in range(repeats_inner):
+        out = fn(*calls[i % len(calls)])
     out.block_until_ready()
     return (time.perf_counter() - start) / repeats_inner
 
@@ -111,6 +116,14 @@ def main() -> None:
     parser.add_argument(
         "--overflow-chunks", default="", help="with --capacity: these OVERFLOW_CHUNKs, e.g. 1,4"
     )
+    parser.add_argument(
+        "--cpu-kernel",
+        action="store_true",
+        help="also the CPU kernel (cpu_moe; 'cpu-kernel') beside the XLA default path",
+    )
+    parser.add_argument(
+        "--weight-sets", type=int, default=1, help="copies of the weights, cycled per call"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench_results/bench_moe.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -120,6 +133,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.kernels import cpu_moe
     from jaxserve.models import moe_capacity, moe_loop, moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
     from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
@@ -148,7 +162,11 @@ def main() -> None:
         def w(*shape, rng=rng):
             return jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)
 
-        weights = (w(experts, hidden, inter), w(experts, hidden, inter), w(experts, inter, hidden))
+        weight_sets = [
+            (w(experts, hidden, inter), w(experts, hidden, inter), w(experts, inter, hidden))
+            for _ in range(args.weight_sets)
+        ]
+        weights = weight_sets[0]
         gate = w(hidden, experts) * 20
         print(
             f"\n{name}: hidden {hidden}, moe_intermediate {inter}, {experts} experts, top-{top_k}"
@@ -161,6 +179,7 @@ def main() -> None:
             x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
             tw, ids = route(x, gate, top_k, True)
             call = (x, tw, ids, *weights)
+            calls = [(x, tw, ids, *ws) for ws in weight_sets]
             auto = block_size_for(tokens * top_k, experts)
             variants = {"dense": (jax.jit(moe_experts_dense), None)}
             blocks = [auto]
@@ -198,6 +217,12 @@ def main() -> None:
                     moe_capacity.OVERFLOW_CHUNK = oc  # read when traced: trace it now
                     variants[f"capacity/o{oc}"] = (jax.jit(default).lower(*call).compile(), oc)
                     moe_capacity.OVERFLOW_CHUNK = default_chunk
+            if args.cpu_kernel and cpu_moe.applies(x, n, experts, weights):
+                default = functools.partial(moe_experts_sparse, block_size=None)
+                variants["cpu-kernel"] = (jax.jit(default), "kernel")
+                os.environ[cpu_moe.ENV_VAR] = "0"  # read when traced: trace it now
+                variants["xla@auto"] = (jax.jit(default).lower(*call).compile(), "xla")
+                del os.environ[cpu_moe.ENV_VAR]
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
                 # The chunk size is read when the function is traced: trace it now.
@@ -210,10 +235,10 @@ def main() -> None:
             for label, (fn, _) in variants.items():
                 fn(*call).block_until_ready()  # compile
                 # Calls per sample: about 50 ms of them.
-                inner[label] = max(1, min(200, int(0.05 / _time(fn, call, 1))))
+                inner[label] = max(1, min(200, int(0.05 / _time(fn, calls, 1))))
             for _ in range(args.repeats):
                 for label, (fn, _) in variants.items():
-                    times[label].append(_time(fn, call, inner[label]))
+                    times[label].append(_time(fn, calls, inner[label]))
             dense_ms = statistics.median(times["dense"]) * 1e3
             routed = tokens * top_k * 6 * hidden * inter
             for label, (_, b) in variants.items():
@@ -221,6 +246,15 @@ def main() -> None:
                 g = np.bincount(np.asarray(ids).ravel(), minlength=experts)
                 if b is None:
                     flops = tokens * experts * 6 * hidden * inter
+                elif b == "kernel":  # exactly the routed rows
+                    flops = routed
+                elif b == "xla":  # the XLA layout the default path takes here
+                    flops = sparse_moe_flops(tokens, top_k, experts, auto, hidden, inter)
+                    if moe_capacity.uses_capacity(n, experts):
+                        oc = moe_capacity.OVERFLOW_CHUNK
+                        flops = _capacity_run_rows(g, auto, oc) * 6 * hidden * inter
+                    elif n >= moe_sparse.LOOP_MIN_ROWS:
+                        flops = int((-(-g // -auto) * -auto).sum()) * 6 * hidden * inter
                 elif label.startswith("capacity"):
                     oc = moe_capacity.OVERFLOW_CHUNK if b == "cap" else b
                     flops = _capacity_run_rows(g, auto, oc) * 6 * hidden * inter
