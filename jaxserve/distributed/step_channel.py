@@ -66,11 +66,14 @@ STOP = "stop"
 # A new EPLB expert placement: arrays = [physical_to_logical [M, S] int32]; meta "steps":
 # the RUN messages before it. Followers apply it before the next step, as the leader.
 PLACEMENT = "placement"
-# Each step message on a data connection: this prefix (the byte sizes of what follows),
-# a msgpack header {step, kind, meta, sent}, the arrays' layout (msgpack [(dtype, shape)]:
-# its own bytes, so that a follower parses each layout once), the arrays' raw buffers one
-# after the other.
-_PREFIX = struct.Struct("<III")
+# Each step message on a data connection: this prefix (step, kind, the leader's wall
+# clock at the send, then the byte sizes of what follows), the meta map (msgpack), the
+# arrays' layout (msgpack [(dtype, shape)]: its own bytes, so that a follower parses each
+# layout once), the arrays' raw buffers one after the other, each from a multiple of
+# _ALIGN bytes into what follows the prefix (zero padding between).
+_PREFIX = struct.Struct("<qBdIII")
+_ALIGN = 16
+_KINDS = (RUN, STOP, PLACEMENT)
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
 # A follower's transit report on its membership connection: b"t <microseconds>\n", the
@@ -288,11 +291,18 @@ class StepPublisher:
         """Send one step's inputs to every follower (raw array buffers, one message)."""
         start = time.perf_counter()
         sent = time.time()
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        header = msgpack.packb({"step": self._step, "kind": kind, "meta": meta or {}, "sent": sent})
+        arrays = [np.asarray(a, order="C") for a in arrays]
+        packed_meta = msgpack.packb(meta or {})
         layout = msgpack.packb([(a.dtype.str, a.shape) for a in arrays])
-        prefix = _PREFIX.pack(len(header), len(layout), sum(a.nbytes for a in arrays))
-        message = b"".join([prefix, header, layout, *arrays])
+        parts = [packed_meta, layout, _padding(len(packed_meta) + len(layout))]
+        array_bytes = 0
+        for a in arrays:
+            parts += (a, _padding(a.nbytes))
+            array_bytes += a.nbytes + len(parts[-1])
+        prefix = _PREFIX.pack(
+            self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
+        )
+        message = b"".join([prefix, *parts])
         for process_id, conn in list(self._data.items()):
             try:
                 conn.sendall(message)
@@ -405,27 +415,28 @@ class StepSubscriber:
         if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
             raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
         self._read_exactly(self._prefix)
-        header_bytes, layout_bytes, array_bytes = _PREFIX.unpack(self._prefix)
+        step, kind, sent, meta_bytes, layout_bytes, array_bytes = _PREFIX.unpack(self._prefix)
         # A fresh buffer each step: the arrays are views of it and outlive this call.
-        body = np.empty(header_bytes + layout_bytes + array_bytes, np.uint8)
+        start_of_arrays = meta_bytes + layout_bytes
+        start_of_arrays += len(_padding(start_of_arrays))
+        body = np.empty(start_of_arrays + array_bytes, np.uint8)  # aligned to 16 bytes
         self._read_exactly(body.data)
-        header = msgpack.unpackb(body[:header_bytes].data)
-        layout_key = body[header_bytes : header_bytes + layout_bytes].tobytes()
+        meta = msgpack.unpackb(body[:meta_bytes].data)
+        layout_key = body[meta_bytes : meta_bytes + layout_bytes].tobytes()
         layout = self._layouts.get(layout_key)
         if layout is None:
             if len(self._layouts) >= 4096:  # one per step shape: bounded anyway
                 self._layouts.clear()
             layout = self._layouts[layout_key] = _parse_layout(layout_key)
-        start_of_arrays = header_bytes + layout_bytes
         arrays = [
             np.ndarray(shape, dtype, body, start_of_arrays + offset)
             for shape, dtype, offset in layout
         ]
         self.wait_stats.record(time.perf_counter() - start)
-        self.stats.record(max(0.0, time.time() - header["sent"]))
+        self.stats.record(max(0.0, time.time() - sent))
         if self.stats.steps % REPORT_EVERY == 0:
             self._report()
-        return StepMessage(header["step"], header["kind"], header["meta"], arrays)
+        return StepMessage(step, _KINDS[kind], meta, arrays)
 
     def _read_exactly(self, buffer) -> None:
         """Fill `buffer` from the data connection (one call unless a signal interrupts)."""
@@ -469,8 +480,14 @@ def _parse_layout(packed: bytes) -> list[tuple[tuple, np.dtype, int]]:
     for dtype_str, shape in msgpack.unpackb(packed):
         dtype, shape = np.dtype(dtype_str), tuple(shape)
         layout.append((shape, dtype, offset))
-        offset += math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
+        offset += nbytes + len(_padding(nbytes))
     return layout
+
+
+def _padding(nbytes: int) -> bytes:
+    """The zero bytes that bring `nbytes` to a multiple of _ALIGN."""
+    return bytes(-nbytes % _ALIGN)
 
 
 def _connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.socket:
