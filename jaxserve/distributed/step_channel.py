@@ -4,43 +4,43 @@ In a multi-process run every process must launch the same jitted step with the s
 inputs, or the collectives inside it hang. Process 0 (the leader) owns the scheduler;
 each step it publishes the step's packed host inputs (token ids, positions, attention
 metadata, sampling parameters: a few KB of NumPy arrays) in one message, then launches
-the step itself. Followers block on the channel, rebuild the same
-arrays and launch the same step. Nothing else crosses processes on the host: results
-come back through the step's own (replicated) outputs.
+the step itself. Followers block on the channel, rebuild the same arrays and launch the
+same step. Nothing else crosses processes on the host: results come back through the
+step's own (replicated) outputs.
 
 The exchange is off the device's critical path as far as it can be: the leader
 publishes before dispatching its own step (so followers dispatch while it does), the
-arrays travel as raw buffers (no per-element encoding), and the header is one small
-msgpack map. Its cost per step is measured on both sides (`ChannelStats`) for export.
+arrays travel as raw buffers (no per-element encoding) and the follower parses each
+array layout once. Its cost per step is measured on both sides (`ChannelStats`) for
+export.
 
-Transport: two plain TCP connections per follower, opened by the follower, that live
-as long as the run.
+Transport: two plain TCP connections per follower, opened by the follower (retrying
+until the leader listens), that live as long as the run. At start-up the follower
+sends its process id on each ("<id>\\n"); the leader waits until every follower has
+joined both before its first step, so no step is sent before a follower can get it.
 
-- The data connection, to the leader's port: the steps. The leader serialises a step
-  once (a length prefix, the header, the array buffers: one bytes object) and writes
-  those same bytes to each follower's connection, from the publishing thread; a
-  follower reads it with two `recv_into` calls (prefix, then the rest into a fresh
-  buffer the arrays are views of). The leader's cost per follower is one kernel write
-  of a serialised buffer (what a ZeroMQ PUB socket does per subscriber too, but from
-  its I/O thread); ZeroMQ itself was measured slower on a 2-core VM (p50 355 / 709 /
-  1062 us at 2 / 4 / 8 processes, 68 KB a step): its hand-offs between the
-  application's and its I/O threads, on both ends, cost more than the writes.
-- The membership connection, to the leader's port + 1:
+- The data connection, to the leader's port, carries the steps. The leader serialises
+  a step once (`_PREFIX`, then one bytes object) and writes those bytes to each
+  follower's connection (TCP_NODELAY) from the publishing thread: per follower one
+  kernel write of a ready buffer, which is what a ZeroMQ PUB socket does per
+  subscriber too, from its I/O thread. A follower reads a step with two `recv_into`
+  calls (the prefix; the rest into a fresh buffer that the arrays are views of).
+  ZeroMQ PUB/SUB, used before, was about twice as slow on a 2-core VM
+  (`scripts/bench_step_agreement.py`): its hand-offs between the application's
+  thread and its I/O thread, on both ends, cost more than the writes.
+- The membership connection, to the leader's port + 1, carries everything else, and
+  is read by a watcher thread on each end (a follower's main thread may be blocked in
+  a step's collectives, so the step reads cannot watch):
 
-  - at start-up the follower sends its process id on each connection ("<id>\\n"); the
-    leader waits until every follower has joined both before its first step (the
-    connections exist before anything is sent, so nothing is lost to a late joiner);
   - every REPORT_EVERY steps the follower sends on it the median transit it measured
     (leader's send -> arrays unpacked), so that the leader exports the step agreement
     latency (`StepPublisher.agreement_s`) for `diagnose`;
-  - and it is the liveness check, watched by a thread on each end (a follower's main
-    thread may be blocked in a step's collectives). A process that dies closes its
-    connections (the kernel does, even on SIGKILL), so the other end reads EOF at once
-    and names the lost process (`on_follower_lost` / `on_leader_lost`); TCP keepalive
-    bounds the time to notice a host that vanished without closing anything. A clean
-    stop says so first (the leader sends `_BYE` before closing; a follower closes only
-    after STOP, when the leader no longer watches), so EOF without it means the peer is
-    gone.
+  - it is the liveness check. A process that dies closes its connections (the kernel
+    does, even on SIGKILL), so the other end reads EOF at once and names the lost
+    process (`on_follower_lost` / `on_leader_lost`); TCP keepalive bounds the time to
+    notice a host that vanished without closing anything. A clean stop says so first
+    (the leader sends `_BYE` before closing; a follower closes only after STOP, when the
+    leader no longer watches), so EOF without it means the peer is gone.
 """
 
 from __future__ import annotations
