@@ -25,9 +25,12 @@ joined both before its first step, so no step is sent before a follower can get 
   kernel write of a ready buffer, which is what a ZeroMQ PUB socket does per
   subscriber too, from its I/O thread. A follower reads a step with two `recv_into`
   calls (the prefix; the rest into a fresh buffer that the arrays are views of).
-  ZeroMQ PUB/SUB, used before, was about twice as slow on a 2-core VM
-  (`scripts/bench_step_agreement.py`): its hand-offs between the application's
-  thread and its I/O thread, on both ends, cost more than the writes.
+  ZeroMQ PUB/SUB, used before, was 1.7-2x slower on a 2-core VM
+  (`scripts/bench_step_agreement.py`, 68 KB a step, interleaved: p50 237 / 441 / 783
+  us at 2 / 4 / 8 processes against 142 / 210 / 400): its hand-offs between the
+  application's thread and its I/O thread, on both ends, cost more than the writes.
+  On one machine a write over loopback also runs the receiver's side of TCP, about
+  25 us per follower at 68 KB there; across hosts the NIC does that.
 - The membership connection, to the leader's port + 1, carries everything else, and
   is read by a watcher thread on each end (a follower's main thread may be blocked in
   a step's collectives, so the step reads cannot watch):
