@@ -76,6 +76,8 @@ PLACEMENT = "placement"
 # _ALIGN bytes into what follows the prefix (zero padding between).
 _PREFIX = struct.Struct("<qBdIII")
 _ALIGN = 16
+# A write to a follower that is gone raises (EPIPE) rather than signalling the process.
+_NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _KINDS = (RUN, STOP, PLACEMENT)
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
@@ -291,7 +293,8 @@ class StepPublisher:
             self._on_lost(process_id)
 
     def publish(self, arrays: Sequence[np.ndarray], meta: dict | None = None, kind: str = RUN):
-        """Send one step's inputs to every follower (raw array buffers, one message)."""
+        """Send one step's inputs to every follower (raw array buffers, one message).
+        Blocks only while a follower's connection has a few MB unread (kernel buffers)."""
         start = time.perf_counter()
         sent = time.time()
         arrays = [np.asarray(a, order="C") for a in arrays]
@@ -308,7 +311,7 @@ class StepPublisher:
         message = b"".join([prefix, *parts])
         for process_id, conn in list(self._data.items()):
             try:
-                conn.sendall(message)
+                conn.sendall(message, _NO_SIGNAL)
             except OSError:
                 # That follower is gone: its membership watcher names it.
                 logger.warning("step channel: process %d no longer receives steps", process_id)
