@@ -135,7 +135,13 @@ def test_step_channel_delivers_every_step_in_order():
     sent = []
     rng = np.random.default_rng(0)
     for i in range(50):
-        arrays = [rng.integers(0, 100, size=(i + 1,), dtype=np.int32), rng.random((2, 3))]
+        arrays = [
+            rng.integers(0, 100, size=(i + 1,), dtype=np.uint8),  # odd sizes: padding
+            rng.integers(0, 100, size=(i + 1,), dtype=np.int32),
+            rng.random((2, 3)),
+            np.zeros((0, 3), np.float32),
+            np.array(i, np.int64),
+        ]
         sent.append(arrays)
         pub.publish(arrays, meta={"bucket": i})
     pub.close()
@@ -144,7 +150,8 @@ def test_step_channel_delivers_every_step_in_order():
     for msg, arrays in zip(received, sent, strict=True):
         assert msg.meta == {"bucket": msg.step}
         for got, want in zip(msg.arrays, arrays, strict=True):
-            assert got.dtype == want.dtype
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert got.ctypes.data % 16 == 0  # each array aligned, as if allocated alone
             np.testing.assert_array_equal(got, want)
     assert pub.stats.steps == 51  # 50 steps and the stop
 
@@ -270,6 +277,8 @@ def test_step_channel_names_a_dead_leader_at_once():
         child.send_signal(signal.SIGKILL)
         assert _wait_event(reported, 5.0) < 2.0
         assert lost == [0] and sub.leader_lost
+        with pytest.raises(ConnectionError, match="the leader"):
+            sub.receive(timeout_s=5)  # a step's read ends too, it does not wait for ever
         sub.close()
     finally:
         child.kill()

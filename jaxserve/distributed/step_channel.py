@@ -3,42 +3,57 @@
 In a multi-process run every process must launch the same jitted step with the same
 inputs, or the collectives inside it hang. Process 0 (the leader) owns the scheduler;
 each step it publishes the step's packed host inputs (token ids, positions, attention
-metadata, sampling parameters: a few KB of NumPy arrays) in ONE ZeroMQ multipart
-message, then launches the step itself. Followers block on the channel, rebuild the same
-arrays and launch the same step. Nothing else crosses processes on the host: results
-come back through the step's own (replicated) outputs.
+metadata, sampling parameters: a few KB of NumPy arrays) in one message, then launches
+the step itself. Followers block on the channel, rebuild the same arrays and launch the
+same step. Nothing else crosses processes on the host: results come back through the
+step's own (replicated) outputs.
 
 The exchange is off the device's critical path as far as it can be: the leader
 publishes before dispatching its own step (so followers dispatch while it does), the
-arrays travel as raw buffers (no per-element encoding), and the header is one small
-msgpack map. Its cost per step is measured on both sides (`ChannelStats`) for export.
+arrays travel as raw buffers (no per-element encoding) and the follower parses each
+array layout once. Its cost per step is measured on both sides (`ChannelStats`) for
+export.
 
-Transport: PUB/SUB from the leader to every follower (one send fans out), plus one
-plain TCP "membership" connection per follower, to the leader's port + 1, that lives as
-long as the run:
+Transport: two plain TCP connections per follower, opened by the follower (retrying
+until the leader listens), that live as long as the run. At start-up the follower
+sends its process id on each ("<id>\\n"); the leader waits until every follower has
+joined both before its first step, so no step is sent before a follower can get it.
 
-- at start-up the follower sends its process id on it once its subscription received
-  a hello, which confirms the subscription (a PUB drops messages sent before a
-  subscriber has joined: the "slow joiner");
-- every REPORT_EVERY steps the follower sends on it the median transit it measured
-  (leader's send -> arrays unpacked), so that the leader exports the step agreement
-  latency (`StepPublisher.agreement_s`) for `diagnose`;
-- and it is the liveness check. A process that dies closes its connections (the
-  kernel does, even on SIGKILL), so the other end reads EOF at once and names the lost
-  process (`on_follower_lost` / `on_leader_lost`); TCP keepalive bounds the time to
-  notice a host that vanished without closing anything. A clean stop says so first
-  (the leader sends `_BYE` before closing; a follower closes only after STOP, when the
-  leader no longer watches), so EOF without it means the peer is gone.
+- The data connection, to the leader's port, carries the steps. The leader serialises
+  a step once (`_PREFIX`, then one bytes object) and writes those bytes to each
+  follower's connection (TCP_NODELAY) from the publishing thread: per follower one
+  kernel write of a ready buffer, which is what a ZeroMQ PUB socket does per
+  subscriber too, from its I/O thread. A follower reads a step with two `recv_into`
+  calls (the prefix; the rest into a fresh buffer that the arrays are views of).
+  ZeroMQ PUB/SUB, used before, was 1.7-2x slower on a 2-core VM
+  (`scripts/bench_step_agreement.py`, 68 KB a step, interleaved: p50 237 / 441 / 783
+  us at 2 / 4 / 8 processes against 142 / 210 / 400): its hand-offs between the
+  application's thread and its I/O thread, on both ends, cost more than the writes.
+  On one machine a write over loopback also runs the receiver's side of TCP, about
+  25 us per follower at 68 KB there; across hosts the NIC does that.
+- The membership connection, to the leader's port + 1, carries everything else, and
+  is read by a watcher thread on each end (a follower's main thread may be blocked in
+  a step's collectives, so the step reads cannot watch):
 
-Why not ZeroMQ for this too: a PUB or PULL socket does not tell which peer
-disconnected (ROUTER_NOTIFY is a draft API, absent from pyzmq's bundled libzmq).
+  - every REPORT_EVERY steps the follower sends on it the median transit it measured
+    (leader's send -> arrays unpacked), so that the leader exports the step agreement
+    latency (`StepPublisher.agreement_s`) for `diagnose`;
+  - it is the liveness check. A process that dies closes its connections (the kernel
+    does, even on SIGKILL), so the other end reads EOF at once and names the lost
+    process (`on_follower_lost` / `on_leader_lost`); TCP keepalive bounds the time to
+    notice a host that vanished without closing anything. A clean stop says so first
+    (the leader sends `_BYE` before closing; a follower closes only after STOP, when the
+    leader no longer watches), so EOF without it means the peer is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import select
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +61,6 @@ from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
-import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +69,16 @@ STOP = "stop"
 # A new EPLB expert placement: arrays = [physical_to_logical [M, S] int32]; meta "steps":
 # the RUN messages before it. Followers apply it before the next step, as the leader.
 PLACEMENT = "placement"
-_HELLO = b"hello"
+# Each step message on a data connection: this prefix (step, kind, the leader's wall
+# clock at the send, then the byte sizes of what follows), the meta map (msgpack), the
+# arrays' layout (msgpack [(dtype, shape)]: its own bytes, so that a follower parses each
+# layout once), the arrays' raw buffers one after the other, each from a multiple of
+# _ALIGN bytes into what follows the prefix (zero padding between).
+_PREFIX = struct.Struct("<qBdIII")
+_ALIGN = 16
+# A write to a follower that is gone raises (EPIPE) rather than signalling the process.
+_NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_KINDS = (RUN, STOP, PLACEMENT)
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
 # A follower's transit report on its membership connection: b"t <microseconds>\n", the
@@ -107,13 +130,9 @@ class StepMessage:
     arrays: list[np.ndarray]
 
 
-def _bind_address(host: str, port: int) -> str:
-    return f"tcp://{socket.gethostbyname(host)}:{port}"
-
-
 class StepPublisher:
-    """The leader's end. Binds `host:port` (PUB) and `host:port+1` (membership) and
-    waits until all `num_followers` have joined.
+    """The leader's end. Listens on `host:port` (data) and `host:port+1` (membership) and
+    waits until all `num_followers` have joined both.
 
     on_follower_lost: called with a follower's process id when its membership connection
         ends without a clean stop (the process died or its host is unreachable), from a
@@ -134,12 +153,10 @@ class StepPublisher:
         *,
         on_follower_lost: Callable[[int], None] | None = None,
     ):
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop a step
-        self._pub.setsockopt(zmq.LINGER, 5000)
-        self._pub.bind(_bind_address(host, port))
-        self._listener = socket.create_server((socket.gethostbyname(host), port + 1))
+        address = socket.gethostbyname(host)
+        self._listeners: list[socket.socket] = []
+        # Joined connections by process id: data (the steps), membership (the rest).
+        self._data: dict[int, socket.socket] = {}
         self._members: dict[int, socket.socket] = {}
         self._step = 0
         self.stats = ChannelStats()
@@ -150,11 +167,14 @@ class StepPublisher:
         self._on_lost = on_follower_lost
         self._closing = threading.Event()
         try:
+            for offset in (0, 1):
+                self._listeners.append(socket.create_server((address, port + offset)))
             self._wait_for_followers(num_followers, timeout_s)
         except BaseException:
             self._close_sockets()
             raise
-        self._listener.close()
+        for listener in self._listeners:
+            listener.close()
         # The watcher's wake-up: closing writes here so that `select` returns.
         self._wake_r, self._wake_w = socket.socketpair()
         self._watcher = threading.Thread(
@@ -163,24 +183,25 @@ class StepPublisher:
         self._watcher.start()
 
     def _wait_for_followers(self, num_followers: int, timeout_s: float) -> None:
-        """Send hellos until every follower's subscription got one and it has joined on
-        the membership port with its process id ("<id>\\n")."""
-        pending: dict[socket.socket, bytes] = {}  # accepted, process id not read yet
+        """Accept connections until every follower has joined both ports with its process
+        id ("<id>\\n")."""
+        pending: dict[socket.socket, tuple[dict, bytes]] = {}  # accepted, id not read yet
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as sel:
-            sel.register(self._listener, selectors.EVENT_READ)
+            for listener, joined in zip(self._listeners, (self._data, self._members), strict=True):
+                sel.register(listener, selectors.EVENT_READ, joined)
             try:
-                while len(self._members) < num_followers:
-                    if time.monotonic() > deadline:
+                while min(len(self._data), len(self._members)) < num_followers:
+                    left = deadline - time.monotonic()
+                    if left < 0:
                         raise TimeoutError(
                             f"step channel: {len(self._members)} of {num_followers} "
                             f"followers joined in {timeout_s:.0f} s"
                         )
-                    self._pub.send_multipart([_HELLO])
-                    for key, _ in sel.select(0.01):
-                        if key.fileobj is self._listener:
-                            conn, _ = self._listener.accept()
-                            pending[conn] = b""
+                    for key, _ in sel.select(min(left, 0.1)):
+                        if key.fileobj in self._listeners:
+                            conn, _ = key.fileobj.accept()
+                            pending[conn] = (key.data, b"")
                             sel.register(conn, selectors.EVENT_READ)
                         else:
                             self._read_join(key.fileobj, pending, sel, num_followers)
@@ -194,27 +215,31 @@ class StepPublisher:
             data = conn.recv(64)
         except OSError:
             data = b""
-        pending[conn] += data
-        if data and not pending[conn].endswith(b"\n"):
+        joined, text = pending[conn]
+        text += data
+        pending[conn] = (joined, text)
+        if data and not text.endswith(b"\n"):
             return
         sel.unregister(conn)
-        text = pending.pop(conn)
+        del pending[conn]
         if not data or not text.strip().isdigit():
             # Closed before joining, or not a follower (e.g. a port scan).
             logger.warning("step channel: ignoring a join of %r", text[:32])
             conn.close()
             return
-        self._join(conn, int(text), num_followers)
+        self._join(conn, joined, int(text), num_followers)
 
-    def _join(self, conn: socket.socket, process_id: int, num_followers: int) -> None:
-        if not 1 <= process_id <= num_followers or process_id in self._members:
+    def _join(self, conn: socket.socket, joined: dict, process_id: int, num_followers: int):
+        if not 1 <= process_id <= num_followers or process_id in joined:
             conn.close()
             raise ValueError(
                 f"step channel: a follower joined as process {process_id}, expected each "
                 f"of 1..{num_followers} once (check --process-id / JAX_PROCESS_ID)"
             )
         _keepalive(conn)
-        self._members[process_id] = conn
+        if joined is self._data:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        joined[process_id] = conn
 
     def _watch_followers(self) -> None:
         """Until `close`: report each follower whose membership connection ends."""
@@ -268,19 +293,31 @@ class StepPublisher:
             self._on_lost(process_id)
 
     def publish(self, arrays: Sequence[np.ndarray], meta: dict | None = None, kind: str = RUN):
-        """Send one step's inputs to every follower (raw array buffers, one message)."""
+        """Send one step's inputs to every follower (raw array buffers, one message).
+        Blocks only while a follower's connection has a few MB unread (kernel buffers)."""
         start = time.perf_counter()
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        header = {
-            "step": self._step,
-            "kind": kind,
-            "meta": meta or {},
-            "arrays": [(a.dtype.str, a.shape) for a in arrays],
-            "sent": time.time(),
-        }
-        frames = [msgpack.packb(header), *arrays]
-        self._pub.send_multipart(frames, copy=True)
-        self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        sent = time.time()
+        arrays = [np.asarray(a, order="C") for a in arrays]
+        packed_meta = msgpack.packb(meta or {})
+        layout = msgpack.packb([(a.dtype.str, a.shape) for a in arrays])
+        parts = [packed_meta, layout, _padding(len(packed_meta) + len(layout))]
+        array_bytes = 0
+        for a in arrays:
+            parts += (a, _padding(a.nbytes))
+            array_bytes += a.nbytes + len(parts[-1])
+        prefix = _PREFIX.pack(
+            self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
+        )
+        message = b"".join([prefix, *parts])
+        for process_id, conn in list(self._data.items()):
+            try:
+                conn.sendall(message, _NO_SIGNAL)
+            except OSError:
+                # That follower is gone: its membership watcher names it.
+                logger.warning("step channel: process %d no longer receives steps", process_id)
+                del self._data[process_id]
+                conn.close()
+        self.bytes_sent += len(message)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
 
@@ -298,14 +335,11 @@ class StepPublisher:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for conn in self._members.values():
+        for conn in [*self._data.values(), *self._members.values(), *self._listeners]:
             conn.close()
-        self._listener.close()
         for end in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if end is not None:
                 end.close()
-        self._pub.close()
-        self._ctx.term()
 
 
 class StepSubscriber:
@@ -328,25 +362,22 @@ class StepSubscriber:
         *,
         on_leader_lost: Callable[[int], None] | None = None,
     ):
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.connect(f"tcp://{host}:{port}")
-        if not self._sub.poll(int(timeout_s * 1000)):
-            self._sub.close(linger=0)
-            self._ctx.term()
-            raise TimeoutError(f"step channel: no leader at {host}:{port} after {timeout_s} s")
-        # The subscription works (a hello arrived): join, and stay joined for the run.
+        deadline = time.monotonic() + timeout_s
+        self._data = _connect(host, port, deadline, timeout_s)
         try:
-            self._member = socket.create_connection((host, port + 1), timeout=timeout_s)
-        except OSError:
-            self._sub.close(linger=0)
-            self._ctx.term()
+            self._member = _connect(host, port + 1, deadline, timeout_s)
+        except BaseException:
+            self._data.close()
             raise
-        self._member.settimeout(None)
-        _keepalive(self._member)
-        self._member.sendall(f"{process_id}\n".encode())
+        for conn in (self._data, self._member):
+            _keepalive(conn)
+            conn.sendall(f"{process_id}\n".encode())
+        self._data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._prefix = bytearray(_PREFIX.size)
+        # Parsed array layouts by their bytes: [(shape, dtype, offset)].
+        self._layouts: dict[bytes, list[tuple[tuple, np.dtype, int]]] = {}
+        self._poll = select.poll()
+        self._poll.register(self._data, select.POLLIN)
         self.leader_lost = False
         self._on_lost = on_leader_lost
         self._closing = threading.Event()
@@ -379,29 +410,51 @@ class StepSubscriber:
             self._on_lost(0)
 
     def receive(self, timeout_s: float | None = None) -> StepMessage:
-        """The next step (start-up hellos are skipped).
+        """The next step.
 
         Raises:
             TimeoutError: nothing arrived within timeout_s (None waits for ever).
+            ConnectionError: the leader closed the channel before STOP (it is gone; the
+                membership watcher names it too).
         """
         start = time.perf_counter()
-        while True:
-            if timeout_s is not None and not self._sub.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
-            frames = self._sub.recv_multipart(copy=False)
-            if len(frames) == 1 and frames[0].bytes == _HELLO:
-                continue
-            break
-        header = msgpack.unpackb(frames[0].bytes)
+        if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
+            raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
+        self._read_exactly(self._prefix)
+        step, kind, sent, meta_bytes, layout_bytes, array_bytes = _PREFIX.unpack(self._prefix)
+        # A fresh buffer each step: the arrays are views of it and outlive this call.
+        start_of_arrays = meta_bytes + layout_bytes
+        start_of_arrays += len(_padding(start_of_arrays))
+        body = np.empty(start_of_arrays + array_bytes, np.uint8)  # aligned to 16 bytes
+        self._read_exactly(body.data)
+        meta = msgpack.unpackb(body[:meta_bytes].data)
+        layout_key = body[meta_bytes : meta_bytes + layout_bytes].tobytes()
+        layout = self._layouts.get(layout_key)
+        if layout is None:
+            if len(self._layouts) >= 4096:  # one per step shape: bounded anyway
+                self._layouts.clear()
+            layout = self._layouts[layout_key] = _parse_layout(layout_key)
         arrays = [
-            np.frombuffer(f.buffer, dtype=np.dtype(dt)).reshape(shape)
-            for f, (dt, shape) in zip(frames[1:], header["arrays"], strict=True)
+            np.ndarray(shape, dtype, body, start_of_arrays + offset)
+            for shape, dtype, offset in layout
         ]
         self.wait_stats.record(time.perf_counter() - start)
-        self.stats.record(max(0.0, time.time() - header["sent"]))
+        self.stats.record(max(0.0, time.time() - sent))
         if self.stats.steps % REPORT_EVERY == 0:
             self._report()
-        return StepMessage(header["step"], header["kind"], header["meta"], arrays)
+        return StepMessage(step, _KINDS[kind], meta, arrays)
+
+    def _read_exactly(self, buffer) -> None:
+        """Fill `buffer` from the data connection (one call unless a signal interrupts)."""
+        view = memoryview(buffer).cast("B")
+        while view.nbytes:
+            n = self._data.recv_into(view, view.nbytes, socket.MSG_WAITALL)
+            if n == 0:
+                raise ConnectionError(
+                    "step channel: process 0 (the leader) closed the connection without a "
+                    "clean stop"
+                )
+            view = view[n:]
 
     def _report(self) -> None:
         """Send the leader the median transit of the last REPORT_EVERY steps (a few
@@ -424,8 +477,45 @@ class StepSubscriber:
             pass
         self._watcher.join()
         self._member.close()
-        self._sub.close(linger=0)
-        self._ctx.term()
+        self._data.close()
+
+
+def _parse_layout(packed: bytes) -> list[tuple[tuple, np.dtype, int]]:
+    """(shape, dtype, byte offset) of each array of a message, from its packed layout."""
+    layout, offset = [], 0
+    for dtype_str, shape in msgpack.unpackb(packed):
+        dtype, shape = np.dtype(dtype_str), tuple(shape)
+        layout.append((shape, dtype, offset))
+        nbytes = math.prod(shape) * dtype.itemsize
+        offset += nbytes + len(_padding(nbytes))
+    return layout
+
+
+def _padding(nbytes: int) -> bytes:
+    """The zero bytes that bring `nbytes` to a multiple of _ALIGN."""
+    return bytes(-nbytes % _ALIGN)
+
+
+def _connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.socket:
+    """A TCP connection to the leader, retried until `deadline` (it may not listen yet).
+
+    Raises:
+        TimeoutError: no leader listening by then.
+    """
+    while True:
+        try:
+            conn = socket.create_connection(
+                (host, port), timeout=max(0.1, deadline - time.monotonic())
+            )
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"step channel: no leader at {host}:{port} after {timeout_s} s"
+                ) from e
+            time.sleep(0.05)
+            continue
+        conn.settimeout(None)
+        return conn
 
 
 def _keepalive(conn: socket.socket) -> None:
