@@ -1,29 +1,38 @@
 """jaxserve's offline `LLM.generate` against Hugging Face transformers' batched `generate`
-on the same checkpoint, on the CPU (`bench_offline.py --compare-hf` runs this).
+(and llama.cpp, where given) on the same checkpoint, on the CPU (`bench_offline.py
+--compare-hf` runs this).
 
 Two models: the bundled demo model and a random-weight Qwen3-MoE (hidden 512, 8 layers,
-32 experts, top-4, float32). For each batch size, both sides generate `--max-tokens`
-greedy tokens (EOS ignored) for the same fresh random prompts, alternating A, B, A, B
-for `--repeats` rounds; the table shows median tok/s, the ratio, the share of greedy
-tokens on which the two sides agree, the load average when the row was taken, and each
-side's FLOP utilisation against the f32 matmul ceiling measured in this run.
+32 experts, top-4, float32). For each batch size, every side generates `--max-tokens`
+greedy tokens (EOS ignored) for the same fresh random prompts, in the order A, B, then
+B, A (A, B, C, then C, B, A with a third side) for `--repeats` rounds; the table shows
+median tok/s, the ratio, the share of greedy tokens on which jaxserve and transformers
+agree, the load average when the row was taken, and each side's FLOP utilisation
+against the f32 matmul ceiling measured in this run (the best side's).
 
-Each side runs in its own worker process (this file with `--worker`), the other idle
+Each side runs in its own worker process (this file with `--worker`), the others idle
 meanwhile; the torch worker runs with OMP_WAIT_POLICY=PASSIVE, since spin-waiting OpenMP
-threads collapse on an oversubscribed CPU and would make the comparison say nothing.
+threads collapse on an oversubscribed CPU and would make the comparison say nothing
+(llama.cpp keeps OpenMP's default: passive sleeps its threads between graph runs, which
+measured 10x slower at batch 1 on the demo model; the load column shows a busy machine).
 Prompts are new every repetition, so jaxserve's prefix cache does not serve repeats.
 
     python scripts/bench_offline.py --compare-hf [--batches 1,8,32,128] [--max-tokens 64]
         [--prompt-len 32] [--repeats 3] [--models demo,qwen3moe]
         [--baseline-python OLD_VENV/bin/python] [--out bench_results/compare_hf.json]
+        [--llama-python LLAMA_VENV/bin/python --llama-converter convert_hf_to_gguf.py]
 
-llama.cpp (llama-cpp-python) is not compared: it needs a GGUF of the checkpoint, made by
-llama.cpp's own converter, which is not a dependency of this project.
+With `--llama-python` (an interpreter with llama-cpp-python, which is no dependency of
+this project) a third side runs llama.cpp on an f32 GGUF of the same checkpoint, one
+thread per CPU, batched greedy decode of the same prompts; the table adds its tok/s, jaxserve /
+llama.cpp and its greedy agreement with jaxserve. How to build it and what the GGUF
+conversion does: compare_llama_cpp.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -140,7 +149,11 @@ def worker_main(side: str, model: str, max_batch: int, max_model_len: int) -> No
     """Answer one JSON command per stdin line with one JSON line on stdout."""
     out = sys.stdout
     sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
-    cls = {"jaxserve": JaxserveSide, "transformers": TransformersSide}[side]
+    if side == "llama.cpp":  # under --llama-python, which has neither jax nor torch
+        sys.path.insert(0, str(HERE))
+        from compare_llama_cpp import LlamaCppSide as cls
+    else:
+        cls = {"jaxserve": JaxserveSide, "transformers": TransformersSide}[side]
     impl = cls(model, max_batch, max_model_len)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -169,6 +182,8 @@ class Worker:
         env: dict[str, str] | None = None,
     ):
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu", **(env or {}))
+        if side == "llama.cpp":  # OpenMP's default wait policy (see the docstring)
+            del env["OMP_WAIT_POLICY"]
         cmd = [python or sys.executable, __file__, "--worker", side, "--worker-model", model]
         cmd += ["--worker-max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
         self.proc = subprocess.Popen(
@@ -211,7 +226,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
+def compare_model(name: str, model: str, cfg: dict, args, gguf: str | None) -> list[dict]:
     max_batch = max(args.batches)
     sides = {
         "jaxserve": Worker("jaxserve", model, max_batch, args.max_model_len),
@@ -220,6 +235,10 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
     if args.baseline_python:  # the same jaxserve side, from another install (an old commit)
         sides["baseline"] = Worker(
             "jaxserve", model, max_batch, args.max_model_len, python=args.baseline_python
+        )
+    if gguf:
+        sides["llama.cpp"] = Worker(
+            "llama.cpp", gguf, max_batch, args.max_model_len, python=args.llama_python
         )
     try:
         ceiling = max(w.call(op="ceiling")["flops_per_s"] for w in sides.values())
@@ -231,7 +250,7 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
         context = args.prompt_len + args.max_tokens / 2
         for batch in args.batches:
             tps = {s: [] for s in sides}
-            agree = []
+            agree, llama_agree = [], []
             for rep in range(args.repeats):
                 prompts = _prompts(batch, args.prompt_len, cfg["vocab_size"], 1000 * batch + rep)
                 got = {}
@@ -241,6 +260,8 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
                     got[s] = r["tokens"]
                     tps[s].append(batch * args.max_tokens / r["seconds"])
                 agree.append(_agreement(got["jaxserve"], got["transformers"]))
+                if "llama.cpp" in got:
+                    llama_agree.append(_agreement(got["jaxserve"], got["llama.cpp"]))
             med = {s: statistics.median(v) for s, v in tps.items()}
             # FLOPs of the run: prompt tokens (prefill) + generated tokens, per token.
             tokens_per_gen = (args.prompt_len + args.max_tokens) / args.max_tokens
@@ -256,6 +277,10 @@ def compare_model(name: str, model: str, cfg: dict, args) -> list[dict]:
             if "baseline" in sides:
                 row.update(baseline_tok_s=med["baseline"], baseline_runs=tps["baseline"],
                            speedup_vs_baseline=med["jaxserve"] / med["baseline"])  # fmt: skip
+            if "llama.cpp" in sides:
+                row.update(llama_tok_s=med["llama.cpp"], jaxserve_vs_llama=med["jaxserve"]
+                           / med["llama.cpp"], llama_agreement=min(llama_agree),
+                           llama_mfu=mfu["llama.cpp"], llama_runs=tps["llama.cpp"])  # fmt: skip
             rows.append(row)
             print_row(row)
         return rows
@@ -268,16 +293,23 @@ HEADER = (
     f"{'model':<9} {'batch':>5} {'jaxserve tok/s':>14} {'HF tok/s':>9} {'ratio':>6} "
     f"{'agree':>6} {'jax MFU':>8} {'HF MFU':>7} {'ceiling GF/s':>12} {'load':>5}"
 )
+# jaxserve / llama.cpp and the share of greedy tokens where llama.cpp agrees with jaxserve.
+LLAMA_HEADER = f" {'llama.cpp tok/s':>15} {'jax/llama':>9} {'agree':>6} {'llama MFU':>9}"
 
 
 def print_row(r: dict) -> None:
-    base = ""
+    extra = ""
+    if "llama_tok_s" in r:
+        extra += (
+            f" {r['llama_tok_s']:>15.1f} {r['jaxserve_vs_llama']:>9.2f} "
+            f"{100 * r['llama_agreement']:>5.1f}% {100 * r['llama_mfu']:>8.1f}%"
+        )
     if "baseline_tok_s" in r:
-        base = f"  baseline {r['baseline_tok_s']:.1f} tok/s (x{r['speedup_vs_baseline']:.2f})"
+        extra += f"  baseline {r['baseline_tok_s']:.1f} tok/s (x{r['speedup_vs_baseline']:.2f})"
     print(
         f"{r['model']:<9} {r['batch']:>5} {r['jaxserve_tok_s']:>14.1f} {r['hf_tok_s']:>9.1f} "
         f"{r['ratio']:>6.2f} {100 * r['agreement']:>5.1f}% {100 * r['jaxserve_mfu']:>7.1f}% "
-        f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}{base}",
+        f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}{extra}",
         flush=True,
     )
 
@@ -296,6 +328,16 @@ def main(argv: list[str] | None = None) -> None:
         help="also run jaxserve from this interpreter's install (e.g. an old commit's venv), "
         "interleaved with the others: before/after in one run",
     )
+    parser.add_argument(
+        "--llama-python",
+        help="an interpreter with llama-cpp-python: adds llama.cpp on an f32 GGUF of each "
+        "model (default: this interpreter, when it has llama_cpp)",
+    )
+    parser.add_argument(
+        "--llama-converter",
+        help="llama.cpp's convert_hf_to_gguf.py (of the llama.cpp that llama-cpp-python "
+        "vendors), which makes the GGUFs",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-model", help=argparse.SUPPRESS)
     parser.add_argument("--worker-max-batch", type=int, help=argparse.SUPPRESS)
@@ -304,9 +346,14 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args.worker, args.worker_model, args.worker_max_batch, args.max_model_len)
         return
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.llama_python is None and importlib.util.find_spec("llama_cpp") is not None:
+        args.llama_python = sys.executable
+    if args.llama_python and not args.llama_converter:
+        parser.error("--llama-python needs --llama-converter (see compare_llama_cpp.py)")
 
     sys.path.insert(0, str(HERE))
     from bench_offline import write_random_checkpoint
+    from compare_llama_cpp import has_llama_cpp, make_gguf
 
     from jaxserve.config import DEMO_MODEL_DIR
 
@@ -319,16 +366,25 @@ def main(argv: list[str] | None = None) -> None:
                 models[name] = str(write_random_checkpoint(Path(tmp) / name, QWEN3MOE_SHAPE, 2048))
             else:
                 parser.error(f"--models: unknown model {name!r} (demo, qwen3moe)")
+        ggufs = dict.fromkeys(models)
+        if args.llama_python and has_llama_cpp(args.llama_python):
+            for name, path in models.items():
+                out = Path(tmp) / f"{name}-f32.gguf"
+                ggufs[name] = str(make_gguf(args.llama_converter, Path(path), DEMO_MODEL_DIR, out))
+        else:
+            why = f"{args.llama_python} cannot import llama_cpp" if args.llama_python else (
+                "no --llama-python, an interpreter with llama-cpp-python")  # fmt: skip
+            print(f"# llama.cpp: not compared ({why})")
         print(f"# {platform.node()}: {os.cpu_count()} CPUs; load average {os.getloadavg()}")
         print(
             f"# greedy, {args.max_tokens} output tokens, prompts of {args.prompt_len} random "
             f"tokens (new each repetition), {args.repeats} interleaved repetitions, medians"
         )
-        print(HEADER, flush=True)
+        print(HEADER + (LLAMA_HEADER if any(ggufs.values()) else ""), flush=True)
         rows = []
         for name, path in models.items():
             cfg = json.loads((Path(path) / "config.json").read_text())
-            rows += compare_model(name, path, cfg, args)
+            rows += compare_model(name, path, cfg, args, ggufs[name])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {

@@ -1,0 +1,61 @@
+"""scripts/compare_llama_cpp.py's helpers that need no llama-cpp-python: the prefill
+chunking and the converter call (against a stand-in converter)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from compare_llama_cpp import make_gguf, prefill_chunks  # noqa: E402
+
+from jaxserve.config import DEMO_MODEL_DIR  # noqa: E402
+
+
+def test_prefill_chunks_take_whole_prompts_within_n_batch():
+    assert prefill_chunks(128, 32, 2048) == [range(0, 64), range(64, 128)]
+    assert prefill_chunks(5, 30, 64) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert prefill_chunks(1, 32, 2048) == [range(0, 1)]
+    with pytest.raises(ValueError, match="1 to 16"):
+        prefill_chunks(2, 17, 16)
+
+
+# A stand-in for llama.cpp's convert_hf_to_gguf.py and its `conversion` package: it records
+# what it was given and what the pre-tokenizer check answers.
+FAKE_CONVERTER = """
+import json, sys
+from pathlib import Path
+from conversion.base import TextModel
+args = sys.argv[1:]
+out = Path(args[args.index("--outfile") + 1])
+out.write_text(json.dumps({"argv": args, "pre": TextModel().get_vocab_base_pre(None),
+                           "files": sorted(p.name for p in Path(args[0]).iterdir())}))
+"""
+FAKE_BASE = """
+class TextModel:
+    def get_vocab_base_pre(self, tokenizer):
+        raise NotImplementedError("BPE pre-tokenizer was not recognized")
+"""
+
+
+def test_make_gguf_stages_the_tokenizer_and_answers_the_pre_tokenizer(tmp_path):
+    converter = tmp_path / "llama.cpp" / "convert_hf_to_gguf.py"
+    (converter.parent / "conversion").mkdir(parents=True)
+    converter.write_text(FAKE_CONVERTER)
+    (converter.parent / "conversion" / "__init__.py").write_text("")
+    (converter.parent / "conversion" / "base.py").write_text(FAKE_BASE)
+    ckpt = tmp_path / "ckpt"  # a checkpoint without a tokenizer, like the random Qwen3-MoE
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"")
+    out = make_gguf(str(converter), ckpt, Path(DEMO_MODEL_DIR), tmp_path / "m-f32.gguf")
+    got = json.loads(out.read_text())
+    assert got["pre"] == "default"
+    assert got["argv"][1:] == ["--outtype", "f32", "--outfile", str(out)]
+    assert got["files"] == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    assert not (tmp_path / "m-f32.hf").exists()  # the staging folder is gone
