@@ -164,7 +164,15 @@ def build_generate_request(
     prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for these arguments; None leaves a field unset (server default,
-    see jaxserve.proto). A str prompt is text; a sequence of ints is token ids."""
+    see jaxserve.proto). A str prompt is text; a sequence of ints is token ids.
+
+    Raises ValueError (naming `prompt`) for a str prompt that is not valid UTF-8 text,
+    e.g. bytes decoded with surrogateescape, as sys.stdin does with invalid bytes."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt: not valid UTF-8 text ({e.reason} at {e.start})") from None
     sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}))
     for name, value in (
         ("temperature", temperature),

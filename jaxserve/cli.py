@@ -328,6 +328,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 # shell prompt starts on its own line, and a file of it is a text file.
                 sys.stdout.write("\n")
                 sys.stdout.flush()
+        except ValueError as e:  # the request itself is bad (build_generate_request)
+            print(f"jaxserve generate: error: {e}", file=sys.stderr)
+            return 2
         except grpc.RpcError as e:
             if streamed:  # end the text's line; nothing printed: no empty line
                 sys.stdout.write("\n")

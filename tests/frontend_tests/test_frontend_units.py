@@ -214,3 +214,19 @@ def test_output_processor_passes_errors_and_engine_finishes(tok):
     assert (texts[0].finish_reason, texts[0].error) == ("error", "prompt: too long")
     assert (texts[1].text, texts[1].finish_reason) == ("hi", "length")
     assert proc.num_requests == 0
+
+
+def test_a_prompt_that_is_not_utf8_is_named_not_a_traceback(capsys):
+    """Invalid bytes on stdin reach Python as surrogate escapes: the request builder names
+    the prompt, and `jaxserve generate` prints one line and exits 2 (before any RPC: no
+    server is listening here)."""
+    bad = b"\xff\xfe bad".decode("utf-8", "surrogateescape")
+    with pytest.raises(ValueError, match="prompt: not valid UTF-8"):
+        build_generate_request(bad)
+    from jaxserve import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "--server", "127.0.0.1:9", bad])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompt: not valid UTF-8" in err[0], err
