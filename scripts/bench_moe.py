@@ -24,11 +24,11 @@ held one array per expert (`moe_slices`, what the one-device engine runs on the 
 default path where it takes the capacity layout (`moe_capacity`; `capacity`) beside
 `loop@auto`, the loop it replaced there, and `--overflow-chunks 1,4` that layout with other
 `moe_capacity.OVERFLOW_CHUNK`s (`capacity/oN`); their flops/routed are the rows the chosen
-layout ran on that routing. `--cpu-kernel` adds, where it applies (below
-`cpu_moe.MAX_MEAN_GROUP` routed rows per expert), the default path on the CPU kernel
-(`jaxserve.kernels.cpu_moe`; `cpu-kernel`) beside the same default path with the kernel
-off (`xla@auto`); `--weight-sets 8` cycles each call through 8 copies of the weights, so
-that they come from memory as a model's layers do, not from the last-level cache.
+layout ran on that routing. `--cpu-kernel` adds the CPU kernel
+(`jaxserve.kernels.cpu_moe`; `cpu-kernel`, at every size: the default path takes it below
+`cpu_moe.MAX_MEAN_GROUP` routed rows per expert) beside the default path with the kernel
+off (`xla@auto`, XLA's layouts); `--weight-sets 8` cycles each call through 8 copies of
+the weights, so that they come from memory as a model's layers do, not from the L3.
 Writes bench_results/bench_moe.json.
 """
 
@@ -137,7 +137,12 @@ def main() -> None:
     from jaxserve.models import moe_capacity, moe_loop, moe_sparse
     from jaxserve.models.layers import moe_experts_dense, route
     from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
-    from jaxserve.models.moe_sparse import block_size_for, moe_experts_sparse, sparse_moe_flops
+    from jaxserve.models.moe_sparse import (
+        block_size_for,
+        combine_copies,
+        moe_experts_sparse,
+        sparse_moe_flops,
+    )
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {load}", flush=True)
@@ -211,17 +216,26 @@ def main() -> None:
                     variants[f"loop@{c}/{lv}"] = (_loop_moe(c, lv), -c)
             if args.capacity and moe_capacity.uses_capacity(n, experts):
                 default = functools.partial(moe_experts_sparse, block_size=None)
-                variants["capacity"] = (jax.jit(default), "cap")
+                os.environ[cpu_moe.ENV_VAR] = "0"  # XLA's capacity layout, not the CPU kernel
+                variants["capacity"] = (jax.jit(default).lower(*call).compile(), "cap")
                 default_chunk = moe_capacity.OVERFLOW_CHUNK
                 for oc in [int(c) for c in args.overflow_chunks.split(",") if c]:
                     moe_capacity.OVERFLOW_CHUNK = oc  # read when traced: trace it now
                     variants[f"capacity/o{oc}"] = (jax.jit(default).lower(*call).compile(), oc)
                     moe_capacity.OVERFLOW_CHUNK = default_chunk
-            if args.cpu_kernel and cpu_moe.applies(x, n, experts, weights):
-                default = functools.partial(moe_experts_sparse, block_size=None)
-                variants["cpu-kernel"] = (jax.jit(default), "kernel")
-                os.environ[cpu_moe.ENV_VAR] = "0"  # read when traced: trace it now
-                variants["xla@auto"] = (jax.jit(default).lower(*call).compile(), "xla")
+                del os.environ[cpu_moe.ENV_VAR]
+            if args.cpu_kernel and cpu_moe.available():
+                # The kernel at every size, past MAX_MEAN_GROUP too (where the default
+                # path leaves it): the measurement behind that limit.
+                def kernel_moe(x, tw, ids, wg, wu, wd):
+                    return combine_copies(tw, cpu_moe.moe_rows_ffn(x, ids, wg, wu, wd), x.dtype)
+
+                variants["cpu-kernel"] = (jax.jit(kernel_moe), "kernel")
+                # The switch is read when traced: trace it now, from another function
+                # object (jax reuses a trace of the same one, whatever the environment).
+                os.environ[cpu_moe.ENV_VAR] = "0"
+                xla = functools.partial(moe_experts_sparse, block_size=None)
+                variants["xla@auto"] = (jax.jit(xla).lower(*call).compile(), "xla")
                 del os.environ[cpu_moe.ENV_VAR]
             default_gather = moe_sparse.GATHER_ELEMENTS
             for log2 in [int(g) for g in args.gather.split(",") if g]:
