@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import dispatch
 from jaxserve.kernels.paged_attention_blockwise import paged_attention_blockwise
 from jaxserve.kernels.paged_attention_ref import paged_attention_ref
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
@@ -167,25 +166,3 @@ def test_blocks_outside_the_context_are_never_read():
     for chunk in (None, 1, 4):
         out = _jitted(scale, None, chunk)(q, k_nan, v_nan, positions, metadata)
         np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-6, rtol=2e-6)
-
-
-def test_dispatch_runs_blockwise_by_default_and_reference_on_request(monkeypatch):
-    """On the reference backend, attention is the blockwise one unless
-    JAXSERVE_CPU_ATTENTION=reference asks for the gather-everything reference."""
-    rng = np.random.default_rng(8)
-    q, k, v = arrays(rng, 6, heads=4, kv_heads=2)
-    positions, metadata = random_step(rng, [(4, 9), (1, 30)], 6, 3)
-    calls = []
-    monkeypatch.setattr(
-        dispatch, "paged_attention_blockwise", lambda *a, **kw: calls.append("blockwise")
-    )
-    monkeypatch.setattr(dispatch, "paged_attention_ref", lambda *a, **kw: calls.append("ref"))
-    with dispatch.backend_override(dispatch.REFERENCE):
-        monkeypatch.delenv(dispatch.CPU_ATTENTION_ENV_VAR, raising=False)
-        dispatch.paged_attention(q, k, v, positions, metadata, 0.3)
-        monkeypatch.setenv(dispatch.CPU_ATTENTION_ENV_VAR, "reference")
-        dispatch.paged_attention(q, k, v, positions, metadata, 0.3)
-        monkeypatch.setenv(dispatch.CPU_ATTENTION_ENV_VAR, "paged")
-        with pytest.raises(ValueError, match=dispatch.CPU_ATTENTION_ENV_VAR):
-            dispatch.paged_attention(q, k, v, positions, metadata, 0.3)
-    assert calls == ["blockwise", "ref"]

@@ -14,11 +14,9 @@ faster than the XLA sparse path up to about 8 rows per expert, slower past it, w
 matmuls are compute-bound and XLA's GEMM (YNNPACK) wins. So `sparse_expert_ffn` uses it
 below `MAX_MEAN_GROUP` routed rows per expert.
 
-It is compiled on first use with the C++ compiler on PATH ($CXX, else g++ or c++) for
-this CPU (-march=native) against jaxlib's FFI headers, and cached in
-`jaxserve.config.cache_root()/cpu_kernels`, keyed by the source, jaxlib's version, the
-compiler and the CPU. Without a compiler, or if the build fails, it logs one warning and
-the XLA path runs (`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off
+It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
+compiler, or if the build fails, it logs one warning and the XLA path runs
+(`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off
 (read at trace time, for A/B benchmarks).
 
 Numerics: float32 only (other dtypes take the XLA path): float32 products and sums (the
@@ -30,17 +28,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.kernels.cpu_build import build_library, compiler
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +46,6 @@ TARGET = "jaxserve_cpu_moe_rows"
 # Routed rows per expert (N / E) below which the kernel beats XLA's sparse path (module
 # docstring; `scripts/bench_moe.py --cpu-kernel`).
 MAX_MEAN_GROUP = 8
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def enabled() -> bool:
@@ -114,59 +109,7 @@ def available() -> bool:
     return True
 
 
-def compiler() -> str | None:
-    """The C++ compiler to build with: $CXX, else g++ or c++ on PATH; None if none."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def _build() -> Path:
-    """The kernel's shared library, compiled into the cache unless already there.
-
-    Raises RuntimeError without a compiler or if compiling fails."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler on PATH (set CXX, or install g++)")
-    from jaxserve.config import cache_root  # noqa: PLC0415 -- jaxserve.config imports models
-
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(),
-                 " ".join(_FLAGS).encode(), _cpu_identity().encode()):  # fmt: skip
-        key.update(part)
-    folder = cache_root() / "cpu_kernels"
-    library = folder / f"cpu_moe_rows-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
-    # Build to a temporary name, then rename: processes building at once never load a
-    # half-written library.
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        cmd = [cxx, *_FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(partial, library)
-    finally:
-        partial.unlink(missing_ok=True)
-    logger.info("built the CPU MoE kernel: %s", library)
-    return library
-
-
-def _cpu_identity() -> str:
-    """The CPU a -march=native build is for: the machine, model name and feature flags."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    lines.append(line.strip())
-                if len(lines) == 2:
-                    break
-    except OSError:
-        pass
-    return platform.machine() + "\n" + "\n".join(lines)
+    """The kernel's shared library (`cpu_build.build_library`; RuntimeError if it cannot
+    be built)."""
+    return build_library(SOURCE, compiler())

@@ -23,10 +23,12 @@ choice is read when a function is traced, so set the variable (or use
 take (a float32 model, head_dim 32, ...) run the reference on any backend, with one
 warning per cause in the log.
 
-Where paged attention runs without a kernel (the CPU, or a fallback), it runs the
-blockwise jnp version (`paged_attention_blockwise`: cost follows the real context), not
-the gather-everything oracle `paged_attention_ref`; `JAXSERVE_CPU_ATTENTION=reference`
-forces the oracle (A/B benchmarks), `blockwise` is the default. It is read at trace time.
+Where paged attention runs without a Pallas kernel (the CPU, or a fallback), it runs
+the C++ CPU kernel (`cpu_attention`: float32 on the CPU backend, when it could be built),
+else the blockwise jnp version (`paged_attention_blockwise`: cost follows the real
+context), never the gather-everything oracle `paged_attention_ref` unless asked:
+`JAXSERVE_CPU_ATTENTION=kernel` (the default), `blockwise` or `reference` (A/B
+benchmarks). It is read at trace time.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from jaxserve.kernels import grouped_matmul_ref
+from jaxserve.kernels import cpu_attention, grouped_matmul_ref
 from jaxserve.kernels.paged_attention_blockwise import paged_attention_blockwise
 from jaxserve.kernels.paged_attention_ref import paged_attention_ref
 from jaxserve.models.base import AttentionMetadata
@@ -55,7 +57,7 @@ PALLAS_MGPU = "pallas_mgpu"
 INTERPRET = "interpret"
 _ENV_VALUES = {"reference": REFERENCE, "pallas": PALLAS_MGPU, "interpret": INTERPRET}
 CPU_ATTENTION_ENV_VAR = "JAXSERVE_CPU_ATTENTION"
-_CPU_ATTENTION_VALUES = ("blockwise", "reference")
+_CPU_ATTENTION_VALUES = ("kernel", "blockwise", "reference")
 
 _override: str | None = None
 _log = logging.getLogger(__name__)
@@ -217,11 +219,12 @@ def moe_ffn(
 
 
 def _cpu_attention() -> str:
-    """The jnp paged attention to run without a kernel: 'blockwise' or 'reference'.
+    """The paged attention to run without a Pallas kernel: 'kernel' (the CPU kernel where
+    it applies, else blockwise), 'blockwise' or 'reference'.
 
     Raises ValueError naming JAXSERVE_CPU_ATTENTION for another value.
     """
-    value = os.environ.get(CPU_ATTENTION_ENV_VAR, "").strip().lower() or "blockwise"
+    value = os.environ.get(CPU_ATTENTION_ENV_VAR, "").strip().lower() or "kernel"
     if value not in _CPU_ATTENTION_VALUES:
         raise ValueError(
             f"{CPU_ATTENTION_ENV_VAR}={value!r}: expected one of {', '.join(_CPU_ATTENTION_VALUES)}"
@@ -244,8 +247,9 @@ def paged_attention(
 
     Same contract as `paged_attention_ref.paged_attention_ref`: q [T, H, D], caches
     [num_blocks, block_size, KVH, D] -> [T, H, D] in q.dtype; padded tokens give zeros.
-    Without a kernel it runs `paged_attention_blockwise` (or the reference, see the
-    module docstring); raises ValueError for a bad JAXSERVE_CPU_ATTENTION.
+    Without a Pallas kernel it runs the CPU kernel, `paged_attention_blockwise` or the
+    reference (see the module docstring); raises ValueError for a bad
+    JAXSERVE_CPU_ATTENTION.
     max_query_len: optional static promise about the step (1 = decode-only), which lets
     the GPU kernel split long contexts over SMs when there are few requests; the
     reference ignores it.
@@ -255,9 +259,13 @@ def paged_attention(
         lambda: _kernels("paged_attention").unsupported_reason(q.shape, k_cache.shape, q.dtype),
     )
     if backend is None:
-        attend = (
-            paged_attention_ref if _cpu_attention() == "reference" else paged_attention_blockwise
-        )
+        choice = _cpu_attention()
+        if choice == "kernel" and cpu_attention.applies(q, k_cache, v_cache):
+            attend = cpu_attention.paged_attention_cpu
+        elif choice == "reference":
+            attend = paged_attention_ref
+        else:
+            attend = paged_attention_blockwise
         return attend(q, k_cache, v_cache, positions, metadata, scale, sliding_window)
     with _kernel_mode(backend):
         return _kernels("paged_attention").paged_attention(
