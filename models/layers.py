@@ -68,7 +68,15 @@ class Parallelism(Protocol):
     ) -> tuple[jax.Array, KVPair]: ...
 
     def moe_experts(
-        self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement: dict[str, jax.Array]
+        self,
+        x,
+        topk_weights,
+        topk_ids,
+        w_gate,
+        w_up,
+        w_down,
+        placement: dict[str, jax.Array],
+        token_mask: jax.Array | None = None,
     ) -> jax.Array: ...
 
     def initial_placement(self, num_experts: int) -> dict[str, Any]: ...
@@ -92,8 +100,15 @@ class OneDevice:
     def mla_paged_attention(self, step: Callable, *args, scale: float):
         return step(*args, scale=scale)
 
-    def moe_experts(self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement):
+    def moe_experts(
+        self, x, topk_weights, topk_ids, w_gate, w_up, w_down, placement, token_mask=None
+    ):
         del placement
+        if token_mask is not None and dispatch.sparse_reference_experts():
+            # Padded tokens become empty copies (id E), which the sparse paths skip: a
+            # 1-token step padded to a 16-token bucket would otherwise read the weights
+            # of the experts its 15 padding rows route to (their outputs are dropped).
+            topk_ids = jnp.where(token_mask[:, None], topk_ids, w_gate.shape[0])
         return moe_experts_local(x, topk_weights, topk_ids, w_gate, w_up, w_down)
 
     def initial_placement(self, num_experts: int) -> dict[str, Any]:
@@ -527,7 +542,7 @@ class MoeBlock(nnx.Module):
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         num_slots = self.w_gate.shape[0]
         tables = {name: getattr(self, name)[...] for name in self.placement_fields}
-        out = self.parallel.moe_experts(x, weights, ids, *experts, tables)
+        out = self.parallel.moe_experts(x, weights, ids, *experts, tables, token_mask)
         slots = self.parallel.expert_slots(ids, tables)
         return out, count_expert_tokens(slots, token_mask, num_slots)
 

@@ -184,9 +184,13 @@ class MeshParallelism:
         w_up: jax.Array,
         w_down: jax.Array,
         placement: dict[str, jax.Array],
+        token_mask: jax.Array | None = None,
     ) -> jax.Array:
         """Expert-parallel experts; see `moe_ep.expert_parallel_moe` for shapes.
-        `placement` holds the `ExpertPlacement` fields by name (the model's state)."""
+        `placement` holds the `ExpertPlacement` fields by name (the model's state).
+        `token_mask` is not used: padded tokens are dispatched like real ones (their
+        outputs are dropped), as the dispatch buffers' static shapes cost the same."""
+        del token_mask
         return moe_ep.expert_parallel_moe(
             x,
             topk_weights,

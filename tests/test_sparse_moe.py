@@ -313,3 +313,22 @@ def test_loop_levels_keep_the_sizes_up_to_the_mean_group():
         assert moe_loop.loop_levels_for(rows, experts, chunk) == want >= 1
     # Decode with a row or two per expert: one size, the loop without levels.
     assert moe_loop.loop_levels_for(64, 32, 1) == 1
+
+
+def test_one_device_experts_skip_padded_tokens(experts, monkeypatch):
+    """With a token mask, `OneDevice.moe_experts` gives padded tokens no expert work on
+    the sparse path (their copies are empty: output 0) and real tokens the dense
+    oracle's output; the dense oracle (JAXSERVE_MOE_EXPERTS=dense) ignores the mask."""
+    from jaxserve.models.layers import ONE_DEVICE  # noqa: PLC0415
+
+    x = _tokens(7, seed=11)
+    weights, ids = route(x, jnp.ones((HIDDEN, EXPERTS), jnp.float32), 2, True)
+    mask = jnp.asarray([True, False, True, True, False, False, True])
+    want = _dense(x, weights, ids, *experts)
+    with dispatch.backend_override(dispatch.REFERENCE):
+        monkeypatch.delenv(dispatch.MOE_ENV_VAR, raising=False)
+        got = ONE_DEVICE.moe_experts(x, weights, ids, *experts, {}, mask)
+        _assert_close(got[np.asarray(mask)], want[np.asarray(mask)])
+        assert np.all(np.asarray(got)[~np.asarray(mask)] == 0.0)
+        monkeypatch.setenv(dispatch.MOE_ENV_VAR, "dense")
+        _assert_close(ONE_DEVICE.moe_experts(x, weights, ids, *experts, {}, mask), want)
