@@ -355,6 +355,32 @@ def test_stop_rules(mode):
     assert r["len"][:2] == (ref[:2], "length")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_step_runs_past_max_tokens_and_drops_the_surplus(overlap):
+    """A request with fewer than num_decode_steps tokens left does not force single
+    steps: every decode call is multi-step, and each request still ends with exactly
+    max_tokens tokens, the oracle's (the surplus sampled past the limit is dropped)."""
+    sched, dev = make_scheduler(num_decode_steps=4)
+    prompts = {"a": [5, 6, 7], "b": [8, 9], "c": [1, 2, 3, 4]}
+    limits = {"a": 6, "b": 3, "c": 9}
+    for rid, prompt in prompts.items():
+        add(sched, rid, prompt, max_tokens=limits[rid], ignore_eos=True)
+    decisions = []
+    schedule = sched.schedule
+
+    def recording() -> SchedulerOutput:
+        out = schedule()
+        decisions.append((out.num_steps, len(out.requests)))
+        return out
+
+    sched.schedule = recording
+    results = run(sched, dev, overlap=overlap)
+    for rid, prompt in prompts.items():
+        assert results[rid][:2] == (oracle(prompt, limits[rid]), "length")
+    decodes = [n for n, rows in decisions[1:] if rows]  # after the prefill step
+    assert decodes and set(decodes) == {4}, decisions
+
+
 def test_max_model_len_finishes_with_length():
     sched, dev = make_scheduler(max_model_len=12)
     add(sched, "a", list(range(8)), max_tokens=100)

@@ -315,8 +315,15 @@ class Scheduler:
 
     def _num_decode_steps(self, rank: Rank) -> int:
         """`num_decode_steps` when every schedulable running sequence of rank is
-        decoding, has room for that many more tokens and can use the multi-step call, and
-        nothing waiting could be admitted instead; else 1."""
+        decoding, has room for that many more positions (max_model_len) and can use the
+        multi-step call, and nothing waiting could be admitted instead; else 1.
+
+        A sequence with fewer than that many tokens left before max_tokens does not
+        force single steps on the batch: the call samples past its limit and `update`
+        discards the surplus, as it does past a stop token (the KV it wrote lies in
+        blocks allocated for the call and freed with the sequence). Otherwise, with
+        equal max_tokens, every batch ended in num_decode_steps - 1 single-step calls,
+        each costing about as much as a multi-step one at batch 1 on the CPU."""
         k = self.num_decode_steps
         if k == 1 or not rank.running:
             return 1
@@ -329,7 +336,6 @@ class Scheduler:
             if (
                 seq.single_step_only
                 or seq.num_missing_tokens != 1
-                or seq.num_output_tokens + seq.num_pending_tokens + k > seq.params.max_tokens
                 or seq.num_total_tokens + k > self.max_model_len
             ):
                 return 1
