@@ -16,6 +16,11 @@ threads collapse on an oversubscribed CPU and would make the comparison say noth
 (llama.cpp keeps OpenMP's default: passive sleeps its threads between graph runs, which
 measured 10x slower at batch 1 on the demo model; the load column shows a busy machine).
 Prompts are new every repetition, so jaxserve's prefix cache does not serve repeats.
+After each side's run the harness waits `--settle` seconds before the next one: a
+side's threads may go on spinning after its call returns (llama.cpp's OpenMP threads
+with the default wait policy do), and the next side would run beside them (measured
+on the demo model at batch 1: jaxserve right after llama.cpp 595 tok/s, after its own
+run 1850).
 
     python scripts/bench_offline.py --compare-hf [--batches 1,8,32,128] [--max-tokens 64]
         [--prompt-len 32] [--repeats 3] [--models demo,qwen3moe]
@@ -257,6 +262,7 @@ def compare_model(name: str, model: str, cfg: dict, args, gguf: str | None) -> l
                 order = list(sides) if rep % 2 == 0 else list(reversed(sides))  # interleaved
                 for s in order:
                     r = sides[s].call(op="generate", prompts=prompts, max_tokens=args.max_tokens)
+                    time.sleep(args.settle)  # see the module docstring
                     got[s] = r["tokens"]
                     tps[s].append(batch * args.max_tokens / r["seconds"])
                 agree.append(_agreement(got["jaxserve"], got["transformers"]))
@@ -322,6 +328,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="demo,qwen3moe")
+    parser.add_argument(
+        "--settle", type=float, default=1.0,
+        help="seconds to wait after each side's run, so its spinning threads go to sleep",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench_results/compare_hf.json")
     parser.add_argument(
         "--baseline-python",
