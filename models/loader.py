@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxserve.logs import ProgressLog
@@ -251,7 +251,7 @@ class _CheckpointReader(contextlib.AbstractContextManager):
         """One tensor as a NumPy array; ValueError if its shape is not `expected_shape`."""
         file = self._files[name]
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="np"))
+            self._handles[file] = self._stack.enter_context(_open_safetensors(file))
         handle = self._handles[file]
         shape = tuple(handle.get_slice(name).get_shape())
         if shape != tuple(expected_shape):
@@ -280,9 +280,18 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     names: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="np") as handle:
+        with _open_safetensors(file) as handle:
             names.update(dict.fromkeys(handle.keys(), file))
     return names
+
+
+def _open_safetensors(file: Path):
+    """`safe_open(file)`; ValueError naming the file if it is not a readable safetensors
+    file (truncated, not safetensors): safetensors' own message does not name it."""
+    try:
+        return safe_open(str(file), framework="np")
+    except SafetensorError as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
 
 
 def _pick_layout(spec: WeightSpec, checkpoint: _CheckpointReader) -> CheckpointLayout:

@@ -146,6 +146,15 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
         load_model(dst)
 
 
+def test_truncated_weights_file_is_named(checkpoint, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint[0], dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file"):
+        load_model(dst)
+
+
 def test_misshaped_tensor_is_named_with_shapes(checkpoint, tmp_path):
     name = "model.layers.0.self_attn.k_proj.weight"
 
