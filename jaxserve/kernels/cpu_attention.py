@@ -22,20 +22,15 @@ default).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.cpu_build import build_library, compiler
+from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel
 from jaxserve.models.base import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 TARGET = "jaxserve_cpu_paged_attention"
@@ -76,6 +71,7 @@ def paged_attention_cpu(
 
     Raises:
         RuntimeError: if the kernel is not `available()`.
+        ValueError: if sliding_window is not None and <= 0.
     """
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (see the log for why)")
@@ -93,13 +89,7 @@ def paged_attention_cpu(
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on the first call)."""
-    try:
-        library = build_library(SOURCE, compiler())
-    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        logger.warning("CPU attention kernel unavailable, using the blockwise XLA path: %s", err)
-        return False
-    lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(
-        TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu"
-    )
-    return True
+    return register_kernel(
+        lambda: build_library(SOURCE, compiler()), TARGET, "JaxservePagedAttention",
+        "CPU attention kernel (using the blockwise XLA path)",
+    )  # fmt: skip

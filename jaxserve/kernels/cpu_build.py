@@ -1,14 +1,16 @@
 """Building the CPU kernels (XLA FFI custom calls in C++) on first use, and caching them.
 
-Each kernel is one C++ source next to its Python module, compiled for this CPU
-(-march=native) against jaxlib's FFI headers with the C++ compiler on PATH ($CXX, else
-g++ or c++), into `jaxserve.config.cache_root()/cpu_kernels`, keyed by the source,
-jax's version, the compiler, the flags and the CPU. A kernel's module turns a failed
+Each kernel is one C++ source next to its Python module (it may include the headers
+beside it, e.g. `cpu_work_sharing.h`), compiled for this CPU (-march=native) against
+jaxlib's FFI headers with the C++ compiler on PATH ($CXX, else g++ or c++), into
+`jaxserve.config.cache_root()/cpu_kernels`, keyed by the source, those headers, jax's
+version, the compiler, the flags and the CPU. A kernel's module turns a failed
 build into one warning and its XLA path (see `cpu_moe.py`, `cpu_attention.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -16,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -49,6 +52,8 @@ def build_library(source: Path, cxx: str | None) -> Path:
     for part in (source.read_bytes(), jax.__version__.encode(), cxx.encode(),
                  " ".join(FLAGS).encode(), _cpu_identity().encode()):  # fmt: skip
         key.update(part)
+    for header in sorted(source.parent.glob("*.h")):  # what the source may include
+        key.update(header.read_bytes())
     folder = cache_root() / "cpu_kernels"
     library = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -68,6 +73,23 @@ def build_library(source: Path, cxx: str | None) -> Path:
         partial.unlink(missing_ok=True)
     logger.info("built the CPU kernel %s: %s", source.name, library)
     return library
+
+
+def register_kernel(build: Callable[[], Path], target: str, symbol: str, what: str) -> bool:
+    """Build a kernel (`build()`, usually `build_library`) and register its FFI handler
+    `symbol` as XLA's CPU custom-call target `target`.
+
+    Returns False, after one warning "`what` unavailable, ...: CAUSE", if it cannot be
+    built (no compiler, a failed compile); True once registered.
+    """
+    try:
+        library = build()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        logger.warning("%s unavailable: %s", what, err)
+        return False
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True
 
 
 def _cpu_identity() -> str:

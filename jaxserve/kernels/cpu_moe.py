@@ -26,19 +26,14 @@ in float32, as `moe_loop.swiglu_rows` with a float32 model.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.cpu_build import build_library, compiler
-
-logger = logging.getLogger(__name__)
+from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel
 
 ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
@@ -99,14 +94,7 @@ def moe_rows_ffn(
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on the first call)."""
-    try:
-        library = _build()
-    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        logger.warning("CPU MoE kernel unavailable, using the XLA path: %s", err)
-        return False
-    lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMoeRows), platform="cpu")
-    return True
+    return register_kernel(_build, TARGET, "JaxserveMoeRows", "CPU MoE kernel (using the XLA path)")
 
 
 def _build() -> Path:
