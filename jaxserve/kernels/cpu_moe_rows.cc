@@ -7,17 +7,16 @@
 // a block streams the expert's matrices once, row by row (sequential reads), into
 // accumulator rows that stay in L1. (Column tiles with the accumulators in registers,
 // reading the weights with a stride, measured 3-4x slower; 8-row blocks tied with 4.)
-// Work units (expert, row block) are shared between the calling thread and XLA's
-// intra-op thread pool through an atomic counter, so a unit runs once whoever runs it.
+// Work units (expert, row block) are shared with XLA's intra-op thread pool
+// (cpu_work_sharing.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -129,21 +128,7 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.unit_rows.push_back(std::min(kRows, count[e + 1] - s));
     }
   const int64_t units = static_cast<int64_t>(p.unit_expert.size());
-  // Units are claimed from `next_unit` by this thread and by pool tasks alike; this
-  // thread returns once every unit is done. A task that starts late finds none left
-  // (the shared state outlives this call).
-  auto next_unit = std::make_shared<std::atomic<int64_t>>(0);
-  auto done = std::make_shared<std::atomic<int64_t>>(0);
-  auto work = [state, next_unit, done, units]() {
-    for (int64_t u; (u = next_unit->fetch_add(1)) < units;) {
-      RunUnit(*state, u);
-      done->fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
-  work();
-  while (done->load(std::memory_order_acquire) < units) std::this_thread::yield();
+  jaxserve::ShareUnits(pool, units, [state](int64_t u) { RunUnit(*state, u); });
   return ffi::Error::Success();
 }
 

@@ -7,18 +7,17 @@
 // in place through the block table, and nothing is gathered or padded. Keys are taken a
 // cache block at a time with the online softmax of FlashAttention (Dao et al. 2022):
 // scores of the block for every row, then each row's running max, sum and output are
-// rescaled and updated. Work units are shared with XLA's intra-op thread pool through
-// an atomic counter (as in cpu_moe_rows.cc) when the step has enough work to pay for it.
+// rescaled and updated. Work units are shared with XLA's intra-op thread pool
+// (cpu_work_sharing.h) when the step has enough work to pay for it.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -183,21 +182,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     for (const Unit& u : p.units) RunUnit(p, u);
     return ffi::Error::Success();
   }
-  // Units are claimed from `next_unit` by this thread and by pool tasks alike; this
-  // thread returns once every unit is done. A task that starts late finds none left
-  // (the shared state outlives this call).
-  auto next_unit = std::make_shared<std::atomic<int64_t>>(0);
-  auto done = std::make_shared<std::atomic<int64_t>>(0);
-  auto run = [state, next_unit, done, units]() {
-    for (int64_t u; (u = next_unit->fetch_add(1)) < units;) {
-      RunUnit(*state, state->units[u]);
-      done->fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run] { run(); });
-  run();
-  while (done->load(std::memory_order_acquire) < units) std::this_thread::yield();
+  jaxserve::ShareUnits(pool, units, [state](int64_t u) { RunUnit(*state, state->units[u]); });
   return ffi::Error::Success();
 }
 
