@@ -6,7 +6,9 @@
 #      tests/test_ep_dispatch_gpu.py);
 #   3. engine: scripts/gpu_engine_check.py, the whole offline engine on the GPU against
 #      greedy tokens recorded on the CPU (GPU_CHECK_ENGINE_REF, default
-#      .gpu_ref/engine_ref.json; made here with its --record), and tok/s per batch;
+#      .gpu_ref/engine_ref.json; made here with its --record), and tok/s per batch
+#      (GPU_CHECK_ENGINE_ARGS: more arguments; a cold start compiles every step shape,
+#      about 20 per model, which took over 150 s on an H200 for the demo model);
 #   4. steps: scripts/bench_step_agreement.py at 2/4/8 processes (the GPU machine's idle
 #      CPU cores: issue 16's step-agreement goal is for an idle machine);
 #   5. scripts/bench_kernels.py: ceilings, grouped matmul, decode attention;
@@ -27,8 +29,9 @@
 #   --dry-run   the CPU rehearsal: JAX on the CPU, the gpu tests (they skip), the
 #               benchmark's --dry-run (GPU interpreter, tiny shapes); no sweep.
 # Caps (seconds): GPU_CHECK_TEST_S (150), GPU_CHECK_ENGINE_S (180),
-# GPU_CHECK_ENGINE_HIGHEST_S (60), GPU_CHECK_STEPS_S (60),
-# GPU_CHECK_BENCH_S (130), GPU_CHECK_SWEEP_S (80);
+# GPU_CHECK_ENGINE_HIGHEST_S (0: not run; the engine stage again at the highest matmul
+# precision), GPU_CHECK_STEPS_S (60),
+# GPU_CHECK_BENCH_S (110), GPU_CHECK_SWEEP_S (80);
 # GPU_CHECK_SWEEP_ARGS (default "--tokens 16,4096": the two regimes first);
 # GPU_CHECK_STAGES (default "tests,engine,steps,bench": which stages to run; add sweep).
 # See scripts/README.md, "Kernels on a GPU".
@@ -50,10 +53,10 @@ for arg in "$@"; do
 done
 TEST_S=${GPU_CHECK_TEST_S:-150}
 ENGINE_S=${GPU_CHECK_ENGINE_S:-180}
-ENGINE_HIGHEST_S=${GPU_CHECK_ENGINE_HIGHEST_S:-60}
+ENGINE_HIGHEST_S=${GPU_CHECK_ENGINE_HIGHEST_S:-0}
 STEPS_S=${GPU_CHECK_STEPS_S:-60}
 ENGINE_REF=${GPU_CHECK_ENGINE_REF:-.gpu_ref/engine_ref.json}
-BENCH_S=${GPU_CHECK_BENCH_S:-130}
+BENCH_S=${GPU_CHECK_BENCH_S:-110}
 SWEEP_S=${GPU_CHECK_SWEEP_S:-80}
 SWEEP_ARGS=${GPU_CHECK_SWEEP_ARGS-"--tokens 16,4096"}
 STAGES=,${GPU_CHECK_STAGES:-tests,engine,steps,bench},
@@ -134,13 +137,15 @@ if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
     # thread method: a kernel that hangs the device cannot be interrupted by a signal.
     TIMEOUT_ARGS=(--timeout=120 --timeout-method=thread)
 fi
+# tests/conftest.py imports the engine, which imports pyzmq (see the wheels above).
 want tests && stage "pytest -m gpu" "$OUT/pytest.log" "$TEST_S" \
-    "$PY" -m pytest -m gpu -q -rA "${TIMEOUT_ARGS[@]}" -p no:cacheprovider \
+    env PYTHONPATH="/tmp/site_engine:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rA "${TIMEOUT_ARGS[@]}" -p no:cacheprovider \
     --continue-on-collection-errors \
     tests/test_kernels.py tests/test_kernel_model.py tests/test_ep_dispatch_gpu.py
 
 # --- 2. the engine against CPU-recorded greedy tokens, and tok/s -------------------------
-ENGINE_ARGS=()
+# shellcheck disable=SC2206 # GPU_CHECK_ENGINE_ARGS is a list of arguments
+ENGINE_ARGS=(${GPU_CHECK_ENGINE_ARGS:---models demo})
 [ "$DRY" = 1 ] && ENGINE_ARGS+=(--batches 1,8 --models demo)
 if want engine; then
     if [ -f "$ENGINE_REF" ]; then
@@ -149,10 +154,10 @@ if want engine; then
             --out "$OUT/engine.json" "${ENGINE_ARGS[@]}"
         # The default precision lets a GPU run float32 dots in TF32: where greedy tokens
         # differ from the CPU's, this run says whether TF32 is why.
-        [ "$DRY" = 1 ] || stage "engine (highest precision)" "$OUT/engine.log" "$ENGINE_HIGHEST_S" \
+        [ "$DRY" = 1 ] || [ "$ENGINE_HIGHEST_S" = 0 ] || stage "engine (highest precision)" "$OUT/engine.log" "$ENGINE_HIGHEST_S" \
             env PYTHONPATH="/tmp/site_engine:$PYTHONPATH" "$PY" scripts/gpu_engine_check.py \
-            --reference "$ENGINE_REF" --precision highest --models qwen3moe \
-            --out /tmp/engine_highest.json
+            --reference "$ENGINE_REF" --precision highest --out /tmp/engine_highest.json \
+            "${ENGINE_ARGS[@]}"
     else
         note "engine: no reference $ENGINE_REF (record it on the CPU: gpu_engine_check.py --record)"
     fi

@@ -20,7 +20,9 @@ Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -47,13 +49,15 @@ def _qwen3moe_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def run_model(name: str, model: str, vocab: int, batches: list[int]) -> list[dict]:
+def run_model(
+    name: str, model: str, vocab: int, batches: list[int], max_num_seqs: int | None
+) -> list[dict]:
     """Build the engine, then per batch one untimed and one timed greedy generate."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import DEMO_MODEL_DIR
 
     start = time.perf_counter()
-    llm = LLM(model=model, tokenizer=DEMO_MODEL_DIR, max_num_seqs=max(batches),
+    llm = LLM(model=model, tokenizer=DEMO_MODEL_DIR, max_num_seqs=max_num_seqs or max(batches),
               max_model_len=MAX_MODEL_LEN)  # fmt: skip
     ready_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -79,7 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--models", default="demo,qwen3moe")
     parser.add_argument("--precision", choices=["default", "highest"], default="default")
+    parser.add_argument("--max-num-seqs", type=int, help="default: the largest batch")
+    parser.add_argument(
+        "--stall-dump-s", type=float, default=90.0,
+        help="print every thread's stack after this many seconds (0: never), for a stage "
+        "that its time cap would end silently",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.stall_dump_s > 0:
+        faulthandler.dump_traceback_later(args.stall_dump_s)
+    # The engine logs its compilation progress: where a cold start spends its time.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import jax
 
     if args.precision == "highest":
@@ -97,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 model = str(_qwen3moe_checkpoint(Path(tmp) / name))
                 vocab = QWEN3MOE_SHAPE["vocab_size"]
-            rows += run_model(name, model, vocab, batches)
+            rows += run_model(name, model, vocab, batches, args.max_num_seqs)
     if reference is not None:
         ref = {(r["model"], r["batch"]): r for r in reference["rows"]}
         print(f"{'model':<9} {'batch':>5} {'tok/s':>8} {'ref tok/s':>9} {'agree':>6}")
