@@ -282,3 +282,34 @@ def test_serve_compiles_in_the_background_unless_told_otherwise():
     assert EngineConfig().background_compile is False  # the offline LLM and tests
     assert _config().background_compile is True
     assert _config("--compile-all-at-start").background_compile is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["--block-size", "7"], "--block-size: must be a power of two from 1 to 256"),
+        (["--block-size", "24"], "--block-size: must be a power of two from 1 to 256"),
+        (["--block-size", "512"], "--block-size: must be a power of two from 1 to 256"),
+        (["--served-model-name", ""], "--served-model-name: must not be empty"),
+        (["--served-model-name", " "], "--served-model-name: must not be empty"),
+    ],
+)
+def test_a_setting_the_engine_cannot_take_is_one_usage_line(argv, cause, capsys):
+    """--block-size 7 (the GPU kernels read blocks in 8-row tiles and 64-key stages; vLLM
+    offers powers of two) and an empty --served-model-name (clients send the name as
+    `model`) are usage errors naming the flag, exit code 2; they used to be accepted."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", *argv])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve serve: error: argument "), lines
+    assert cause in lines[0]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_every_power_of_two_block_size_is_taken(size):
+    config = _config("--block-size", str(size))
+    assert config.cache.block_size == size
+    config.cache.validate()
+    with pytest.raises(ValueError, match=r"^block_size \(--block-size\): must be a power of two"):
+        CacheConfig(block_size=size + 3 if size > 1 else 3).validate()
