@@ -232,3 +232,31 @@ def test_a_lone_surrogate_escape_is_said_so(body):
 
     assert parse_body(CompletionRequest, b'{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"
     assert parse_body(CompletionRequest, b'{"prompt": "\\\\ud800"}').prompt == "\\ud800"
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        (b"application/json", True),
+        (b"Application/JSON; charset=utf-8", True),
+        (b"text/plain", False),
+        (b"application/x-www-form-urlencoded", False),  # curl -d without -H
+        (None, False),
+    ],
+)
+def test_only_a_json_content_type_is_read_as_json(header, accepted):
+    """As vLLM (validate_json_request) and OpenAI: a body not sent as application/json is
+    a 400 saying so, not parsed as JSON anyway."""
+    from jaxserve.frontend.http.responses import check_json_content_type
+
+    headers = [] if header is None else [(b"content-type", header)]
+    request = _request([], headers)
+    if accepted:
+        check_json_content_type(request)
+        return
+    with pytest.raises(HttpError) as info:
+        check_json_content_type(request)
+    error = info.value.body()["error"]
+    assert info.value.status == 400 and error["code"] == "unsupported_media_type"
+    assert error["message"].startswith("Content-Type: the body must be sent as application/json")
+    assert error["type"] == "invalid_request_error"
