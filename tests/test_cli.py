@@ -313,3 +313,13 @@ def test_every_power_of_two_block_size_is_taken(size):
     config.cache.validate()
     with pytest.raises(ValueError, match=r"^block_size \(--block-size\): must be a power of two"):
         CacheConfig(block_size=size + 3 if size > 1 else 3).validate()
+
+
+def test_python_dash_m_jaxserve_is_the_command():
+    """`python -m jaxserve` (a venv whose bin/ is not on PATH) runs the CLI; it used to
+    say "No module named jaxserve.__main__"."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "--version"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.startswith("jaxserve "), out.stderr
