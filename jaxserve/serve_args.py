@@ -125,6 +125,13 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             async_scheduling=args.async_scheduling,
         )
     )
+    if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
+        # The scheduler's rule, found here before any process starts (it was found by the
+        # engine after loading the weights).
+        raise ValueError(
+            f"max-num-batched-tokens: must be >= --max-num-seqs ({scheduler.max_num_seqs}), "
+            f"got {scheduler.max_num_batched_tokens}"
+        )
     eplb = EplbConfig(
         enabled=args.enable_eplb,
         **given(

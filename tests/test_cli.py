@@ -323,3 +323,14 @@ def test_python_dash_m_jaxserve_is_the_command():
         timeout=60,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.startswith("jaxserve "), out.stderr
+
+
+def test_fewer_batched_tokens_than_sequences_is_refused_before_any_process():
+    """The scheduler's rule (max_num_batched_tokens >= max_num_seqs), named by its flag
+    when the flags are read; the engine used to find it after loading the weights."""
+    with pytest.raises(ValueError, match=r"^max-num-batched-tokens: must be >= --max-num-seqs"):
+        _config("--max-num-seqs", "4", "--max-num-batched-tokens", "2")
+    with pytest.raises(ValueError, match=r"must be >= --max-num-seqs \(1024\), got 512"):
+        _config("--max-num-seqs", "1024")
+    config = _config("--max-num-seqs", "4", "--max-num-batched-tokens", "4")
+    assert config.scheduler.max_num_batched_tokens == 4
