@@ -3,7 +3,7 @@
     from jaxserve.frontend.client import JaxserveClient
 
     with JaxserveClient("127.0.0.1:50051") as client:
-        for delta in client.generate("import ", max_tokens=32, temperature=0):
+        for delta in client.generate("def open(", max_tokens=32, temperature=0):
             print(delta.text, end="", flush=True)
 
 With n > 1 the deltas of the n samples interleave; `delta.index` says whose, and

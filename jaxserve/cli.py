@@ -137,6 +137,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--replicas: not supported with several processes per replica yet")
         if dist is None:
             routing.check_mesh(config.mesh.dp * config.mesh.tp)
+        preflight.check_distinct_ports(server.port, server.metrics_port, server.http_port)
         if server.chat_template is not None:
             if server.http_port is None:
                 raise ValueError(
@@ -163,7 +164,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             router_options=routing,
         )
     except StartupError as e:  # a child's cause; the engine told the followers itself
-        return _fail(e, 1)
+        return _fail(e, e.exit_code)
     except (OSError, ValueError, RuntimeError) as e:
         return _fail(e, 1, dist)
 

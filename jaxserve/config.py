@@ -72,6 +72,28 @@ class CacheConfig:
     memory_fraction: float | None = None
     enable_prefix_caching: bool = True
 
+    def validate(self) -> None:
+        """Raises ValueError naming the field (and its flag) of a block size the engine
+        does not take: `block_size_error`."""
+        error = block_size_error(self.block_size)
+        if error:
+            raise ValueError(f"block_size (--block-size): {error}")
+
+
+# Tokens per KV block the engine takes: powers of two up to 256, as vLLM's --block-size
+# (1, 8, ..., 256). The GPU paged-attention kernel reads a block in 8-row tiles and
+# steps over keys in stages of 64 (kernels/paged_attention.py `unsupported_reason`,
+# tile_table.attention_config), so it takes 8, 16, 32 and multiples of 64; 1, 2 and 4 run
+# the reference attention there, with a warning. The CPU runs any size.
+MAX_BLOCK_SIZE = 256
+
+
+def block_size_error(block_size: int) -> str | None:
+    """Why `block_size` is not a KV block size the engine takes, or None."""
+    if block_size < 1 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"must be a power of two from 1 to {MAX_BLOCK_SIZE} (default 16), got {block_size}"
+    return None
+
 
 @dataclass(slots=True)
 class SchedulerConfig:

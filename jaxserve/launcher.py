@@ -50,7 +50,7 @@ from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
-from jaxserve.logs import START_ERROR_FILE_ENV, read_start_failure
+from jaxserve.logs import EXIT_SYSTEM_REFUSED, START_ERROR_FILE_ENV, read_start_failure_code
 from jaxserve.observability.metrics import Metrics
 from jaxserve.serve_log import StatsLogger, config_block
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
@@ -83,7 +83,13 @@ class _Child:
 
 
 class StartupError(RuntimeError):
-    """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`)."""
+    """A child failed to start and said why (one line, `jaxserve.logs.report_start_failure`).
+    exit_code: the code `serve` exits with, as the child asked (2: a bad setting, 1: the
+    system refused; `jaxserve.logs.start_failure_code`)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_SYSTEM_REFUSED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _spawn(
@@ -305,9 +311,10 @@ async def _run_frontend(
                 return EXIT_CHILD_DIED
         elif watch.done():
             # The child's own one-line cause, when it gave one, is the last line printed.
-            causes = [c for c in map(read_start_failure, (c.error_file for c in children)) if c]
+            causes = [read_start_failure_code(c.error_file) for c in children]
+            causes = [(line, code) for line, code in causes if line]
             if causes:
-                raise StartupError(causes[0])
+                raise StartupError(*causes[0])
             logger.error("start-up failed: %s", watch.result())
             return EXIT_CHILD_DIED
         logger.info("shutting down")

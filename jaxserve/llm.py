@@ -2,7 +2,7 @@
 
     from jaxserve import LLM, SamplingParams
     llm = LLM(model="path/to/hf_folder", max_num_seqs=32)
-    outs = llm.generate(["def add(", "import "], SamplingParams(temperature=0, max_tokens=32))
+    outs = llm.generate(["def add(", "def open("], SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].outputs[j]...
 
 It runs an `EngineCore` in this process and detokenizes with the same

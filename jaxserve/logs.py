@@ -36,6 +36,20 @@ START_ERROR_FILE_ENV = "JAXSERVE_START_ERROR_FILE"
 
 _PLAIN_ERRORS = (ValueError, RuntimeError, OSError)
 
+# A failed start's exit code (README, "Serving"): 2 for a bad setting, 1 when the system
+# refused. A bad setting is a ValueError, ours naming the flag or file: a flag out of
+# range, a mesh that cannot hold the model or has too few devices, a model folder whose
+# files are broken (a truncated or incomplete checkpoint, like a broken config.json); the
+# system refusing is everything else (a busy port, memory, a device or runtime error).
+EXIT_BAD_SETTING = 2
+EXIT_SYSTEM_REFUSED = 1
+
+
+def start_failure_code(error: BaseException) -> int:
+    """The exit code of a start that failed with `error`: EXIT_BAD_SETTING for a
+    ValueError, else EXIT_SYSTEM_REFUSED."""
+    return EXIT_BAD_SETTING if isinstance(error, ValueError) else EXIT_SYSTEM_REFUSED
+
 
 def describe_error(error: BaseException) -> str:
     """One line for an exception: its message's first line (ValueError / RuntimeError /
@@ -66,7 +80,8 @@ def report_start_failure(what: str, error: BaseException, logger: logging.Logger
     """Report that `what` ("engine", "follower 2") failed to start, as one line.
 
     The line (`what: cause`) goes to the parent's start-error file when the parent set
-    `START_ERROR_FILE_ENV` (it prints the line last, once), else to `logger` at ERROR.
+    `START_ERROR_FILE_ENV` (it prints the line last, once, and exits with the code of
+    `start_failure_code`, written on the file's second line), else to `logger` at ERROR.
     The traceback is logged only at DEBUG (`--log-level debug`). Returns the line.
     """
     line = f"{what} failed to start: {describe_error(error)}"
@@ -81,7 +96,7 @@ def report_start_failure(what: str, error: BaseException, logger: logging.Logger
     if path:
         try:
             with open(path, "w", encoding="utf-8") as f:
-                f.write(line)
+                f.write(f"{line}\n{start_failure_code(error)}\n")
             return line
         except OSError:
             pass  # the parent's folder is gone: log it here instead
@@ -91,11 +106,21 @@ def report_start_failure(what: str, error: BaseException, logger: logging.Logger
 
 def read_start_failure(path: str) -> str | None:
     """The line a child wrote with `report_start_failure`, or None."""
+    return read_start_failure_code(path)[0]
+
+
+def read_start_failure_code(path: str) -> tuple[str | None, int]:
+    """The line a child wrote with `report_start_failure` (None if it wrote none) and the
+    exit code it asks for (EXIT_SYSTEM_REFUSED when it gave none)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
+            lines = f.read().strip().splitlines()
     except OSError:
-        return None
+        return None, EXIT_SYSTEM_REFUSED
+    code = EXIT_SYSTEM_REFUSED
+    if len(lines) > 1 and lines[1].strip() == str(EXIT_BAD_SETTING):
+        code = EXIT_BAD_SETTING
+    return (lines[0].strip() or None) if lines else None, code
 
 
 class ProgressLog:

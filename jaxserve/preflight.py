@@ -117,21 +117,33 @@ def check_bind(flag: str, host: str, port: int) -> None:
         ) from None
 
 
-def check_ports(
-    host: str, port: int, metrics_port: int | None = None, http_port: int | None = None
+def check_distinct_ports(
+    port: int, metrics_port: int | None = None, http_port: int | None = None
 ) -> None:
-    """Raise ValueError naming the flag if the gRPC `port`, `metrics_port` or `http_port`
-    (None: not served) is taken by another of them or cannot be bound (`check_bind`).
-    Port 0 (any free port) is never a clash."""
+    """Raise ValueError naming the flag if two of the gRPC `port`, `metrics_port` and
+    `http_port` (None: not served) are the same port: a bad setting, found without
+    binding anything. Port 0 (any free port) is never a clash."""
     ports = [("port", port), ("metrics-port", metrics_port), ("http-port", http_port)]
-    given = [(flag, p) for flag, p in ports if p is not None]
     seen: dict[int, str] = {}
-    for flag, p in given:
+    for flag, p in ports:
+        if p is None:
+            continue
         if p and p in seen:
             raise ValueError(
                 f"{flag}: {p} is also --{seen[p]}; give each of --port, --metrics-port "
                 "and --http-port its own port"
             )
         seen[p] = flag
-    for flag, p in given:
-        check_bind(flag, host, p)
+
+
+def check_ports(
+    host: str, port: int, metrics_port: int | None = None, http_port: int | None = None
+) -> None:
+    """Raise ValueError naming the flag if the gRPC `port`, `metrics_port` or `http_port`
+    (None: not served) is taken by another of them (`check_distinct_ports`) or cannot be
+    bound (`check_bind`)."""
+    check_distinct_ports(port, metrics_port, http_port)
+    ports = [("port", port), ("metrics-port", metrics_port), ("http-port", http_port)]
+    for flag, p in ports:
+        if p is not None:
+            check_bind(flag, host, p)

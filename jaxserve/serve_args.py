@@ -23,6 +23,7 @@ from jaxserve.config import (
     MeshConfig,
     SchedulerConfig,
     ServerConfig,
+    block_size_error,
     resolve_dtype,
 )
 
@@ -45,6 +46,25 @@ def _int_at_least(low: int, high: int | None = None):
 
 PORT = _int_at_least(0, 65535)
 POSITIVE = _int_at_least(1)
+
+
+def _block_size(text: str) -> int:
+    """An argparse type: a KV block size the engine takes (`config.block_size_error`)."""
+    value = POSITIVE(text)
+    error = block_size_error(value)
+    if error:
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
+def _model_name(text: str) -> str:
+    """An argparse type: a non-empty model name (what clients send as `model`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty (clients name the model with it; leave the flag out to use "
+            "the model id or folder name)"
+        )
+    return text
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
@@ -105,6 +125,13 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             async_scheduling=args.async_scheduling,
         )
     )
+    if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
+        # The scheduler's rule, found here before any process starts (it was found by the
+        # engine after loading the weights).
+        raise ValueError(
+            f"max-num-batched-tokens: must be >= --max-num-seqs ({scheduler.max_num_seqs}), "
+            f"got {scheduler.max_num_batched_tokens}"
+        )
     eplb = EplbConfig(
         enabled=args.enable_eplb,
         **given(
@@ -234,6 +261,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="the same as the positional MODEL (default: the demo model)")
     m.add_argument(
         "--served-model-name",
+        type=_model_name,
         metavar="NAME",
         help="model name reported by GetServerInfo and the metrics (default: the model id "
         "or folder name given)",
@@ -299,8 +327,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     kv = s.add_argument_group("KV cache")
     kv.add_argument(
         "--block-size",
-        type=POSITIVE,
-        help=f"tokens per KV block (default: {cache.block_size})",
+        type=_block_size,
+        help="tokens per KV block, a power of two up to 256; the GPU kernels take 8 or more "
+        f"(default: {cache.block_size})",
     )
     kv.add_argument(
         "--num-blocks",

@@ -320,6 +320,29 @@ def print_row(r: dict) -> None:
     )
 
 
+def llama_python(given: str | None, converter: str | None) -> tuple[str | None, str | None]:
+    """The interpreter that runs the llama.cpp side (None: no such side) and, when this
+    interpreter has llama_cpp but the side is skipped, why (one line to print).
+
+    given: --llama-python; converter: --llama-converter. Without --llama-python the side
+    runs in this interpreter when it can import llama_cpp and the converter is given;
+    without the converter (which makes the GGUFs) it is skipped, not an error.
+    Raises ValueError when --llama-python is given without --llama-converter.
+    """
+    if given is not None:
+        if not converter:
+            raise ValueError("--llama-python needs --llama-converter (see compare_llama_cpp.py)")
+        return given, None
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, None
+    if not converter:
+        return None, (
+            "llama_cpp is importable here, but no --llama-converter (llama.cpp's "
+            "convert_hf_to_gguf.py) was given to make the GGUFs"
+        )
+    return sys.executable, None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,8,32,128")
@@ -341,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--llama-python",
         help="an interpreter with llama-cpp-python: adds llama.cpp on an f32 GGUF of each "
-        "model (default: this interpreter, when it has llama_cpp)",
+        "model (default: this interpreter, when it has llama_cpp and --llama-converter is "
+        "given; without the converter the column is skipped with a line saying why)",
     )
     parser.add_argument(
         "--llama-converter",
@@ -356,10 +380,12 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args.worker, args.worker_model, args.worker_max_batch, args.max_model_len)
         return
     args.batches = [int(b) for b in args.batches.split(",")]
-    if args.llama_python is None and importlib.util.find_spec("llama_cpp") is not None:
-        args.llama_python = sys.executable
-    if args.llama_python and not args.llama_converter:
-        parser.error("--llama-python needs --llama-converter (see compare_llama_cpp.py)")
+    try:
+        args.llama_python, skipped = llama_python(args.llama_python, args.llama_converter)
+    except ValueError as e:
+        parser.error(str(e))
+    if skipped:
+        print(f"# llama.cpp: not compared ({skipped})")
 
     sys.path.insert(0, str(HERE))
     from bench_offline import write_random_checkpoint
@@ -381,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, path in models.items():
                 out = Path(tmp) / f"{name}-f32.gguf"
                 ggufs[name] = str(make_gguf(args.llama_converter, Path(path), DEMO_MODEL_DIR, out))
-        else:
+        elif not skipped:
             why = f"{args.llama_python} cannot import llama_cpp" if args.llama_python else (
                 "no --llama-python, an interpreter with llama-cpp-python")  # fmt: skip
             print(f"# llama.cpp: not compared ({why})")

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 venv="${JAXSERVE_VENV:-.venv}"
 port="${JAXSERVE_PORT:-50051}"
-prompt="${1:-import }"
+prompt="${1:-def open(}"
 
 # Refuse a busy port up front, so the completion below can only come from our server.
 if ! "$venv/bin/python" -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$port" 2>/dev/null; then

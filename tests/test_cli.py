@@ -282,3 +282,55 @@ def test_serve_compiles_in_the_background_unless_told_otherwise():
     assert EngineConfig().background_compile is False  # the offline LLM and tests
     assert _config().background_compile is True
     assert _config("--compile-all-at-start").background_compile is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["--block-size", "7"], "--block-size: must be a power of two from 1 to 256"),
+        (["--block-size", "24"], "--block-size: must be a power of two from 1 to 256"),
+        (["--block-size", "512"], "--block-size: must be a power of two from 1 to 256"),
+        (["--served-model-name", ""], "--served-model-name: must not be empty"),
+        (["--served-model-name", " "], "--served-model-name: must not be empty"),
+    ],
+)
+def test_a_setting_the_engine_cannot_take_is_one_usage_line(argv, cause, capsys):
+    """--block-size 7 (the GPU kernels read blocks in 8-row tiles and 64-key stages; vLLM
+    offers powers of two) and an empty --served-model-name (clients send the name as
+    `model`) are usage errors naming the flag, exit code 2; they used to be accepted."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", *argv])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve serve: error: argument "), lines
+    assert cause in lines[0]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_every_power_of_two_block_size_is_taken(size):
+    config = _config("--block-size", str(size))
+    assert config.cache.block_size == size
+    config.cache.validate()
+    with pytest.raises(ValueError, match=r"^block_size \(--block-size\): must be a power of two"):
+        CacheConfig(block_size=size + 3 if size > 1 else 3).validate()
+
+
+def test_python_dash_m_jaxserve_is_the_command():
+    """`python -m jaxserve` (a venv whose bin/ is not on PATH) runs the CLI; it used to
+    say "No module named jaxserve.__main__"."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "--version"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.startswith("jaxserve "), out.stderr
+
+
+def test_fewer_batched_tokens_than_sequences_is_refused_before_any_process():
+    """The scheduler's rule (max_num_batched_tokens >= max_num_seqs), named by its flag
+    when the flags are read; the engine used to find it after loading the weights."""
+    with pytest.raises(ValueError, match=r"^max-num-batched-tokens: must be >= --max-num-seqs"):
+        _config("--max-num-seqs", "4", "--max-num-batched-tokens", "2")
+    with pytest.raises(ValueError, match=r"must be >= --max-num-seqs \(1024\), got 512"):
+        _config("--max-num-seqs", "1024")
+    config = _config("--max-num-seqs", "4", "--max-num-batched-tokens", "4")
+    assert config.scheduler.max_num_batched_tokens == 4

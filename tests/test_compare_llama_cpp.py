@@ -59,3 +59,26 @@ def test_make_gguf_stages_the_tokenizer_and_answers_the_pre_tokenizer(tmp_path):
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip
     assert not (tmp_path / "m-f32.hf").exists()  # the staging folder is gone
+
+
+def test_an_importable_llama_cpp_without_converter_skips_the_column(monkeypatch):
+    """compare_hf.py found llama_cpp importable, took this interpreter as --llama-python
+    and then stopped with a usage error for the missing --llama-converter: now it skips
+    the column with the reason; an explicit --llama-python still needs the converter."""
+    import importlib.util
+
+    import compare_hf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "llama_cpp" else real(name, *a),
+    )
+    python, skipped = compare_hf.llama_python(None, None)
+    assert python is None and "no --llama-converter" in skipped
+    assert compare_hf.llama_python(None, "convert_hf_to_gguf.py") == (sys.executable, None)
+    with pytest.raises(ValueError, match="--llama-python needs --llama-converter"):
+        compare_hf.llama_python("/venv/bin/python", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert compare_hf.llama_python(None, None) == (None, None)

@@ -112,3 +112,17 @@ def test_import_continues_with_stdlib_module(hf_model, hf_tokenizer, prompt):
 def test_def_continues_with_identifier_and_paren(hf_model, hf_tokenizer, prompt):
     continuation = greedy_continuation(hf_model, hf_tokenizer, prompt, max_new_tokens=8)
     assert re.match(r"[A-Za-z_][A-Za-z0-9_]*\(", continuation), f"{prompt!r} -> {continuation!r}"
+
+
+def test_the_demo_scripts_default_prompt_completes_without_a_loop(hf_model, hf_tokenizer):
+    """scripts/demo.sh streams the greedy completion of its default prompt: it must read
+    as code, not a loop (the old default "import " gave "sys" and then "import sys" on
+    every line). Greedy by transformers, which the logits test ties to jaxserve's."""
+    script = (DEMO_MODEL_DIR.parents[1] / "scripts" / "demo.sh").read_text()
+    prompt = re.search(r'prompt="\$\{1:-(.*?)\}"', script).group(1)
+    max_tokens = int(re.search(r"--max-tokens (\d+)", script).group(1))
+    text = prompt + greedy_continuation(hf_model, hf_tokenizer, prompt, max_tokens)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    assert len(lines) >= 3 and max(map(lines.count, lines)) <= 2, text
+    words = IDENTIFIER.findall(text)
+    assert max(map(words.count, words)) <= len(words) / 4, text

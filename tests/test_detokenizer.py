@@ -229,7 +229,11 @@ def test_sidecar_start_failure_is_one_line(tmp_path, error_file):
     assert "Traceback" not in out.stderr
     want = f"detokenizer failed to start: cannot bind {bad} ("
     if error_file:
-        assert path.read_text().startswith(want) and "\n" not in path.read_text()
+        from jaxserve.logs import EXIT_SYSTEM_REFUSED, read_start_failure_code
+
+        line, code = read_start_failure_code(str(path))
+        assert line.startswith(want) and code == EXIT_SYSTEM_REFUSED  # the bind was refused
+        assert len(path.read_text().splitlines()) == 2  # the line, then the code
         assert out.stderr == ""
     else:
         lines = out.stderr.splitlines()

@@ -518,6 +518,16 @@ def test_body_over_limit_is_413_and_bad_json_is_400(mock_model_dir):
         assert r.json()["error"]["message"].startswith("body: not valid JSON in UTF-8")
         r = _http("GET", srv.http_url + "/v1/nothing")
         assert r.status_code == 404 and "error" in r.json()
+        # JSON sent as text/plain: refused as vLLM refuses it, not read as JSON.
+        req = urllib.request.Request(
+            srv.http_url + "/v1/completions", data=b'{"prompt": "a"}', method="POST",
+            headers={"Content-Type": "text/plain"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=TIMEOUT_S)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and error["code"] == "unsupported_media_type", error
+        assert "'text/plain'" in error["message"]
         assert "Traceback" not in srv.log()
     finally:
         srv.terminate(15)

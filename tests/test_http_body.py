@@ -2,6 +2,7 @@
 protocol.parse_body: what a body that is not a request is called."""
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -150,3 +151,112 @@ def test_a_body_that_is_not_json_text_is_named_as_such(body):
     with pytest.raises(FieldError) as info:
         parse_body(CompletionRequest, array)
     assert info.value.param == "body" and str(info.value).startswith("body: not a JSON object")
+
+
+def _field_error(model, body: bytes):
+    from jaxserve.frontend.http.protocol import FieldError, parse_body
+
+    with pytest.raises(FieldError) as info:
+        parse_body(model, body)
+    return info.value.param, str(info.value)
+
+
+def test_list_limits_are_said_as_the_shared_rules_say_them():
+    """Too many stop strings or stop token ids: the HTTP 400 says it in the words of the
+    shared rules (the gRPC INVALID_ARGUMENT text), not pydantic's "List should have at
+    most 64 items after validation"."""
+    from jaxserve.frontend.http.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS, CompletionRequest
+    from jaxserve.sampling_params import SamplingParams
+
+    for field, value in (
+        ("stop", ["x"] * (MAX_STOP + 1)),
+        ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
+    ):
+        param, message = _field_error(
+            CompletionRequest, json.dumps({"prompt": "a", field: value}).encode()
+        )
+        with pytest.raises(ValueError) as grpc_rule:
+            SamplingParams(**{field: value})
+        assert param == field and message == str(grpc_rule.value), (message, grpc_rule.value)
+
+
+CHAT = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param", "message"),
+    [
+        ("chat", {"messages": []}, "messages", "messages: must not be empty"),
+        ("chat", {"messages": [CHAT] * 4097}, "messages",
+         "messages: at most 4096 messages are supported, got 4097"),
+        ("chat", {"messages": [CHAT], "tools": [{}] * 257}, "tools",
+         "tools: at most 256 tools are supported, got 257"),
+        ("chat", {}, "messages", "messages: required, missing from the body"),
+        ("chat", {"messages": [CHAT], "top_logprobs": 1.5}, "top_logprobs",
+         "top_logprobs: must be an integer, got a number (1.5)"),
+        ("completions", {"prompt": "a", "max_tokens": "3"}, "max_tokens",
+         "max_tokens: must be an integer, got a string"),
+        ("completions", {"prompt": "a", "temperature": "hot"}, "temperature",
+         "temperature: must be a number, got a string"),
+        ("completions", {"prompt": "a", "stream": "yes"}, "stream",
+         "stream: must be a boolean (true or false), got a string"),
+        ("completions", {"prompt": "a", "stop": 5}, "stop",
+         "stop: must be a string or a list of strings, got a number (5)"),
+        ("completions", {"prompt": "a", "stop": ["a", 5]}, "stop[1]",
+         "stop[1]: must be a string, got a number (5)"),
+        ("completions", {"prompt": "a", "stream_options": "yes"}, "stream_options",
+         "stream_options: must be a JSON object, got a string"),
+    ],
+)  # fmt: skip
+def test_pydantic_errors_are_said_in_our_words(model, body, param, message):
+    """Every 400 of a body's shape names the field first and says what it must be, as the
+    gRPC messages do; no pydantic wording ("Input should be", "List should have")."""
+    from jaxserve.frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    cls = ChatCompletionRequest if model == "chat" else CompletionRequest
+    assert _field_error(cls, json.dumps(body).encode()) == (param, message)
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "\\ud800"}', b'{"prompt": "a", "user": "\\udc00x"}'])
+def test_a_lone_surrogate_escape_is_said_so(body):
+    """jiter calls "\\ud800" followed by a quote "unexpected end of hex escape": the 400
+    says what is wrong (a lone surrogate escape) and where."""
+    from jaxserve.frontend.http.protocol import CompletionRequest
+
+    param, message = _field_error(CompletionRequest, body)
+    assert param == "body"
+    assert message.startswith("body: not valid JSON in UTF-8 (a string holds a lone UTF-16 ")
+    assert "hex escape" not in message and "at line 1 column " in message
+    # A surrogate pair is a character; an escaped backslash before "ud800" is no escape.
+    from jaxserve.frontend.http.protocol import parse_body
+
+    assert parse_body(CompletionRequest, b'{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"
+    assert parse_body(CompletionRequest, b'{"prompt": "\\\\ud800"}').prompt == "\\ud800"
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        (b"application/json", True),
+        (b"Application/JSON; charset=utf-8", True),
+        (b"text/plain", False),
+        (b"application/x-www-form-urlencoded", False),  # curl -d without -H
+        (None, False),
+    ],
+)
+def test_only_a_json_content_type_is_read_as_json(header, accepted):
+    """As vLLM (validate_json_request) and OpenAI: a body not sent as application/json is
+    a 400 saying so, not parsed as JSON anyway."""
+    from jaxserve.frontend.http.responses import check_json_content_type
+
+    headers = [] if header is None else [(b"content-type", header)]
+    request = _request([], headers)
+    if accepted:
+        check_json_content_type(request)
+        return
+    with pytest.raises(HttpError) as info:
+        check_json_content_type(request)
+    error = info.value.body()["error"]
+    assert info.value.status == 400 and error["code"] == "unsupported_media_type"
+    assert error["message"].startswith("Content-Type: the body must be sent as application/json")
+    assert error["type"] == "invalid_request_error"

@@ -152,8 +152,10 @@ def test_busy_http_port_fails_before_any_process_starts(model_copy):
 
 def test_one_port_for_two_services_is_one_line(model_copy):
     code, lines = serve(str(model_copy), "--port", "50999", "--metrics-port", "50999", *MOCK)
-    assert code == 1
+    assert code == 2  # a bad setting (README), not a port the system refused
     assert "metrics-port: 50999 is also --port" in one_error_line(lines)
+    code, lines = serve(str(model_copy), "--port", "50999", "--http-port", "50999", *MOCK)
+    assert code == 2 and "http-port: 50999 is also --port" in one_error_line(lines)
 
 
 def test_ready_line_names_the_http_address(tmp_path):
@@ -226,9 +228,9 @@ MESH_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_devi
 
 
 def test_mesh_that_cannot_hold_the_model_is_one_line():
-    # The demo model has 8 experts: not divisible by 3 devices.
+    # The demo model has 8 experts: not divisible by 3 devices. A bad setting: exit 2.
     code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "warning", env=MESH_ENV, timeout=120)
-    assert code == 1
+    assert code == 2
     line = one_error_line(lines)
     assert "engine failed to start: mesh dp=1,tp=3 cannot hold" in line
     assert "num_experts=8 is not divisible" in line
@@ -236,11 +238,35 @@ def test_mesh_that_cannot_hold_the_model_is_one_line():
 
 def test_engine_error_at_info_ends_with_the_cause_and_debug_shows_the_traceback():
     code, lines = serve("--mesh", "dp=1,tp=3", env=MESH_ENV, timeout=120)
-    assert code == 1 and not any("Traceback" in line for line in lines)
+    assert code == 2 and not any("Traceback" in line for line in lines)
     assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
     code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "debug", env=MESH_ENV, timeout=120)
-    assert code == 1 and any("Traceback" in line for line in lines)
+    assert code == 2 and any("Traceback" in line for line in lines)
     assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
+
+
+def test_more_devices_than_visible_is_a_bad_setting():
+    """--mesh dp=3 on one device: the engine finds it; `serve` exits 2, as for the other
+    bad settings (it used to exit 1, the code for the system refusing)."""
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    code, lines = serve("--mesh", "dp=3,tp=1", "--log-level", "warning", env=env, timeout=120)
+    line = one_error_line(lines)
+    assert code == 2, line
+    assert "engine failed to start: mesh dp=3,tp=1 needs 3 devices, but only 1" in line
+
+
+def test_truncated_weights_file_is_a_bad_setting(model_copy):
+    """A truncated *.safetensors is a broken model folder, like a broken config.json: exit
+    2 with one line naming the file (README: 2 for a bad setting, 1 when the system
+    refused; nothing refused here)."""
+    weights = model_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data[: len(data) // 2])
+    code, lines = serve(str(model_copy), "--log-level", "warning", env={"JAX_PLATFORMS": "cpu"})
+    line = one_error_line(lines)
+    assert code == 2, line
+    assert f"{weights}: not a readable safetensors file" in line
 
 
 # ----- several processes ------------------------------------------------------------------
@@ -315,7 +341,7 @@ def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
             cwd=REPO_DIR, env={**env, "JAX_PROCESS_ID": "0"},
         )  # fmt: skip
         left = time.monotonic()
-        assert leader.returncode == 1, leader.stderr
+        assert leader.returncode == 2, leader.stderr  # a broken checkpoint: a bad setting
         assert "missing tensor 'model.norm.weight'" in leader.stderr.splitlines()[-1]
         _, stderr = follower.communicate(timeout=60)
         took = time.monotonic() - left

@@ -54,6 +54,7 @@ from jaxserve.frontend.http.responses import (
     DONE,
     DeferredJSONResponse,
     EventStreamResponse,
+    check_json_content_type,
     read_body,
     sse_event,
 )
@@ -176,6 +177,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request):
         try:
+            check_json_content_type(request)
             body = parse_body(CompletionRequest, await read_body(request, MAX_BODY_BYTES))
             log_unknown_fields(body, "completions")
             model = self._model(body.model)
@@ -191,6 +193,7 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request):
         try:
+            check_json_content_type(request)
             body = parse_body(ChatCompletionRequest, await read_body(request, MAX_BODY_BYTES))
             log_unknown_fields(body, "chat.completions")
             model = self._model(body.model)

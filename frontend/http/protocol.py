@@ -18,14 +18,18 @@ A chat `chat_template` (vLLM's extra) is declared only to be refused, whatever i
 (`inputs.check_request_template`): no client Jinja is compiled.
 
 Every 400 names the exact field, with list indices (`prompt[1]`, `messages[0].content`,
-`stream_options.include_usage`); "body" only when the bytes are not valid JSON in UTF-8
-(a lone surrogate escape such as "\ud800" included) or not a JSON object. A
+`stream_options.include_usage`), in the words of the shared rules (`_in_our_words`:
+"stop: at most 64 stop strings are supported, got 65", "max_tokens: must be an integer,
+got a string"), not pydantic's; "body" only when the bytes are not valid JSON in UTF-8
+(a lone surrogate escape such as "\ud800" included, said so) or not a JSON object. A
 completions `prompt` that fails its union type is named by `prompt_shape`, by hand: the
 union's errors name the branch that failed first, not the element at fault.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
@@ -234,6 +238,75 @@ def _name_the_prompt_element(errors: list[dict]) -> None:
 # pydantic's words for a value that is not a JSON object, in ours.
 _NOT_AN_OBJECT = ("model_type", "model_attributes_type", "dict_type")
 
+# pydantic's error types of a value of the wrong JSON type: what the field must be.
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "a boolean (true or false)",
+    "bool_parsing": "a boolean (true or false)",
+    "string_type": "a string",
+    "list_type": "a list",
+}
+# Fields of a union type, in words (each branch fails with its own type error).
+_UNION_KINDS = {"stop": "a string or a list of strings"}
+# What the items of a list field are called in a "too many" message, as the shared
+# rules (gRPC) call them: "stop: at most 64 stop strings are supported, got 65".
+_ITEMS = {"stop": "stop strings", "stop_token_ids": "ids", "messages": "messages", "tools": "tools"}
+
+
+def _in_our_words(error: dict, param: str) -> str:
+    """pydantic's error on `param` as the frontend's other messages say it: the field
+    first, then what it must be and what came ("max_tokens: must be an integer, got a
+    string"), in the words of the shared rules where they have the same check."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in _NOT_AN_OBJECT:
+        return f"{param}: must be a JSON object, got {_json_kind(error['input'])}"
+    if kind == "missing":
+        return f"{param}: required, missing from the body"
+    if kind == "too_long" and "max_length" in ctx:
+        items = _ITEMS.get(param, "items")
+        got = ctx.get("actual_length")
+        return f"{param}: at most {ctx['max_length']} {items} are supported" + (
+            f", got {got}" if got is not None else ""
+        )
+    if kind == "too_short":
+        return f"{param}: must not be empty"
+    if kind in _EXPECTED:
+        expected = _UNION_KINDS.get(param, _EXPECTED[kind])
+        return f"{param}: must be {expected}, got {_json_kind(error['input'])}"
+    return f"{param}: {error['msg']}"
+
+
+_POSITION = re.compile(r" at line \d+ column \d+$")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _why_not_json(body: bytes, why: str) -> str:
+    """jiter's reason a body is not JSON text in UTF-8 (`why`, "... at line L column C"),
+    in words a client can act on where jiter's mislead: a lone UTF-16 surrogate escape
+    ("\\ud800" without its pair), which jiter reports as "unexpected end of hex escape"
+    or "lone leading surrogate", and bytes that are not UTF-8. Python's json, which takes
+    lone surrogates, tells them apart: only on this error path."""
+    match = _POSITION.search(why)
+    where = match.group(0).removeprefix(" ") if match else "position unknown"
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"byte {body[e.start : e.start + 1]!r} is not UTF-8, {where}"
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            json.loads(text)
+        except ValueError:
+            return why
+        return (
+            "a string holds a lone UTF-16 surrogate escape such as \\ud800, half of a pair "
+            f"and no character: send the character itself or both halves; {where}"
+        )
+    return why
+
 
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """The body as `model`. Raises FieldError naming the first bad field, by its path
@@ -254,10 +327,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         first = min(errors, key=lambda err: (err["type"] != "too_long", -len(err["loc"])))
         if not first["loc"]:  # the body itself
             if first["type"] == "json_invalid":  # not JSON text, or a string not Unicode
-                why = first["msg"].removeprefix("Invalid JSON: ")
+                why = _why_not_json(body, first["msg"].removeprefix("Invalid JSON: "))
                 raise FieldError("body", f"body: not valid JSON in UTF-8 ({why})") from None
-            raise FieldError("body", f"body: not a JSON object ({first['msg']})") from None
+            got = _json_kind(first["input"])
+            raise FieldError("body", f"body: not a JSON object (got {got})") from None
         param = field_path(first["loc"])
-        if first["type"] in _NOT_AN_OBJECT:
-            raise FieldError(param, f"{param}: must be a JSON object") from None
-        raise FieldError(param, f"{param}: {first['msg']}") from None
+        raise FieldError(param, _in_our_words(first, param)) from None

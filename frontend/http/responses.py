@@ -49,6 +49,25 @@ def sse_event(obj) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
+def check_json_content_type(request: Request) -> None:
+    """Raise HttpError 400 unless the request says its body is JSON (`Content-Type:
+    application/json`, parameters such as `; charset=utf-8` allowed), as vLLM's API server
+    refuses any other media type, a missing header included (its validate_json_request:
+    "Only 'application/json' is allowed", a 400 since it raises RequestValidationError);
+    OpenAI's API answers 400 too. A form or text body is then not parsed as JSON by
+    accident: `curl -d` without `-H 'Content-Type: application/json'` sends a form."""
+    given = request.headers.get("content-type")
+    media_type = (given or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        got = f"got {given!r}" if given is not None else "got no Content-Type header"
+        raise HttpError(
+            400,
+            f"Content-Type: the body must be sent as application/json, {got}",
+            None,
+            "unsupported_media_type",
+        )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most `limit` bytes, within BODY_READ_TIMEOUT_S. Raises
     HttpError 413 beyond the limit (judged from Content-Length when given, before

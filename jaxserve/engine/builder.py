@@ -106,6 +106,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
     Raises:
         ValueError: a config field is out of range (named in the message), e.g. dtype,
+            a block_size that is not a power of two up to 256 (`CacheConfig.validate`),
             max_model_len above the model's max_position_embeddings, or a max_model_len
             given explicitly that one dp rank's KV pool cannot hold (`fit_kv_cache`).
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
@@ -120,6 +121,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
     dtype = DTYPES[config.dtype]
     sc, cc = config.scheduler, config.cache
+    cc.validate()
     eplb_config = check_eplb(config)
     if sc.max_model_len is not None and cc.num_blocks is not None:
         # Both given: fail before loading the weights.
