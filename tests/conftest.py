@@ -228,6 +228,7 @@ def swap_scheduler(
         eos_token_ids=old.eos_token_ids,
         enable_chunked_prefill=enable_chunked_prefill,
         num_decode_steps=num_decode_steps or old.num_decode_steps,
+        decode_steps_for_rows=old.decode_steps_for_rows,  # the compiled calls' steps
     )
     old_async = engine.async_scheduling
     if async_scheduling is not None:

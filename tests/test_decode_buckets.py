@@ -4,6 +4,7 @@ MIN_DECODE_ROWS (InputBuilder, host only)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -44,3 +45,38 @@ def test_batch_one_gets_its_own_decode_bucket():
 
 def test_one_seq_engine_has_one_decode_bucket():
     assert _builder(max_num_seqs=1).decode_row_buckets == (1,)
+
+
+def test_small_row_buckets_run_more_steps_when_scaled():
+    """scale_small_decodes (the CPU's): each decode row bucket's call runs num_decode_steps
+    times its SMALL_BATCH_DECODE_STEPS factor; a decision picks the smallest bucket that
+    holds its rows and runs its steps, and a count no bucket runs is refused."""
+    from jaxserve.engine.step_inputs import SMALL_BATCH_DECODE_STEPS
+
+    builder = InputBuilder((16, 32), 24, 64, 8, 100, decode_steps=4, scale_small_decodes=True)
+
+    def factor(rows: int) -> int:  # the table read directly, first match
+        return next((f for most, f in SMALL_BATCH_DECODE_STEPS if rows <= most), 1)
+
+    want = {r: 4 * factor(r) for r in builder.decode_row_buckets}
+    assert want[1] > want[24] == 4  # the table does scale batch 1, and not the largest
+    assert {s.num_rows: s.num_steps for s in builder.shapes() if s.num_steps > 1} == want
+    for n in range(1, 25):
+        bucket = min(r for r in builder.decode_row_buckets if r >= n)
+        assert builder.decode_steps_for_rows(n) == want[bucket]
+
+    def decode(n_rows: int, steps: int) -> SchedulerOutput:
+        out = _decode(n_rows)
+        out.num_steps = steps
+        return out
+
+    # 1 row with the 4-row bucket's steps (the scheduler chose them for more rows, then
+    # scheduled fewer): the 4-row call, not the 1-row one.
+    assert builder.shape_for(decode(1, want[4]), full=False) == StepShape(4, 4, num_steps=want[4])
+    assert builder.shape_for(decode(1, want[1]), full=False) == StepShape(1, 1, num_steps=want[1])
+    with pytest.raises(ValueError, match="num_steps"):
+        builder.shape_for(decode(5, want[1]), full=False)  # no bucket of >= 5 rows runs it
+    # Unscaled (accelerators): one count for every bucket.
+    plain = _builder(max_num_seqs=24)
+    assert {s.num_steps for s in plain.shapes() if s.num_steps > 1} == {4}
+    assert plain.decode_steps_for_rows(1) == 4

@@ -241,7 +241,11 @@ def test_async_and_multi_step_give_the_same_outputs(tiny_engine):
             s.eos_token_ids = frozenset({eos})
             used = record_decisions(s)
             r = run_engine(tiny_engine, requests)
-        assert max(out.num_steps for out in used) == steps  # multi-step decode did run
+        # Multi-step decode did run (with each row bucket's compiled step count: more for
+        # few rows on the CPU), or did not with 1.
+        multi = {out.num_steps for out in used if out.num_steps > 1}
+        compiled = {sh.num_steps for sh in tiny_engine.runner.buckets() if sh.num_steps > 1}
+        assert (bool(multi), multi <= compiled) == (steps > 1, True), (multi, compiled)
         runs[overlap, steps] = r
         for rid, _, sampling in requests:
             tokens, expected = r[rid].tokens, ref[rid].tokens

@@ -32,7 +32,7 @@ from jaxserve.observability.metrics import Metrics
 MAX_LEN = 40
 BLOCK_SIZE = 4
 MAX_NUM_SEQS = 4
-NUM_NEW = 12
+NUM_NEW = 20  # enough engine steps for two re-plans with the CPU's 8-step calls of few rows
 NUM_EXPERTS = 16  # mesh_qwen3_moe_config
 REDUNDANT = 8
 

@@ -438,3 +438,41 @@ def test_identical_prompts_arriving_together_share_the_prefix(overlap):
     assert sched.num_prefill_tokens_computed < 2 * len(prompt)
     assert all(s.num_cached_tokens == 5 * BS for s in seqs[1:])
     assert all(results[f"r{i}"][0] == oracle(prompt, 4) for i in range(4))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_steps_follow_the_rows_and_outputs_equal_the_oracle(overlap):
+    """With decode_steps_for_rows (the engine's CPU table: more steps for fewer rows),
+    each multi-step call runs the steps of the rows running when it was decided, and
+    every request still ends with the oracle's tokens, including one that reaches
+    max_model_len (where a call of more steps than it has room for is refused)."""
+
+    def steps_for(rows: int) -> int:
+        return 8 if rows <= 2 else 4
+
+    rng = random.Random(7)
+    sched, dev = make_scheduler(
+        num_blocks=80, max_model_len=64, num_decode_steps=4, decode_steps_for_rows=steps_for
+    )
+    prompts = random_prompts(rng, 6, lo=3, hi=12)
+    limits = [rng.randint(5, 30) for _ in prompts]
+    limits[0] = 100  # ends at max_model_len
+    for i, (p, m) in enumerate(zip(prompts, limits, strict=True)):
+        add(sched, f"r{i}", p, max_tokens=m, ignore_eos=True)
+    decisions = []
+    schedule = sched.schedule
+
+    def recording() -> SchedulerOutput:
+        out = schedule()
+        running = len(sched.running)
+        decisions.append((out.num_steps, running))
+        return out
+
+    sched.schedule = recording
+    results = run(sched, dev, overlap=overlap)
+    for i, (p, m) in enumerate(zip(prompts, limits, strict=True)):
+        assert results[f"r{i}"][:2] == (oracle(p, m, max_model_len=64), "length")
+    multi = [(k, running) for k, running in decisions if k > 1]
+    assert {k for k, _ in multi} == {4, 8}, decisions  # both counts ran
+    for k, running in multi:
+        assert k == steps_for(running), decisions

@@ -167,6 +167,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_decode_steps=sc.num_decode_steps,
         expert_load_window=eplb_config.window_size,
     )
+    # The steps of a multi-step call follow its row bucket (more for small ones on the CPU).
+    scheduler.decode_steps_for_rows = runner.builder.decode_steps_for_rows
     # Built (its move compiled) before the start-up compilations are counted.
     eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
     warmup = WarmUp(runner, scheduler, background=config.background_compile)

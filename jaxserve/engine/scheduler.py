@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxserve.engine.block_hash import BlockHash
@@ -94,7 +94,10 @@ class Scheduler:
         eos_token_ids: the model's end-of-sequence ids (honoured unless ignore_eos).
         enable_chunked_prefill: split prompts over steps; when off, a prompt waits until
             it fits the step's budget whole.
-        num_decode_steps: most decode steps per device call (1 disables multi-step).
+        num_decode_steps: decode steps per multi-step device call (1 disables multi-step).
+        decode_steps_for_rows: the decode steps of a multi-step call of n rows (of the
+            busiest rank), when they depend on n (`InputBuilder.decode_steps_for_rows`);
+            None: num_decode_steps. Called only while num_decode_steps > 1.
 
     Raises:
         ValueError: no block manager, or a limit out of range (named).
@@ -112,6 +115,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
         num_decode_steps: int = 1,
+        decode_steps_for_rows: Callable[[int], int] | None = None,
     ):
         if isinstance(block_managers, BlockManager):
             block_managers = [block_managers]
@@ -135,6 +139,7 @@ class Scheduler:
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
         self.num_decode_steps = num_decode_steps
+        self.decode_steps_for_rows = decode_steps_for_rows
         # Live (waiting or running) requests of every rank by id.
         self.requests: dict[str, Request] = {}
         self._finished: list[TokenOutput] = []
@@ -311,10 +316,13 @@ class Scheduler:
     def wanted_decode_steps(self) -> int:
         """The decode steps `schedule()` would choose now (see `_num_decode_steps`)."""
         busy = [r for r in self.ranks if r.running or r.waiting]
-        return min(map(self._num_decode_steps, busy), default=1)
+        k = self.num_decode_steps
+        if k > 1 and busy and self.decode_steps_for_rows is not None:
+            k = self.decode_steps_for_rows(max(len(r.running) for r in busy))
+        return min((self._num_decode_steps(r, k) for r in busy), default=1)
 
-    def _num_decode_steps(self, rank: Rank) -> int:
-        """`num_decode_steps` when every schedulable running sequence of rank is
+    def _num_decode_steps(self, rank: Rank, k: int) -> int:
+        """k (the call's decode steps) when every schedulable running sequence of rank is
         decoding, has room for that many more positions (max_model_len) and can use the
         multi-step call, and nothing waiting could be admitted instead; else 1.
 
@@ -324,7 +332,6 @@ class Scheduler:
         blocks allocated for the call and freed with the sequence). Otherwise, with
         equal max_tokens, every batch ended in num_decode_steps - 1 single-step calls,
         each costing about as much as a multi-step one at batch 1 on the CPU."""
-        k = self.num_decode_steps
         if k == 1 or not rank.running:
             return 1
         if rank.waiting and len(rank.running) < self.max_num_seqs:
