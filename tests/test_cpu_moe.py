@@ -49,6 +49,12 @@ def test_kernel_builds_where_a_compiler_is():
         (17, 2, 6, 16, 8, "random"),
         (9, 4, 4, 32, 16, "one expert"),  # 36 rows of one expert: 9 blocks of 4
         (5, 2, 8, 16, 8, "all empty"),
+        # From 8 rows per expert (AVX-512 builds): register tiles, blocks of 4 to 8 rows
+        # and widths that are not a multiple of 16 (masked lanes).
+        (40, 4, 8, 40, 24, "random"),
+        (90, 3, 5, 48, 20, "random"),
+        (23, 2, 4, 17, 33, "one expert"),  # 46 rows: one unit, blocks of 7 and 8
+        (100, 3, 4, 32, 16, "one expert"),  # 300 rows: units of 60, split over threads
     ],
 )
 def test_kernel_equals_the_row_oracle(num_tokens, top_k, num_experts, hidden, inter, routing):
@@ -79,9 +85,11 @@ def test_kernel_runs_inside_a_scan():
 
 def test_default_path_uses_the_kernel_below_the_mean_group_limit():
     """sparse_expert_ffn (block_size None) calls the kernel below MAX_MEAN_GROUP routed
-    rows per expert and not from there, and equals the oracle either way."""
+    rows per expert (MAX_MEAN_GROUP_TILED with AVX-512) and not from there, and equals
+    the oracle either way."""
     num_experts, top_k = 4, 2
-    limit = cpu_moe.MAX_MEAN_GROUP * num_experts // top_k  # tokens at the limit
+    mean_group = cpu_moe.MAX_MEAN_GROUP_TILED if cpu_moe.has_tiles() else cpu_moe.MAX_MEAN_GROUP
+    limit = mean_group * num_experts // top_k  # tokens at the limit
     for num_tokens, kernel in ((1, True), (limit - 1, True), (limit, False)):
         x, ids, experts = _case(num_tokens, top_k, num_experts, 16, 8, num_tokens)
         fn = functools.partial(sparse_expert_ffn, block_size=None)

@@ -92,6 +92,15 @@ def register_kernel(build: Callable[[], Path], target: str, symbol: str, what: s
     return True
 
 
+def cpu_flags() -> set[str]:
+    """The feature flags of this CPU (the `flags` line of /proc/cpuinfo; empty where it
+    cannot be read, e.g. off Linux)."""
+    for line in _cpu_identity().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
 def _cpu_identity() -> str:
     """The CPU a -march=native build is for: the machine, model name and feature flags."""
     lines = []

@@ -6,7 +6,10 @@
 // expert (a counting sort), and each expert's rows run in blocks of up to kRows rows:
 // a block streams the expert's matrices once, row by row (sequential reads), into
 // accumulator rows that stay in L1. (Column tiles with the accumulators in registers,
-// reading the weights with a stride, measured 3-4x slower; 8-row blocks tied with 4.)
+// reading the weights with a stride, measured 3-4x slower there; 8-row blocks tied
+// with 4.) An expert with kTileMinRows rows or more runs register tiles instead
+// (cpu_tile_matmul.h, AVX-512 builds): its rows in units of up to kUnitRows, each unit
+// streaming the expert's matrices once, 16 columns at a time for all its rows.
 // Work units (expert, row block) are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h).
 
@@ -16,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_tile_matmul.h"
 #include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,7 +27,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRows = 4;  // rows per block
+constexpr int kRows = 4;  // rows per block of the row-streaming path
+// Rows of an expert from which it runs register tiles (0: never, without AVX-512), and
+// the most rows of one such work unit.
+constexpr int kTileMinRows = JAXSERVE_HAVE_TILES ? 8 : 0;
+constexpr int kUnitRows = 64;
+static_assert(kTileMinRows == 0 || kTileMinRows > kRows, "a unit's size names its path");
+
+// Whether an expert with `rows` rows (or a work unit of that many) runs register tiles.
+inline bool Tiled(int64_t rows) { return kTileMinRows > 0 && rows >= kTileMinRows; }
 
 // out[r][0:n] = sum_k a[r][k] * w[k][0:n] for r < R; w is [K, n] row-major.
 template <int R>
@@ -59,11 +71,39 @@ struct Problem {
   std::vector<int32_t> unit_expert, unit_start, unit_rows;  // one work unit per block
 };
 
+inline float Swish(float gate, float up) { return gate / (1.f + std::exp(-gate)) * up; }
+
+#if JAXSERVE_HAVE_TILES
+// Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
+void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
+  const int64_t h = p.hidden, i = p.inter;
+  const jaxserve::RowBlocks blocks(rows);
+  std::vector<float> packed(rows * std::max(h, i)), gate(rows * i), up(rows * i);
+  std::vector<const float*> a(rows);
+  std::vector<float*> g(rows), u(rows), out(rows);
+  for (int r = 0; r < rows; ++r) {
+    a[r] = p.x + (copy[r] / p.top_k) * h;
+    g[r] = gate.data() + r * i;
+    u[r] = up.data() + r * i;
+    out[r] = p.y + int64_t{copy[r]} * h;
+  }
+  jaxserve::PackRows(blocks, a.data(), h, packed.data());
+  jaxserve::PanelMatmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data());
+  jaxserve::PanelMatmul(blocks, packed.data(), p.w_up + e * h * i, h, i, u.data());
+  for (int64_t c = 0; c < rows * i; ++c) gate[c] = Swish(gate[c], up[c]);
+  jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
+  jaxserve::PanelMatmul(blocks, packed.data(), p.w_down + e * i * h, i, h, out.data());
+}
+#endif
+
 // One block of rows of one expert: gate/up [rows, I], SwiGLU, down [rows, H] into y.
 void RunUnit(const Problem& p, int64_t u) {
   const int64_t e = p.unit_expert[u], h = p.hidden, i = p.inter;
   const int rows = p.unit_rows[u];
   const int32_t* copy = p.copies.data() + p.unit_start[u];
+#if JAXSERVE_HAVE_TILES
+  if (Tiled(rows)) return RunTileUnit(p, e, rows, copy);
+#endif
   const float* a[kRows];
   float* out[kRows];
   std::vector<float> gate(kRows * i), up(kRows * i);
@@ -78,10 +118,7 @@ void RunUnit(const Problem& p, int64_t u) {
   MatmulBlock<kRows>(rows, a, p.w_gate + e * h * i, h, i, g);
   MatmulBlock<kRows>(rows, a, p.w_up + e * h * i, h, i, up_rows);
   for (int r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < i; ++c) {
-      const float v = g[r][c];
-      g[r][c] = v / (1.f + std::exp(-v)) * up_rows[r][c];  // SiLU(gate) * up
-    }
+    for (int64_t c = 0; c < i; ++c) g[r][c] = Swish(g[r][c], up_rows[r][c]);
   MatmulBlock<kRows>(rows, const_cast<const float* const*>(g), p.w_down + e * i * h, i, h, out);
 }
 
@@ -121,12 +158,19 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int32_t e = id[c];
     if (e >= 0 && e < num_experts) p.copies[next[e]++] = static_cast<int32_t>(c);
   }
-  for (int64_t e = 0; e < num_experts; ++e)
-    for (int32_t s = count[e]; s < count[e + 1]; s += kRows) {
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int32_t rows = count[e + 1] - count[e];
+    int32_t step = kRows;
+    if (Tiled(rows)) {  // as few units as kUnitRows allows, each of kTileMinRows rows or more
+      const int32_t units = (rows + kUnitRows - 1) / kUnitRows;
+      step = (rows + units - 1) / units;
+    }
+    for (int32_t s = count[e]; s < count[e + 1]; s += step) {
       p.unit_expert.push_back(static_cast<int32_t>(e));
       p.unit_start.push_back(s);
-      p.unit_rows.push_back(std::min(kRows, count[e + 1] - s));
+      p.unit_rows.push_back(std::min(step, count[e + 1] - s));
     }
+  }
   const int64_t units = static_cast<int64_t>(p.unit_expert.size());
   jaxserve::ShareUnits(pool, units, [state](int64_t u) { RunUnit(*state, u); });
   return ffi::Error::Success();

@@ -1,0 +1,106 @@
+// Register-tiled matmul of a few rows by a weight matrix read in place (AVX-512).
+//
+// Included by cpu_moe_rows.cc for experts with many routed rows (`kTileMinRows`); the
+// build (kernels/cpu_build.py) hashes this header into the kernel's cache key. Without
+// AVX-512 (`JAXSERVE_HAVE_TILES` 0) nothing here is compiled and the kernel streams
+// rows instead.
+//
+// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for up to kTileRows rows at a time, with
+// the activations packed transposed ([K][R], `PackRows`) so that one broadcast feeds a
+// row's FMA. A register tile is R rows x 16 columns (R zmm accumulators); the column
+// panel w[0:K][col:col+16] is streamed once for all row blocks of the call (panel
+// order: columns outer, row blocks inner, so the panel stays in L1 between blocks),
+// with a software prefetch kPrefetchRows rows ahead (the panel's lines are a row
+// stride apart, which the hardware prefetcher follows poorly). Measured on a Zen 4 core,
+// hidden 512, 32 experts x 8 layers of weights from memory, 16 rows per expert: 56
+// GFLOP/s against 40 without the prefetch and 30 for row streaming (the BLIS
+// micro-kernel idea: Van Zee and van de Geijn, "BLIS", ACM TOMS 2015).
+
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#define JAXSERVE_HAVE_TILES 1
+#include <immintrin.h>
+#else
+#define JAXSERVE_HAVE_TILES 0
+#endif
+
+namespace jaxserve {
+
+constexpr int kTileRows = 8;  // rows of a register tile (accumulators: one zmm per row)
+
+#if JAXSERVE_HAVE_TILES
+
+constexpr int kPrefetchRows = 8;  // how far ahead (in weight rows) the panel is fetched
+
+// One register tile: out[r][col:col+16] = sum_k at[k * R + r] * w[k * ldw + col + j],
+// lanes j outside `mask` neither read nor written.
+template <int R>
+inline void Tile(const float* at, const float* w, int64_t ldw, int64_t K, int64_t col,
+                 __mmask16 mask, float* const* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* wk = w + col;
+  for (int64_t k = 0; k < K; ++k, wk += ldw) {
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchRows * ldw), _MM_HINT_T0);
+    const __m512 b = _mm512_maskz_loadu_ps(mask, wk);
+    const float* ak = at + k * R;
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r]), b, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r] + col, mask, acc[r]);
+}
+
+// Tile<rows> for a runtime rows in [1, R].
+template <int R>
+inline void TileRows(int rows, const float* at, const float* w, int64_t ldw, int64_t K,
+                     int64_t col, __mmask16 mask, float* const* out) {
+  if (rows >= R) return Tile<R>(at, w, ldw, K, col, mask, out);
+  if constexpr (R > 1) TileRows<R - 1>(rows, at, w, ldw, K, col, mask, out);
+}
+
+#endif  // JAXSERVE_HAVE_TILES
+
+// Row blocks of a group of `rows` rows: as few blocks of at most kTileRows rows as
+// possible, their sizes within one of each other. Block b starts at BlockStart(b).
+struct RowBlocks {
+  int rows, blocks;
+  explicit RowBlocks(int n) : rows(n), blocks((n + kTileRows - 1) / kTileRows) {}
+  int BlockStart(int b) const { return static_cast<int>(int64_t{rows} * b / blocks); }
+  int BlockRows(int b) const { return BlockStart(b + 1) - BlockStart(b); }
+};
+
+// Packs rows a[0..rows)[0:K] transposed per row block: block b's R_b rows from s_b go
+// to packed[s_b * K + k * R_b + r]. packed holds rows * K floats.
+inline void PackRows(const RowBlocks& blocks, const float* const* a, int64_t K, float* packed) {
+  for (int b = 0; b < blocks.blocks; ++b) {
+    const int s = blocks.BlockStart(b), n = blocks.BlockRows(b);
+    float* p = packed + int64_t{s} * K;
+    for (int r = 0; r < n; ++r) {
+      const float* src = a[s + r];
+      for (int64_t k = 0; k < K; ++k) p[k * n + r] = src[k];
+    }
+  }
+}
+
+#if JAXSERVE_HAVE_TILES
+
+// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for every row r of `blocks`, from the
+// PackRows layout of a; w is [K, N] row-major, read once per 16-column panel.
+inline void PanelMatmul(const RowBlocks& blocks, const float* packed, const float* w,
+                        int64_t K, int64_t N, float* const* out) {
+  for (int64_t col = 0; col < N; col += 16) {
+    const int64_t lanes = N - col < 16 ? N - col : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    for (int b = 0; b < blocks.blocks; ++b) {
+      const int s = blocks.BlockStart(b);
+      TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, w, N, K, col, mask,
+                          out + s);
+    }
+  }
+}
+
+#endif  // JAXSERVE_HAVE_TILES
+
+}  // namespace jaxserve
