@@ -37,10 +37,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from server_harness import cpu_xla_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 emulated CPU devices for the mesh tests (tests/test_sharding.py); single-device
-# tests use the first.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# tests use the first. Compiled with LLVM's cheap pipeline (server_harness.cpu_xla_flags).
+os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))
 
 
 def _session_cache_root() -> str:

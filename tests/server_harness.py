@@ -31,6 +31,22 @@ DEMO_ENGINE = {
 }
 
 
+# XLA options of every process of the test session (tests/conftest.py sets XLA_FLAGS for
+# pytest's process, and the processes it starts inherit them; a test that gives a process its
+# own device count uses `cpu_xla_flags`): LLVM's cheap pipeline for the compiled code. The
+# suite's models are tiny, so its time goes into compiling, not running, the executables
+# (a mesh engine's step shapes compiled in about half the time); XLA's own passes (fusion,
+# sharding, the same HLO) run as without them.
+FAST_COMPILE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
+
+
+def cpu_xla_flags(num_devices: int) -> str:
+    """XLA_FLAGS for a test process with `num_devices` emulated CPU devices."""
+    return f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE_XLA_FLAGS}"
+
+
 def serve_flags(settings: dict) -> tuple[str, ...]:
     """`jaxserve serve` flags for `LLM` keyword settings: {"max_num_seqs": 16} ->
     ("--max-num-seqs", "16")."""

@@ -27,7 +27,7 @@ import time
 
 import pytest
 from scenario_load import Background, burst, free_port
-from server_harness import REPO_DIR, ServerProcess
+from server_harness import REPO_DIR, ServerProcess, cpu_xla_flags
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.detokenizer_process import DELAY_ENV
@@ -205,7 +205,7 @@ def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
     so at most 2 of the 4 ranks get load: balancedness <= 0.5. Two slots for the two
     requests and a 32-token step budget (each prefill step is 32 tokens of that one id):
     fewer step shapes to compile than 4 slots and 64 tokens."""
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4)}
     flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "32")
     srv, metrics = _serve(*flags, env=env)
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_harness import free_port_range
+from server_harness import cpu_xla_flags, free_port_range
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_eplb_worker.py"
@@ -40,7 +40,7 @@ def test_two_process_eplb_applies_every_placement_everywhere(model_dir, mesh_eng
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=cpu_xla_flags(4),
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES="2",
         PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")]),

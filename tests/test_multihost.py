@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from server_harness import ServerProcess, alive, child_pids, free_port_range
+from server_harness import ServerProcess, alive, child_pids, cpu_xla_flags, free_port_range
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
@@ -49,7 +49,7 @@ def _run_processes(
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes}",
+        XLA_FLAGS=cpu_xla_flags(8 // num_processes),
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(num_processes),
         PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]),
@@ -380,7 +380,7 @@ def two_process_serve(tmp_path_factory):
     port = free_port_range()
     env = {
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": cpu_xla_flags(4),
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
         "JAX_NUM_PROCESSES": "2",
     }

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_harness import free_port
+from server_harness import cpu_xla_flags, free_port
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.models.config import SUPPORTED_ARCHITECTURES
@@ -224,7 +224,7 @@ def test_ipv6_host_serves(mock_model_dir):
 
 # ----- failures only the engine can see (it has the devices) ------------------------------
 
-MESH_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+MESH_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4)}
 
 
 def test_mesh_that_cannot_hold_the_model_is_one_line():
@@ -327,7 +327,7 @@ def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
              "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning"]  # fmt: skip
     env = {
         **os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": cpu_xla_flags(2),
         "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": "2",
     }  # fmt: skip
     serve_cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0"]
