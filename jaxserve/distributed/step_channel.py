@@ -19,18 +19,29 @@ until the leader listens), that live as long as the run. At start-up the followe
 sends its process id on each ("<id>\\n"); the leader waits until every follower has
 joined both before its first step, so no step is sent before a follower can get it.
 
-- The data connection, to the leader's port, carries the steps. The leader serialises
-  a step once (`_PREFIX`, then one bytes object) and writes those bytes to each
-  follower's connection (TCP_NODELAY) from the publishing thread: per follower one
-  kernel write of a ready buffer, which is what a ZeroMQ PUB socket does per
-  subscriber too, from its I/O thread. A follower reads a step with two `recv_into`
-  calls (the prefix; the rest into a fresh buffer that the arrays are views of).
+- The data connection, to the leader's port, carries the steps to the followers on
+  other hosts. The leader serialises a step once (`_PREFIX`, then one bytes object)
+  and writes those bytes to each follower's connection (TCP_NODELAY) from the
+  publishing thread: per follower one kernel write of a ready buffer, which is what a
+  ZeroMQ PUB socket does per subscriber too, from its I/O thread. A follower reads a
+  step with two `recv_into` calls (the prefix; the rest into a fresh buffer that the
+  arrays are views of).
   ZeroMQ PUB/SUB, used before, was 1.7-2x slower on a 2-core VM
   (`scripts/bench_step_agreement.py`, 68 KB a step, interleaved: p50 237 / 441 / 783
   us at 2 / 4 / 8 processes against 142 / 210 / 400): its hand-offs between the
   application's thread and its I/O thread, on both ends, cost more than the writes.
   On one machine a write over loopback also runs the receiver's side of TCP, about
   25 us per follower at 68 KB there; across hosts the NIC does that.
+- The followers on the leader's host read the same bytes from a shared-memory ring
+  instead (`jaxserve.distributed.shm_ring`): the leader writes each step into it once
+  and wakes them all with one futex call, so its cost does not grow with them. Right
+  after the join, the leader offers the ring on each data connection ("shm <segment>
+  <token> <host identity>\n", or "tcp\n" when it has none); a follower takes it when
+  the host identity (boot id and host name, `shm_ring.host_identity`) is its own and it
+  can map the segment and find the token in it, and answers "shm\n" or "tcp\n". The
+  leader unlinks the segment once every follower answered (no name left in /dev/shm,
+  even on a crash). `JAXSERVE_STEP_TRANSPORT=tcp` (or `transport="tcp"`), on the leader
+  or on a follower, keeps that end on TCP, for A/B runs.
 - The membership connection, to the leader's port + 1, carries everything else, and
   is read by a watcher thread on each end (a follower's main thread may be blocked in
   a step's collectives, so the step reads cannot watch):
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import select
 import selectors
 import socket
@@ -61,6 +73,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
+
+from jaxserve.distributed import shm_ring
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +104,9 @@ REPORT_EVERY = 64
 _KEEPALIVE_IDLE_S = 5
 _KEEPALIVE_INTERVAL_S = 2
 _KEEPALIVE_COUNT = 3
+# "tcp": every follower reads the steps from its TCP connection, even on the leader's
+# host; "auto" (the default): the followers on the leader's host read the shared ring.
+TRANSPORT_ENV = "JAXSERVE_STEP_TRANSPORT"
 
 
 @dataclass(slots=True)
@@ -152,8 +169,12 @@ class StepPublisher:
         timeout_s: float = 120.0,
         *,
         on_follower_lost: Callable[[int], None] | None = None,
+        transport: str | None = None,
     ):
         address = socket.gethostbyname(host)
+        self._ring: shm_ring.RingWriter | None = None
+        # The data connections of the followers that read the steps there (not the ring).
+        self._tcp: dict[int, socket.socket] = {}
         self._listeners: list[socket.socket] = []
         # Joined connections by process id: data (the steps), membership (the rest).
         self._data: dict[int, socket.socket] = {}
@@ -170,6 +191,7 @@ class StepPublisher:
             for offset in (0, 1):
                 self._listeners.append(socket.create_server((address, port + offset)))
             self._wait_for_followers(num_followers, timeout_s)
+            self._offer_ring(num_followers, _transport(transport), timeout_s)
         except BaseException:
             self._close_sockets()
             raise
@@ -208,6 +230,42 @@ class StepPublisher:
             finally:
                 for conn in pending:
                     conn.close()
+
+    def _offer_ring(self, num_followers: int, transport: str, timeout_s: float) -> None:
+        """Offer the shared ring to every follower; keep on TCP those that decline."""
+        if transport != "tcp" and shm_ring.available():
+            self._ring = shm_ring.RingWriter(num_followers)
+            offer = f"shm {self._ring.name} {self._ring.token} {shm_ring.host_identity()}\n"
+        else:
+            offer = "tcp\n"
+        try:
+            for conn in self._data.values():
+                conn.sendall(offer.encode())
+            deadline = time.monotonic() + timeout_s
+            for process_id, conn in self._data.items():
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                answer = _read_line(conn)
+                conn.settimeout(None)
+                if answer == "shm" and self._ring is not None:
+                    self._ring.activate(process_id - 1)
+                else:
+                    self._tcp[process_id] = conn
+        finally:
+            if self._ring is not None:
+                self._ring.unlink()  # every follower mapped it, or never will
+        if self._ring is not None and not self._ring.active_readers:
+            self._ring.close()
+            self._ring = None
+        logger.info(
+            "step channel: %d follower(s) on the shared ring, %d on TCP",
+            num_followers - len(self._tcp),
+            len(self._tcp),
+        )
+
+    @property
+    def shm_followers(self) -> int:
+        """Followers that read the steps from the shared ring (the others: TCP)."""
+        return 0 if self._ring is None else self._ring.active_readers
 
     def _read_join(self, conn, pending: dict, sel, num_followers: int) -> None:
         """Read from a connection that has not joined yet; join it on a full line."""
@@ -284,6 +342,8 @@ class StepPublisher:
         if self._closing.is_set():
             return
         self.lost_followers.append(process_id)
+        if self._ring is not None:
+            self._ring.drop_reader(process_id - 1)  # it no longer holds the ring back
         logger.error(
             "step channel: process %d (a follower) is gone: its connection to the leader "
             "closed without a clean stop (it died, or its host is unreachable)",
@@ -293,8 +353,9 @@ class StepPublisher:
             self._on_lost(process_id)
 
     def publish(self, arrays: Sequence[np.ndarray], meta: dict | None = None, kind: str = RUN):
-        """Send one step's inputs to every follower (raw array buffers, one message).
-        Blocks only while a follower's connection has a few MB unread (kernel buffers)."""
+        """Send one step's inputs to every follower (raw array buffers, one message): once
+        into the shared ring, and to each follower on TCP. Blocks only while a follower
+        has a few MB unread (the ring's capacity, or its connection's kernel buffers)."""
         start = time.perf_counter()
         sent = time.time()
         arrays = [np.asarray(a, order="C") for a in arrays]
@@ -309,14 +370,15 @@ class StepPublisher:
             self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
         )
         message = b"".join([prefix, *parts])
-        for process_id, conn in list(self._data.items()):
+        if self._ring is not None:
+            self._ring.write(message)
+        for process_id, conn in list(self._tcp.items()):
             try:
                 conn.sendall(message, _NO_SIGNAL)
             except OSError:
                 # That follower is gone: its membership watcher names it.
                 logger.warning("step channel: process %d no longer receives steps", process_id)
-                del self._data[process_id]
-                conn.close()
+                del self._tcp[process_id]
         self.bytes_sent += len(message)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
@@ -337,6 +399,8 @@ class StepPublisher:
     def _close_sockets(self) -> None:
         for conn in [*self._data.values(), *self._members.values(), *self._listeners]:
             conn.close()
+        if self._ring is not None:
+            self._ring.close()
         for end in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if end is not None:
                 end.close()
@@ -361,6 +425,7 @@ class StepSubscriber:
         timeout_s: float = 120.0,
         *,
         on_leader_lost: Callable[[int], None] | None = None,
+        transport: str | None = None,
     ):
         deadline = time.monotonic() + timeout_s
         self._data = _connect(host, port, deadline, timeout_s)
@@ -373,6 +438,12 @@ class StepSubscriber:
             _keepalive(conn)
             conn.sendall(f"{process_id}\n".encode())
         self._data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._ring = self._take_ring(process_id, _transport(transport), deadline)
+        except BaseException:
+            self._data.close()
+            self._member.close()
+            raise
         self._prefix = bytearray(_PREFIX.size)
         # Parsed array layouts by their bytes: [(shape, dtype, offset)].
         self._layouts: dict[bytes, list[tuple[tuple, np.dtype, int]]] = {}
@@ -387,6 +458,27 @@ class StepSubscriber:
         self._watcher.start()
         self.stats = ChannelStats()
         self.wait_stats = ChannelStats()
+
+    def _take_ring(self, process_id: int, transport: str, deadline: float):
+        """Read the leader's offer; map its ring if it is on this host; answer."""
+        self._data.settimeout(max(0.1, deadline - time.monotonic()))
+        offer = _read_line(self._data).split()
+        self._data.settimeout(None)
+        ring = None
+        if offer[:1] == ["shm"] and len(offer) == 4 and transport != "tcp":
+            _, name, token, host = offer
+            if host == shm_ring.host_identity() and shm_ring.available():
+                try:
+                    ring = shm_ring.RingReader(name, int(token), process_id - 1)
+                except (OSError, ValueError) as e:
+                    logger.warning("step channel: the leader's ring %s is not here (%s)", name, e)
+        self._data.sendall(b"shm\n" if ring is not None else b"tcp\n")
+        return ring
+
+    @property
+    def on_shm(self) -> bool:
+        """Whether this follower reads the steps from the leader's shared ring."""
+        return self._ring is not None
 
     def _watch_leader(self) -> None:
         """Until `close` or the leader's bye: report the leader if its connection ends."""
@@ -406,6 +498,8 @@ class StepSubscriber:
             "step channel: process 0 (the leader) is gone: its connection closed without "
             "a clean stop (it died, or its host is unreachable)"
         )
+        if self._ring is not None:
+            self._ring.wake()  # a `receive` waiting on the ring sees `leader_lost`
         if self._on_lost is not None:
             self._on_lost(0)
 
@@ -418,15 +512,22 @@ class StepSubscriber:
                 membership watcher names it too).
         """
         start = time.perf_counter()
-        if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
-            raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
-        self._read_exactly(self._prefix)
+        if self._ring is not None:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._ring.read_into(self._prefix, deadline, self._leader_is_lost)
+        else:
+            if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
+                raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
+            self._read_exactly(self._prefix)
         step, kind, sent, meta_bytes, layout_bytes, array_bytes = _PREFIX.unpack(self._prefix)
         # A fresh buffer each step: the arrays are views of it and outlive this call.
         start_of_arrays = meta_bytes + layout_bytes
         start_of_arrays += len(_padding(start_of_arrays))
         body = np.empty(start_of_arrays + array_bytes, np.uint8)  # aligned to 16 bytes
-        self._read_exactly(body.data)
+        if self._ring is not None:
+            self._ring.read_into(body.data, None, self._leader_is_lost)
+        else:
+            self._read_exactly(body.data)
         meta = msgpack.unpackb(body[:meta_bytes].data)
         layout_key = body[meta_bytes : meta_bytes + layout_bytes].tobytes()
         layout = self._layouts.get(layout_key)
@@ -443,6 +544,9 @@ class StepSubscriber:
         if self.stats.steps % REPORT_EVERY == 0:
             self._report()
         return StepMessage(step, _KINDS[kind], meta, arrays)
+
+    def _leader_is_lost(self) -> bool:
+        return self.leader_lost
 
     def _read_exactly(self, buffer) -> None:
         """Fill `buffer` from the data connection (one call unless a signal interrupts)."""
@@ -478,6 +582,31 @@ class StepSubscriber:
         self._watcher.join()
         self._member.close()
         self._data.close()
+        if self._ring is not None:
+            self._ring.close()
+
+
+def _transport(transport: str | None) -> str:
+    """The transport asked for: the argument, else TRANSPORT_ENV, else "auto".
+
+    Raises:
+        ValueError: neither "tcp" nor "auto".
+    """
+    transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+    if transport not in ("tcp", "auto"):
+        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'tcp' or 'auto'")
+    return transport
+
+
+def _read_line(conn: socket.socket) -> str:
+    """One short line from `conn`, read a byte at a time (what follows is not ours)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 512:
+        byte = conn.recv(1)
+        if not byte:
+            raise ConnectionError("step channel: the peer closed the connection at join")
+        line += byte
+    return line.decode().strip()
 
 
 def _parse_layout(packed: bytes) -> list[tuple[tuple, np.dtype, int]]:
