@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import select
 import selectors
 import socket
@@ -104,9 +103,7 @@ REPORT_EVERY = 64
 _KEEPALIVE_IDLE_S = 5
 _KEEPALIVE_INTERVAL_S = 2
 _KEEPALIVE_COUNT = 3
-# "tcp": every follower reads the steps from its TCP connection, even on the leader's
-# host; "auto" (the default): the followers on the leader's host read the shared ring.
-TRANSPORT_ENV = "JAXSERVE_STEP_TRANSPORT"
+TRANSPORT_ENV = shm_ring.TRANSPORT_ENV
 
 
 @dataclass(slots=True)
@@ -171,6 +168,7 @@ class StepPublisher:
         on_follower_lost: Callable[[int], None] | None = None,
         transport: str | None = None,
     ):
+        transport = shm_ring.chosen_transport(transport)  # a bad value fails before the join
         address = socket.gethostbyname(host)
         self._ring: shm_ring.RingWriter | None = None
         # The data connections of the followers that read the steps there (not the ring).
@@ -191,7 +189,7 @@ class StepPublisher:
             for offset in (0, 1):
                 self._listeners.append(socket.create_server((address, port + offset)))
             self._wait_for_followers(num_followers, timeout_s)
-            self._offer_ring(num_followers, _transport(transport), timeout_s)
+            self._ring, self._tcp = shm_ring.offer(self._data, transport, timeout_s)
         except BaseException:
             self._close_sockets()
             raise
@@ -230,37 +228,6 @@ class StepPublisher:
             finally:
                 for conn in pending:
                     conn.close()
-
-    def _offer_ring(self, num_followers: int, transport: str, timeout_s: float) -> None:
-        """Offer the shared ring to every follower; keep on TCP those that decline."""
-        if transport != "tcp" and shm_ring.available():
-            self._ring = shm_ring.RingWriter(num_followers)
-            offer = f"shm {self._ring.name} {self._ring.token} {shm_ring.host_identity()}\n"
-        else:
-            offer = "tcp\n"
-        try:
-            for conn in self._data.values():
-                conn.sendall(offer.encode())
-            deadline = time.monotonic() + timeout_s
-            for process_id, conn in self._data.items():
-                conn.settimeout(max(0.1, deadline - time.monotonic()))
-                answer = _read_line(conn)
-                conn.settimeout(None)
-                if answer == "shm" and self._ring is not None:
-                    self._ring.activate(process_id - 1)
-                else:
-                    self._tcp[process_id] = conn
-        finally:
-            if self._ring is not None:
-                self._ring.unlink()  # every follower mapped it, or never will
-        if self._ring is not None and not self._ring.active_readers:
-            self._ring.close()
-            self._ring = None
-        logger.info(
-            "step channel: %d follower(s) on the shared ring, %d on TCP",
-            num_followers - len(self._tcp),
-            len(self._tcp),
-        )
 
     @property
     def shm_followers(self) -> int:
@@ -369,9 +336,10 @@ class StepPublisher:
         prefix = _PREFIX.pack(
             self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
         )
-        message = b"".join([prefix, *parts])
+        # The ring takes the parts as they are (one copy each); TCP, one bytes object.
+        message = b"".join([prefix, *parts]) if self._tcp else None
         if self._ring is not None:
-            self._ring.write(message)
+            self._ring.write([message] if message is not None else [prefix, *parts])
         for process_id, conn in list(self._tcp.items()):
             try:
                 conn.sendall(message, _NO_SIGNAL)
@@ -379,7 +347,7 @@ class StepPublisher:
                 # That follower is gone: its membership watcher names it.
                 logger.warning("step channel: process %d no longer receives steps", process_id)
                 del self._tcp[process_id]
-        self.bytes_sent += len(message)
+        self.bytes_sent += len(prefix) + sum(memoryview(p).nbytes for p in parts)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
 
@@ -427,6 +395,7 @@ class StepSubscriber:
         on_leader_lost: Callable[[int], None] | None = None,
         transport: str | None = None,
     ):
+        transport = shm_ring.chosen_transport(transport)
         deadline = time.monotonic() + timeout_s
         self._data = _connect(host, port, deadline, timeout_s)
         try:
@@ -439,7 +408,7 @@ class StepSubscriber:
             conn.sendall(f"{process_id}\n".encode())
         self._data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            self._ring = self._take_ring(process_id, _transport(transport), deadline)
+            self._ring = shm_ring.take_offer(self._data, process_id - 1, transport, deadline)
         except BaseException:
             self._data.close()
             self._member.close()
@@ -458,22 +427,6 @@ class StepSubscriber:
         self._watcher.start()
         self.stats = ChannelStats()
         self.wait_stats = ChannelStats()
-
-    def _take_ring(self, process_id: int, transport: str, deadline: float):
-        """Read the leader's offer; map its ring if it is on this host; answer."""
-        self._data.settimeout(max(0.1, deadline - time.monotonic()))
-        offer = _read_line(self._data).split()
-        self._data.settimeout(None)
-        ring = None
-        if offer[:1] == ["shm"] and len(offer) == 4 and transport != "tcp":
-            _, name, token, host = offer
-            if host == shm_ring.host_identity() and shm_ring.available():
-                try:
-                    ring = shm_ring.RingReader(name, int(token), process_id - 1)
-                except (OSError, ValueError) as e:
-                    logger.warning("step channel: the leader's ring %s is not here (%s)", name, e)
-        self._data.sendall(b"shm\n" if ring is not None else b"tcp\n")
-        return ring
 
     @property
     def on_shm(self) -> bool:
@@ -584,29 +537,6 @@ class StepSubscriber:
         self._data.close()
         if self._ring is not None:
             self._ring.close()
-
-
-def _transport(transport: str | None) -> str:
-    """The transport asked for: the argument, else TRANSPORT_ENV, else "auto".
-
-    Raises:
-        ValueError: neither "tcp" nor "auto".
-    """
-    transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
-    if transport not in ("tcp", "auto"):
-        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'tcp' or 'auto'")
-    return transport
-
-
-def _read_line(conn: socket.socket) -> str:
-    """One short line from `conn`, read a byte at a time (what follows is not ours)."""
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 512:
-        byte = conn.recv(1)
-        if not byte:
-            raise ConnectionError("step channel: the peer closed the connection at join")
-        line += byte
-    return line.decode().strip()
 
 
 def _parse_layout(packed: bytes) -> list[tuple[tuple, np.dtype, int]]:
