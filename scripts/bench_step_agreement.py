@@ -7,7 +7,7 @@ steps of each configuration are split into `--rounds` runs, and the rounds alter
 transports, so that a change in the machine's load touches both alike.
 
     .venv/bin/python scripts/bench_step_agreement.py --steps 1000 [--processes 2 4 8]
-        [--transports shm tcp] [--rounds 4] [--blocks-per-row 256]
+        [--transports shm tcp shm-spin50] [--rounds 4] [--blocks-per-row 256]
 
 Per step the agreement latency is the slowest follower's transit (the leader's send ->
 that follower has the arrays unpacked; one machine, so one clock); printed as p50 / p90 /
@@ -91,7 +91,10 @@ def _run_once(num_processes: int, transport: str, steps: int, blocks: int) -> li
     """One run of the benchmark's processes; each one's result."""
     # The children import this checkout's jaxserve (not another editable install).
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "JAXSERVE_STEP_TRANSPORT": transport}
+    # "shm-spinN": the ring, each reader polling N us before it sleeps on the futex.
+    spin_us = transport.partition("-spin")[2] or "0"
+    env = {**os.environ, "JAXSERVE_STEP_RING_SPIN_US": spin_us}
+    env["JAXSERVE_STEP_TRANSPORT"] = "tcp" if transport == "tcp" else "auto"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "agreement")
@@ -170,7 +173,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=1000, help="per configuration")
-    parser.add_argument("--transports", nargs="+", default=["shm", "tcp"])
+    parser.add_argument(
+        "--transports", nargs="+", default=["shm", "tcp"],
+        help="shm, tcp, or shm-spinN (ring readers poll N us before sleeping)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=4, help="interleaved runs")
     parser.add_argument(
         "--blocks-per-row", type=int, default=BLOCKS_PER_ROW,
@@ -189,10 +195,9 @@ def main() -> None:
         return
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime: {uptime}")
-    transports = ["auto" if t == "shm" else t for t in args.transports]
-    rows = bench_agreement(args.processes, transports, args.steps, args.blocks_per_row, args.rounds)
-    for row in rows:
-        row["transport"] = "shm" if row["transport"] == "auto" else row["transport"]
+    rows = bench_agreement(
+        args.processes, args.transports, args.steps, args.blocks_per_row, args.rounds
+    )
     print_agreement(rows)
     after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"uptime after: {after}")

@@ -81,6 +81,10 @@ _INT_MAX = 2**31 - 1
 # condition (a lost peer, a deadline) at least this often.
 _READ_WAIT_S = 0.05
 _ROOM_WAIT_S = 0.001
+# A reader may poll the ring this long before it sleeps in FUTEX_WAIT (an alternative
+# measured with scripts/bench_step_agreement.py; 0, the default: it sleeps at once, as
+# polling takes the core that another process of an oversubscribed host needs).
+SPIN_ENV = "JAXSERVE_STEP_RING_SPIN_US"
 
 
 class _Timespec(ctypes.Structure):
@@ -268,6 +272,7 @@ class RingReader:
             raise ValueError(f"reader slot {reader} out of range")
         self._line = reader * _LINE_WORDS
         self._cursor = 0
+        self._spin_s = float(os.environ.get(SPIN_ENV) or 0) / 1e6
 
     def read_into(self, buffer, deadline: float | None, should_stop) -> None:
         """Fill `buffer` (a writable bytes-like) with the next bytes of the stream, waiting
@@ -280,10 +285,14 @@ class RingReader:
         """
         dst = np.frombuffer(buffer, np.uint8)
         seg, capacity = self._seg, self._seg.capacity
-        done = 0
+        done, spin_until = 0, None
         while done < dst.size:
             seq = int(seg.words32[_SEQ])
             available = int(seg.words[_W_CURSOR]) - self._cursor
+            if available == 0 and self._spin_s:
+                spin_until = spin_until or time.perf_counter() + self._spin_s
+                if time.perf_counter() < spin_until:
+                    continue
             if available == 0:
                 if should_stop():
                     raise ConnectionError("step ring: the writer is gone")
