@@ -36,11 +36,12 @@ joined both before its first step, so no step is sent before a follower can get 
   instead (`jaxserve.distributed.shm_ring`): the leader writes each step into it once
   and wakes them all with one futex call, so its cost does not grow with them. Right
   after the join, the leader offers the ring on each data connection ("shm <segment>
-  <token> <host identity>\n", or "tcp\n" when it has none); a follower takes it when
+  <token> <host identity>\\n", or "tcp\\n" when it has none); a follower takes it when
   the host identity (boot id and host name, `shm_ring.host_identity`) is its own and it
-  can map the segment and find the token in it, and answers "shm\n" or "tcp\n". The
-  leader unlinks the segment once every follower answered (no name left in /dev/shm,
-  even on a crash). `JAXSERVE_STEP_TRANSPORT=tcp` (or `transport="tcp"`), on the leader
+  can map the segment and find the token in it, and answers "shm\\n" or "tcp\\n". The
+  leader unlinks the segment once every follower answered (no name left in /dev/shm
+  to leak on a later crash; one left by a crash during the join is removed by the next
+  leader on the host). `JAXSERVE_STEP_TRANSPORT=tcp` (or `transport="tcp"`), on the leader
   or on a follower, keeps that end on TCP, for A/B runs.
 - The membership connection, to the leader's port + 1, carries everything else, and
   is read by a watcher thread on each end (a follower's main thread may be blocked in
