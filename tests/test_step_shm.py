@@ -168,10 +168,15 @@ def test_a_lagging_reader_holds_the_writer_back_by_the_capacity():
         writer.unlink()
         data = np.random.default_rng(1).integers(0, 256, 3 * capacity + 123, dtype=np.uint8)
         done = threading.Event()
-        thread = threading.Thread(target=lambda: (writer.write(data.tobytes()), done.set()))
+        thread = threading.Thread(
+            target=lambda: (writer.write([data.tobytes()]), done.set()), daemon=True
+        )
         thread.start()
         fast_got = np.empty_like(data)
-        reader = threading.Thread(target=fast.read_into, args=(fast_got, None, lambda: False))
+        reader = threading.Thread(
+            target=fast.read_into, args=(fast_got, time.monotonic() + 10, lambda: False),
+            daemon=True,
+        )  # fmt: skip
         reader.start()
         time.sleep(0.3)
         # The slow reader has read nothing: the writer waits with exactly one ring written.
@@ -190,10 +195,10 @@ def test_a_lagging_reader_holds_the_writer_back_by_the_capacity():
         with pytest.raises(ConnectionError):
             slow.read_into(bytearray(1), None, lambda: True)
         # A reader that is gone (dropped) no longer holds the writer back.
-        writer.write(bytes(capacity))
+        writer.write([bytes(capacity)])
         fast.read_into(bytearray(capacity), None, lambda: False)
         writer.drop_reader(1)
-        writer.write(bytes(10))  # the slow reader has not read the last ring: no wait
+        writer.write([bytes(10)])  # the slow reader has not read the last ring: no wait
         fast.close()
         slow.close()
     finally:

@@ -263,11 +263,13 @@ class RingReader:
             raise ValueError(f"not a step ring segment: {name!r}")
         fd = os.open(SHM_DIR / name, os.O_RDWR)
         self._seg = _Segment(fd, os.fstat(fd).st_size)
-        words = self._seg.words
-        if int(words[_W_MAGIC]) != _MAGIC or int(words[_W_TOKEN]) != token:
+        magic, readers, their_token = (
+            int(self._seg.words[w]) for w in (_W_MAGIC, _W_READERS, _W_TOKEN)
+        )
+        if magic != _MAGIC or their_token != token:
             self.close()
             raise ValueError(f"segment {name} is not the writer's (token differs)")
-        if not 0 <= reader < int(words[_W_READERS]):
+        if not 0 <= reader < readers:
             self.close()
             raise ValueError(f"reader slot {reader} out of range")
         self._line = reader * _LINE_WORDS

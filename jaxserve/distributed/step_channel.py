@@ -468,7 +468,7 @@ class StepSubscriber:
         start = time.perf_counter()
         if self._ring is not None:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            self._ring.read_into(self._prefix, deadline, self._leader_is_lost)
+            self._read_ring(self._prefix, deadline)
         else:
             if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
                 raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
@@ -479,7 +479,7 @@ class StepSubscriber:
         start_of_arrays += len(_padding(start_of_arrays))
         body = np.empty(start_of_arrays + array_bytes, np.uint8)  # aligned to 16 bytes
         if self._ring is not None:
-            self._ring.read_into(body.data, None, self._leader_is_lost)
+            self._read_ring(body.data, None)
         else:
             self._read_exactly(body.data)
         meta = msgpack.unpackb(body[:meta_bytes].data)
@@ -499,8 +499,14 @@ class StepSubscriber:
             self._report()
         return StepMessage(step, _KINDS[kind], meta, arrays)
 
-    def _leader_is_lost(self) -> bool:
-        return self.leader_lost
+    def _read_ring(self, buffer, deadline: float | None) -> None:
+        """Fill `buffer` from the shared ring (time.monotonic() `deadline` or None)."""
+        try:
+            self._ring.read_into(buffer, deadline, lambda: self.leader_lost)
+        except ConnectionError as e:
+            raise ConnectionError(
+                "step channel: process 0 (the leader) is gone: nothing more on the ring"
+            ) from e
 
     def _read_exactly(self, buffer) -> None:
         """Fill `buffer` from the data connection (one call unless a signal interrupts)."""
