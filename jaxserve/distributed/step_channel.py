@@ -337,10 +337,9 @@ class StepPublisher:
         prefix = _PREFIX.pack(
             self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
         )
-        # The ring takes the parts as they are (one copy each); TCP, one bytes object.
-        message = b"".join([prefix, *parts]) if self._tcp else None
+        message = b"".join([prefix, *parts])
         if self._ring is not None:
-            self._ring.write([message] if message is not None else [prefix, *parts])
+            self._ring.write([message])
         for process_id, conn in list(self._tcp.items()):
             try:
                 conn.sendall(message, _NO_SIGNAL)
@@ -348,7 +347,7 @@ class StepPublisher:
                 # That follower is gone: its membership watcher names it.
                 logger.warning("step channel: process %d no longer receives steps", process_id)
                 del self._tcp[process_id]
-        self.bytes_sent += len(prefix) + sum(memoryview(p).nbytes for p in parts)
+        self.bytes_sent += len(message)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
 
