@@ -19,18 +19,34 @@ until the leader listens), that live as long as the run. At start-up the followe
 sends its process id on each ("<id>\\n"); the leader waits until every follower has
 joined both before its first step, so no step is sent before a follower can get it.
 
-- The data connection, to the leader's port, carries the steps. The leader serialises
-  a step once (`_PREFIX`, then one bytes object) and writes those bytes to each
-  follower's connection (TCP_NODELAY) from the publishing thread: per follower one
-  kernel write of a ready buffer, which is what a ZeroMQ PUB socket does per
-  subscriber too, from its I/O thread. A follower reads a step with two `recv_into`
-  calls (the prefix; the rest into a fresh buffer that the arrays are views of).
+- The data connection, to the leader's port, carries the steps to the followers on
+  other hosts. The leader serialises a step once (`_PREFIX`, then one bytes object)
+  and writes those bytes to each follower's connection (TCP_NODELAY) from the
+  publishing thread: per follower one kernel write of a ready buffer, which is what a
+  ZeroMQ PUB socket does per subscriber too, from its I/O thread. A follower reads a
+  step with two `recv_into` calls (the prefix; the rest into a fresh buffer that the
+  arrays are views of).
   ZeroMQ PUB/SUB, used before, was 1.7-2x slower on a 2-core VM
   (`scripts/bench_step_agreement.py`, 68 KB a step, interleaved: p50 237 / 441 / 783
   us at 2 / 4 / 8 processes against 142 / 210 / 400): its hand-offs between the
   application's thread and its I/O thread, on both ends, cost more than the writes.
   On one machine a write over loopback also runs the receiver's side of TCP, about
   25 us per follower at 68 KB there; across hosts the NIC does that.
+- The followers on the leader's host read the same bytes from a shared-memory ring
+  instead (`jaxserve.distributed.shm_ring`): the leader writes each step into it once
+  and wakes them all with one futex call, so its cost does not grow with them. Right
+  after the join, the leader offers the ring on each data connection ("shm <segment>
+  <token> <host identity>\\n", or "tcp\\n" when it has none); a follower takes it when
+  the host identity (boot id and host name, `shm_ring.host_identity`) is its own and it
+  can map the segment and find the token in it, and answers "shm\\n" or "tcp\\n". The
+  leader unlinks the segment once every follower answered (no name left in /dev/shm
+  to leak on a later crash; one left by a crash during the join is removed by the next
+  leader on the host). `JAXSERVE_STEP_TRANSPORT=tcp` (or `transport="tcp"`), on the leader
+  or on a follower, keeps that end on TCP, for A/B runs. Measured on a 2-core VM (68 KB
+  a step, interleaved, load 1.3-1.7): the leader's publish p50 81 / 95 / 104 us at
+  2 / 4 / 8 processes against TCP's 74 / 143 / 236; the agreement p50 170 / 263 / 465
+  against 154 / 271 / 526: there the followers' own work (wake, copy, unpack; 7 of them
+  on 2 cores) grows with them, which the transport cannot remove.
 - The membership connection, to the leader's port + 1, carries everything else, and
   is read by a watcher thread on each end (a follower's main thread may be blocked in
   a step's collectives, so the step reads cannot watch):
@@ -62,6 +78,8 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from jaxserve.distributed import shm_ring
+
 logger = logging.getLogger(__name__)
 
 RUN = "run"
@@ -90,6 +108,7 @@ REPORT_EVERY = 64
 _KEEPALIVE_IDLE_S = 5
 _KEEPALIVE_INTERVAL_S = 2
 _KEEPALIVE_COUNT = 3
+TRANSPORT_ENV = shm_ring.TRANSPORT_ENV
 
 
 @dataclass(slots=True)
@@ -152,8 +171,13 @@ class StepPublisher:
         timeout_s: float = 120.0,
         *,
         on_follower_lost: Callable[[int], None] | None = None,
+        transport: str | None = None,
     ):
+        transport = shm_ring.chosen_transport(transport)  # a bad value fails before the join
         address = socket.gethostbyname(host)
+        self._ring: shm_ring.RingWriter | None = None
+        # The data connections of the followers that read the steps there (not the ring).
+        self._tcp: dict[int, socket.socket] = {}
         self._listeners: list[socket.socket] = []
         # Joined connections by process id: data (the steps), membership (the rest).
         self._data: dict[int, socket.socket] = {}
@@ -170,6 +194,7 @@ class StepPublisher:
             for offset in (0, 1):
                 self._listeners.append(socket.create_server((address, port + offset)))
             self._wait_for_followers(num_followers, timeout_s)
+            self._ring, self._tcp = shm_ring.offer(self._data, transport, timeout_s)
         except BaseException:
             self._close_sockets()
             raise
@@ -208,6 +233,11 @@ class StepPublisher:
             finally:
                 for conn in pending:
                     conn.close()
+
+    @property
+    def shm_followers(self) -> int:
+        """Followers that read the steps from the shared ring (the others: TCP)."""
+        return 0 if self._ring is None else self._ring.active_readers
 
     def _read_join(self, conn, pending: dict, sel, num_followers: int) -> None:
         """Read from a connection that has not joined yet; join it on a full line."""
@@ -284,6 +314,8 @@ class StepPublisher:
         if self._closing.is_set():
             return
         self.lost_followers.append(process_id)
+        if self._ring is not None:
+            self._ring.drop_reader(process_id - 1)  # it no longer holds the ring back
         logger.error(
             "step channel: process %d (a follower) is gone: its connection to the leader "
             "closed without a clean stop (it died, or its host is unreachable)",
@@ -293,8 +325,9 @@ class StepPublisher:
             self._on_lost(process_id)
 
     def publish(self, arrays: Sequence[np.ndarray], meta: dict | None = None, kind: str = RUN):
-        """Send one step's inputs to every follower (raw array buffers, one message).
-        Blocks only while a follower's connection has a few MB unread (kernel buffers)."""
+        """Send one step's inputs to every follower (raw array buffers, one message): once
+        into the shared ring, and to each follower on TCP. Blocks only while a follower
+        has a few MB unread (the ring's capacity, or its connection's kernel buffers)."""
         start = time.perf_counter()
         sent = time.time()
         arrays = [np.asarray(a, order="C") for a in arrays]
@@ -309,14 +342,15 @@ class StepPublisher:
             self._step, _KINDS.index(kind), sent, len(packed_meta), len(layout), array_bytes
         )
         message = b"".join([prefix, *parts])
-        for process_id, conn in list(self._data.items()):
+        if self._ring is not None:
+            self._ring.write([message])
+        for process_id, conn in list(self._tcp.items()):
             try:
                 conn.sendall(message, _NO_SIGNAL)
             except OSError:
                 # That follower is gone: its membership watcher names it.
                 logger.warning("step channel: process %d no longer receives steps", process_id)
-                del self._data[process_id]
-                conn.close()
+                del self._tcp[process_id]
         self.bytes_sent += len(message)
         self._step += 1
         self.stats.record(time.perf_counter() - start)
@@ -337,6 +371,8 @@ class StepPublisher:
     def _close_sockets(self) -> None:
         for conn in [*self._data.values(), *self._members.values(), *self._listeners]:
             conn.close()
+        if self._ring is not None:
+            self._ring.close()
         for end in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if end is not None:
                 end.close()
@@ -361,7 +397,9 @@ class StepSubscriber:
         timeout_s: float = 120.0,
         *,
         on_leader_lost: Callable[[int], None] | None = None,
+        transport: str | None = None,
     ):
+        transport = shm_ring.chosen_transport(transport)
         deadline = time.monotonic() + timeout_s
         self._data = _connect(host, port, deadline, timeout_s)
         try:
@@ -373,6 +411,12 @@ class StepSubscriber:
             _keepalive(conn)
             conn.sendall(f"{process_id}\n".encode())
         self._data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._ring = shm_ring.take_offer(self._data, process_id - 1, transport, deadline)
+        except BaseException:
+            self._data.close()
+            self._member.close()
+            raise
         self._prefix = bytearray(_PREFIX.size)
         # Parsed array layouts by their bytes: [(shape, dtype, offset)].
         self._layouts: dict[bytes, list[tuple[tuple, np.dtype, int]]] = {}
@@ -387,6 +431,11 @@ class StepSubscriber:
         self._watcher.start()
         self.stats = ChannelStats()
         self.wait_stats = ChannelStats()
+
+    @property
+    def on_shm(self) -> bool:
+        """Whether this follower reads the steps from the leader's shared ring."""
+        return self._ring is not None
 
     def _watch_leader(self) -> None:
         """Until `close` or the leader's bye: report the leader if its connection ends."""
@@ -406,6 +455,8 @@ class StepSubscriber:
             "step channel: process 0 (the leader) is gone: its connection closed without "
             "a clean stop (it died, or its host is unreachable)"
         )
+        if self._ring is not None:
+            self._ring.wake()  # a `receive` waiting on the ring sees `leader_lost`
         if self._on_lost is not None:
             self._on_lost(0)
 
@@ -418,15 +469,22 @@ class StepSubscriber:
                 membership watcher names it too).
         """
         start = time.perf_counter()
-        if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
-            raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
-        self._read_exactly(self._prefix)
+        if self._ring is not None:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._read_ring(self._prefix, deadline)
+        else:
+            if timeout_s is not None and not self._poll.poll(max(0, int(timeout_s * 1000))):
+                raise TimeoutError(f"step channel: no step from the leader in {timeout_s} s")
+            self._read_exactly(self._prefix)
         step, kind, sent, meta_bytes, layout_bytes, array_bytes = _PREFIX.unpack(self._prefix)
         # A fresh buffer each step: the arrays are views of it and outlive this call.
         start_of_arrays = meta_bytes + layout_bytes
         start_of_arrays += len(_padding(start_of_arrays))
         body = np.empty(start_of_arrays + array_bytes, np.uint8)  # aligned to 16 bytes
-        self._read_exactly(body.data)
+        if self._ring is not None:
+            self._read_ring(body.data, None)
+        else:
+            self._read_exactly(body.data)
         meta = msgpack.unpackb(body[:meta_bytes].data)
         layout_key = body[meta_bytes : meta_bytes + layout_bytes].tobytes()
         layout = self._layouts.get(layout_key)
@@ -443,6 +501,15 @@ class StepSubscriber:
         if self.stats.steps % REPORT_EVERY == 0:
             self._report()
         return StepMessage(step, _KINDS[kind], meta, arrays)
+
+    def _read_ring(self, buffer, deadline: float | None) -> None:
+        """Fill `buffer` from the shared ring (time.monotonic() `deadline` or None)."""
+        try:
+            self._ring.read_into(buffer, deadline, lambda: self.leader_lost)
+        except ConnectionError as e:
+            raise ConnectionError(
+                "step channel: process 0 (the leader) is gone: nothing more on the ring"
+            ) from e
 
     def _read_exactly(self, buffer) -> None:
         """Fill `buffer` from the data connection (one call unless a signal interrupts)."""
@@ -478,6 +545,8 @@ class StepSubscriber:
         self._watcher.join()
         self._member.close()
         self._data.close()
+        if self._ring is not None:
+            self._ring.close()
 
 
 def _parse_layout(packed: bytes) -> list[tuple[tuple, np.dtype, int]]:

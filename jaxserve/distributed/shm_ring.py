@@ -1,0 +1,455 @@
+"""A one-writer, many-reader byte stream in shared memory: the step channel's transport to
+the followers on the leader's host (`jaxserve.distributed.step_channel`).
+
+The writer (the leader) appends each message once to a ring of bytes in a file under
+/dev/shm that every local reader maps; each reader copies it out at its own pace. So
+publishing costs the leader one copy and one wake-up whatever the number of readers,
+where the TCP path writes (and, over loopback, runs the receiver's TCP stack) once per
+follower. After vLLM's `MessageQueue` (vllm/distributed/device_communicators/
+shm_broadcast.py: a shared-memory ring for the readers on the writer's node, ZeroMQ for
+the others), with two differences: a byte stream (a message of any size passes, in
+pieces if it is larger than the ring) instead of fixed-size chunks, and futexes instead
+of spinning (vLLM's readers poll the ring, which on an oversubscribed host takes the
+cores the other processes need).
+
+Layout of the segment (little-endian; x86-64 Linux only, `available()`):
+
+- a header of uint64 words: magic, capacity (bytes of the ring), reader slots, the write
+  cursor (bytes ever written), a random token (a reader checks it: it mapped the
+  writer's segment), then two uint32 futex words: `_SEQ` (bumped after every write; the
+  readers wait on it) and `_WRITER_WAITING` (1 while the writer waits for room; a reader
+  that frees room wakes it);
+- one cache line per reader slot: its read cursor and whether it is active. The writer
+  never lets the write cursor pass an active reader's cursor by more than the capacity,
+  so no byte is overwritten before every active reader has copied it; a reader that is
+  gone is dropped (`drop_reader`, from the membership watcher) and no longer holds the
+  writer back;
+- the ring, from `_DATA_OFFSET`.
+
+Ordering: the writer copies the bytes, then stores the cursor, then bumps `_SEQ` and
+calls FUTEX_WAKE (INT_MAX: every waiter, one system call). A reader loads `_SEQ`, then
+the cursor, and sleeps in FUTEX_WAIT only while `_SEQ` still holds what it loaded: the
+kernel compares it under the futex lock, so a wake-up between the two is never lost.
+x86-64 keeps stores in order and loads in order (TSO), so plain aligned NumPy loads and
+stores suffice. The writer's wait for room (a reader's store of its cursor, then its load
+of `_WRITER_WAITING`, against the writer's store of that flag, then its loads of the
+cursors) is not ordered so (a store may pass a later load): a wake-up lost there costs
+at most `_ROOM_WAIT_S`. Every wait is bounded, so that the caller can also watch for a
+lost peer.
+
+The segment is a plain file (not `multiprocessing.shared_memory`, whose resource tracker
+would unlink it when any process exits): named `jaxserve-step-<writer pid>-<random>`,
+unlinked by the writer once every reader has attached (`unlink`), and at creation the
+writer removes the segments of writers that no longer run (a crash before the unlink).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# "tcp": every follower reads the steps from its TCP connection, even on the leader's
+# host; "auto" (the default): the followers on the leader's host read the shared ring.
+TRANSPORT_ENV = "JAXSERVE_STEP_TRANSPORT"
+SHM_DIR = Path("/dev/shm")
+_PREFIX = "jaxserve-step-"
+_MAGIC = 0x6A78_7374_6570_3031  # "jxstep01"
+# uint64 words of the header.
+_W_MAGIC, _W_CAPACITY, _W_READERS, _W_CURSOR, _W_TOKEN = range(5)
+# uint32 futex words, as indices into the header viewed as uint32 (bytes 48 and 56).
+_SEQ, _WRITER_WAITING = 12, 14
+_READER_OFFSET = 64  # then one 64-byte line per reader: cursor, active
+_LINE_WORDS = 8
+# 2 MiB: 30 steps of 68 KB ahead of the slowest reader; a larger message passes in pieces.
+DEFAULT_CAPACITY = 2 << 20
+
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: not FUTEX_PRIVATE_FLAG
+_INT_MAX = 2**31 - 1
+# Longest single sleep of a waiting reader or writer: each wait re-checks its stop
+# condition (a lost peer, a deadline) at least this often.
+_READ_WAIT_S = 0.05
+_ROOM_WAIT_S = 0.001
+# A reader may poll the ring this long before it sleeps in FUTEX_WAIT (an alternative
+# measured with scripts/bench_step_agreement.py; 0, the default: it sleeps at once, as
+# polling takes the core that another process of an oversubscribed host needs).
+SPIN_ENV = "JAXSERVE_STEP_RING_SPIN_US"
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
+
+
+def available() -> bool:
+    """Whether this host can run the ring: Linux x86-64 (the futex system call's number
+    and TSO are assumed) with a writable /dev/shm."""
+    return _libc is not None and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the uint32 at `address` is `expected`, at most `timeout_s` (ctypes
+    releases the GIL). Returns on a wake-up, a timeout, a signal, or at once (EAGAIN)
+    if the word has changed."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(expected),
+        ctypes.byref(ts),
+        None,
+        0,
+    )
+
+
+def _futex_wake_all(address: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+class _Segment:
+    """A mapped segment: the header as uint64 and uint32 words, the reader lines, the ring."""
+
+    def __init__(self, fd: int, size: int):
+        # Every page mapped now (not faulted in on the first pass over the ring: measured,
+        # about 2x the write's time in that pass).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(fd, size, flags)
+        os.close(fd)
+        base = np.frombuffer(self._map, np.uint8)
+        self.words = base[:_READER_OFFSET].view(np.uint64)
+        self.words32 = base[:_READER_OFFSET].view(np.uint32)
+        self.capacity = int(self.words[_W_CAPACITY])
+        readers = int(self.words[_W_READERS])
+        self.lines = base[_READER_OFFSET : data_offset(readers)].view(np.uint64)
+        # The bytes are copied through memoryviews: a NumPy slice assignment costs a few
+        # us more per call (measured: 35 against 14 us to write and read a 19-part step).
+        self.ring = memoryview(self._map)[data_offset(readers) :][: self.capacity]
+        self.seq_address = self.words32.ctypes.data + 4 * _SEQ
+        self.waiting_address = self.words32.ctypes.data + 4 * _WRITER_WAITING
+
+    def close(self) -> None:
+        self.ring.release()
+        self.words = self.words32 = self.lines = self.ring = None
+        self._map.close()
+
+
+def data_offset(num_readers: int) -> int:
+    """Byte offset of the ring: after the header and the reader lines, page-aligned."""
+    end = _READER_OFFSET + 8 * _LINE_WORDS * num_readers
+    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class RingWriter:
+    """The writer's end: creates the segment with `num_readers` reader slots (0-based;
+    inactive until `activate`) and a ring of `capacity` bytes."""
+
+    def __init__(self, num_readers: int, capacity: int = DEFAULT_CAPACITY):
+        remove_stale_segments()
+        self.token = secrets.randbits(63)
+        self.name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = SHM_DIR / self.name
+        size = data_offset(num_readers) + capacity
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # the pages, now (no SIGBUS later if /dev/shm is full)
+            header = np.array([_MAGIC, capacity, num_readers, 0, self.token], np.uint64)
+            os.pwrite(fd, header.tobytes(), 0)
+            self._seg = _Segment(fd, size)
+        except BaseException:
+            self.unlink()
+            raise
+        self.num_readers = num_readers
+        self._cursor = 0
+        self._active: set[int] = set()
+
+    def activate(self, reader: int) -> None:
+        """Count reader `reader` (it attached, before the first write) from now on."""
+        self._seg.lines[reader * _LINE_WORDS : reader * _LINE_WORDS + 2] = (self._cursor, 1)
+        self._active.add(reader)
+
+    def drop_reader(self, reader: int) -> None:
+        """Stop waiting for reader `reader` (it is gone); safe from another thread."""
+        self._active.discard(reader)
+        self._seg.lines[reader * _LINE_WORDS + 1] = 0
+        _futex_wake_all(self._seg.waiting_address)
+
+    @property
+    def active_readers(self) -> int:
+        return len(self._active)
+
+    def write(self, parts) -> None:
+        """Append the bytes-like `parts` one after the other for every active reader, then
+        wake them (once, unless the ring fills up on the way). Blocks while the slowest
+        active reader has not copied what the ring must overwrite."""
+        seg, capacity = self._seg, self._seg.capacity
+        cursor, room = self._cursor, 0
+        # One part: a join costs less than a copy per part (measured).
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        with memoryview(joined) as view:
+            src = view.cast("B") if view.nbytes else view
+            done = 0
+            while done < src.nbytes:
+                if room == 0:
+                    room = capacity - (cursor - self._slowest_cursor())
+                    if room == 0:
+                        self._publish(cursor)  # let the readers drain what is there
+                        self._wait_for_room()
+                        continue
+                n = min(room, src.nbytes - done)
+                start = cursor % capacity
+                first = min(n, capacity - start)
+                seg.ring[start : start + first] = src[done : done + first]
+                seg.ring[: n - first] = src[done + first : done + n]
+                done += n
+                cursor += n
+                room -= n
+        self._publish(cursor)
+
+    def _publish(self, cursor: int) -> None:
+        """Make the bytes up to `cursor` readable and wake every waiting reader."""
+        if cursor == self._cursor:
+            return
+        seg = self._seg
+        self._cursor = cursor
+        seg.words[_W_CURSOR] = cursor
+        seg.words32[_SEQ] = (int(seg.words32[_SEQ]) + 1) & 0xFFFF_FFFF
+        _futex_wake_all(seg.seq_address)
+
+    def _slowest_cursor(self) -> int:
+        lines = self._seg.lines
+        return min((int(lines[r * _LINE_WORDS]) for r in list(self._active)), default=self._cursor)
+
+    def _wait_for_room(self) -> None:
+        seg = self._seg
+        seg.words32[_WRITER_WAITING] = 1
+        if self._cursor - self._slowest_cursor() >= seg.capacity:
+            _futex_wait(seg.waiting_address, 1, _ROOM_WAIT_S)
+        seg.words32[_WRITER_WAITING] = 0
+
+    def unlink(self) -> None:
+        """Remove the segment's name (the mappings stay); idempotent."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        if getattr(self, "_seg", None) is not None:
+            self._seg.close()
+            self._seg = None
+
+
+class RingReader:
+    """A reader's end: maps segment `name` as reader slot `reader`.
+
+    Raises:
+        OSError: no such segment here (the writer runs on another host, or in another
+            /dev/shm namespace).
+        ValueError: a segment of that name whose token or layout is not the writer's.
+    """
+
+    def __init__(self, name: str, token: int, reader: int):
+        if not name.startswith(_PREFIX) or "/" in name:
+            raise ValueError(f"not a step ring segment: {name!r}")
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        self._seg = _Segment(fd, os.fstat(fd).st_size)
+        magic, readers, their_token = (
+            int(self._seg.words[w]) for w in (_W_MAGIC, _W_READERS, _W_TOKEN)
+        )
+        if magic != _MAGIC or their_token != token:
+            self.close()
+            raise ValueError(f"segment {name} is not the writer's (token differs)")
+        if not 0 <= reader < readers:
+            self.close()
+            raise ValueError(f"reader slot {reader} out of range")
+        self._line = reader * _LINE_WORDS
+        self._cursor = 0
+        self._spin_s = float(os.environ.get(SPIN_ENV) or 0) / 1e6
+
+    def read_into(self, buffer, deadline: float | None, should_stop) -> None:
+        """Fill `buffer` (a writable bytes-like) with the next bytes of the stream, waiting
+        for the writer as needed.
+
+        Raises:
+            TimeoutError: `deadline` (time.monotonic()) passed first.
+            ConnectionError: `should_stop()` became true while waiting (checked at least
+                every _READ_WAIT_S).
+        """
+        view = memoryview(buffer)
+        dst = view.cast("B") if view.nbytes else view
+        seg, capacity = self._seg, self._seg.capacity
+        done, spin_until = 0, None
+        while done < dst.nbytes:
+            seq = int(seg.words32[_SEQ])
+            available = int(seg.words[_W_CURSOR]) - self._cursor
+            if available == 0 and self._spin_s:
+                spin_until = spin_until or time.perf_counter() + self._spin_s
+                if time.perf_counter() < spin_until:
+                    continue
+            if available == 0:
+                if should_stop():
+                    raise ConnectionError("step ring: the writer is gone")
+                wait = _READ_WAIT_S
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise TimeoutError("step ring: nothing written before the deadline")
+                _futex_wait(seg.seq_address, seq, wait)
+                continue
+            n = min(available, dst.nbytes - done)
+            start = self._cursor % capacity
+            first = min(n, capacity - start)
+            dst[done : done + first] = seg.ring[start : start + first]
+            dst[done + first : done + n] = seg.ring[: n - first]
+            done += n
+            self._cursor += n
+            seg.lines[self._line] = self._cursor
+            if seg.words32[_WRITER_WAITING]:
+                _futex_wake_all(seg.waiting_address)
+
+    def wake(self) -> None:
+        """Wake every reader waiting on this segment (they re-check their stop condition)."""
+        if self._seg is not None:
+            _futex_wake_all(self._seg.seq_address)
+
+    def close(self) -> None:
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
+
+
+def host_identity() -> str:
+    """This host as the step channel compares it at join: the kernel's boot id (one per
+    boot of a machine, shared by its containers) and the host name, no spaces. Equal
+    identities only make a follower try the segment; its token proves it."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "no-boot-id"
+    return f"{boot_id}/{platform.node()}".replace(" ", "_")
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments of writers that no longer run (named by their pid); return
+    their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{_PREFIX}*"):
+        pid = path.name[len(_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ----- the offer at join (on each follower's data connection, before any step) ----------
+
+
+def offer(conns: dict[int, socket.socket], transport: str | None, timeout_s: float):
+    """The leader's side: offer a ring to the followers joined on `conns` (by process
+    id >= 1, reader slot id - 1) and read their answers; unlink the segment then.
+
+    Returns:
+        (the ring, or None if no follower took it; the connections of the followers
+        that did not, by process id).
+    """
+    ring = None
+    if chosen_transport(transport) != "tcp" and available():
+        ring = RingWriter(max(conns, default=0))
+    line = "tcp\n" if ring is None else f"shm {ring.name} {ring.token} {host_identity()}\n"
+    tcp = {}
+    try:
+        for conn in conns.values():
+            conn.sendall(line.encode())
+        deadline = time.monotonic() + timeout_s
+        for process_id, conn in conns.items():
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            answer = _read_line(conn)
+            conn.settimeout(None)
+            if answer == "shm" and ring is not None:
+                ring.activate(process_id - 1)
+            else:
+                tcp[process_id] = conn
+    except BaseException:
+        if ring is not None:
+            ring.close()
+        raise
+    if ring is not None:
+        ring.unlink()  # every follower has mapped it, or never will
+        if not ring.active_readers:
+            ring.close()
+            ring = None
+    logger.info(
+        "step channel: %d follower(s) on the shared ring, %d on TCP", len(conns) - len(tcp),
+        len(tcp),
+    )  # fmt: skip
+    return ring, tcp
+
+
+def take_offer(conn: socket.socket, reader: int, transport: str | None, deadline: float):
+    """A follower's side: read the leader's offer on `conn`, map its ring as reader slot
+    `reader` when it is on this host (same `host_identity`, the segment opens, its token
+    matches), and answer. Returns the ring, or None (the steps come over `conn`)."""
+    conn.settimeout(max(0.1, deadline - time.monotonic()))
+    words = _read_line(conn).split()
+    conn.settimeout(None)
+    ring = None
+    if words[:1] == ["shm"] and len(words) == 4 and chosen_transport(transport) != "tcp":
+        _, name, token, host = words
+        if host == host_identity() and available():
+            try:
+                ring = RingReader(name, int(token), reader)
+            except (OSError, ValueError) as e:
+                logger.warning("step channel: the leader's ring %s is not here (%s)", name, e)
+    conn.sendall(b"shm\n" if ring is not None else b"tcp\n")
+    return ring
+
+
+def chosen_transport(transport: str | None) -> str:
+    """The transport asked for: the argument, else TRANSPORT_ENV, else "auto".
+
+    Raises:
+        ValueError: neither "tcp" nor "auto".
+    """
+    transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+    if transport not in ("tcp", "auto"):
+        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'tcp' or 'auto'")
+    return transport
+
+
+def _read_line(conn: socket.socket) -> str:
+    """One short line from `conn`, read a byte at a time (what follows is not ours)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 512:
+        byte = conn.recv(1)
+        if not byte:
+            raise ConnectionError("step channel: the peer closed the connection at join")
+        line += byte
+    return line.decode().strip()
