@@ -153,9 +153,17 @@ def test_ctrl_c_in_a_client_command_is_exit_130_without_a_traceback():
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     listener.settimeout(30)  # a bench that died before connecting fails the test, not hangs
     address = f"127.0.0.1:{listener.getsockname()[1]}"
+    # Ctrl-C as a terminal delivers it: Python's handler installed even where this test
+    # runs with SIGINT ignored (a job started with `&` by a non-interactive shell, whose
+    # children inherit the ignore, and Python then installs no handler).
+    argv = ["bench", "--backend", "http", "--server", address, "--num-prompts", "2",
+            "--no-progress"]  # fmt: skip
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"from jaxserve.cli import main; main({argv!r})"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "bench", "--backend", "http", "--server",
-         address, "--num-prompts", "2", "--no-progress"],
+        [sys.executable, "-c", code],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_DIR,
     )  # fmt: skip
     try:
