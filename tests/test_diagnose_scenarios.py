@@ -123,13 +123,15 @@ def test_tiny_kv_pool_under_a_burst_is_memory(small_server):
 
 
 def test_from_bench_json_of_a_burst_sees_the_queue(small_server, tmp_path):
-    """`jaxserve bench` (12 requests at once on 2 slots) then `diagnose --from` its JSON:
-    the TTFT tail of the requests that waited points at the queue."""
+    """`jaxserve bench` (24 requests at once on 2 slots) then `diagnose --from` its JSON:
+    the TTFT of the requests that waited points at the queue. Long enough that the median
+    request waits about 6 requests' decode, 36 chunk gaps with the CPU's 8-step calls of
+    2 rows (a streamed chunk carries a call's tokens), well past the rule's WAIT_STEPS."""
     srv, _ = small_server
     out = tmp_path / "b.json"
     bench = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "bench", "--server", srv.target,
-         "--num-prompts", "12", "--input-len", "8", "--output-len", "16", "--ignore-eos",
+         "--num-prompts", "24", "--input-len", "8", "--output-len", "48", "--ignore-eos",
          "--no-progress", "--out", str(out)],
         cwd=REPO_DIR, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -7,11 +7,11 @@ the last REPORT_EVERY steps) and the sizes of the arrays published.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import numpy as np
+from server_harness import free_port_range
 
 from jaxserve.distributed.step_channel import (
     REPORT_EVERY,
@@ -21,20 +21,8 @@ from jaxserve.distributed.step_channel import (
 )
 
 
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-
-
 def test_followers_report_their_median_transit_and_bytes_are_counted():
-    port = _free_port_pair()
+    port = free_port_range()
     followers: dict[int, StepSubscriber] = {}
 
     def follow(pid: int) -> None:

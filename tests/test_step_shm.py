@@ -17,26 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from server_harness import free_port_range
 
 from jaxserve.distributed import shm_ring
 from jaxserve.distributed.step_channel import STOP, TRANSPORT_ENV, StepPublisher, StepSubscriber
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="no futex ring on this host")
-
-
-def _free_port_pair() -> int:
-    import socket
-
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
 
 
 def _our_segments() -> set[str]:
@@ -61,7 +48,7 @@ def _odd_steps(n: int) -> list[list[np.ndarray]]:
 def _run_channel(followers: dict[int, dict], leader_transport: str | None, steps):
     """A leader and followers (threads; kwargs per follower id); every step published,
     then STOP. Returns the leader, the follower ends and what each received."""
-    port = _free_port_pair()
+    port = free_port_range()
     subs: dict[int, StepSubscriber] = {}
     received: dict[int, list] = {pid: [] for pid in followers}
 
@@ -124,7 +111,7 @@ def test_forced_tcp_on_the_leader_or_on_one_follower(monkeypatch):
     assert leader.shm_followers == 0
     monkeypatch.setenv(TRANSPORT_ENV, "udp")
     with pytest.raises(ValueError, match="JAXSERVE_STEP_TRANSPORT"):
-        StepPublisher("127.0.0.1", _free_port_pair(), 1, 1)
+        StepPublisher("127.0.0.1", free_port_range(), 1, 1)
 
 
 def test_a_follower_on_another_host_stays_on_tcp(monkeypatch):
@@ -136,7 +123,7 @@ def test_a_follower_on_another_host_stays_on_tcp(monkeypatch):
         "host_identity",
         lambda: "other-host" if threading.current_thread().name == "remote" else real(),
     )
-    port = _free_port_pair()
+    port = free_port_range()
     subs = {}
 
     def follow(pid: int) -> None:
@@ -262,7 +249,7 @@ def _end_process(port: int, role: str) -> subprocess.Popen:
 
 
 def test_a_dead_leader_ends_a_receive_waiting_on_the_ring():
-    port = _free_port_pair()
+    port = free_port_range()
     child = _end_process(port, "leader")
     lost = threading.Event()
     try:
@@ -293,7 +280,7 @@ def test_a_dead_leader_ends_a_receive_waiting_on_the_ring():
 
 
 def test_a_dead_follower_that_stopped_reading_does_not_block_the_leader():
-    port = _free_port_pair()
+    port = free_port_range()
     child = _end_process(port, "follower")
     lost = threading.Event()
     try:
