@@ -6,6 +6,7 @@ Fixed random logits; every expectation is computed independently in float64 NumP
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
@@ -512,3 +513,22 @@ def test_whole_mixed_batch_tokens_do_not_depend_on_skipping(mixed_batch, monkeyp
     np.testing.assert_array_equal(
         np.asarray(fn(logits, md).token_ids), _full_path_tokens(monkeypatch, logits, md)
     )
+
+
+def test_first_argmax_equals_numpy_argmax_with_ties_nan_and_inf():
+    """`first_argmax` is NumPy's argmax row by row: the first index on ties, the first
+    NaN in a row with NaNs, index 0 in an all -inf row; random rows of both shapes the
+    engine runs (one row, many rows)."""
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((64, 300)).astype(np.float32)
+    rows[1, [5, 40, 299]] = 50.0  # a tie of three maxima
+    rows[2, [17, 90]] = np.nan  # NaNs: the first wins, as in np.argmax
+    rows[3, :] = -np.inf
+    rows[4, 299] = np.inf
+    rows[5, :] = 1.0  # every entry ties
+    rows[6, [0, 3]] = [np.nan, 100.0]
+    rows[7, :] = np.round(rows[7] * 2) / 2  # many small ties
+    for x in (rows, rows[:1], rows[1:2], rows[2:3]):
+        got = np.asarray(jax.jit(sampler.first_argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

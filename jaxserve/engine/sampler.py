@@ -233,7 +233,7 @@ def sample(
     processed = jax.lax.cond(_any_penalty(md), apply_penalties, lambda x, _: x, logits, md)
     token_ids = jax.lax.cond(
         jnp.all(md.temperature == 0.0),
-        lambda x, _: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x, _: first_argmax(x),
         _draw,
         processed,
         md,
@@ -279,9 +279,24 @@ def _draw(processed: jax.Array, md: SamplingMetadata) -> jax.Array:
     noise = jax.vmap(lambda key: jax.random.gumbel(key, processed.shape[1:], jnp.float32))(
         row_keys(md)
     )
-    sampled = jnp.argmax(filtered + noise, axis=-1)
-    greedy = jnp.argmax(processed, axis=-1)
-    return jnp.where(md.temperature == 0.0, greedy, sampled).astype(jnp.int32)
+    sampled = first_argmax(filtered + noise)
+    greedy = first_argmax(processed)
+    return jnp.where(md.temperature == 0.0, greedy, sampled)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """[R] int32: `jnp.argmax(x, axis=-1)` of x [R, V] (first index on ties; the first
+    NaN's index in a row with a NaN), as a max and a min-of-index over the row.
+
+    Why not `jnp.argmax`: XLA lowers it to one variadic (value, index) reduce, which its
+    CPU backend runs as a scalar loop, 4-5x slower than these two vectorised reduces
+    (`[1, 4096]`: 20 vs 5 us; `[128, 4096]`: 1.17 vs 0.21 ms a decode step; measured
+    here with a scan of 500 calls). The same on every backend: it is two plain reduces.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one (NaN-propagating)
+    hit = (x == top) | jnp.isnan(x)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
 def _logprobs(
