@@ -1,0 +1,98 @@
+"""Decode attention on the CPU kernel (`jaxserve.kernels.cpu_attention`) alone: microseconds
+a call and GFLOP/s at a few (rows, context) pairs, with the random Qwen3-MoE's attention
+shapes (8 query heads, 4 KV heads, head_dim 64, block 16; `compare_hf.py`).
+
+Each request has its own blocks, so the KV cache read per call is rows x context x KV
+heads x head_dim x 8 bytes (K and V, float32): 12.6 MB at 128 x 48 (in a large L3), 52 MB
+at 128 x 200 (from memory). One jitted `lax.scan` of `--calls` kernel calls is timed;
+medians of `--repeats`. For an A/B of a kernel change, run it at both commits.
+
+    python scripts/bench_attention_cpu.py [--cases 1x48,8x48,128x48,128x200,32x1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
+
+
+def decode_case(rows: int, context: int):
+    """q [rows, H, D], caches, positions and metadata of one decode step: each row's last
+    token at position context - 1, its blocks its own."""
+    from jaxserve.models.base import AttentionMetadata
+
+    rng = np.random.default_rng(0)
+    width = -(-context // BLOCK)
+    shape = (rows * width + 1, BLOCK, KV_HEADS, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v = jnp.asarray(rng.standard_normal(shape, np.float32))
+    q = jnp.asarray(rng.standard_normal((rows, HEADS, HEAD_DIM), np.float32))
+    tables = np.arange(rows * width, dtype=np.int32).reshape(rows, width) + 1  # 0: null block
+    last = context - 1
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(tables[:, last // BLOCK] * BLOCK + last % BLOCK),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.full(rows, context, jnp.int32),
+        query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
+        token_req=jnp.arange(rows, dtype=jnp.int32),
+    )
+    return q, k, v, jnp.full(rows, last, jnp.int32), md
+
+
+def time_case(rows: int, context: int, calls: int, repeats: int) -> float:
+    """Median microseconds of one kernel call."""
+    from jaxserve.kernels import cpu_attention
+
+    q, k, v, positions, md = decode_case(rows, context)
+    scale = HEAD_DIM**-0.5
+
+    @jax.jit
+    def many(q):
+        def body(carry, _):
+            out = cpu_attention.paged_attention_cpu(carry, k, v, positions, md, scale)
+            return carry + out * 1e-6, None  # a data dependence: the calls cannot merge
+
+        return jax.lax.scan(body, q, None, length=calls)[0]
+
+    many(q).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        many(q).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="1x48,8x48,128x48,128x200,32x1000")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    from jaxserve.kernels import cpu_attention
+
+    if not cpu_attention.available():
+        raise SystemExit("the CPU attention kernel is not available (no C++ compiler?)")
+    print(f"# {os.uname().nodename}: {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    print(f"{'rows':>5} {'context':>7} {'us/call':>9} {'GFLOP/s':>8} {'KV MB':>7} {'GB/s':>6}")
+    for case in args.cases.split(","):
+        rows, context = (int(x) for x in case.split("x"))
+        us = time_case(rows, context, args.calls, args.repeats)
+        flops = 4 * rows * HEADS * context * HEAD_DIM  # q.k and p.v, 2 FLOPs a multiply-add
+        kv_bytes = 8 * rows * context * KV_HEADS * HEAD_DIM
+        print(f"{rows:>5} {context:>7} {us:>9.1f} {flops / us / 1e3:>8.1f} "
+              f"{kv_bytes / 1e6:>7.1f} {kv_bytes / us / 1e3:>6.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
