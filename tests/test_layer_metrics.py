@@ -24,7 +24,7 @@ from jaxserve.ipc import EngineRequest, TextOutputs
 from jaxserve.observability.loop_lag import watch_loop_lag
 from jaxserve.observability.metrics import Metrics
 from jaxserve.observability.peaks import Peak, device_peak, mesh_peak
-from jaxserve.observability.step_cost import StepCostModel, StepMeter
+from jaxserve.observability.step_cost import StepCostModel, StepMeter, multi_pass_cost
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 
@@ -265,3 +265,18 @@ def iter_frames(sock):
             yield sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
+
+
+def test_multi_pass_cost_is_the_sum_of_its_passes(tiny_moe_dir):
+    """`multi_pass_cost` (closed form from two passes) equals the sum of `cost` over
+    every pass, each decode pass one position later, at 1, 2, 3 and 16 passes."""
+    model = _model(tiny_moe_dir)
+    rows = [(0, 7), (30, 1), (5, 1), (100, 1)]
+    for passes in (1, 2, 3, 16):
+        got = multi_pass_cost(model, rows, passes)
+        parts = [model.cost(rows)] + [
+            model.cost([(s + q + p - 1, 1) for s, q in rows]) for p in range(1, passes)
+        ]
+        for field in ("weight_bytes", "kv_bytes", "flops"):
+            expected = sum(getattr(c, field) for c in parts)
+            assert getattr(got, field) == pytest.approx(expected, rel=1e-12)

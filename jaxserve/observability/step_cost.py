@@ -198,6 +198,30 @@ def step_rows(sched) -> tuple[list[tuple[int, int]], int, int, int]:
     return rows, num_steps, prefill, decode
 
 
+def multi_pass_cost(model: StepCostModel, rows: list[tuple[int, int]], passes: int) -> StepCost:
+    """The cost of a call of `passes` passes: `rows` (as `StepCostModel.cost`), then
+    passes - 1 decode passes of one token a row, pass p at start s + q + p - 1.
+
+    A decode pass's cost is affine in p (the same weights; KV bytes and attention pairs
+    grow by one position a row), so passes 1..P-1 sum to (P - 1) c1 + (c2 - c1)(P - 1)(P -
+    2) / 2 from the first two: two `cost` calls, not P (on the host, every call)."""
+    c = model.cost(rows)
+    if passes <= 1:
+        return c
+    first = model.cost([(s + q, 1) for s, q in rows])
+    second = model.cost([(s + q + 1, 1) for s, q in rows]) if passes > 2 else first
+    n, ramp = passes - 1, (passes - 1) * (passes - 2) / 2
+
+    def total(a: float, b: float, c0: float) -> float:
+        return c0 + n * a + ramp * (b - a)
+
+    return StepCost(
+        total(first.weight_bytes, second.weight_bytes, c.weight_bytes),
+        total(first.kv_bytes, second.kv_bytes, c.kv_bytes),
+        total(first.flops, second.flops, c.flops),
+    )
+
+
 class StepMeter:
     """Per-step cost, time and utilisation of an engine (see the module docstring).
 
@@ -231,12 +255,7 @@ class StepMeter:
         self.prefill_steps += prefill > 0
         self.decode_steps += decode > 0
         self.last_prefill_tokens, self.last_decode_tokens = prefill, decode
-        c = self.model.cost(rows)
-        for p in range(1, passes):  # a multi-step decode: one more position per pass
-            more = self.model.cost([(s + q + p - 1, 1) for s, q in rows])
-            c = StepCost(c.weight_bytes + more.weight_bytes, c.kv_bytes + more.kv_bytes,
-                         c.flops + more.flops)  # fmt: skip
-        self._inflight[id(handle)] = (self._clock(), c)
+        self._inflight[id(handle)] = (self._clock(), multi_pass_cost(self.model, rows, passes))
 
     def fetched(self, handle: object) -> None:
         """A step's results are on the host: its time, bytes, FLOPs, MBU and MFU."""
