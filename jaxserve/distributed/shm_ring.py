@@ -24,10 +24,10 @@ Layout of the segment (little-endian; x86-64 Linux only, `available()`):
   so no byte is overwritten before every active reader has copied it; a reader that is
   gone is dropped (`drop_reader`, from the membership watcher) and no longer holds the
   writer back;
-- the ring, from `_DATA_OFFSET`.
+- the ring, from `data_offset(reader slots)`.
 
 Ordering: the writer copies the bytes, then stores the cursor, then bumps `_SEQ` and
-calls FUTEX_WAKE (INT_MAX: every waiter, one system call). A reader loads `_SEQ`, then
+wakes every waiter (`futex.wake_all`, one system call). A reader loads `_SEQ`, then
 the cursor, and sleeps in FUTEX_WAIT only while `_SEQ` still holds what it loaded: the
 kernel compares it under the futex lock, so a wake-up between the two is never lost.
 x86-64 keeps stores in order and loads in order (TSO), so plain aligned NumPy loads and
@@ -45,7 +45,6 @@ writer removes the segments of writers that no longer run (a crash before the un
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -56,6 +55,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxserve.distributed import futex
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,6 @@ _LINE_WORDS = 8
 # 2 MiB: 30 steps of 68 KB ahead of the slowest reader; a larger message passes in pieces.
 DEFAULT_CAPACITY = 2 << 20
 
-_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: not FUTEX_PRIVATE_FLAG
-_INT_MAX = 2**31 - 1
 # Longest single sleep of a waiting reader or writer: each wait re-checks its stop
 # condition (a lost peer, a deadline) at least this often.
 _READ_WAIT_S = 0.05
@@ -87,37 +85,10 @@ _ROOM_WAIT_S = 0.001
 SPIN_ENV = "JAXSERVE_STEP_RING_SPIN_US"
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
-
-
 def available() -> bool:
     """Whether this host can run the ring: Linux x86-64 (the futex system call's number
     and TSO are assumed) with a writable /dev/shm."""
-    return _libc is not None and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
-def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
-    """Sleep while the uint32 at `address` is `expected`, at most `timeout_s` (ctypes
-    releases the GIL). Returns on a wake-up, a timeout, a signal, or at once (EAGAIN)
-    if the word has changed."""
-    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_uint32(expected),
-        ctypes.byref(ts),
-        None,
-        0,
-    )
-
-
-def _futex_wake_all(address: int) -> None:
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+    return futex.SUPPORTED and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 class _Segment:
@@ -185,7 +156,7 @@ class RingWriter:
         """Stop waiting for reader `reader` (it is gone); safe from another thread."""
         self._active.discard(reader)
         self._seg.lines[reader * _LINE_WORDS + 1] = 0
-        _futex_wake_all(self._seg.waiting_address)
+        futex.wake_all(self._seg.waiting_address)
 
     @property
     def active_readers(self) -> int:
@@ -227,7 +198,7 @@ class RingWriter:
         self._cursor = cursor
         seg.words[_W_CURSOR] = cursor
         seg.words32[_SEQ] = (int(seg.words32[_SEQ]) + 1) & 0xFFFF_FFFF
-        _futex_wake_all(seg.seq_address)
+        futex.wake_all(seg.seq_address)
 
     def _slowest_cursor(self) -> int:
         lines = self._seg.lines
@@ -237,7 +208,7 @@ class RingWriter:
         seg = self._seg
         seg.words32[_WRITER_WAITING] = 1
         if self._cursor - self._slowest_cursor() >= seg.capacity:
-            _futex_wait(seg.waiting_address, 1, _ROOM_WAIT_S)
+            futex.wait(seg.waiting_address, 1, _ROOM_WAIT_S)
         seg.words32[_WRITER_WAITING] = 0
 
     def unlink(self) -> None:
@@ -309,7 +280,7 @@ class RingReader:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
                         raise TimeoutError("step ring: nothing written before the deadline")
-                _futex_wait(seg.seq_address, seq, wait)
+                futex.wait(seg.seq_address, seq, wait)
                 continue
             n = min(available, dst.nbytes - done)
             start = self._cursor % capacity
@@ -320,12 +291,12 @@ class RingReader:
             self._cursor += n
             seg.lines[self._line] = self._cursor
             if seg.words32[_WRITER_WAITING]:
-                _futex_wake_all(seg.waiting_address)
+                futex.wake_all(seg.waiting_address)
 
     def wake(self) -> None:
         """Wake every reader waiting on this segment (they re-check their stop condition)."""
         if self._seg is not None:
-            _futex_wake_all(self._seg.seq_address)
+            futex.wake_all(self._seg.seq_address)
 
     def close(self) -> None:
         if self._seg is not None:
