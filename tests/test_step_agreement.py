@@ -19,12 +19,9 @@ from engine_helpers import greedy, run_engine
 from prometheus_client import generate_latest
 from server_harness import free_port_range
 
-from jaxserve.distributed.step_channel import (
-    REPORT_EVERY,
-    STOP,
-    StepPublisher,
-    StepSubscriber,
-)
+from jaxserve.distributed.membership import REPORT_EVERY
+from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+from jaxserve.distributed.step_message import STOP
 
 
 def test_followers_report_their_median_transit_and_bytes_are_counted():

@@ -1,5 +1,6 @@
 """A one-writer, many-reader byte stream in shared memory: the step channel's transport to
-the followers on the leader's host (`jaxserve.distributed.step_channel`).
+the followers on the leader's host (`jaxserve.distributed.step_channel`; offered to them
+at join by `jaxserve.distributed.step_transport`).
 
 The writer (the leader) appends each message once to a ring of bytes in a file under
 /dev/shm that every local reader maps; each reader copies it out at its own pace. So
@@ -45,12 +46,9 @@ writer removes the segments of writers that no longer run (a crash before the un
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
-import platform
 import secrets
-import socket
 import time
 from pathlib import Path
 
@@ -58,11 +56,6 @@ import numpy as np
 
 from jaxserve.distributed import futex
 
-logger = logging.getLogger(__name__)
-
-# "tcp": every follower reads the steps from its TCP connection, even on the leader's
-# host; "auto" (the default): the followers on the leader's host read the shared ring.
-TRANSPORT_ENV = "JAXSERVE_STEP_TRANSPORT"
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "jaxserve-step-"
 _MAGIC = 0x6A78_7374_6570_3031  # "jxstep01"
@@ -304,17 +297,6 @@ class RingReader:
             self._seg = None
 
 
-def host_identity() -> str:
-    """This host as the step channel compares it at join: the kernel's boot id (one per
-    boot of a machine, shared by its containers) and the host name, no spaces. Equal
-    identities only make a follower try the segment; its token proves it."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = "no-boot-id"
-    return f"{boot_id}/{platform.node()}".replace(" ", "_")
-
-
 def remove_stale_segments() -> list[str]:
     """Unlink the segments of writers that no longer run (named by their pid); return
     their names."""
@@ -338,89 +320,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-# ----- the offer at join (on each follower's data connection, before any step) ----------
-
-
-def offer(conns: dict[int, socket.socket], transport: str | None, timeout_s: float):
-    """The leader's side: offer a ring to the followers joined on `conns` (by process
-    id >= 1, reader slot id - 1) and read their answers; unlink the segment then.
-
-    Returns:
-        (the ring, or None if no follower took it; the connections of the followers
-        that did not, by process id).
-    """
-    ring = None
-    if chosen_transport(transport) != "tcp" and available():
-        ring = RingWriter(max(conns, default=0))
-    line = "tcp\n" if ring is None else f"shm {ring.name} {ring.token} {host_identity()}\n"
-    tcp = {}
-    try:
-        for conn in conns.values():
-            conn.sendall(line.encode())
-        deadline = time.monotonic() + timeout_s
-        for process_id, conn in conns.items():
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            answer = _read_line(conn)
-            conn.settimeout(None)
-            if answer == "shm" and ring is not None:
-                ring.activate(process_id - 1)
-            else:
-                tcp[process_id] = conn
-    except BaseException:
-        if ring is not None:
-            ring.close()
-        raise
-    if ring is not None:
-        ring.unlink()  # every follower has mapped it, or never will
-        if not ring.active_readers:
-            ring.close()
-            ring = None
-    logger.info(
-        "step channel: %d follower(s) on the shared ring, %d on TCP", len(conns) - len(tcp),
-        len(tcp),
-    )  # fmt: skip
-    return ring, tcp
-
-
-def take_offer(conn: socket.socket, reader: int, transport: str | None, deadline: float):
-    """A follower's side: read the leader's offer on `conn`, map its ring as reader slot
-    `reader` when it is on this host (same `host_identity`, the segment opens, its token
-    matches), and answer. Returns the ring, or None (the steps come over `conn`)."""
-    conn.settimeout(max(0.1, deadline - time.monotonic()))
-    words = _read_line(conn).split()
-    conn.settimeout(None)
-    ring = None
-    if words[:1] == ["shm"] and len(words) == 4 and chosen_transport(transport) != "tcp":
-        _, name, token, host = words
-        if host == host_identity() and available():
-            try:
-                ring = RingReader(name, int(token), reader)
-            except (OSError, ValueError) as e:
-                logger.warning("step channel: the leader's ring %s is not here (%s)", name, e)
-    conn.sendall(b"shm\n" if ring is not None else b"tcp\n")
-    return ring
-
-
-def chosen_transport(transport: str | None) -> str:
-    """The transport asked for: the argument, else TRANSPORT_ENV, else "auto".
-
-    Raises:
-        ValueError: neither "tcp" nor "auto".
-    """
-    transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
-    if transport not in ("tcp", "auto"):
-        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'tcp' or 'auto'")
-    return transport
-
-
-def _read_line(conn: socket.socket) -> str:
-    """One short line from `conn`, read a byte at a time (what follows is not ours)."""
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 512:
-        byte = conn.recv(1)
-        if not byte:
-            raise ConnectionError("step channel: the peer closed the connection at join")
-        line += byte
-    return line.decode().strip()
