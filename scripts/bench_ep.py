@@ -359,7 +359,8 @@ def coordination_worker(steps: int, out: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_message import STOP
     from jaxserve.sharding import moe_ep
     from jaxserve.sharding.mesh import build_mesh
     from jaxserve.sharding.placement import identity_placement

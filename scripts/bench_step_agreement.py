@@ -62,7 +62,8 @@ def agreement_worker(
     engine-shaped host inputs (plus 20 warm-up steps), 1 ms apart; the others receive
     them and write their per-step transit (leader's send -> arrays unpacked)."""
     import jaxserve
-    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_message import STOP
 
     if process_id == 0:
         channel = StepPublisher("127.0.0.1", port, num_processes - 1)

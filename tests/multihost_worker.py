@@ -31,7 +31,8 @@ def main(model_dir: str, dp: int, tp: int, out_json: str) -> None:
 
     from sharding_utils import GreedyDriver  # noqa: PLC0415
 
-    from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber  # noqa: PLC0415
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber  # noqa: PLC0415
+    from jaxserve.distributed.step_message import STOP  # noqa: PLC0415
     from jaxserve.sharding.load import load_sharded_model  # noqa: PLC0415 -- after init
     from jaxserve.sharding.mesh import build_mesh  # noqa: PLC0415
 

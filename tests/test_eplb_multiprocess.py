@@ -83,7 +83,8 @@ class _NoRunner:
 
 def test_a_placement_without_eplb_stops_the_follower_with_a_clear_error():
     from jaxserve.distributed.executor import follow
-    from jaxserve.distributed.step_channel import PLACEMENT, StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_message import PLACEMENT
 
     port = free_port_range() + 1
     errors: list[BaseException] = []
@@ -109,7 +110,8 @@ def test_a_placement_without_eplb_stops_the_follower_with_a_clear_error():
 
 def test_a_placement_at_another_step_stops_the_follower():
     from jaxserve.distributed.executor import follow
-    from jaxserve.distributed.step_channel import PLACEMENT, StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+    from jaxserve.distributed.step_message import PLACEMENT
 
     port = free_port_range() + 1
     errors: list[BaseException] = []

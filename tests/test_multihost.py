@@ -27,7 +27,8 @@ from server_harness import ServerProcess, alive, child_pids, cpu_xla_flags, free
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
-from jaxserve.distributed.step_channel import STOP, StepPublisher, StepSubscriber
+from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+from jaxserve.distributed.step_message import STOP
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

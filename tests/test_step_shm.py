@@ -1,5 +1,6 @@
-"""The step channel's shared-memory path (`jaxserve.distributed.shm_ring`): the followers
-on the leader's host read each step from one ring that the leader writes once.
+"""The step channel's shared-memory path (`jaxserve.distributed.shm_ring`, offered at join
+by `step_transport`): the followers on the leader's host read each step from one ring
+that the leader writes once.
 
 Oracles: the arrays published (every step, in order, equal, 16-byte aligned), the ring's
 own cursors (a lagging reader holds the writer back by exactly the capacity), the
@@ -19,8 +20,10 @@ import numpy as np
 import pytest
 from server_harness import free_port_range
 
-from jaxserve.distributed import shm_ring
-from jaxserve.distributed.step_channel import STOP, TRANSPORT_ENV, StepPublisher, StepSubscriber
+from jaxserve.distributed import shm_ring, step_transport
+from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+from jaxserve.distributed.step_message import STOP
+from jaxserve.distributed.step_transport import TRANSPORT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not shm_ring.available(), reason="no futex ring on this host")
@@ -117,9 +120,9 @@ def test_forced_tcp_on_the_leader_or_on_one_follower(monkeypatch):
 def test_a_follower_on_another_host_stays_on_tcp(monkeypatch):
     """A follower whose host identity differs from the leader's (another machine) does
     not try the segment."""
-    real = shm_ring.host_identity
+    real = step_transport.host_identity
     monkeypatch.setattr(
-        shm_ring,
+        step_transport,
         "host_identity",
         lambda: "other-host" if threading.current_thread().name == "remote" else real(),
     )

@@ -3,6 +3,10 @@
 - `settings`: where a process's place in the run comes from (flags, JAX, SLURM,
   Kubernetes) and `jax.distributed.initialize` (re-exported here; no JAX import);
 - `step_channel`: process 0 publishes each step's packed inputs, the others receive them;
+  its parts: `step_message` (the message and its bytes), `step_sockets` (the TCP
+  connections and the join), `step_transport` (ring or TCP, agreed at join), `shm_ring`
+  (the shared-memory ring of the followers on the leader's host, woken by `futex`),
+  `membership` (liveness of the peers, the followers' transit reports);
 - `executor`: the engine's executor for process 0 (publish, then dispatch) and the
   followers' step loop;
 - `processes`: process 0's executor factory, the followers' main (`run_follower`), and

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxserve.distributed.step_channel import PLACEMENT, STOP, StepPublisher, StepSubscriber
+from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
+from jaxserve.distributed.step_message import PLACEMENT, STOP
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.scheduler_output import SchedulerOutput

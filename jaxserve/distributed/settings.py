@@ -19,7 +19,7 @@ coordinator (JAX's rule) and, in jaxserve, schedules every step
 Failure detection. A run cannot go on without any of its processes: every step's
 collectives need all of them. Two mechanisms bound how long a survivor waits:
 
-- the step channel's membership connections (`jaxserve.distributed.step_channel`): a
+- the step channel's membership connections (`jaxserve.distributed.membership`): a
   process that dies closes them (the kernel does, even on SIGKILL), and the others
   learn it at once;
 - JAX's coordination service heartbeats, for what closes no connection (a host that

@@ -1,5 +1,6 @@
 """A one-writer, many-reader byte stream in shared memory: the step channel's transport to
-the followers on the leader's host (`jaxserve.distributed.step_channel`).
+the followers on the leader's host (`jaxserve.distributed.step_channel`; offered to them
+at join by `jaxserve.distributed.step_transport`).
 
 The writer (the leader) appends each message once to a ring of bytes in a file under
 /dev/shm that every local reader maps; each reader copies it out at its own pace. So
@@ -24,10 +25,10 @@ Layout of the segment (little-endian; x86-64 Linux only, `available()`):
   so no byte is overwritten before every active reader has copied it; a reader that is
   gone is dropped (`drop_reader`, from the membership watcher) and no longer holds the
   writer back;
-- the ring, from `_DATA_OFFSET`.
+- the ring, from `data_offset(reader slots)`.
 
 Ordering: the writer copies the bytes, then stores the cursor, then bumps `_SEQ` and
-calls FUTEX_WAKE (INT_MAX: every waiter, one system call). A reader loads `_SEQ`, then
+wakes every waiter (`futex.wake_all`, one system call). A reader loads `_SEQ`, then
 the cursor, and sleeps in FUTEX_WAIT only while `_SEQ` still holds what it loaded: the
 kernel compares it under the futex lock, so a wake-up between the two is never lost.
 x86-64 keeps stores in order and loads in order (TSO), so plain aligned NumPy loads and
@@ -45,23 +46,16 @@ writer removes the segments of writers that no longer run (a crash before the un
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import mmap
 import os
-import platform
 import secrets
-import socket
 import time
 from pathlib import Path
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from jaxserve.distributed import futex
 
-# "tcp": every follower reads the steps from its TCP connection, even on the leader's
-# host; "auto" (the default): the followers on the leader's host read the shared ring.
-TRANSPORT_ENV = "JAXSERVE_STEP_TRANSPORT"
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "jaxserve-step-"
 _MAGIC = 0x6A78_7374_6570_3031  # "jxstep01"
@@ -74,9 +68,6 @@ _LINE_WORDS = 8
 # 2 MiB: 30 steps of 68 KB ahead of the slowest reader; a larger message passes in pieces.
 DEFAULT_CAPACITY = 2 << 20
 
-_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared between processes: not FUTEX_PRIVATE_FLAG
-_INT_MAX = 2**31 - 1
 # Longest single sleep of a waiting reader or writer: each wait re-checks its stop
 # condition (a lost peer, a deadline) at least this often.
 _READ_WAIT_S = 0.05
@@ -87,37 +78,10 @@ _ROOM_WAIT_S = 0.001
 SPIN_ENV = "JAXSERVE_STEP_RING_SPIN_US"
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
-
-
 def available() -> bool:
     """Whether this host can run the ring: Linux x86-64 (the futex system call's number
     and TSO are assumed) with a writable /dev/shm."""
-    return _libc is not None and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
-def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
-    """Sleep while the uint32 at `address` is `expected`, at most `timeout_s` (ctypes
-    releases the GIL). Returns on a wake-up, a timeout, a signal, or at once (EAGAIN)
-    if the word has changed."""
-    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_uint32(expected),
-        ctypes.byref(ts),
-        None,
-        0,
-    )
-
-
-def _futex_wake_all(address: int) -> None:
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+    return futex.SUPPORTED and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 class _Segment:
@@ -185,7 +149,7 @@ class RingWriter:
         """Stop waiting for reader `reader` (it is gone); safe from another thread."""
         self._active.discard(reader)
         self._seg.lines[reader * _LINE_WORDS + 1] = 0
-        _futex_wake_all(self._seg.waiting_address)
+        futex.wake_all(self._seg.waiting_address)
 
     @property
     def active_readers(self) -> int:
@@ -227,7 +191,7 @@ class RingWriter:
         self._cursor = cursor
         seg.words[_W_CURSOR] = cursor
         seg.words32[_SEQ] = (int(seg.words32[_SEQ]) + 1) & 0xFFFF_FFFF
-        _futex_wake_all(seg.seq_address)
+        futex.wake_all(seg.seq_address)
 
     def _slowest_cursor(self) -> int:
         lines = self._seg.lines
@@ -237,7 +201,7 @@ class RingWriter:
         seg = self._seg
         seg.words32[_WRITER_WAITING] = 1
         if self._cursor - self._slowest_cursor() >= seg.capacity:
-            _futex_wait(seg.waiting_address, 1, _ROOM_WAIT_S)
+            futex.wait(seg.waiting_address, 1, _ROOM_WAIT_S)
         seg.words32[_WRITER_WAITING] = 0
 
     def unlink(self) -> None:
@@ -309,7 +273,7 @@ class RingReader:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
                         raise TimeoutError("step ring: nothing written before the deadline")
-                _futex_wait(seg.seq_address, seq, wait)
+                futex.wait(seg.seq_address, seq, wait)
                 continue
             n = min(available, dst.nbytes - done)
             start = self._cursor % capacity
@@ -320,28 +284,17 @@ class RingReader:
             self._cursor += n
             seg.lines[self._line] = self._cursor
             if seg.words32[_WRITER_WAITING]:
-                _futex_wake_all(seg.waiting_address)
+                futex.wake_all(seg.waiting_address)
 
     def wake(self) -> None:
         """Wake every reader waiting on this segment (they re-check their stop condition)."""
         if self._seg is not None:
-            _futex_wake_all(self._seg.seq_address)
+            futex.wake_all(self._seg.seq_address)
 
     def close(self) -> None:
         if self._seg is not None:
             self._seg.close()
             self._seg = None
-
-
-def host_identity() -> str:
-    """This host as the step channel compares it at join: the kernel's boot id (one per
-    boot of a machine, shared by its containers) and the host name, no spaces. Equal
-    identities only make a follower try the segment; its token proves it."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = "no-boot-id"
-    return f"{boot_id}/{platform.node()}".replace(" ", "_")
 
 
 def remove_stale_segments() -> list[str]:
@@ -367,89 +320,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-# ----- the offer at join (on each follower's data connection, before any step) ----------
-
-
-def offer(conns: dict[int, socket.socket], transport: str | None, timeout_s: float):
-    """The leader's side: offer a ring to the followers joined on `conns` (by process
-    id >= 1, reader slot id - 1) and read their answers; unlink the segment then.
-
-    Returns:
-        (the ring, or None if no follower took it; the connections of the followers
-        that did not, by process id).
-    """
-    ring = None
-    if chosen_transport(transport) != "tcp" and available():
-        ring = RingWriter(max(conns, default=0))
-    line = "tcp\n" if ring is None else f"shm {ring.name} {ring.token} {host_identity()}\n"
-    tcp = {}
-    try:
-        for conn in conns.values():
-            conn.sendall(line.encode())
-        deadline = time.monotonic() + timeout_s
-        for process_id, conn in conns.items():
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            answer = _read_line(conn)
-            conn.settimeout(None)
-            if answer == "shm" and ring is not None:
-                ring.activate(process_id - 1)
-            else:
-                tcp[process_id] = conn
-    except BaseException:
-        if ring is not None:
-            ring.close()
-        raise
-    if ring is not None:
-        ring.unlink()  # every follower has mapped it, or never will
-        if not ring.active_readers:
-            ring.close()
-            ring = None
-    logger.info(
-        "step channel: %d follower(s) on the shared ring, %d on TCP", len(conns) - len(tcp),
-        len(tcp),
-    )  # fmt: skip
-    return ring, tcp
-
-
-def take_offer(conn: socket.socket, reader: int, transport: str | None, deadline: float):
-    """A follower's side: read the leader's offer on `conn`, map its ring as reader slot
-    `reader` when it is on this host (same `host_identity`, the segment opens, its token
-    matches), and answer. Returns the ring, or None (the steps come over `conn`)."""
-    conn.settimeout(max(0.1, deadline - time.monotonic()))
-    words = _read_line(conn).split()
-    conn.settimeout(None)
-    ring = None
-    if words[:1] == ["shm"] and len(words) == 4 and chosen_transport(transport) != "tcp":
-        _, name, token, host = words
-        if host == host_identity() and available():
-            try:
-                ring = RingReader(name, int(token), reader)
-            except (OSError, ValueError) as e:
-                logger.warning("step channel: the leader's ring %s is not here (%s)", name, e)
-    conn.sendall(b"shm\n" if ring is not None else b"tcp\n")
-    return ring
-
-
-def chosen_transport(transport: str | None) -> str:
-    """The transport asked for: the argument, else TRANSPORT_ENV, else "auto".
-
-    Raises:
-        ValueError: neither "tcp" nor "auto".
-    """
-    transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
-    if transport not in ("tcp", "auto"):
-        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected 'tcp' or 'auto'")
-    return transport
-
-
-def _read_line(conn: socket.socket) -> str:
-    """One short line from `conn`, read a byte at a time (what follows is not ours)."""
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 512:
-        byte = conn.recv(1)
-        if not byte:
-            raise ConnectionError("step channel: the peer closed the connection at join")
-        line += byte
-    return line.decode().strip()

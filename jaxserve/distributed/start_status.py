@@ -4,7 +4,7 @@ start, within a second, instead of waiting out `jax.distributed.initialize`'s ti
 
 The leader, when its start fails (a `jaxserve serve` start-up error of its own or of its
 engine process), listens for a few seconds on the coordinator's port +
-`START_STATUS_PORT_OFFSET` (the step channel has +1 and +2, `jaxserve.step_channel`) and
+`START_STATUS_PORT_OFFSET` (the step channel has +1 and +2, `jaxserve.distributed.step_channel`) and
 tells each follower that connects the one-line cause. Each follower polls that port from
 a daemon thread (`watch_leader`) while it runs; a refused connection (the normal case,
 nothing listens there) costs nothing. A follower whose own start fails first (a

@@ -60,7 +60,7 @@ def add_subparsers(sub) -> None:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     import http.client
 
-    from jaxserve.observability import diagnose
+    from jaxserve.observability import diagnose, diagnose_bench
 
     try:
         if not 0 < args.seconds <= diagnose.MAX_SECONDS:
@@ -70,7 +70,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         if not 0 < args.interval <= args.seconds:
             raise ValueError(f"--interval: must be in (0, --seconds], got {args.interval}")
         if args.from_file:
-            result = diagnose.load_bench(args.from_file)
+            result = diagnose_bench.load_bench(args.from_file)
         else:
             auth = client_auth.from_args(args)
             result = diagnose.diagnose_server(args.server, args.seconds, args.interval, auth)

@@ -12,13 +12,19 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
    loop lag is a large part of the time per output token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
-4. router: a replica that does not serve (`jaxserve_replica_up` 0), or one much busier
+4. step agreement (several processes): the leader's step agreement latency (its slowest
+   follower's median time from the leader's publish to having the step,
+   `jaxserve_engine_step_agreement_seconds`) is `AGREEMENT_SHARE` or more of the
+   leader's wall time per step. It ranks before the branches below because they would
+   take its effect for their own: the followers start each step that late, the step's
+   collectives wait for them (device time, low MBU), and slower steps queue requests;
+5. router: a replica that does not serve (`jaxserve_replica_up` 0), or one much busier
    than the others (`jaxserve_replica_running`; both exist with several replicas);
-5. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
+6. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
    requests waiting: more requests than the engine runs at once;
-6. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
+7. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
    on the host (scheduling, packing, output processing), not waiting for the device;
-7. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
+8. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
    time is not spent moving weights and KV at the device's bandwidth).
 
 Every branch that holds is a `Finding` (the layer, the numbers that point there, the next
@@ -26,16 +32,13 @@ tool or flag); the first is the suspect. No finding: the server is healthy under
 of the window (or idle: then it says that the window saw no requests). The thresholds are
 constants below, chosen so a server that keeps up with its load names no layer.
 
-`--from bench.json` reads a `jaxserve bench --out` file instead: client-side numbers only,
-so only the client-visible branches can be told, and it says so: failures; queueing (a
-median TTFT of more than `WAIT_STEPS` median inter-token gaps per `PREFILL_TOKENS` prompt
-tokens, or a TTFT p99 over `TAIL_RATIO` times its median); stalls (the same tail of ITL).
-No JAX here.
+`--from bench.json` reads a `jaxserve bench --out` file instead, with the client-visible
+branches only (`observability.diagnose_bench`; the step agreement, like every other
+server-side number, is not in it). No JAX here.
 """
 
 from __future__ import annotations
 
-import json
 import ssl
 import time
 import urllib.request
@@ -53,6 +56,14 @@ LAG_MIN_S = 0.02  # lag below this is never a finding
 BALANCE_MIN = 0.8  # expert balancedness (mean / max load)
 QUEUE_SHARE = 0.5  # queue time / TTFT
 QUEUE_MIN_S = 0.1
+# Step agreement / the leader's wall time per step (loop work / steps). The leader
+# publishes a step before dispatching it, so some of the followers' delay hides behind
+# its own dispatch; past a quarter of the step they start each step that much later and
+# its collectives wait for them: up to 1 - 1 / 1.25 = 20% of the step rate lost. The
+# channel's own floor (150-500 us p50 at 2-8 processes on a loaded 2-core host,
+# `scripts/bench_step_agreement.py`) is a few % of a GPU decode step, so a share this
+# high means a slow path between the processes, not the channel's normal cost.
+AGREEMENT_SHARE = 0.25
 HOT_REPLICA = 1.5  # busiest replica's running requests / the mean
 BUSY = 0.9  # engine loop work / (work + wait): saturated
 HOST_SHARE = 0.6  # host time / (host + device time) of the steps
@@ -69,7 +80,11 @@ def scrape(
 
     Raises OSError (urllib.error.URLError) when the endpoint cannot be read."""
     with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
-        text = resp.read().decode()
+        return parse_exposition(resp.read().decode())
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    """The series of a Prometheus text exposition, named as `scrape` names them."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -282,7 +297,29 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
                 "--eplb-step-interval",
             ))  # fmt: skip
 
-    # 4. router (per-replica series only exist with several replicas)
+    # 4. step agreement (the gauge is 0 in one process)
+    agreement = w.gauge("jaxserve_engine_step_agreement_seconds")
+    step_wall = _ratio(w.delta("jaxserve_engine_loop_work_seconds_total"), steps)
+    if agreement > 0 and step_wall > 0 and agreement >= AGREEMENT_SHARE * step_wall:
+        findings.append(Finding(
+            "step agreement (CPU path between hosts)", "the followers get each step late: "
+            "the leader's step message takes a large part of a step to reach the slowest "
+            "follower, and every step's collectives wait for it",
+            {"step_agreement_s": agreement, "step_wall_s": step_wall,
+             "agreement_share_of_step": _ratio(agreement, step_wall),
+             "publish_s_per_step": _ratio(w.delta(
+                 "jaxserve_engine_coordination_time_seconds_total"), steps),
+             "step_message_bytes": _ratio(w.delta(
+                 "jaxserve_engine_coordination_bytes_total"), steps)},
+            "keep the followers on the leader's host on the shared-memory ring (leave "
+            "JAXSERVE_STEP_TRANSPORT unset or auto; the leader logs how many are on it); "
+            "fewer processes per host (one process can drive all of a host's devices); "
+            "check the network between hosts (latency, loss) and their clock sync (the "
+            "time is measured with wall clocks); scripts/bench_step_agreement.py measures "
+            "the channel alone",
+        ))  # fmt: skip
+
+    # 5. router (per-replica series only exist with several replicas)
     up = w.labelled("jaxserve_replica_up", "replica")
     down = sorted(r for r, v in up.items() if v < 1)
     if down:
@@ -304,7 +341,7 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
                 "check the router's prefix-affinity vs load balance; more replicas",
             ))  # fmt: skip
 
-    # 5. scheduling: queue
+    # 6. scheduling: queue
     waiting_peak = w.max("jaxserve_num_requests_waiting")
     running_peak = w.max("jaxserve_num_requests_running")
     if queue is not None and ttft and queue >= QUEUE_MIN_S and queue >= QUEUE_SHARE * ttft:
@@ -318,7 +355,7 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "replicas; jaxserve bench --max-concurrency N finds the knee",
         ))  # fmt: skip
 
-    # 6-7. throughput with a busy engine: host gaps, or a slow device step
+    # 7-8. throughput with a busy engine: host gaps, or a slow device step
     wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
     work = w.delta("jaxserve_engine_loop_work_seconds_total")
     busy = _ratio(work, wait + work)
@@ -333,6 +370,8 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
     summary.update(engine_busy=busy, host_share=host_share, mbu=mbu, mfu=mfu)
     if queue is not None:
         summary["queue_time_mean_s"] = queue
+    if agreement > 0:  # several processes
+        summary["step_agreement_s"] = agreement
     if busy >= BUSY and steps > 0:
         if host_share >= HOST_SHARE:
             findings.append(Finding(
@@ -367,65 +406,3 @@ def diagnose_server(
     auth = auth or ClientAuth()
     window = sample(auth.url(address, "/metrics"), seconds, interval_s, context=auth.ssl_context())
     return diagnose_window(window, f"{address}, {seconds:g} s window")
-
-
-# Client-side rules of `--from bench.json`.
-TAIL_RATIO = 3.0  # p99 / median of TTFT (queueing) or ITL (stalls)
-# A prompt of up to PREFILL_TOKENS tokens is prefilled in about one step: a median TTFT
-# above WAIT_STEPS decode steps (ITL medians) per that many prompt tokens means waiting.
-PREFILL_TOKENS = 256
-WAIT_STEPS = 10.0
-
-
-def diagnose_bench(doc: dict, source: str) -> Diagnosis:
-    """The tree's client-visible branches over a `jaxserve bench --out` document.
-
-    Raises ValueError("from: ...") when the document has no `metrics` of a bench run."""
-    m = doc.get("metrics") if isinstance(doc, dict) else None
-    if not isinstance(m, dict) or "ttft_ms" not in m:
-        raise ValueError("from: not a jaxserve bench --out file (no metrics.ttft_ms)")
-    ttft, itl = m["ttft_ms"], m["itl_ms"]
-    summary = {"requests": m.get("completed", 0), "failed": m.get("failed", 0),
-               "output_tok_s": m.get("output_throughput", 0.0),
-               "ttft_p50_ms": ttft["median"], "ttft_p99_ms": ttft.get("p99", ttft["median"]),
-               "itl_p50_ms": itl["median"],
-               "itl_p99_ms": itl.get("p99", itl["median"])}  # fmt: skip
-    findings = []
-    if m.get("failed"):
-        findings.append(Finding(
-            "application (errors)", "requests failed", {"failed": m["failed"]},
-            "the failed requests' errors are in the bench JSON's requests; the server log",
-        ))  # fmt: skip
-    prompt = m.get("total_input_tokens", 0) / max(m.get("completed", 0), 1)
-    prefill_steps = max(1.0, prompt / PREFILL_TOKENS)
-    waited = summary["ttft_p50_ms"] > WAIT_STEPS * prefill_steps * summary["itl_p50_ms"]
-    if waited or summary["ttft_p99_ms"] > TAIL_RATIO * max(summary["ttft_p50_ms"], 1e-9):
-        findings.append(Finding(
-            "scheduling (queue)", "requests wait before their prefill: TTFT is many decode "
-            "steps long, or has a long tail",
-            {"ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
-             "itl_p50_ms": summary["itl_p50_ms"], "prompt_tokens_mean": prompt,
-             "max_concurrency_observed": m.get("max_concurrency_observed", 0)},
-            "jaxserve diagnose --server (queue time vs prefill); --max-num-seqs",
-        ))  # fmt: skip
-    if summary["itl_p99_ms"] > TAIL_RATIO * max(summary["itl_p50_ms"], 1e-9):
-        findings.append(Finding(
-            "memory or scheduling (stalls)", "inter-token gaps have a long tail: streams "
-            "stall (preemption, long prefills between decodes, host gaps)",
-            {"itl_p50_ms": summary["itl_p50_ms"], "itl_p99_ms": summary["itl_p99_ms"]},
-            "jaxserve diagnose --server during the same load names which",
-        ))  # fmt: skip
-    note = ("client-side numbers only: run jaxserve diagnose --server HOST:METRICS_PORT "
-            "during the load to see the layer")  # fmt: skip
-    return Diagnosis(source, findings, summary, note)
-
-
-def load_bench(path: str) -> Diagnosis:
-    """`diagnose_bench` of a file. Raises ValueError("from: ...") on a file that is not
-    JSON or not a bench result, OSError when it cannot be read."""
-    with open(path) as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"from: {path} is not JSON ({e})") from None
-    return diagnose_bench(doc, f"{path} (jaxserve bench)")
