@@ -27,7 +27,13 @@ from jaxserve.frontend import client_auth
 from jaxserve.hub import resolve_model
 from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
 from jaxserve.observability import cli as observability_cli
-from jaxserve.serve_args import POSITIVE, add_serve_arguments, model_argument, server_config
+from jaxserve.serve_args import (
+    POSITIVE,
+    add_serve_arguments,
+    model_argument,
+    positive_float,
+    server_config,
+)
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
 
@@ -276,7 +282,9 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos", action="store_true", help="go on past the EOS token (default: off)"
     )
-    g.add_argument("--timeout", type=float, help="seconds for the whole call (default: no limit)")
+    g.add_argument(
+        "--timeout", type=positive_float, help="seconds for the whole call (default: no limit)"
+    )
     g.add_argument(
         "-v",
         "--verbose",
