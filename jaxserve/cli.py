@@ -144,6 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if dist is None:
             routing.check_mesh(config.mesh.dp * config.mesh.tp)
         preflight.check_distinct_ports(server.port, server.metrics_port, server.http_port)
+        preflight.check_host(server.host)  # a bad --host is a setting (2), not a busy port
         if server.chat_template is not None:
             if server.http_port is None:
                 raise ValueError(

@@ -181,10 +181,11 @@ def test_ready_line_names_the_http_address(tmp_path):
         proc.wait(30)
 
 
-@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid", "notahost"])
 def test_bad_host(model_copy, host):
     code, lines = serve(str(model_copy), "--host", host, *MOCK)
-    assert code == 1 and "host: cannot " in one_error_line(lines) and host in lines[0]
+    # A bad setting (exit 2, as README says), not the system refusing: it used to be 1.
+    assert code == 2 and "host: cannot " in one_error_line(lines) and host in lines[0]
 
 
 def _has_ipv6_loopback() -> bool:
