@@ -190,7 +190,7 @@ def _frontend_options(args: argparse.Namespace):
     tls = None
     if args.tls_cert is not None:
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
-        tls.read()  # an unreadable file is a usage error, before anything starts
+        tls.check()  # a bad file is a usage error (exit 2), before anything starts
     if not args.stall_timeout_s > 0:
         raise ValueError(f"stall-timeout-s: must be > 0, got {args.stall_timeout_s}")
     return FrontendOptions(
