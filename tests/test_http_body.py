@@ -260,3 +260,27 @@ def test_only_a_json_content_type_is_read_as_json(header, accepted):
     assert info.value.status == 400 and error["code"] == "unsupported_media_type"
     assert error["message"].startswith("Content-Type: the body must be sent as application/json")
     assert error["type"] == "invalid_request_error"
+
+
+def test_json_nested_too_deeply_is_said_so_naming_the_limit():
+    """10000 '[' used to be "not valid JSON" (jiter's "recursion limit exceeded"): the
+    400 says the body nests too deeply and names the limit, which is jiter's own."""
+    from jaxserve.frontend.http.protocol import (
+        JSON_MAX_DEPTH,
+        CompletionRequest,
+        FieldError,
+        parse_body,
+    )
+
+    for body in (b"[" * 10000, b'{"prompt": "a", "user": ' + b"[" * 300 + b"]" * 300 + b"}"):
+        with pytest.raises(FieldError) as info:
+            parse_body(CompletionRequest, body)
+        assert info.value.param == "body"
+        assert str(info.value).startswith(
+            f"body: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels of arrays and "
+            "objects, at line 1 column "
+        ), str(info.value)
+    deepest = b"[" * JSON_MAX_DEPTH + b"]" * JSON_MAX_DEPTH  # parses: only not an object
+    assert _field_error(CompletionRequest, deepest)[1].startswith("body: not a JSON object")
+    one_more = b"[" * (JSON_MAX_DEPTH + 1) + b"]" * (JSON_MAX_DEPTH + 1)
+    assert "nested too deeply" in _field_error(CompletionRequest, one_more)[1]
