@@ -25,7 +25,12 @@ from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import ServerConfig
 from jaxserve.frontend import client_auth
 from jaxserve.hub import resolve_model
-from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
+from jaxserve.logs import (
+    add_start_failure_explainer,
+    configure_logging,
+    describe_error,
+    drop_start_logs,
+)
 from jaxserve.observability import cli as observability_cli
 from jaxserve.serve_args import (
     POSITIVE,
@@ -75,6 +80,7 @@ def _fail(error: BaseException, code: int, dist=None) -> int:
     traceback too at --log-level debug). Process 0 of a multi-process run then tells its
     followers (`jaxserve.distributed.start_status`), so that they end too. Returns `code`."""
     logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
+    drop_start_logs()  # the start's INFO lines, held back: this line is all it says
     line = describe_error(error)
     print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
     if dist is not None and dist.is_leader:
@@ -86,6 +92,7 @@ def _fail(error: BaseException, code: int, dist=None) -> int:
 
 def _leader_failed(cause: str) -> None:
     """A follower's end when process 0 announced that its start failed."""
+    drop_start_logs()
     print(
         f"jaxserve serve: error: process 0 (the leader) failed to start: {cause}",
         file=sys.stderr,
@@ -100,7 +107,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.launcher import StartupError, serve
 
     # The frontend; a follower process (below) runs its engine steps in this process.
-    configure_logging(args.log_level, "frontend")
+    # INFO lines wait for the start to succeed: a failed start prints one line.
+    configure_logging(args.log_level, "frontend", hold_start=True)
     try:
         dist = distributed.from_arguments(args)
     except ValueError as e:
