@@ -323,6 +323,7 @@ async def _run_frontend(
                 raise StartupError(*causes[0])
             logger.error("start-up failed: %s", watch.result())
             return EXIT_CHILD_DIED
+        release_start_logs()  # stopped (SIGINT/SIGTERM) while starting: not a failure
         logger.info("shutting down")
         return 0
     finally:
