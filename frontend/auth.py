@@ -27,6 +27,8 @@ from pathlib import Path
 
 import grpc
 
+from jaxserve.frontend.client_auth import check_certificates, check_key_pair
+
 API_KEY_ENV = "JAXSERVE_API_KEY"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -57,6 +59,15 @@ class TlsFiles:
             except OSError as e:
                 raise ValueError(f"{flag}: cannot read {path} ({e.strerror})") from None
         return out[0], out[1], out[2]
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag of a file that cannot be read, is not PEM, or
+        (--tls-key) is not the key of --tls-cert. `jaxserve serve` checks before any
+        process starts (exit code 2): gRPC would refuse them only when it binds, as a
+        port it cannot bind, with C-core log lines."""
+        check_key_pair("tls-cert", self.cert, "tls-key", self.key)
+        if self.client_ca is not None:
+            check_certificates("tls-client-ca", self.client_ca)
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         cert, key, ca = self.read()

@@ -15,6 +15,7 @@ JAXSERVE_API_KEY variable, `auth.resolve_api_key`).
 from __future__ import annotations
 
 import argparse
+import re
 import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,61 @@ def _read_pem(option: str, path: str | None) -> bytes | None:
             return f.read()
     except OSError as e:
         raise ValueError(f"{option}: cannot read {path} ({e.strerror})") from None
+
+
+def check_certificates(option: str, path: str) -> bytes:
+    """The bytes of `path`, a PEM file of X.509 certificates (a certificate chain or a
+    CA). Raises ValueError("OPTION: ...") naming the cause when it cannot be read or holds
+    no certificate: found here, gRPC would only log C-core lines when it connects or binds.
+    """
+    data = _read_pem(option, path)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{option}: {path} is not a PEM file (binary; a DER certificate converts with "
+            "'openssl x509 -inform der -in FILE -out FILE.pem')"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"{option}: {path} is empty (expected PEM certificates)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=text)
+    except (ssl.SSLError, ValueError) as e:
+        # OpenSSL's words, less its source line; "no start line" says no more than ours.
+        detail = re.sub(r"\s*\(_ssl\.c:\d+\)", "", str(e.args[-1]))
+        detail = "" if "no start line" in detail else f": {detail}"
+        raise ValueError(
+            f"{option}: {path} holds no PEM certificate ('-----BEGIN CERTIFICATE-----'){detail}"
+        ) from None
+    return data
+
+
+def check_key_pair(cert_option: str, cert: str, key_option: str, key: str) -> tuple[bytes, bytes]:
+    """(certificate chain, key) bytes of two PEM files that belong together. Raises
+    ValueError naming the option of the file at fault: one `check_certificates` refuses,
+    a key that cannot be read, is encrypted or is not a PEM private key, or a key that is
+    not the certificate's."""
+    chain = check_certificates(cert_option, cert)
+    data = _read_pem(key_option, key)
+    if b"ENCRYPTED" in data:
+        raise ValueError(
+            f"{key_option}: {key} is encrypted; give the key unencrypted "
+            "('openssl pkey -in KEY -out PLAIN.key')"
+        )
+    try:
+        # password: an encrypted key the check above missed fails, never prompts.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"{key_option}: {key} is not the private key of the certificate in {cert}"
+            ) from None
+        raise ValueError(
+            f"{key_option}: {key} holds no PEM private key ('-----BEGIN PRIVATE KEY-----')"
+        ) from None
+    except OSError as e:  # gone since it was read
+        raise ValueError(f"{key_option}: cannot read {key} ({e.strerror})") from None
+    return chain, data
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +139,20 @@ class ClientAuth:
     def _credentials(self) -> grpc.ChannelCredentials:
         import grpc
 
+        self.check_files()
         return grpc.ssl_channel_credentials(
             root_certificates=_read_pem("tls_ca_cert", self.tls_ca_cert),
             private_key=_read_pem("tls_key", self.tls_key),
             certificate_chain=_read_pem("tls_cert", self.tls_cert),
         )
+
+    def check_files(self) -> None:
+        """Raise ValueError naming the field of a PEM file that cannot be read, is not
+        PEM, or (tls_key) is not the key of tls_cert."""
+        if self.tls_ca_cert is not None:
+            check_certificates("tls_ca_cert", self.tls_ca_cert)
+        if self.tls_cert is not None:
+            check_key_pair("tls_cert", self.tls_cert, "tls_key", self.tls_key)
 
     def channel(self, target: str) -> grpc.Channel:
         """A blocking channel to HOST:PORT."""
@@ -110,8 +175,7 @@ class ClientAuth:
         without TLS."""
         if not self.uses_tls:
             return None
-        for option in ("tls_ca_cert", "tls_cert", "tls_key"):
-            _read_pem(option, getattr(self, option))  # name the option of a bad file
+        self.check_files()  # name the option of a bad file
         ctx = ssl.create_default_context(cafile=self.tls_ca_cert)
         if self.tls_cert is not None:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)

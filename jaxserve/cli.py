@@ -25,9 +25,20 @@ from jaxserve.benchmark import cli as bench_cli
 from jaxserve.config import ServerConfig
 from jaxserve.frontend import client_auth
 from jaxserve.hub import resolve_model
-from jaxserve.logs import add_start_failure_explainer, configure_logging, describe_error
+from jaxserve.logs import (
+    add_start_failure_explainer,
+    configure_logging,
+    describe_error,
+    drop_start_logs,
+)
 from jaxserve.observability import cli as observability_cli
-from jaxserve.serve_args import POSITIVE, add_serve_arguments, model_argument, server_config
+from jaxserve.serve_args import (
+    POSITIVE,
+    add_serve_arguments,
+    model_argument,
+    positive_float,
+    server_config,
+)
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
 
 
@@ -69,6 +80,7 @@ def _fail(error: BaseException, code: int, dist=None) -> int:
     traceback too at --log-level debug). Process 0 of a multi-process run then tells its
     followers (`jaxserve.distributed.start_status`), so that they end too. Returns `code`."""
     logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
+    drop_start_logs()  # the start's INFO lines, held back: this line is all it says
     line = describe_error(error)
     print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
     if dist is not None and dist.is_leader:
@@ -80,6 +92,7 @@ def _fail(error: BaseException, code: int, dist=None) -> int:
 
 def _leader_failed(cause: str) -> None:
     """A follower's end when process 0 announced that its start failed."""
+    drop_start_logs()
     print(
         f"jaxserve serve: error: process 0 (the leader) failed to start: {cause}",
         file=sys.stderr,
@@ -94,7 +107,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.launcher import StartupError, serve
 
     # The frontend; a follower process (below) runs its engine steps in this process.
-    configure_logging(args.log_level, "frontend")
+    # INFO lines wait for the start to succeed: a failed start prints one line.
+    configure_logging(args.log_level, "frontend", hold_start=True)
     try:
         dist = distributed.from_arguments(args)
     except ValueError as e:
@@ -138,6 +152,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if dist is None:
             routing.check_mesh(config.mesh.dp * config.mesh.tp)
         preflight.check_distinct_ports(server.port, server.metrics_port, server.http_port)
+        preflight.check_host(server.host)  # a bad --host is a setting (2), not a busy port
         if server.chat_template is not None:
             if server.http_port is None:
                 raise ValueError(
@@ -183,7 +198,7 @@ def _frontend_options(args: argparse.Namespace):
     tls = None
     if args.tls_cert is not None:
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
-        tls.read()  # an unreadable file is a usage error, before anything starts
+        tls.check()  # a bad file is a usage error (exit 2), before anything starts
     if not args.stall_timeout_s > 0:
         raise ValueError(f"stall-timeout-s: must be > 0, got {args.stall_timeout_s}")
     return FrontendOptions(
@@ -276,7 +291,9 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos", action="store_true", help="go on past the EOS token (default: off)"
     )
-    g.add_argument("--timeout", type=float, help="seconds for the whole call (default: no limit)")
+    g.add_argument(
+        "--timeout", type=positive_float, help="seconds for the whole call (default: no limit)"
+    )
     g.add_argument(
         "-v",
         "--verbose",

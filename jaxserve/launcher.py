@@ -50,7 +50,12 @@ from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
-from jaxserve.logs import EXIT_SYSTEM_REFUSED, START_ERROR_FILE_ENV, read_start_failure_code
+from jaxserve.logs import (
+    EXIT_SYSTEM_REFUSED,
+    START_ERROR_FILE_ENV,
+    read_start_failure_code,
+    release_start_logs,
+)
 from jaxserve.observability.metrics import Metrics
 from jaxserve.serve_log import StatsLogger, config_block
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
@@ -286,6 +291,7 @@ async def _run_frontend(
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():
             stats = ready.result()
+            release_start_logs()  # the start's INFO lines, held back until now
             await server.set_serving(True)
             if replicas is None:  # a ReplicaSet watches its replicas' heartbeats itself
                 liveness = asyncio.create_task(
@@ -317,6 +323,7 @@ async def _run_frontend(
                 raise StartupError(*causes[0])
             logger.error("start-up failed: %s", watch.result())
             return EXIT_CHILD_DIED
+        release_start_logs()  # stopped (SIGINT/SIGTERM) while starting: not a failure
         logger.info("shutting down")
         return 0
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 # Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
 # jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
@@ -14,20 +15,100 @@ import os
 QUIET_LOGGERS = ("jax._src.xla_bridge",)
 
 
-def configure_logging(level: str, process_name: str) -> None:
+# A start's lines below WARNING are held back (`hold_start`) until the start succeeds
+# (`release_start_logs`), fails (`drop_start_logs`: its one-line cause says it all), or
+# this many seconds have passed: a long start (loading, compiling) still shows its
+# progress, and a start that fails within them prints only its cause (README, "Serving").
+START_LOG_HOLD_ENV = "JAXSERVE_START_LOG_HOLD_S"
+DEFAULT_START_LOG_HOLD_S = 10.0
+
+
+class _StartLogHold(logging.Handler):
+    """Passes records to `target`, holding back those below WARNING until `let_go`
+    (sends them, in order, then passes everything), `drop` (forgets them) or `hold_s`
+    seconds (`let_go`). Held records never reach the stream at exit: a start that ends
+    without either ends quietly, as a failed one should."""
+
+    def __init__(self, target: logging.Handler, hold_s: float) -> None:
+        super().__init__()
+        self._target = target
+        self._held: list[logging.LogRecord] | None = []
+        self._timer = threading.Timer(hold_s, self.let_go)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:  # under self.lock (Handler.handle)
+        if self._held is not None and record.levelno < logging.WARNING:
+            self._held.append(record)
+        else:
+            self._target.handle(record)
+
+    def let_go(self) -> None:
+        self._end(send=True)
+
+    def drop(self) -> None:
+        self._end(send=False)
+
+    def _end(self, send: bool) -> None:
+        self._timer.cancel()
+        with self.lock:
+            held, self._held = self._held, None
+            for record in held if send and held else ():
+                self._target.handle(record)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+
+_HOLD: _StartLogHold | None = None
+
+
+def _hold_seconds() -> float:
+    try:
+        return float(os.environ.get(START_LOG_HOLD_ENV, DEFAULT_START_LOG_HOLD_S))
+    except ValueError:
+        return DEFAULT_START_LOG_HOLD_S
+
+
+def configure_logging(level: str, process_name: str, hold_start: bool = False) -> None:
     """Log to stderr at `level` ("INFO", "debug", ...), each line tagged `[process_name]`;
     the `QUIET_LOGGERS` log only warnings and errors (unless `level` is DEBUG, which keeps
     everything for debugging).
 
+    hold_start: hold back the lines below WARNING of this process's start (see
+    `START_LOG_HOLD_ENV`; never at DEBUG, nor with a hold of 0 s) until
+    `release_start_logs` or `drop_start_logs`.
+
     Raises ValueError if `level` is not a logging level name.
     """
+    global _HOLD
     level = level.upper()
+    root = logging.getLogger()
+    before = list(root.handlers)
     logging.basicConfig(
         level=level, format=f"%(asctime)s %(levelname)s [{process_name}] %(message)s"
     )
     if logging.getLevelName(level) != logging.DEBUG:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+        added = [h for h in root.handlers if h not in before]
+        hold_s = _hold_seconds()
+        if hold_start and hold_s > 0 and len(added) == 1 and _HOLD is None:
+            _HOLD = _StartLogHold(added[0], hold_s)
+            root.removeHandler(added[0])
+            root.addHandler(_HOLD)
+
+
+def release_start_logs() -> None:
+    """The start succeeded: print the held lines (in order) and hold no more."""
+    if _HOLD is not None:
+        _HOLD.let_go()
+
+
+def drop_start_logs() -> None:
+    """The start failed and its one-line cause follows: forget the held lines."""
+    if _HOLD is not None:
+        _HOLD.drop()
 
 
 # Set by `jaxserve serve` in each child's environment: the file where a child that fails
@@ -92,6 +173,7 @@ def report_start_failure(what: str, error: BaseException, logger: logging.Logger
             break
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s failed to start", what, exc_info=error)
+    drop_start_logs()  # the line below says why; the start's INFO lines would bury it
     path = os.environ.get(START_ERROR_FILE_ENV)
     if path:
         try:

@@ -4,11 +4,13 @@ not a traceback from a child process a minute later.
 
 What is checked here: the model folder (config.json present, valid JSON, a supported
 architecture with the fields it needs, weights and tokenizer present, a --max-model-len
-within its max_position_embeddings) and the
-addresses (`--host` resolves to an address of this machine; `--port`, `--metrics-port`
-and `--http-port` are distinct and free). What needs the devices (a mesh that cannot hold the model,
-memory) is checked by the engine, which reports its start-up error through
-`jaxserve.logs.report_start_failure`. No JAX here (the frontend runs this).
+within its max_position_embeddings) and the addresses (`--host` resolves to an address of
+this machine, `check_host`; `--port`, `--metrics-port` and `--http-port` are distinct and
+free). The TLS files are checked beside the other frontend flags
+(`frontend.auth.TlsFiles.check`, from `cli._frontend_options`). What needs the devices (a
+mesh that cannot hold the model, memory) is checked by the engine, which reports its
+start-up error through `jaxserve.logs.report_start_failure`. No JAX here (the frontend
+runs this).
 """
 
 from __future__ import annotations
@@ -115,6 +117,13 @@ def check_bind(flag: str, host: str, port: int) -> None:
             f"host: cannot bind {shown} ({e}); {host} is not an address of this machine "
             "(use 127.0.0.1, ::1, 0.0.0.0 or ::)"
         ) from None
+
+
+def check_host(host: str) -> None:
+    """Raise ValueError("host: ...") if `host` does not resolve or is not an address of
+    this machine: a bad setting (exit code 2), told apart from a busy port (the system
+    refusing, exit code 1, `check_ports`) by binding port 0 there first."""
+    check_bind("host", host, 0)
 
 
 def check_distinct_ports(

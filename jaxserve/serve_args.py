@@ -175,6 +175,18 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0 (seconds of a timeout or a capture; NaN,
+    inf, 0 and negatives are usage errors naming the flag, not a call that fails later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _fraction_open(text: str) -> float:
     """An argparse type: a float in (0, 1]."""
     try:

@@ -66,7 +66,10 @@ def start_to_first_token(
     if model:
         cmd.append(model)
     dp, tp = (int(p.split("=")[1]) for p in mesh.split(","))
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    # Lines as they come (serve holds a start's INFO lines back otherwise): the marks
+    # below time their arrival.
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           "JAXSERVE_START_LOG_HOLD_S": "0"}  # fmt: skip
     if src:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     if dp * tp > 1 and env["JAX_PLATFORMS"] == "cpu":

@@ -65,7 +65,9 @@ class ServerProcess:
         start_timeout_s: float = 60.0,
     ) -> None:
         self.start_timeout_s = start_timeout_s
-        env = {**os.environ, **(env or {})}
+        # Log lines as they come (the listening line before the engine is ready), as
+        # before serve held a start's INFO lines back (jaxserve.logs.START_LOG_HOLD_ENV).
+        env = {**os.environ, "JAXSERVE_START_LOG_HOLD_S": "0", **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         cmd = [
             sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),

@@ -334,3 +334,36 @@ def test_fewer_batched_tokens_than_sequences_is_refused_before_any_process():
         _config("--max-num-seqs", "1024")
     config = _config("--max-num-seqs", "4", "--max-num-batched-tokens", "4")
     assert config.scheduler.max_num_batched_tokens == 4
+
+
+_GENERATE = ["generate", "hi"]
+_PROFILE = ["profile", "--server", "h:1", "--out", "d"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [(_GENERATE, "--timeout", "-1"), (_GENERATE, "--timeout", "0"),
+     (_GENERATE, "--timeout", "nan"), (_GENERATE, "--timeout", "inf"),
+     (_PROFILE, "--seconds", "-5"), (_PROFILE, "--seconds", "nan")],
+)  # fmt: skip
+def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, value, capsys):
+    """`generate --timeout -1` used to be sent as a deadline already past (exit 1 with
+    DEADLINE_EXCEEDED): a bad setting, refused while parsing, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, flag, value])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"error: argument {flag}: must be a finite number > 0" in lines[0]
+    assert getattr(build_parser().parse_args([*command, flag, "1.5"]), flag[2:]) == 1.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [(["--temperature", "nan"], "--temperature: must be >= 0, got nan"),
+     (["--warmup-timeout", "nan"], "--warmup-timeout: must be >= 0, got nan")],
+)  # fmt: skip
+def test_bench_refuses_nan_where_it_refuses_negatives(argv, cause):
+    from jaxserve.benchmark.cli import _check_flags
+
+    with pytest.raises(ValueError, match=f"^{cause}$"):
+        _check_flags(build_parser().parse_args(["bench", *argv]))

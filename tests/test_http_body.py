@@ -260,3 +260,75 @@ def test_only_a_json_content_type_is_read_as_json(header, accepted):
     assert info.value.status == 400 and error["code"] == "unsupported_media_type"
     assert error["message"].startswith("Content-Type: the body must be sent as application/json")
     assert error["type"] == "invalid_request_error"
+
+
+def test_json_nested_too_deeply_is_said_so_naming_the_limit():
+    """10000 '[' used to be "not valid JSON" (jiter's "recursion limit exceeded"): the
+    400 says the body nests too deeply and names the limit, which is jiter's own."""
+    from jaxserve.frontend.http.protocol import (
+        JSON_MAX_DEPTH,
+        CompletionRequest,
+        FieldError,
+        parse_body,
+    )
+
+    for body in (b"[" * 10000, b'{"prompt": "a", "user": ' + b"[" * 300 + b"]" * 300 + b"}"):
+        with pytest.raises(FieldError) as info:
+            parse_body(CompletionRequest, body)
+        assert info.value.param == "body"
+        assert str(info.value).startswith(
+            f"body: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels of arrays and "
+            "objects, at line 1 column "
+        ), str(info.value)
+    deepest = b"[" * JSON_MAX_DEPTH + b"]" * JSON_MAX_DEPTH  # parses: only not an object
+    assert _field_error(CompletionRequest, deepest)[1].startswith("body: not a JSON object")
+    one_more = b"[" * (JSON_MAX_DEPTH + 1) + b"]" * (JSON_MAX_DEPTH + 1)
+    assert "nested too deeply" in _field_error(CompletionRequest, one_more)[1]
+
+
+def test_a_request_uvicorn_cannot_parse_gets_the_json_error_shape_and_no_warning_each(
+    caplog, monkeypatch
+):
+    """A bad Content-Length is refused by uvicorn's HTTP parser before the app sees the
+    request: the 400 is JSON in the API's error shape (it was uvicorn's plain text), and
+    uvicorn's WARNING per request is a DEBUG line, with one counting WARNING a minute."""
+    import socket
+
+    from jaxserve.frontend.http import server as http_server
+
+    async def app(scope, receive, send):
+        raise AssertionError("the parser refuses these before any app")
+
+    bad = [b"content-length: abc", b"content-length: -1", b"content-length: 2\r\ncontent-length: 3"]
+
+    async def go():
+        srv = http_server.HttpServer(app)
+        port = await srv.start("127.0.0.1", 0)
+
+        def post(header: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n" + header + b"\r\n\r\n{}")
+                return b"".join(iter(lambda: s.recv(4096), b""))  # until it closes
+
+        try:
+            return [await asyncio.to_thread(post, header) for header in bad]
+        finally:
+            await srv.stop(1.0)
+
+    # A fresh count for this test: an earlier server's filter may have warned already.
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    monkeypatch.setattr(http_server, "_MALFORMED_LOG", http_server.MalformedRequestLog())
+    monkeypatch.setattr(uvicorn_log, "filters", [])
+    with caplog.at_level(logging.DEBUG):
+        answers = asyncio.run(go())
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head
+        error = json.loads(body)["error"]
+        assert error["message"].startswith("request: not a valid HTTP/1.1 request"), error
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "invalid_http_request"
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "refused 1 malformed HTTP request" in warnings[0].getMessage()
+    refused = [r for r in caplog.records if r.getMessage().startswith("refused a malformed")]
+    assert len(refused) == 3 and all(r.levelno == logging.DEBUG for r in refused)

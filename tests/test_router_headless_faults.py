@@ -193,7 +193,8 @@ def test_a_frontend_without_local_replicas_serves_the_ones_that_join(mock_model_
         "--host", "127.0.0.1", "--port", "0", *MOCK, "--replicas", "0",
         "--replica-listen", f"127.0.0.1:{port}",
     ]  # fmt: skip
-    env = {**os.environ, **ENV, "PYTHONPATH": str(TESTS_DIR)}
+    # The listening line as it comes: this frontend is never ready (no replica yet).
+    env = {**os.environ, **ENV, "PYTHONPATH": str(TESTS_DIR), "JAXSERVE_START_LOG_HOLD_S": "0"}
     frontend = subprocess.Popen(
         cmd, cwd=REPO_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

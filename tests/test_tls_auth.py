@@ -264,6 +264,10 @@ def test_client_and_generate_speak_tls_with_the_key(tls_server, pki):
     missing = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "nope.pem"))
     assert missing.returncode == 2
     assert missing.stderr.startswith("jaxserve generate: error: tls-ca-cert: cannot read")
+    not_pem = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "ca.key"))
+    assert not_pem.returncode == 2 and len(not_pem.stderr.splitlines()) == 1, not_pem.stderr
+    assert not_pem.stderr.startswith("jaxserve generate: error: tls-ca-cert: ")
+    assert "ca.key holds no PEM certificate" in not_pem.stderr
 
 
 def test_bench_diagnose_and_profile_speak_tls(tls_server, pki, mock_model_dir, tmp_path):
@@ -328,3 +332,59 @@ def test_http_401_names_the_header_not_grpc_metadata(headers):
     message = json.loads(body["body"])["error"]["message"]
     assert "metadata" not in message, message
     assert "header 'Authorization: Bearer <key>'" in message, message
+
+
+@pytest.mark.parametrize(
+    ("flags", "cause"),
+    [
+        ({"--tls-cert": "nope.pem"}, "tls-cert: cannot read {d}/nope.pem"),
+        ({"--tls-cert": "server.csr"}, "tls-cert: {d}/server.csr holds no PEM certificate"),
+        ({"--tls-key": "."}, "tls-key: cannot read {d} (Is a directory)"),
+        ({"--tls-key": "client.key"}, "tls-key: {d}/client.key is not the private key of the "
+         "certificate in {d}/server.pem"),
+        ({"--tls-key": "server.pem"}, "tls-key: {d}/server.pem holds no PEM private key"),
+        ({"--tls-client-ca": "ca.key"}, "tls-client-ca: {d}/ca.key holds no PEM certificate"),
+    ],
+)  # fmt: skip
+def test_serve_with_a_bad_tls_file_is_one_line_naming_the_flag(mock_model_dir, pki, flags, cause):
+    """A missing, unreadable or non-PEM file, or a key that is not the certificate's, used
+    to reach gRPC's bind: "port: cannot bind ... (refused by gRPC)", exit 1, with C-core
+    log lines. It is a bad setting: one line naming the flag, exit 2, before any process
+    starts."""
+    import os
+    import sys
+
+    from server_harness import REPO_DIR, TESTS_DIR
+
+    files = {"--tls-cert": "server.pem", "--tls-key": "server.key", **flags}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(mock_model_dir),
+           "--port", "0", "--engine-class", "mock_engine:MockEngineCore"]  # fmt: skip
+    cmd += [x for flag, name in files.items() for x in (flag, str(pki / name))]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+    )  # fmt: skip
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("jaxserve serve: error: " + cause.format(d=pki)), lines[0]
+
+
+@pytest.mark.parametrize(
+    ("fields", "cause"),
+    [
+        ({"tls_ca_cert": "server.key"}, "^tls_ca_cert: .*server.key holds no PEM certificate"),
+        ({"tls_cert": "client.pem", "tls_key": "server.key"},
+         "^tls_key: .*server.key is not the private key of the certificate in .*client.pem"),
+    ],
+)  # fmt: skip
+def test_client_with_a_bad_tls_file_names_the_field(pki, fields, cause):
+    """A CA or key gRPC cannot use is refused when the channel is made, naming the field
+    (the CLI's flag: `flag_error`); it used to fail only at connect, as UNAVAILABLE with
+    gRPC's C-core log lines."""
+    from jaxserve.frontend.client_auth import ClientAuth
+
+    auth = ClientAuth(**{k: str(pki / v) for k, v in fields.items()})
+    with pytest.raises(ValueError, match=cause):
+        auth.channel("127.0.0.1:1")
+    with pytest.raises(ValueError, match=cause):
+        auth.ssl_context()

@@ -21,7 +21,8 @@ Every 400 names the exact field, with list indices (`prompt[1]`, `messages[0].co
 `stream_options.include_usage`), in the words of the shared rules (`_in_our_words`:
 "stop: at most 64 stop strings are supported, got 65", "max_tokens: must be an integer,
 got a string"), not pydantic's; "body" only when the bytes are not valid JSON in UTF-8
-(a lone surrogate escape such as "\ud800" included, said so) or not a JSON object. A
+(a lone surrogate escape such as "\ud800" included, said so), nested deeper than
+`JSON_MAX_DEPTH`, or not a JSON object. A
 completions `prompt` that fails its union type is named by `prompt_shape`, by hand: the
 union's errors name the branch that failed first, not the element at fault.
 """
@@ -280,6 +281,12 @@ def _in_our_words(error: dict, param: str) -> str:
     return f"{param}: {error['msg']}"
 
 
+# The deepest nesting of arrays and objects a body may have: pydantic's JSON parser
+# (jiter) stops past it with "recursion limit exceeded" (its counter of 200 lets 201
+# levels through; tests/test_http_body.py pins the number). No request field nests deeper
+# than a few levels.
+JSON_MAX_DEPTH = 201
+
 _POSITION = re.compile(r" at line \d+ column \d+$")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -327,7 +334,15 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         first = min(errors, key=lambda err: (err["type"] != "too_long", -len(err["loc"])))
         if not first["loc"]:  # the body itself
             if first["type"] == "json_invalid":  # not JSON text, or a string not Unicode
-                why = _why_not_json(body, first["msg"].removeprefix("Invalid JSON: "))
+                why = first["msg"].removeprefix("Invalid JSON: ")
+                if why.startswith("recursion limit exceeded"):  # valid JSON, maybe
+                    where = why.removeprefix("recursion limit exceeded").strip()
+                    raise FieldError(
+                        "body",
+                        f"body: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels of "
+                        f"arrays and objects, {where})",
+                    ) from None
+                why = _why_not_json(body, why)
                 raise FieldError("body", f"body: not valid JSON in UTF-8 ({why})") from None
             got = _json_kind(first["input"])
             raise FieldError("body", f"body: not a JSON object (got {got})") from None

@@ -7,15 +7,27 @@ busy port is an error naming the flag), `main_loop()` as a task (it refreshes th
 header and watches `should_exit`), and `shutdown()` on stop. uvicorn's own logging set-up
 is skipped (log_config=None): its loggers propagate to jaxserve's handlers, and access
 lines are off.
+
+A request uvicorn's HTTP parser (httptools, else h11) refuses, such as a Content-Length
+that is not a number or given twice, is answered by uvicorn itself, before any ASGI app
+sees it: the app cannot answer it. `JsonErrorProtocol` makes that answer a 400 in the
+API's JSON error shape (`errors.error_body`) instead of uvicorn's plain text, and
+`MalformedRequestLog` turns uvicorn's WARNING per such request (a scanner sending garbage
+would flood the log) into a DEBUG line, with a WARNING at most once a minute counting them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+import time
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from jaxserve.frontend.http.errors import error_body
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -46,6 +58,65 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# What uvicorn logs (at WARNING, on "uvicorn.error") for each request its parser refuses.
+_UVICORN_MALFORMED = "Invalid HTTP request received."
+MALFORMED_MESSAGE = (
+    "request: not a valid HTTP/1.1 request (a malformed request line or header, such as a "
+    "Content-Length that is not one decimal number)"
+)
+MALFORMED_WARNING_INTERVAL_S = 60.0
+
+
+class JsonErrorProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol, whose 400 for a request its parser refuses is JSON in the
+    API's error shape. The connection closes after it, as uvicorn's own 400 does."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(400, MALFORMED_MESSAGE, None, "invalid_http_request"))
+        data = body.encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [
+            name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+        ]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(data)).encode() + b"\r\n",
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + data)
+        self.transport.close()
+
+
+class MalformedRequestLog(logging.Filter):
+    """A filter of the "uvicorn.error" logger: its WARNING for each request the parser
+    refuses becomes a DEBUG line of jaxserve.frontend.http; a WARNING counting them is
+    logged at most every `MALFORMED_WARNING_INTERVAL_S` (the first at once). uvicorn's
+    other lines pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._count = 0  # refused since the last warning
+        self._last = -float("inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != _UVICORN_MALFORMED:
+            return True
+        logger.debug("refused a malformed HTTP request with 400")
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= MALFORMED_WARNING_INTERVAL_S:
+            logger.warning(
+                "refused %d malformed HTTP request(s) with 400 (such as a bad Content-Length); "
+                "at most one such line a minute, each at --log-level debug",
+                self._count,
+            )
+            self._count, self._last = 0, now
+        return False
+
+
+_MALFORMED_LOG = MalformedRequestLog()
+
+
 class HttpServer:
     """One uvicorn server of `app`; `start` and `stop` run in the serving loop."""
 
@@ -62,8 +133,12 @@ class HttpServer:
             # and never finish a request (slowloris) must not use up the process's file
             # descriptors, which the gRPC port and the metrics share.
             limit_concurrency=MAX_HTTP_CONNECTIONS,
+            http=JsonErrorProtocol,
             **(tls or {}),
         )
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if _MALFORMED_LOG not in uvicorn_log.filters:
+            uvicorn_log.addFilter(_MALFORMED_LOG)
         self._server: uvicorn.Server | None = None
         self._ticker: asyncio.Task | None = None
         self._sock: socket.socket | None = None

@@ -150,11 +150,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset-path: required by --dataset {args.dataset}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
-    if args.warmup_timeout < 0:
+    if not args.warmup_timeout >= 0:  # NaN too
         raise ValueError(f"--warmup-timeout: must be >= 0, got {args.warmup_timeout}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
-    if args.temperature < 0:
+    if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature: must be >= 0, got {args.temperature}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate: must be > 0 (inf: all at once), got {args.request_rate}")

@@ -35,6 +35,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -68,7 +69,13 @@ from jaxserve.ipc import (
     make_socket,
 )
 from jaxserve.lifetime import die_with_parent, ignore_sigint
-from jaxserve.logs import configure_logging, describe_error, report_start_failure
+from jaxserve.logs import (
+    START_ERROR_FILE_ENV,
+    configure_logging,
+    describe_error,
+    release_start_logs,
+    report_start_failure,
+)
 from jaxserve.observability.profile import TIMELINE, ProfileSession
 
 logger = logging.getLogger("jaxserve.engine")
@@ -335,6 +342,7 @@ def run_engine_process(
 
                 announce_failure(dist, describe_error(e))
             return EXIT_START_FAILED
+        release_start_logs()
         try:
             EngineLoop(
                 core, input_socket, output_socket, control_socket=control_socket,
@@ -381,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     ignore_sigint()
-    configure_logging(args.log_level, args.log_name)
+    # Started by `serve` (which prints a failed start's cause): INFO lines wait for the
+    # engine to be built, so that a failed start is one line.
+    configure_logging(args.log_level, args.log_name, hold_start=START_ERROR_FILE_ENV in os.environ)
     config = EngineConfig.from_dict(json.loads(args.config_json))
     dist = distributed.from_arguments(args)
     distributed.initialize(dist)  # before any other JAX call

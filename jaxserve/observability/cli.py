@@ -18,6 +18,7 @@ import json
 import sys
 
 from jaxserve.frontend import client_auth
+from jaxserve.serve_args import positive_float
 
 
 def add_subparsers(sub) -> None:
@@ -50,7 +51,10 @@ def add_subparsers(sub) -> None:
     )
     p.add_argument("--server", required=True, metavar="HOST:PORT", help="the gRPC address")
     p.add_argument(
-        "--seconds", type=float, default=5.0, help="capture length (default %(default)s)"
+        "--seconds",
+        type=positive_float,
+        default=5.0,
+        help="capture length (default %(default)s)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     client_auth.add_flags(p)
