@@ -123,6 +123,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             async_scheduling=args.async_scheduling,
+            num_decode_steps=args.num_decode_steps,
         )
     )
     if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
@@ -389,6 +390,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         type=_int_at_least(2),
         help="most tokens (prompt + output) per request (default: the model's "
         "max_position_embeddings, lowered to what the KV cache holds)",
+    )
+    sc.add_argument(
+        "--num-decode-steps",
+        type=_int_at_least(1, 64),
+        help="decode steps per device call while every running request decodes; 1 "
+        f"disables multi-step decode (default: {sched.num_decode_steps}; on the CPU small "
+        "batches run more, see step_inputs.SMALL_BATCH_DECODE_STEPS)",
     )
     sc.add_argument(
         "--async-scheduling",

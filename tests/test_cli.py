@@ -91,6 +91,20 @@ def test_async_scheduling_flag_and_the_backend_default(flags, configured, on_cpu
     assert resolve_async_scheduling(value, "tpu") is on_gpu
 
 
+def test_num_decode_steps_flag(capsys):
+    """--num-decode-steps sets the multi-step decode's steps per call (unset: the
+    config's default); 0 is refused at parsing, naming the flag, exit 2."""
+    from jaxserve.config import SchedulerConfig
+
+    assert _config().scheduler.num_decode_steps == SchedulerConfig().num_decode_steps
+    assert _config("--num-decode-steps", "8").scheduler.num_decode_steps == 8
+    assert _config("--num-decode-steps", "1").scheduler.num_decode_steps == 1
+    with pytest.raises(SystemExit) as e:
+        _config("--num-decode-steps", "0")
+    assert e.value.code == 2
+    assert "--num-decode-steps" in capsys.readouterr().err
+
+
 def test_dtype_auto_reads_the_checkpoint(tmp_path):
     for written, want in [("bfloat16", "bfloat16"), ("float16", "float16"), ("int8", "float32")]:
         (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": written}))

@@ -381,7 +381,8 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
                  "host_s_per_step": _ratio(host, steps),
                  "device_s_per_step": _ratio(device, steps)},
                 "jaxserve profile (the host timeline shows which phase); keep async "
-                "scheduling on, --num-decode-steps > 1 amortizes the host per token",
+                "scheduling on; more decode steps per call (serve --num-decode-steps) "
+                "amortize the host per token",
             ))  # fmt: skip
         elif peak_bw and mbu < MBU_LOW and mfu < MBU_LOW:
             findings.append(Finding(
