@@ -65,11 +65,15 @@ def device_peak(device_kind: str) -> Peak | None:
 _CPU_CEILING: Peak | None = None
 
 
-def cpu_ceiling(copy_mib: int = 64, matmul_n: int = 512, repeats: int = 3) -> Peak:
+def cpu_ceiling(copy_mib: int = 64, matmul_n: int = 512, repeats: int = 10) -> Peak:
     """A measured ceiling of this host (cached after the first call, ~0.1 s): bandwidth
     from copying a `copy_mib` MiB float32 array (2x its bytes moved per copy), FLOP/s
-    from `matmul_n`-square float32 products; the best of `repeats` runs of each. The
-    same rate serves every dtype (the CPU backend computes in float32)."""
+    from `matmul_n`-square float32 products after one untimed product (BLAS starts its
+    threads); the best of `repeats` runs of each. Best of many, because it runs at
+    start-up beside compiles and other processes: on a busy 2-core host single 512
+    products measured 20-210 GFLOP/s, and best of 3 without the warm-up once gave a peak
+    so low that `diagnose` reported an MFU of 1.1. The same rate serves every dtype (the
+    CPU backend computes in float32)."""
     global _CPU_CEILING
     if _CPU_CEILING is not None:
         return _CPU_CEILING
@@ -82,6 +86,7 @@ def cpu_ceiling(copy_mib: int = 64, matmul_n: int = 512, repeats: int = 3) -> Pe
         best = min(best, time.perf_counter() - t)
     bandwidth = 2 * a.nbytes / best
     x = np.ones((matmul_n, matmul_n), np.float32)
+    x @ x
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
