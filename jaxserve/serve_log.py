@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.config import EngineConfig, EplbConfig, ServerConfig
 
 logger = logging.getLogger("jaxserve.stats")
 
@@ -155,19 +155,27 @@ def config_block(
             f"{_async_scheduling(sc.async_scheduling, stats.async_scheduling)}, decode "
             f"steps per call {sc.num_decode_steps}",
         ),
-        (
-            "EPLB",
-            f"on (window {eplb.window_size} steps, every {eplb.step_interval} steps, "
-            f"{eplb.num_redundant_experts} redundant experts)"
-            if eplb.enabled
-            else f"off ({eplb.num_redundant_experts} redundant experts)",
-        ),
+        ("EPLB", _eplb(eplb, mesh.size)),
         ("gRPC", f"{host}:{grpc_port}"),
         ("metrics", metrics),
         ("compilation cache", engine.compilation_cache_dir or "off"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _eplb(configured: EplbConfig, mesh_size: int) -> str:
+    """The config block's EPLB: what the engine runs (`EplbConfig.for_mesh`, as
+    `engine.builder.check_eplb`), and why it is off when it was asked for."""
+    eplb = configured.for_mesh(mesh_size)
+    redundant = f"{eplb.num_redundant_experts} redundant experts"
+    if eplb.enabled:
+        return (
+            f"on (window {eplb.window_size} steps, every {eplb.step_interval} steps, {redundant})"
+        )
+    if eplb is not configured:
+        return f"off (needs an expert-parallel mesh, dp*tp > 1; {redundant})"
+    return f"off ({redundant})"
 
 
 def _async_scheduling(configured: bool | None, resolved: bool | None) -> str:
