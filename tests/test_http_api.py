@@ -313,6 +313,23 @@ def test_logprobs_equal_offline(client, llm, model_name):
         assert bytes(e.bytes) == e.token.encode()
 
 
+def test_completion_top_logprobs_hold_the_sampled_token():
+    # OpenAI's legacy completions and vLLM: a sampled token outside the N most likely is
+    # added to its position's top_logprobs (N + 1 entries); chat keeps exactly N.
+    from jaxserve.frontend.http.outputs import chat_logprobs, completion_logprobs
+    from jaxserve.ipc import TextOutput
+
+    texts = {1: "a", 2: "b", 3: "c"}.__getitem__
+    out = TextOutput(
+        "r", "ca", [3, 1], logprobs=[[-2.0, [[1, -0.5], [2, -1.0]]], [-0.5, [[1, -0.5], [2, -1.0]]]]
+    )
+    lp = completion_logprobs([out], texts, 0)
+    assert lp["top_logprobs"] == [{"a": -0.5, "b": -1.0, "c": -2.0}, {"a": -0.5, "b": -1.0}]
+    assert list(lp["top_logprobs"][0]) == ["a", "b", "c"]  # most likely first
+    content = chat_logprobs([out], texts)["content"]
+    assert [len(e["top_logprobs"]) for e in content] == [2, 2]
+
+
 # ---------------------------------------------------------------- cancellation
 
 
