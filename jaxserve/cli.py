@@ -132,6 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             check_model=args.engine_class is None,
             max_model_len=config.scheduler.max_model_len,
         )
+        preflight.check_compilation_cache_dir(config.compilation_cache_dir)
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
