@@ -389,6 +389,31 @@ def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, valu
 
 
 @pytest.mark.parametrize(
+    ("flag", "value", "bounds"),
+    [("--seed", "99999999999999999999999", "[-9223372036854775808, 9223372036854775807]"),
+     ("--seed", "-9223372036854775809", "[-9223372036854775808, 9223372036854775807]"),
+     ("--max-tokens", "2147483648", "[-2147483648, 2147483647]"),
+     ("--top-k", "-2147483649", "[-2147483648, 2147483647]"),
+     ("-n", "99999999999", "[-2147483648, 2147483647]")],
+)  # fmt: skip
+def test_a_generate_int_the_request_cannot_hold_names_the_flag_and_range(
+    flag, value, bounds, capsys
+):
+    """`generate --seed 99999999999999999999999` used to say protobuf's "Value out of
+    range: ..." without the flag: a usage error naming the flag and the field's range."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*_GENERATE, flag, value])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"argument {flag}" in lines[0] and f"must be within {bounds}, got {value}" in lines[0]
+    assert build_parser().parse_args([*_GENERATE, "--seed", "-5"]).seed == -5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*_GENERATE, "--seed", "x"])
+    assert "invalid int value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "cause"),
     [(["--temperature", "nan"], "--temperature: must be >= 0, got nan"),
      (["--warmup-timeout", "nan"], "--warmup-timeout: must be >= 0, got nan")],
