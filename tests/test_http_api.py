@@ -410,7 +410,8 @@ BAD = [
     ("logit_bias", dict(logit_bias={"100000": 1.0}), None),
     ("logit_bias", dict(logit_bias={"abc": 1.0}), None),
     ("stop_token_ids", dict(extra_body={"stop_token_ids": [10**6]}), None),
-    ("prompt.token_ids", dict(prompt=[1, 2, 10**6]), dict(prompt=[1, 2, 10**6])),
+    # Named by its JSON path in the body (gRPC says "prompt.token_ids").
+    ("prompt[2]", dict(prompt=[1, 2, 10**6]), None),
     ("temperature", dict(extra_body={"temperature": "hot"}), None),
     ("echo", dict(echo=True), None),
     ("seed", dict(seed=2**70), None),

@@ -141,8 +141,10 @@ BAD = [
     ("/v1/completions", {"prompt": ["def ", 7]}, "prompt[1]", "string"),
     ("/v1/completions", {"prompt": {"text": "a"}}, "prompt", "an object"),
     ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
-    # The shared rules' "prompt.token_ids" is the element of a list of prompts.
-    ("/v1/completions", {"prompt": [[5, 6], [5, 10**6]]}, "prompt[1]", "outside the vocab"),
+    # A token id outside the vocabulary: its JSON path, not gRPC's "prompt.token_ids".
+    ("/v1/completions", {"prompt": [[5, 6], [5, 10**6]]}, "prompt[1][1]", "outside the vocab"),
+    ("/v1/completions", {"prompt": [1, 2, 99999999]}, "prompt[2]", "outside the vocab"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt[0]", "outside the vocab"),
     ("/v1/completions", {"prompt": ["def ", ""]}, "prompt[1]", "must not be empty"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
      "top_logprobs", "21"),

@@ -70,6 +70,17 @@ def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
     return ids
 
 
+def _prompt_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
+    """A prompt's token ids, each in the vocabulary; a bad one is named by its JSON path
+    in the body (`prompt[2]`, `prompt[1][1]`), as the body's type errors name it, not by
+    the gRPC field the shared rules name (`prompt.token_ids`)."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            path = f"{name}[{j}]"
+            raise FieldError(path, token_id_error(path, t, limits.vocab_size))
+    return ids
+
+
 def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
     """The sampling fields both endpoints share, onto `request` (unset stays unset)."""
     s = request.sampling
@@ -167,8 +178,8 @@ def completion_requests(
         if isinstance(p, str):
             request.text = p
         else:
-            name = f"prompt[{i}]" if len(prompts) > 1 else "prompt.token_ids"
-            request.token_ids.ids.extend(_token_ids(name, p, limits))
+            name = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            request.token_ids.ids.extend(_prompt_ids(name, p, limits))
         out.append(request)
     return out
 
