@@ -114,7 +114,12 @@ def _counts(stats) -> dict[str, float]:
 
 
 def config_block(
-    engine: EngineConfig, server: ServerConfig, stats, grpc_port: int, replicas: str = ""
+    engine: EngineConfig,
+    server: ServerConfig,
+    stats,
+    grpc_port: int,
+    replicas: str = "",
+    tls: bool = False,
 ) -> str:
     """The effective configuration, one `key: value` per line, logged once at ready.
 
@@ -122,11 +127,12 @@ def config_block(
     blocks); grpc_port: the port bound (the configured one may be 0). replicas: with the
     request router, a description of the replicas (then the KV numbers are the serving
     ones' sum so far, each replica's logged as it becomes ready); "" for one engine.
+    tls: whether --tls-cert is on (the metrics port then speaks HTTPS only).
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
     host = f"[{server.host}]" if ":" in server.host else server.host
     metrics = (
-        f"http://{host}:{server.metrics_port}/metrics"
+        f"{'https' if tls else 'http'}://{host}:{server.metrics_port}/metrics"
         if server.metrics_port is not None
         else "off (--metrics-port)"
     )

@@ -73,6 +73,9 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "100 usable blocks x 16 tokens = 1600 tokens (50 per dp rank)" in block
     assert "dp=2, tp=1" in block and "[::1]:4321" in block
     assert "http://[::1]:9090/metrics" in block and "64 tokens" in block
+    # With TLS the metrics port speaks HTTPS only: the URL says so.
+    block = config_block(engine, server, _stats(), grpc_port=4321, tls=True)
+    assert "https://[::1]:9090/metrics" in block
 
 
 def test_config_block_says_eplb_is_off_on_one_device():
