@@ -6,7 +6,9 @@ with `python -m` so they begin clean (no inherited threads or event loop):
     frontend (this process) --ipc--> engine --ipc--> detokenizer sidecar --ipc--> frontend
 
 The children die with this process (jaxserve.lifetime). SIGINT/SIGTERM here stops the
-gRPC server (open calls get a short grace), then terminates the children (SIGTERM, then
+gRPC and HTTP servers (open calls get `GRPC_GRACE_S` to finish, then the streams still open
+end with "the server is shutting down": gRPC UNAVAILABLE, HTTP an error event and
+`data: [DONE]`; `FrontendServer.stop`), then terminates the children (SIGTERM, then
 SIGKILL after a timeout) and removes the private socket folder; the whole shutdown takes a
 few seconds at most, and the exit code is 0.
 
