@@ -8,7 +8,8 @@ client id can be reused as soon as its stream ends (finished, cancelled, aborted
 the engine may still hold the old engine ids for a few milliseconds, and their late
 outputs are dropped without touching the new request. `abort` takes a client id only.
 When the engine (or the sidecar) dies, `mark_dead` ends every open stream with
-`EngineDeadError` and refuses new requests.
+`EngineDeadError` and refuses new requests; `shut_down` does the same when the server
+stops, after its grace.
 
 Aborts go on the engine's control path (`IpcAddresses.engine_control`), not behind the
 requests. They are never dropped: ids the socket cannot take now (a stalled engine) wait
@@ -69,6 +70,10 @@ def engine_request_id(request_id: str, serial: int, index: int) -> str:
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or not ready yet); the message says which."""
+
+
+# Why open streams end when the server stops (`AsyncEngineClient.shut_down`).
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class SampleOutput(NamedTuple):
@@ -354,10 +359,20 @@ class AsyncEngineClient:
 
     def mark_dead(self, reason: str) -> None:
         """End every open stream with EngineDeadError(reason) and refuse new requests."""
+        if self.dead_reason is None:
+            logger.error("engine unavailable: %s", reason)
+        self._end_streams(reason)
+
+    def shut_down(self) -> None:
+        """The server stops (SIGINT/SIGTERM) and its grace is over: end every open stream
+        as `mark_dead` does, with SHUTTING_DOWN (gRPC UNAVAILABLE; HTTP an error event and
+        `data: [DONE]`), so that none is cut mid-stream. Not an error: no error line."""
+        self._end_streams(SHUTTING_DOWN)
+
+    def _end_streams(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("engine unavailable: %s", reason)
         for stream in self._requests.values():
             stream.put(EngineDeadError(reason))
         self._requests.clear()

@@ -64,6 +64,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 # `prompt` (32 MiB is millions of tokens, beyond any max_model_len); a larger message is
 # refused by gRPC itself with RESOURCE_EXHAUSTED before it is parsed.
 MAX_RECEIVE_MESSAGE_BYTES = 32 * 1024 * 1024
+# At shutdown, after the grace: how long the streams still open have to send their last
+# event (the error, then HTTP's [DONE]) before they are cancelled.
+END_STREAMS_S = 1.0
 
 
 def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
@@ -324,11 +327,18 @@ class FrontendServer:
         await self.set_serving(False)
 
     async def stop(self, grace_s: float) -> None:
-        """Stop accepting calls; open calls get `grace_s` seconds, then are cancelled."""
+        """Stop accepting calls; open calls get `grace_s` seconds to finish. Then the
+        streams still open end as if the engine had died (`AsyncEngineClient.shut_down`:
+        gRPC UNAVAILABLE, HTTP an error event and `data: [DONE]`), and what has not ended
+        `END_STREAMS_S` later (a client that does not read) is cancelled."""
         await self._health.enter_graceful_shutdown()
         if self._loop_lag is not None:
             self._loop_lag.cancel()
+        servers = [self._server.stop(grace_s + END_STREAMS_S)]
         if self._http is not None:
-            await asyncio.gather(self._server.stop(grace_s), self._http.stop(grace_s))
-        else:
-            await self._server.stop(grace_s)
+            servers.append(self._http.stop(grace_s + END_STREAMS_S))
+        stopped = asyncio.ensure_future(asyncio.gather(*servers))
+        await asyncio.wait({stopped}, timeout=grace_s)
+        if not stopped.done():
+            self._engine.shut_down()
+        await stopped

@@ -33,8 +33,11 @@ from jaxserve.logs import (
 )
 from jaxserve.observability import cli as observability_cli
 from jaxserve.serve_args import (
+    INT32,
+    INT64,
     POSITIVE,
     add_serve_arguments,
+    int_within,
     model_argument,
     positive_float,
     server_config,
@@ -132,6 +135,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             check_model=args.engine_class is None,
             max_model_len=config.scheduler.max_model_len,
         )
+        preflight.check_compilation_cache_dir(config.compilation_cache_dir)
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
@@ -268,19 +272,26 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-tokens",
-        type=int,
+        type=int_within(*INT32),
         help=f"most tokens to generate (default: the server's, {DEFAULT_MAX_TOKENS}, cut to "
         "the room the prompt leaves)",
     )
     g.add_argument("--temperature", type=float, help="0 is greedy (default: the server's, 1.0)")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: -1, off)")
+    g.add_argument(
+        "--top-k", type=int_within(*INT32), help="keep the k most likely tokens (default: -1, off)"
+    )
     g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1.0, off)")
     g.add_argument(
         "--min-p", type=float, help="drop tokens below min_p x the top one (default: 0.0, off)"
     )
-    g.add_argument("--seed", type=int, help="sampling seed (default: none, unseeded)")
     g.add_argument(
-        "-n", "--n", type=int, help="samples of the prompt, printed one by one (default: 1)"
+        "--seed", type=int_within(*INT64), help="sampling seed (default: none, unseeded)"
+    )
+    g.add_argument(
+        "-n",
+        "--n",
+        type=int_within(*INT32),
+        help="samples of the prompt, printed one by one (default: 1)",
     )
     g.add_argument(
         "--stop",

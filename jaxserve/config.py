@@ -210,6 +210,13 @@ class EplbConfig:
                 f"got {self.min_improvement}"
             )
 
+    def for_mesh(self, mesh_size: int) -> EplbConfig:
+        """What runs on a mesh of mesh_size devices: on one device there is no expert
+        parallelism to balance, so EPLB is off and there are no redundant experts."""
+        if mesh_size == 1 and (self.enabled or self.num_redundant_experts):
+            return dataclasses.replace(self, enabled=False, num_redundant_experts=0)
+        return self
+
 
 @dataclass(slots=True)
 class EngineConfig:

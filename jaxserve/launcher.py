@@ -6,7 +6,9 @@ with `python -m` so they begin clean (no inherited threads or event loop):
     frontend (this process) --ipc--> engine --ipc--> detokenizer sidecar --ipc--> frontend
 
 The children die with this process (jaxserve.lifetime). SIGINT/SIGTERM here stops the
-gRPC server (open calls get a short grace), then terminates the children (SIGTERM, then
+gRPC and HTTP servers (open calls get `GRPC_GRACE_S` to finish, then the streams still open
+end with "the server is shutting down": gRPC UNAVAILABLE, HTTP an error event and
+`data: [DONE]`; `FrontendServer.stop`), then terminates the children (SIGTERM, then
 SIGKILL after a timeout) and removes the private socket folder; the whole shutdown takes a
 few seconds at most, and the exit code is 0.
 
@@ -286,7 +288,9 @@ async def _run_frontend(
         if server_config.http_port is not None:
             http_port = await server.start_http(server_config.host, server_config.http_port)
             logger.info("HTTP (OpenAI API) listening on %s:%d", server_config.host, http_port)
-            http = f", OpenAI HTTP API on http://{_host_port(server_config.host, http_port)}/v1"
+            # With --tls-cert the HTTP port speaks HTTPS only.
+            scheme = "https" if options.tls is not None else "http"
+            http = f", OpenAI HTTP API on {scheme}://{_host_port(server_config.host, http_port)}/v1"
         logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():
@@ -307,7 +311,9 @@ async def _run_frontend(
             about = "" if replicas is None else replica_launch.describe(replicas, router_options)
             logger.info(
                 "configuration:\n%s",
-                config_block(engine_config, server_config, stats, port, about),
+                config_block(
+                    engine_config, server_config, stats, port, about, tls=options.tls is not None
+                ),
             )
             if server_config.stats_log_interval_s > 0:
                 stats_task = asyncio.create_task(stats_log.run(server_config.stats_log_interval_s))

@@ -6,17 +6,18 @@ What is checked here: the model folder (config.json present, valid JSON, a suppo
 architecture with the fields it needs, weights and tokenizer present, a --max-model-len
 within its max_position_embeddings) and the addresses (`--host` resolves to an address of
 this machine, `check_host`; `--port`, `--metrics-port` and `--http-port` are distinct and
-free). The TLS files are checked beside the other frontend flags
-(`frontend.auth.TlsFiles.check`, from `cli._frontend_options`). What needs the devices (a
-mesh that cannot hold the model, memory) is checked by the engine, which reports its
-start-up error through `jaxserve.logs.report_start_failure`. No JAX here (the frontend
-runs this).
+free) and --compilation-cache-dir (a writable folder). The TLS files are checked beside the
+other frontend flags (`frontend.auth.TlsFiles.check`, from `cli._frontend_options`).
+What needs the devices (a mesh that cannot hold the model, memory) is checked by the
+engine, which reports its start-up error through `jaxserve.logs.report_start_failure`.
+No JAX here (the frontend runs this).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -81,6 +82,27 @@ def check_model_folder(
             f"model: no *.safetensors weights in {folder} (only safetensors are read; "
             "convert *.bin checkpoints with transformers' save_pretrained)"
         )
+
+
+def check_compilation_cache_dir(path: str | None) -> None:
+    """Raise ValueError("compilation-cache-dir: ...") if `path` cannot be the persistent
+    compilation cache: not creatable (/proc/x), not a folder (a file) or not writable.
+    Creates the folder, as the engine would (`engine.builder.enable_compilation_cache`).
+    None: the cache is off (--no-compilation-cache)."""
+    if not path:
+        return
+    fix = "give --compilation-cache-dir a writable folder, or --no-compilation-cache"
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"compilation-cache-dir: {path} is not a folder; {fix}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"compilation-cache-dir: cannot create {path} ({e.strerror or e}); {fix}"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"compilation-cache-dir: {path} is not writable; {fix}")
 
 
 def check_bind(flag: str, host: str, port: int) -> None:

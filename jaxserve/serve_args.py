@@ -188,6 +188,27 @@ def positive_float(text: str) -> float:
     return value
 
 
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def int_within(low: int, high: int):
+    """An argparse type: an int in [low, high], the range of the request field it fills
+    (a proto int32 or int64), so that a value out of it is a usage error naming the flag
+    and the range, as the HTTP API says it, not protobuf's "Value out of range"."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be within [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
 def _fraction_open(text: str) -> float:
     """An argparse type: a float in (0, 1]."""
     try:

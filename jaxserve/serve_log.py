@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.config import EngineConfig, EplbConfig, ServerConfig
 
 logger = logging.getLogger("jaxserve.stats")
 
@@ -114,7 +114,12 @@ def _counts(stats) -> dict[str, float]:
 
 
 def config_block(
-    engine: EngineConfig, server: ServerConfig, stats, grpc_port: int, replicas: str = ""
+    engine: EngineConfig,
+    server: ServerConfig,
+    stats,
+    grpc_port: int,
+    replicas: str = "",
+    tls: bool = False,
 ) -> str:
     """The effective configuration, one `key: value` per line, logged once at ready.
 
@@ -122,11 +127,12 @@ def config_block(
     blocks); grpc_port: the port bound (the configured one may be 0). replicas: with the
     request router, a description of the replicas (then the KV numbers are the serving
     ones' sum so far, each replica's logged as it becomes ready); "" for one engine.
+    tls: whether --tls-cert is on (the metrics port then speaks HTTPS only).
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
     host = f"[{server.host}]" if ":" in server.host else server.host
     metrics = (
-        f"http://{host}:{server.metrics_port}/metrics"
+        f"{'https' if tls else 'http'}://{host}:{server.metrics_port}/metrics"
         if server.metrics_port is not None
         else "off (--metrics-port)"
     )
@@ -155,19 +161,27 @@ def config_block(
             f"{_async_scheduling(sc.async_scheduling, stats.async_scheduling)}, decode "
             f"steps per call {sc.num_decode_steps}",
         ),
-        (
-            "EPLB",
-            f"on (window {eplb.window_size} steps, every {eplb.step_interval} steps, "
-            f"{eplb.num_redundant_experts} redundant experts)"
-            if eplb.enabled
-            else f"off ({eplb.num_redundant_experts} redundant experts)",
-        ),
+        ("EPLB", _eplb(eplb, mesh.size)),
         ("gRPC", f"{host}:{grpc_port}"),
         ("metrics", metrics),
         ("compilation cache", engine.compilation_cache_dir or "off"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _eplb(configured: EplbConfig, mesh_size: int) -> str:
+    """The config block's EPLB: what the engine runs (`EplbConfig.for_mesh`, as
+    `engine.builder.check_eplb`), and why it is off when it was asked for."""
+    eplb = configured.for_mesh(mesh_size)
+    redundant = f"{eplb.num_redundant_experts} redundant experts"
+    if eplb.enabled:
+        return (
+            f"on (window {eplb.window_size} steps, every {eplb.step_interval} steps, {redundant})"
+        )
+    if eplb is not configured:
+        return f"off (needs an expert-parallel mesh, dp*tp > 1; {redundant})"
+    return f"off ({redundant})"
 
 
 def _async_scheduling(configured: bool | None, resolved: bool | None) -> str:

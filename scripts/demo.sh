@@ -3,9 +3,15 @@
 #   bash scripts/demo.sh ["prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+port="${JAXSERVE_PORT:-50051}"
+# A setting, checked before the venv is set up: "abc" is not a port, not a busy one.
+if ! [[ "$port" =~ ^[0-9]{1,5}$ ]] || (( 10#$port < 1 || 10#$port > 65535 )); then
+  echo "error: JAXSERVE_PORT=$port is not a port number (give one in 1-65535)" >&2
+  exit 2
+fi
+port=$((10#$port))
 bash scripts/setup_venv.sh
 venv="${JAXSERVE_VENV:-.venv}"
-port="${JAXSERVE_PORT:-50051}"
 prompt="${1:-def open(}"
 
 # Refuse a busy port up front, so the completion below can only come from our server.

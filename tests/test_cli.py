@@ -350,6 +350,23 @@ def test_fewer_batched_tokens_than_sequences_is_refused_before_any_process():
     assert config.scheduler.max_num_batched_tokens == 4
 
 
+@pytest.mark.parametrize("where", ["/proc/nope", "a file"])
+def test_a_compilation_cache_dir_that_cannot_be_one_is_refused_at_start(where, tmp_path):
+    """It used to fail in the engine as "engine failed to start: [Errno 2] ...", exit 1:
+    a bad setting, one line naming the flag, exit 2, before any process starts."""
+    if where == "a file":
+        where = tmp_path / "file"
+        where.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "serve", "--compilation-cache-dir", str(where)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and lines[0].startswith("jaxserve serve: error: compilation-cache-dir: ")
+    assert "--compilation-cache-dir" in lines[0] and str(where) in lines[0]
+
+
 _GENERATE = ["generate", "hi"]
 _PROFILE = ["profile", "--server", "h:1", "--out", "d"]
 
@@ -369,6 +386,31 @@ def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, valu
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and f"error: argument {flag}: must be a finite number > 0" in lines[0]
     assert getattr(build_parser().parse_args([*command, flag, "1.5"]), flag[2:]) == 1.5
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "bounds"),
+    [("--seed", "99999999999999999999999", "[-9223372036854775808, 9223372036854775807]"),
+     ("--seed", "-9223372036854775809", "[-9223372036854775808, 9223372036854775807]"),
+     ("--max-tokens", "2147483648", "[-2147483648, 2147483647]"),
+     ("--top-k", "-2147483649", "[-2147483648, 2147483647]"),
+     ("-n", "99999999999", "[-2147483648, 2147483647]")],
+)  # fmt: skip
+def test_a_generate_int_the_request_cannot_hold_names_the_flag_and_range(
+    flag, value, bounds, capsys
+):
+    """`generate --seed 99999999999999999999999` used to say protobuf's "Value out of
+    range: ..." without the flag: a usage error naming the flag and the field's range."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*_GENERATE, flag, value])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"argument {flag}" in lines[0] and f"must be within {bounds}, got {value}" in lines[0]
+    assert build_parser().parse_args([*_GENERATE, "--seed", "-5"]).seed == -5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*_GENERATE, "--seed", "x"])
+    assert "invalid int value: 'x'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

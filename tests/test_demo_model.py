@@ -114,6 +114,26 @@ def test_def_continues_with_identifier_and_paren(hf_model, hf_tokenizer, prompt)
     assert re.match(r"[A-Za-z_][A-Za-z0-9_]*\(", continuation), f"{prompt!r} -> {continuation!r}"
 
 
+@pytest.mark.parametrize("port", ["abc", "0", "70000", "12a", "-5", "999999"])
+def test_the_demo_script_says_a_port_that_is_not_one_is_not_a_port(port, tmp_path):
+    """`JAXSERVE_PORT=abc bash scripts/demo.sh` said "port abc is in use": a bad setting,
+    named as such, exit 2, before the venv is set up. (PATH holds only `dirname`: a script
+    that went on to set up a venv would find no Python and stop at once.)"""
+    import shutil
+    import subprocess
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "dirname").symlink_to(shutil.which("dirname"))
+    script = DEMO_MODEL_DIR.parents[1] / "scripts" / "demo.sh"
+    env = {"PATH": str(tmp_path / "bin"), "HOME": str(tmp_path), "JAXSERVE_PORT": port,
+           "JAXSERVE_VENV": str(tmp_path / "venv")}  # fmt: skip
+    out = subprocess.run(
+        [shutil.which("bash"), str(script)], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"error: JAXSERVE_PORT={port} is not a port number (give one in 1-65535)\n"
+
+
 def test_the_demo_scripts_default_prompt_completes_without_a_loop(hf_model, hf_tokenizer):
     """scripts/demo.sh streams the greedy completion of its default prompt: it must read
     as code, not a loop (the old default "import " gave "sys" and then "import sys" on

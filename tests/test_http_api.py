@@ -313,6 +313,23 @@ def test_logprobs_equal_offline(client, llm, model_name):
         assert bytes(e.bytes) == e.token.encode()
 
 
+def test_completion_top_logprobs_hold_the_sampled_token():
+    # OpenAI's legacy completions and vLLM: a sampled token outside the N most likely is
+    # added to its position's top_logprobs (N + 1 entries); chat keeps exactly N.
+    from jaxserve.frontend.http.outputs import chat_logprobs, completion_logprobs
+    from jaxserve.ipc import TextOutput
+
+    texts = {1: "a", 2: "b", 3: "c"}.__getitem__
+    out = TextOutput(
+        "r", "ca", [3, 1], logprobs=[[-2.0, [[1, -0.5], [2, -1.0]]], [-0.5, [[1, -0.5], [2, -1.0]]]]
+    )
+    lp = completion_logprobs([out], texts, 0)
+    assert lp["top_logprobs"] == [{"a": -0.5, "b": -1.0, "c": -2.0}, {"a": -0.5, "b": -1.0}]
+    assert list(lp["top_logprobs"][0]) == ["a", "b", "c"]  # most likely first
+    content = chat_logprobs([out], texts)["content"]
+    assert [len(e["top_logprobs"]) for e in content] == [2, 2]
+
+
 # ---------------------------------------------------------------- cancellation
 
 
@@ -393,7 +410,8 @@ BAD = [
     ("logit_bias", dict(logit_bias={"100000": 1.0}), None),
     ("logit_bias", dict(logit_bias={"abc": 1.0}), None),
     ("stop_token_ids", dict(extra_body={"stop_token_ids": [10**6]}), None),
-    ("prompt.token_ids", dict(prompt=[1, 2, 10**6]), dict(prompt=[1, 2, 10**6])),
+    # Named by its JSON path in the body (gRPC says "prompt.token_ids").
+    ("prompt[2]", dict(prompt=[1, 2, 10**6]), None),
     ("temperature", dict(extra_body={"temperature": "hot"}), None),
     ("echo", dict(echo=True), None),
     ("seed", dict(seed=2**70), None),
@@ -569,7 +587,12 @@ def test_engine_death_ends_streams_and_answers_503(mock_model_dir):
         srv.kill()
 
 
-def test_sigterm_with_an_open_stream_stops_within_10_s(mock_model_dir):
+def test_sigterm_with_an_open_stream_ends_it_and_stops_within_10_s(mock_model_dir):
+    """A stream still open after the shutdown grace ends as one whose engine died: an
+    error event saying the server is shutting down, then `data: [DONE]` (it used to be
+    cut, curl rc 18, with uvicorn's 40-line CancelledError traceback in the log)."""
+    import signal
+
     srv = _mock_server(mock_model_dir).wait_ready()
     try:
         body = {"prompt": "def ", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -578,10 +601,15 @@ def test_sigterm_with_an_open_stream_stops_within_10_s(mock_model_dir):
             for line in stream:
                 lines.append(line)
                 if len(lines) == 4:
-                    elapsed = srv.terminate(10)
-                    break
-        assert elapsed < 10
+                    start = time.monotonic()
+                    srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(10)
+        assert time.monotonic() - start < 10
         assert srv.proc.returncode == 0
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"], error
+        assert "Traceback" not in srv.log() and "Exception in ASGI" not in srv.log(), srv.log()
     finally:
         srv.kill() if srv.proc.poll() is None else None
 

@@ -141,9 +141,16 @@ BAD = [
     ("/v1/completions", {"prompt": ["def ", 7]}, "prompt[1]", "string"),
     ("/v1/completions", {"prompt": {"text": "a"}}, "prompt", "an object"),
     ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
-    # The shared rules' "prompt.token_ids" is the element of a list of prompts.
-    ("/v1/completions", {"prompt": [[5, 6], [5, 10**6]]}, "prompt[1]", "outside the vocab"),
+    # A token id outside the vocabulary: its JSON path, not gRPC's "prompt.token_ids".
+    ("/v1/completions", {"prompt": [[5, 6], [5, 10**6]]}, "prompt[1][1]", "outside the vocab"),
+    ("/v1/completions", {"prompt": [1, 2, 99999999]}, "prompt[2]", "outside the vocab"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt[0]", "outside the vocab"),
     ("/v1/completions", {"prompt": ["def ", ""]}, "prompt[1]", "must not be empty"),
+    # Both limits with different values: a 400 naming both, on either endpoint.
+    ("/v1/completions", {"prompt": "a", "max_completion_tokens": 8}, "max_tokens",
+     "differs from max_completion_tokens: 8"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 8},
+     "max_completion_tokens", "differs from max_tokens: 4"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
      "top_logprobs", "21"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": []}, "stream_options",
@@ -166,6 +173,15 @@ def test_bad_field_names_the_exact_field(server, path, body, field, words):
     assert error["param"] == field, error
     assert error["message"].startswith(f"{field}: "), error
     assert words in error["message"], error
+
+
+def test_max_tokens_and_max_completion_tokens_of_one_value_are_taken(client):
+    model = client.models.list().data[0].id
+    both = {"max_tokens": 3, "max_completion_tokens": 3}
+    got = client.completions.create(model=model, prompt="a", extra_body=both)
+    assert got.usage.completion_tokens == 3
+    got = client.chat.completions.create(model=model, messages=CHAT, extra_body=both)
+    assert got.usage.completion_tokens == 3
 
 
 def test_a_long_request_template_is_refused_and_the_servers_is_used(server, client):

@@ -73,6 +73,28 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "100 usable blocks x 16 tokens = 1600 tokens (50 per dp rank)" in block
     assert "dp=2, tp=1" in block and "[::1]:4321" in block
     assert "http://[::1]:9090/metrics" in block and "64 tokens" in block
+    # With TLS the metrics port speaks HTTPS only: the URL says so.
+    block = config_block(engine, server, _stats(), grpc_port=4321, tls=True)
+    assert "https://[::1]:9090/metrics" in block
+
+
+def test_config_block_says_eplb_is_off_on_one_device():
+    # The engine turns EPLB and redundant experts off on one device (check_eplb): the
+    # block says so, not what was asked for.
+    from jaxserve.config import EplbConfig
+
+    server = ServerConfig(port=0)
+    for eplb in (EplbConfig(enabled=True), EplbConfig(num_redundant_experts=3)):
+        block = config_block(EngineConfig(model="/m/demo", eplb=eplb), server, _stats(), 1)
+        assert "EPLB" in block
+        assert "off (needs an expert-parallel mesh, dp*tp > 1; 0 redundant experts)" in block
+    eplb = EplbConfig(enabled=True, num_redundant_experts=2)
+    on_mesh = EngineConfig(model="/m/demo", mesh=MeshConfig(dp=2), eplb=eplb)
+    assert "on (window 1000 steps, every 3000 steps, 2 redundant experts)" in config_block(
+        on_mesh, server, _stats(), 1
+    )
+    off = config_block(EngineConfig(model="/m/demo"), server, _stats(), 1)
+    assert "off (0 redundant experts)" in off and "expert-parallel" not in off
 
 
 def test_config_block_names_the_async_scheduling_the_engine_resolved():

@@ -208,6 +208,8 @@ def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
         ),
     )  # fmt: skip
     try:
+        # The ready line gives the HTTPS address (it used to say http://).
+        assert f"OpenAI HTTP API on https://127.0.0.1:{http_port}/v1" in srv.log(), srv.log()
         ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
         base = f"https://127.0.0.1:{http_port}"
         health = urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10)

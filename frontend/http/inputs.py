@@ -4,9 +4,10 @@ of the frontend takes before the shared validation (frontend/requests.py).
 Nothing here checks a range: a bad temperature or top_p reaches `validation.py` and gets
 the same message as over gRPC. What is checked here is what only the HTTP API has: the
 OpenAI spellings (`stop` as a string, `logit_bias` keys as strings, chat `logprobs` +
-`top_logprobs`, `max_completion_tokens`), fields that cannot be honoured (echo, suffix,
-best_of > n, tool_choice other than none/auto, a response_format other than text), the
-number of samples over all prompts, and chat messages (roles, text-only content).
+`top_logprobs`, `max_completion_tokens`, which must agree with `max_tokens` when both
+are given), fields that cannot be honoured (echo, suffix, best_of > n, tool_choice other
+than none/auto, a response_format other than text), the number of samples over all
+prompts, and chat messages (roles, text-only content).
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
     for t in ids:
         if not 0 <= t <= INT32_MAX:
             raise FieldError(name, token_id_error(name, t, limits.vocab_size))
+    return ids
+
+
+def _prompt_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
+    """A prompt's token ids, each in the vocabulary; a bad one is named by its JSON path
+    in the body (`prompt[2]`, `prompt[1][1]`), as the body's type errors name it, not by
+    the gRPC field the shared rules name (`prompt.token_ids`)."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            path = f"{name}[{j}]"
+            raise FieldError(path, token_id_error(path, t, limits.vocab_size))
     return ids
 
 
@@ -134,6 +146,19 @@ def _max_tokens(
     request.max_tokens = value
 
 
+def _check_one_max_tokens(first: str, max_tokens, second: str, max_completion_tokens) -> None:
+    """`max_tokens` and `max_completion_tokens` (OpenAI's newer name; vLLM's chat reads
+    it first, its completions ignore it) are one limit: both given with different values
+    is a 400 naming both, not one of them silently winning."""
+    if max_tokens is None or max_completion_tokens is None or max_tokens == max_completion_tokens:
+        return
+    values = {"max_tokens": max_tokens, "max_completion_tokens": max_completion_tokens}
+    raise FieldError(
+        first, f"{first}: {values[first]!r} differs from {second}: {values[second]!r}; they "
+        "are one limit: give one of them, or the same value in both",
+    )  # fmt: skip
+
+
 def completion_requests(
     body: CompletionRequest, request_id: str, limits: ModelLimits
 ) -> list[pb.GenerateRequest]:
@@ -155,6 +180,8 @@ def completion_requests(
         raise FieldError("n", f"n: n x prompts must be at most {MAX_N}, got {n} x {len(prompts)}")
     template = pb.GenerateRequest()
     _sampling(body, template, limits)
+    extra = (body.model_extra or {}).get("max_completion_tokens")
+    _check_one_max_tokens("max_tokens", body.max_tokens, "max_completion_tokens", extra)
     _max_tokens("max_tokens", body.max_tokens, template, limits)
     _check_int("logprobs", body.logprobs, accepted=f"in [0, {MAX_LOGPROBS}]")
     if body.logprobs is not None:
@@ -167,8 +194,8 @@ def completion_requests(
         if isinstance(p, str):
             request.text = p
         else:
-            name = f"prompt[{i}]" if len(prompts) > 1 else "prompt.token_ids"
-            request.token_ids.ids.extend(_token_ids(name, p, limits))
+            name = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            request.token_ids.ids.extend(_prompt_ids(name, p, limits))
         out.append(request)
     return out
 
@@ -264,6 +291,9 @@ def chat_request(
     if tool_choice not in (None, "none", "auto"):
         raise FieldError("tool_choice", "tool_choice: only 'none' and 'auto' are supported")
     request = pb.GenerateRequest(request_id=request_id)
+    _check_one_max_tokens(
+        "max_completion_tokens", body.max_tokens, "max_tokens", body.max_completion_tokens
+    )
     _sampling(body, request, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise FieldError("top_logprobs", "top_logprobs: needs logprobs set to true")

@@ -47,14 +47,22 @@ class TokenTexts:
 def completion_logprobs(outputs: list[TextOutput], texts: TokenTexts, offset: int) -> dict:
     """The `logprobs` object of a completions choice (or chunk) for these outputs' tokens:
     tokens, token_logprobs, top_logprobs (token text -> logprob, most likely first) and
-    text_offset (character offset of each token in the choice's text, from `offset`)."""
+    text_offset (character offset of each token in the choice's text, from `offset`).
+
+    As OpenAI's legacy completions and vLLM, a position's top_logprobs also holds the
+    sampled token, after the N most likely when it is not one of them (so N + 1 entries).
+    Chat's top_logprobs (`chat_logprobs`) holds exactly the N most likely, as OpenAI's.
+    """
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for out in outputs:
         for token_id, (logprob, top) in zip(out.token_ids, out.logprobs or (), strict=False):
             text = texts(token_id)
             tokens.append(text)
             token_logprobs.append(logprob)
-            tops.append({texts(t): lp for t, lp in top})
+            alternatives = {texts(t): lp for t, lp in top}
+            if all(t != token_id for t, _ in top):
+                alternatives.setdefault(text, logprob)
+            tops.append(alternatives)
             offsets.append(offset)
             offset += len(text)
     return {

@@ -11,7 +11,6 @@ Must not: run steps or hold requests.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -305,10 +304,10 @@ def check_eplb(config: EngineConfig) -> EplbConfig:
     """
     ec = config.eplb
     ec.validate()
-    if config.mesh.size == 1 and (ec.enabled or ec.num_redundant_experts):
+    effective = ec.for_mesh(config.mesh.size)
+    if effective is not ec:
         logger.warning(
             "--enable-eplb / --num-redundant-experts: need an expert-parallel mesh "
             "(dp*tp > 1), got dp=1,tp=1; running without EPLB and redundant experts"
         )
-        return dataclasses.replace(ec, enabled=False, num_redundant_experts=0)
-    return ec
+    return effective

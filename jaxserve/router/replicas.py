@@ -36,7 +36,12 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestStream
+from jaxserve.frontend.engine_client import (
+    SHUTTING_DOWN,
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestStream,
+)
 from jaxserve.frontend.liveness import CHECK_INTERVAL_S, stalled_process
 from jaxserve.ipc import (
     EngineRequest,
@@ -300,6 +305,12 @@ class ReplicaSet:
         for rep in self.replicas:
             self._replica_down(rep, reason, dead=True)
         self.dead_reason = reason
+
+    def shut_down(self) -> None:
+        """The server stops: every replica's open streams end (`AsyncEngineClient.shut_down`)."""
+        for rep in self.replicas:
+            rep.client.shut_down()
+        self.dead_reason = SHUTTING_DOWN
 
     def mark_stalled(self, reason: str | None) -> None:
         """Stalls are tracked per replica (`_watch_replicas`); nothing to do here."""
