@@ -216,10 +216,20 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
 
     cache: [num_blocks, block_size, kv_heads, head_dim]; new: [T, kv_heads, head_dim];
     slot_mapping: [T] int32 flat slots, PAD_SLOT for padded tokens (their writes are
-    dropped by pointing them past the end).
+    dropped by pointing them past the end; a lone padded token (T = 1) writes into the
+    null block instead, which no request reads).
     """
     num_blocks, block_size = cache.shape[:2]
     num_slots = num_blocks * block_size
+    if slot_mapping.shape[0] == 1:
+        # One token (batch-1 decode): a dynamic-update-slice on the cache's own shape.
+        # XLA turns a one-index scatter into one guarded by a read of the old slot (the
+        # out-of-bounds drop), and through the flat reshape it does not update the cache
+        # in place inside the multi-step scan: a copy of the whole cache per layer and
+        # step. A padded token writes into the null block (block 0: never read as data).
+        slot = jnp.where(slot_mapping[0] == PAD_SLOT, 0, slot_mapping[0])
+        start = (slot // block_size, slot % block_size) + (0,) * (cache.ndim - 2)
+        return jax.lax.dynamic_update_slice(cache, new[None].astype(cache.dtype), start)
     flat = cache.reshape(num_slots, *cache.shape[2:])
     slots = jnp.where(slot_mapping == PAD_SLOT, num_slots, slot_mapping)
     flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
