@@ -112,19 +112,21 @@ void RunUnit(const Problem& p, const Unit& u) {
   }
   std::vector<float> acc(rows * d, 0.f), row_max(rows, kNegInf), row_sum(rows, 0.f);
   std::vector<float> score(rows * bs);
-  for (int64_t b = first_key / bs; last_key >= 0 && b <= last_key / bs; ++b) {
-    // Out-of-range ids clamp, as a JAX gather does (the engine never writes one).
+  // Where block b of the request's table starts, for this unit's KV head (elements into
+  // k or v). Out-of-range ids clamp, as a JAX gather does (the engine never writes one).
+  auto block_offset = [&](int64_t b) {
     const int64_t block =
         std::clamp<int64_t>(p.tables[u.request * p.table_width + b], 0, p.num_blocks - 1);
+    return (block * bs * p.kv_heads + u.kv_head) * d;
+  };
+  for (int64_t b = first_key / bs; last_key >= 0 && b <= last_key / bs; ++b) {
     const int64_t key0 = b * bs, n = std::min(bs, last_key + 1 - key0);
-    const float* kb = p.k + (block * bs * p.kv_heads + u.kv_head) * d;
-    const float* vb = p.v + (block * bs * p.kv_heads + u.kv_head) * d;
+    const float* kb = p.k + block_offset(b);
+    const float* vb = p.v + block_offset(b);
     const int64_t key_stride = p.kv_heads * d;
     if (b < last_key / bs) {  // the next block's keys and values, while this one computes
-      const int64_t next = std::clamp<int64_t>(p.tables[u.request * p.table_width + b + 1], 0,
-                                               p.num_blocks - 1);
-      const float* kn = p.k + (next * bs * p.kv_heads + u.kv_head) * d;
-      const float* vn = p.v + (next * bs * p.kv_heads + u.kv_head) * d;
+      const float* kn = p.k + block_offset(b + 1);
+      const float* vn = p.v + block_offset(b + 1);
       for (int64_t j = 0; j < bs; ++j)
         for (int64_t c = 0; c < d; c += 16) {
           __builtin_prefetch(kn + j * key_stride + c);
