@@ -86,6 +86,8 @@ class CacheConfig:
 # tile_table.attention_config), so it takes 8, 16, 32 and multiples of 64; 1, 2 and 4 run
 # the reference attention there, with a warning. The CPU runs any size.
 MAX_BLOCK_SIZE = 256
+# The largest `SchedulerConfig.stream_interval` (tokens).
+MAX_STREAM_INTERVAL = 1024
 
 
 def block_size_error(block_size: int) -> str | None:
@@ -111,6 +113,9 @@ class SchedulerConfig:
         decoding (multi-step decode); 1 disables it. 4 measured 5-20% more output
         tokens/s than 1 on the demo model at batch 1-32 (scripts/bench_offline.py), for
         one more compiled step per row bucket.
+    stream_interval: a running request's tokens are published in messages of at least
+        this many (its first and final output excepted; `engine.stream_interval`); 1
+        publishes every step's tokens at once.
     """
 
     max_num_seqs: int = 64
@@ -119,6 +124,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None
     num_decode_steps: int = 4
+    stream_interval: int = 1
 
 
 def resolve_async_scheduling(value: bool | None, platform: str) -> bool:

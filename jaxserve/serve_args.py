@@ -17,6 +17,7 @@ from jaxserve.config import (
     DEFAULT_MEMORY_FRACTION,
     DEMO_MODEL_DIR,
     DTYPE_CHOICES,
+    MAX_STREAM_INTERVAL,
     CacheConfig,
     EngineConfig,
     EplbConfig,
@@ -124,6 +125,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             max_model_len=args.max_model_len,
             async_scheduling=args.async_scheduling,
             num_decode_steps=args.num_decode_steps,
+            stream_interval=args.stream_interval,
         )
     )
     if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
@@ -418,6 +420,14 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="decode steps per device call while every running request decodes; 1 "
         f"disables multi-step decode (default: {sched.num_decode_steps}; on the CPU small "
         "batches run more, see step_inputs.SMALL_BATCH_DECODE_STEPS)",
+    )
+    sc.add_argument(
+        "--stream-interval",
+        type=_int_at_least(1, MAX_STREAM_INTERVAL),
+        help="tokens a stream message carries at least (a request's first and last "
+        "excepted): fewer, larger messages cost the frontend, sidecar and client less CPU "
+        f"per token, at the price of smoothness (default: {sched.stream_interval}, every "
+        "engine step's tokens at once)",
     )
     sc.add_argument(
         "--async-scheduling",

@@ -91,18 +91,27 @@ def test_async_scheduling_flag_and_the_backend_default(flags, configured, on_cpu
     assert resolve_async_scheduling(value, "tpu") is on_gpu
 
 
-def test_num_decode_steps_flag(capsys):
-    """--num-decode-steps sets the multi-step decode's steps per call (unset: the
-    config's default); 0 is refused at parsing, naming the flag, exit 2."""
+@pytest.mark.parametrize(
+    "flag, field, high",
+    [
+        ("--num-decode-steps", "num_decode_steps", 64),
+        ("--stream-interval", "stream_interval", 1024),
+    ],
+)
+def test_scheduler_int_flags(capsys, flag, field, high):
+    """--num-decode-steps (multi-step decode's steps per call) and --stream-interval
+    (tokens per stream message) set their SchedulerConfig field (unset: the config's
+    default); 0 and one past the top are refused at parsing, naming the flag, exit 2."""
     from jaxserve.config import SchedulerConfig
 
-    assert _config().scheduler.num_decode_steps == SchedulerConfig().num_decode_steps
-    assert _config("--num-decode-steps", "8").scheduler.num_decode_steps == 8
-    assert _config("--num-decode-steps", "1").scheduler.num_decode_steps == 1
-    with pytest.raises(SystemExit) as e:
-        _config("--num-decode-steps", "0")
-    assert e.value.code == 2
-    assert "--num-decode-steps" in capsys.readouterr().err
+    assert getattr(_config().scheduler, field) == getattr(SchedulerConfig(), field)
+    for value in (1, 8, high):
+        assert getattr(_config(flag, str(value)).scheduler, field) == value
+    for bad in (0, high + 1):
+        with pytest.raises(SystemExit) as e:
+            _config(flag, str(bad))
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err
 
 
 def test_dtype_auto_reads_the_checkpoint(tmp_path):

@@ -53,6 +53,7 @@ from jaxserve.distributed.processes import (
     leader_executor,
 )
 from jaxserve.engine.control import EngineControl
+from jaxserve.engine.stream_interval import OutputCoalescer
 from jaxserve.ipc import (
     AbortRequest,
     EngineOutputs,
@@ -99,6 +100,8 @@ class EngineLoop:
 
     core: an object with EngineCore's interface (add_request, abort_requests, has_work,
         step, stats).
+    stream_interval: tokens a running request's output message carries at least
+        (`engine.stream_interval`); 1 publishes every step's outputs as they are.
     """
 
     def __init__(
@@ -111,8 +114,10 @@ class EngineLoop:
         control_socket: zmq.Socket | None = None,
         control: EngineControl | None = None,
         kv_events_socket: zmq.Socket | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self._core = core
+        self._coalescer = OutputCoalescer(stream_interval)
         self._kv_socket = kv_events_socket
         self._kv_log = None
         if kv_events_socket is not None:
@@ -224,7 +229,7 @@ class EngineLoop:
 
     def _run_step(self) -> None:
         t = TIMELINE.now()
-        outputs = self._core.step()
+        outputs = self._coalescer.take(self._core.step())
         TIMELINE.span("step", t)
         self._step += 1
         if self._profile is not None and TIMELINE.active:
@@ -346,7 +351,7 @@ def run_engine_process(
         try:
             EngineLoop(
                 core, input_socket, output_socket, control_socket=control_socket,
-                kv_events_socket=kv_socket,
+                kv_events_socket=kv_socket, stream_interval=config.scheduler.stream_interval,
             ).run()  # fmt: skip
         except Exception:
             logger.exception("engine step failed; the engine process exits")
