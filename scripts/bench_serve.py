@@ -22,6 +22,13 @@ is C, as grpc.aio's core is), reading the SSE lines itself (the `openai` client'
 transport parses HTTP in Python, which would bill client work to the server).
 --cache-dir keeps the JAX compilation cache between runs (default: a new empty one).
 
+--stream-interval 1,16 starts one server per value (`serve --stream-interval`: tokens per
+stream message) and runs them interleaved with the rest ("vs gRPC" is then against the
+server at 1). Every served row also gives each process's CPU microseconds per output
+token: engine, frontend, detokenizer sidecar, and this process's client (psutil), the
+share the serving stack takes from an engine whose cores it shares; an offline row gives
+its engine's (this process), and "cores" is CPU seconds of all of them per second.
+
 For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
 `jaxserve bench` against a running server; this script's load levels run through it.
 
@@ -110,12 +117,47 @@ class Server:
                     return time.perf_counter() - self.t0
         raise RuntimeError("no token")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system, all threads) each process of the server has used:
+        "frontend" (the serve process), "engine" and "detokenizer" (its children)."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        used = {"frontend": _cpu(root), "engine": 0.0, "detokenizer": 0.0}
+        for child in root.children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+                role = "detokenizer" if "detokenizer_process" in cmd else "engine"
+                used[role] += _cpu(child)
+            except psutil.NoSuchProcess:
+                continue
+        return used
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+# The processes whose CPU a served run reports (Server.cpu_seconds, and this one).
+CPU_ROLES = ("engine", "frontend", "detokenizer", "client")
+
+
+def _cpu(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _served_run(srv: Server, load):
+    """Run `load` (a coroutine) against srv; returns its result plus each process's CPU
+    seconds in the run, the client's ("client": this process) among them."""
+    before, client = srv.cpu_seconds(), time.process_time()
+    result = asyncio.run(load)
+    client = time.process_time() - client
+    cpu = {k: v - before[k] for k, v in srv.cpu_seconds().items()}
+    return (*result, {**cpu, "client": client})
 
 
 async def _run_load(
@@ -171,6 +213,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per path and level (median)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--cache-dir", help="JAX compilation cache to use (default: a new one)")
+    ap.add_argument(
+        "--stream-interval",
+        default="1",
+        help="serve --stream-interval values, comma-separated: one server each, all measured "
+        "interleaved over gRPC (default: 1)",
+    )
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     repeats = args.repeats
@@ -184,15 +232,25 @@ def main() -> None:
         srv = Server(args.model, cache, extra)
         result["startup_cold_s"] = srv.time_to_first_token()
         srv.stop()
-    srv = Server(args.model, cache, extra, http=args.http)
-    result["startup_warm_s"] = srv.time_to_first_token()
+    intervals = [int(x) for x in args.stream_interval.split(",")]
+    servers: dict[str, Server] = {}  # path name -> its server
+    for i, interval in enumerate(intervals):
+        name = "serve (gRPC)" if interval == 1 else f"serve (gRPC) si={interval}"
+        flags = [*extra, "--stream-interval", str(interval)]
+        servers[name] = Server(args.model, cache, flags, http=args.http and i == 0)
+        if i == 0:
+            result["startup_warm_s"] = servers[name].time_to_first_token()
     # Steady state only: the load starts once every step shape is compiled (a served
     # run during the background compile measured 0.66x at concurrency 1).
-    result["background_compile_wait_s"] = srv.wait_warm()
-    target = f"127.0.0.1:{srv.port}"
-    paths = {"serve (gRPC)": lambda p, c: _run_load("grpc", target, p, c, args.max_tokens)}
+    result["background_compile_wait_s"] = max(s.wait_warm() for s in servers.values())
+    paths = {}
+    for name, srv in servers.items():
+        target = f"127.0.0.1:{srv.port}"
+        paths[name] = lambda p, c, t=target: _run_load("grpc", t, p, c, args.max_tokens)
+    srv = next(iter(servers.values()))
     if args.http:
         url = f"http://127.0.0.1:{srv.http_port}"
+        servers["serve (HTTP)"] = srv
         paths["serve (HTTP)"] = lambda p, c: _run_load("http", url, p, c, args.max_tokens)
     # Offline: the same prompts through LLM.generate in this process, `concurrency` at a
     # time (the same requests in flight as the server gets), interleaved with the served
@@ -208,12 +266,13 @@ def main() -> None:
         llm.generate(_prompts(2), sp)  # warm-up
 
         def offline(prompts: list[str], c: int):
-            t0 = time.perf_counter()
+            t0, cpu = time.perf_counter(), time.process_time()
             outs = []
             for i in range(0, len(prompts), c):
                 outs += llm.generate(prompts[i : i + c], sp)
-            secs = time.perf_counter() - t0
-            return secs, sum(len(o.token_ids) for o in outs), [o.text for o in outs], []
+            secs, cpu = time.perf_counter() - t0, time.process_time() - cpu
+            tokens = sum(len(o.token_ids) for o in outs)
+            return secs, tokens, [o.text for o in outs], [], {"engine": cpu}
 
         paths["offline LLM.generate"] = offline
     try:
@@ -226,8 +285,9 @@ def main() -> None:
                     if name.startswith("offline"):
                         runs[name].append(paths[name](_prompts(n), c))
                     else:
-                        runs[name].append(asyncio.run(paths[name](_prompts(n), c)))
-            texts = runs["serve (gRPC)"][0][2]
+                        load = paths[name](_prompts(n), c)
+                        runs[name].append(_served_run(servers[name], load))
+            texts = runs[next(iter(servers))][0][2]
             for name, results in runs.items():
                 p50s = [sorted(r[3])[len(r[3]) // 2] for r in results if r[3]]
                 same = sum(a == b for a, b in zip(results[0][2], texts, strict=True))
@@ -241,16 +301,23 @@ def main() -> None:
                     "texts_equal_to_served": f"{same}/{n}",
                     "load": os.getloadavg()[0],
                 })  # fmt: skip
+                rows[-1]["cpu_us_per_token"] = {  # offline: the engine's (this process)
+                    k: _median([r[4][k] / r[1] * 1e6 for r in results])
+                    for k in CPU_ROLES
+                    if k in results[0][4]
+                }
+                rows[-1]["cores_used"] = _median([sum(r[4].values()) / r[0] for r in results])
     finally:
-        srv.stop()
+        for srv in set(servers.values()):
+            srv.stop()
     result["load_after"] = os.getloadavg()
 
     result["rows"] = rows
     grpc_rows = {r["concurrency"]: r for r in rows if r["path"] == "serve (gRPC)"}
     offline_rows = {r["concurrency"]: r for r in rows if r["path"].startswith("offline")}
     for r in rows:
-        if r["path"] == "serve (HTTP)":
-            g = grpc_rows[r["concurrency"]]
+        g = grpc_rows.get(r["concurrency"])
+        if g is not None and r is not g and r["path"].startswith("serve"):
             r["tok_s_vs_grpc"] = r["output_tok_s"] / g["output_tok_s"]
         if r["path"].startswith("serve") and r["concurrency"] in offline_rows:
             r["tok_s_vs_offline"] = (
@@ -264,7 +331,8 @@ def main() -> None:
             print(f"{key}: {result[key]:.1f}")
     print(
         f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
-        f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text"
+        f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text  "
+        f"cores  CPU us/token: {' '.join(CPU_ROLES)}"
     )
     for r in sorted(rows, key=lambda r: r["concurrency"]):
         ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
@@ -273,7 +341,8 @@ def main() -> None:
         print(
             f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
             f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}{vs_off:>11}{r['load']:>6.1f}  "
-            f"{r.get('texts_equal_to_served', '')}"
+            f"{r.get('texts_equal_to_served', ''):>9}  {r['cores_used']:5.2f}  "
+            + " ".join(f"{v:.0f}" for v in r.get("cpu_us_per_token", {}).values())
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
