@@ -130,12 +130,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
-        preflight.check_model_folder(
-            config.model,
-            check_model=args.engine_class is None,
-            max_model_len=config.scheduler.max_model_len,
-        )
-        preflight.check_compilation_cache_dir(config.compilation_cache_dir)
+        preflight.check_engine_settings(config, check_model=args.engine_class is None)
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
