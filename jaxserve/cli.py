@@ -221,37 +221,41 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
     )
     from jaxserve.frontend.liveness import DEFAULT_STALL_TIMEOUT_S
 
-    s.add_argument(
+    # Groups of their own, as serve_args' are, so that --help shows them by topic.
+    adm = s.add_argument_group("admission control and stall detection")
+    adm.add_argument(
         "--max-pending-requests", type=POSITIVE, default=DEFAULT_MAX_REQUESTS,
         help="most requests (samples) running or waiting; past it RESOURCE_EXHAUSTED "
         "(default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--max-queued-prompt-tokens", type=POSITIVE, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
         help="most prompt tokens waiting for prefill (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
         help="most bytes of open requests held at once (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
         help="heartbeat silence after which the engine or sidecar counts as stalled: "
         "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    tls = s.add_argument_group("TLS")
+    tls.add_argument(
         "--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS (default: off)"
     )
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
-    s.add_argument(
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    tls.add_argument(
         "--tls-client-ca", help="PEM CA: require client certificates (mutual TLS) (default: off)"
     )
-    s.add_argument(
+    key = s.add_argument_group("API key")
+    key.add_argument(
         "--api-key",
         help="require 'authorization: Bearer KEY' on every RPC but health "
         "(also --api-key-file, or the JAXSERVE_API_KEY variable) (default: none)",
     )
-    s.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
+    key.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
 
 
 def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
