@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
+from serve_process import ServeProcess, free_port
 
 from jaxserve.engine.block_hash import hash_token_blocks
 
@@ -31,13 +28,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     """`jaxserve serve --replicas N` on a free loopback port, until stop()."""
 
     def __init__(self, args: argparse.Namespace, policy: str, replicas: int) -> None:
@@ -58,16 +49,7 @@ class Server:
             "--max-model-len", str(args.max_model_len), "--stats-log-interval", "0",
             "--compile-all-at-start", *shlex.split(args.serve_args),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.ready = threading.Event()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if re.search(r"jaxserve ready", line):
-                self.ready.set()
+        super().__init__(cmd)
 
     def wait(self, timeout: float) -> None:
         from jaxserve.frontend.client import JaxserveClient
@@ -80,13 +62,6 @@ class Server:
                 if time.monotonic() > deadline:
                     raise RuntimeError("replicas did not all start")
                 time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def replica_infos(client) -> list:
