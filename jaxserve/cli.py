@@ -7,10 +7,10 @@
     jaxserve diagnose --server HOST:METRICS_PORT | --from bench.json [--json] (observability/)
     jaxserve profile --server HOST:PORT --seconds N --out DIR (observability/)
 
-Each subcommand is a `_cmd_*` function registered in `build_parser`; the flags of `serve`
-live in `serve_args.py`. Imports that pull in
-heavy libraries stay inside the command functions, and none of them imports JAX in this
-process (the engine process does).
+`serve` is `_cmd_serve` here, its flags in `serve_args.py` (and the frontend's below);
+every other subcommand registers itself from its module (`add_subparser`) in
+`build_parser`. Imports that pull in heavy libraries stay inside the command functions,
+and none of them imports JAX in this process (the engine process does).
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import logging
 import os
 import sys
 
-from jaxserve import convert, distributed
+from jaxserve import convert, distributed, generate_cli
 from jaxserve.benchmark import cli as bench_cli
-from jaxserve.config import ServerConfig
-from jaxserve.frontend import client_auth
 from jaxserve.hub import resolve_model
 from jaxserve.logs import (
     add_start_failure_explainer,
@@ -33,13 +31,9 @@ from jaxserve.logs import (
 )
 from jaxserve.observability import cli as observability_cli
 from jaxserve.serve_args import (
-    INT32,
-    INT64,
     POSITIVE,
     add_serve_arguments,
-    int_within,
     model_argument,
-    positive_float,
     server_config,
 )
 from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
@@ -130,12 +124,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = _engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, found before any process starts (exit code 2).
-        preflight.check_model_folder(
-            config.model,
-            check_model=args.engine_class is None,
-            max_model_len=config.scheduler.max_model_len,
-        )
-        preflight.check_compilation_cache_dir(config.compilation_cache_dir)
+        preflight.check_engine_settings(config, check_model=args.engine_class is None)
     except (ValueError, OSError) as e:
         return _fail(e, 2, dist)
     if dist is not None and not dist.is_leader:
@@ -226,175 +215,41 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
     )
     from jaxserve.frontend.liveness import DEFAULT_STALL_TIMEOUT_S
 
-    s.add_argument(
+    # Groups of their own, as serve_args' are, so that --help shows them by topic.
+    adm = s.add_argument_group("admission control and stall detection")
+    adm.add_argument(
         "--max-pending-requests", type=POSITIVE, default=DEFAULT_MAX_REQUESTS,
         help="most requests (samples) running or waiting; past it RESOURCE_EXHAUSTED "
         "(default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--max-queued-prompt-tokens", type=POSITIVE, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
         help="most prompt tokens waiting for prefill (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
         help="most bytes of open requests held at once (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    adm.add_argument(
         "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
         help="heartbeat silence after which the engine or sidecar counts as stalled: "
         "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
     )  # fmt: skip
-    s.add_argument(
+    tls = s.add_argument_group("TLS")
+    tls.add_argument(
         "--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS (default: off)"
     )
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
-    s.add_argument(
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    tls.add_argument(
         "--tls-client-ca", help="PEM CA: require client certificates (mutual TLS) (default: off)"
     )
-    s.add_argument(
+    key = s.add_argument_group("API key")
+    key.add_argument(
         "--api-key",
         help="require 'authorization: Bearer KEY' on every RPC but health "
         "(also --api-key-file, or the JAXSERVE_API_KEY variable) (default: none)",
     )
-    s.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
-
-
-def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
-    """The flags of `jaxserve generate`; an unset sampling flag takes the server's default,
-    which the help names (frontend/proto/jaxserve.proto)."""
-    from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS
-
-    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
-    g.add_argument(
-        "--server",
-        default=f"{ServerConfig().host}:{ServerConfig().port}",
-        help="the server's gRPC host:port (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-tokens",
-        type=int_within(*INT32),
-        help=f"most tokens to generate (default: the server's, {DEFAULT_MAX_TOKENS}, cut to "
-        "the room the prompt leaves)",
-    )
-    g.add_argument("--temperature", type=float, help="0 is greedy (default: the server's, 1.0)")
-    g.add_argument(
-        "--top-k", type=int_within(*INT32), help="keep the k most likely tokens (default: -1, off)"
-    )
-    g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: 1.0, off)")
-    g.add_argument(
-        "--min-p", type=float, help="drop tokens below min_p x the top one (default: 0.0, off)"
-    )
-    g.add_argument(
-        "--seed", type=int_within(*INT64), help="sampling seed (default: none, unseeded)"
-    )
-    g.add_argument(
-        "-n",
-        "--n",
-        type=int_within(*INT32),
-        help="samples of the prompt, printed one by one (default: 1)",
-    )
-    g.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        help="stop string (repeatable; a shell passes \\n literally: use $'\\n') (default: none)",
-    )
-    g.add_argument(
-        "--ignore-eos", action="store_true", help="go on past the EOS token (default: off)"
-    )
-    g.add_argument(
-        "--timeout", type=positive_float, help="seconds for the whole call (default: no limit)"
-    )
-    g.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="print each sample's finish reason and token counts to stderr (default: off)",
-    )
-    client_auth.add_flags(g)
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from jaxserve.frontend.client import JaxserveClient
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    if args.n is not None:
-        params["n"] = args.n
-    last = None
-    completions = []
-    streamed = False  # some text is on stdout: an error ends its line first
-    try:
-        auth = client_auth.from_args(args)
-        client = JaxserveClient(args.server, **auth.client_kwargs())
-    except ValueError as e:
-        print(f"jaxserve generate: error: {client_auth.flag_error(e)}", file=sys.stderr)
-        return 2
-    with client:
-        try:
-            if args.n is not None and args.n > 1:
-                # n samples interleave in the stream: print each whole once all are done.
-                completions = client.complete(prompt, timeout=args.timeout, **params)
-                _print_samples(completions)
-            else:
-                for delta in client.generate(prompt, timeout=args.timeout, **params):
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
-                    streamed = streamed or bool(delta.text)
-                    last = delta
-                # End the output with a newline, terminal or pipe, as `llm` does: the
-                # shell prompt starts on its own line, and a file of it is a text file.
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-        except ValueError as e:  # the request itself is bad (build_generate_request)
-            print(f"jaxserve generate: error: {e}", file=sys.stderr)
-            return 2
-        except grpc.RpcError as e:
-            if streamed:  # end the text's line; nothing printed: no empty line
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-            print(f"jaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
-            print(file=sys.stderr)
-            return 130
-        except BrokenPipeError:  # e.g. `| head`: the reader is gone, so is the output
-            # Point stdout at /dev/null so the interpreter's final flush cannot fail too
-            # (the recipe in Python's signal module documentation).
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 141
-    if args.verbose:
-        for c in completions or ([last] if last is not None else []):
-            print(_summary(c, len(completions) > 1), file=sys.stderr)
-    return 0
-
-
-def _summary(result, with_index: bool) -> str:
-    """The `-v` line of one sample (a GenerateDelta or a Completion): how it finished and
-    its token counts."""
-    sample = f"sample={result.index} " if with_index else ""
-    return (
-        f"[{sample}finish_reason={result.finish_reason} stop_reason={result.stop_reason!r} "
-        f"prompt_tokens={result.prompt_tokens} completion_tokens={result.completion_tokens}]"
-    )
-
-
-def _print_samples(completions) -> None:
-    """Each sample of an n > 1 request under a header naming its index and finish."""
-    for c in completions:
-        print(f"--- sample {c.index} (finish_reason={c.finish_reason}) ---")
-        print(c.text)
+    key.add_argument("--api-key-file", help="file whose first line is the API key (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,10 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_frontend_arguments(s)
     s.set_defaults(func=_cmd_serve)
 
-    g = sub.add_parser("generate", help="stream a completion from a server to the terminal")
-    _add_generate_arguments(g)
-    g.set_defaults(func=_cmd_generate)
-
+    generate_cli.add_subparser(sub)  # `jaxserve generate`: a completion to the terminal
     from jaxserve.router import headless  # noqa: PLC0415
 
     headless.add_subparser(sub)  # `jaxserve engine`: a headless replica joining a frontend

@@ -2,7 +2,8 @@
 common mistakes end with one line naming the cause and the fix (and exit code 2 or 1),
 not a traceback from a child process a minute later.
 
-What is checked here: the model folder (config.json present, valid JSON, a supported
+What is checked here (`check_engine_settings` for what `jaxserve serve` and `jaxserve
+engine` share): the model folder (config.json present, valid JSON, a supported
 architecture with the fields it needs, weights and tokenizer present, a --max-model-len
 within its max_position_embeddings) and the addresses (`--host` resolves to an address of
 this machine, `check_host`; `--port`, `--metrics-port` and `--http-port` are distinct and
@@ -20,6 +21,10 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
 
 # Marker of a `jaxserve convert` (Orbax) folder: models/checkpoint.py MARKER_FILE, which
 # imports JAX and so is not imported here.
@@ -103,6 +108,17 @@ def check_compilation_cache_dir(path: str | None) -> None:
         ) from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"compilation-cache-dir: {path} is not writable; {fix}")
+
+
+def check_engine_settings(config: EngineConfig, *, check_model: bool = True) -> None:
+    """The engine's settings that need no device, checked before its process starts, by
+    `jaxserve serve` and by `jaxserve engine` alike: the model folder with --max-model-len
+    (`check_model_folder`; check_model as there) and --compilation-cache-dir
+    (`check_compilation_cache_dir`). Raises ValueError naming the flag."""
+    check_model_folder(
+        config.model, check_model=check_model, max_model_len=config.scheduler.max_model_len
+    )
+    check_compilation_cache_dir(config.compilation_cache_dir)
 
 
 def check_bind(flag: str, host: str, port: int) -> None:

@@ -29,20 +29,27 @@ from jaxserve.config import (
 )
 
 
-def _int_at_least(low: int, high: int | None = None):
-    """An argparse type: an int in [low, high], else a usage error naming the range."""
+def _bounded_int(low: int, high: int | None, *, not_int: str, bound: str):
+    """An argparse type: an int in [low, high] (high None: no upper bound). Text that is
+    no int is the usage error "{not_int}: 'text'"; an int out of range is
+    "must be {bound}, got {value}" (the wording is the caller's: see its two users)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{not_int}: {text!r}") from None
         if value < low or (high is not None and value > high):
-            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
 
     return parse
+
+
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high], else a usage error naming the range."""
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    return _bounded_int(low, high, not_int="not an integer", bound=bound)
 
 
 PORT = _int_at_least(0, 65535)
@@ -198,17 +205,7 @@ def int_within(low: int, high: int):
     """An argparse type: an int in [low, high], the range of the request field it fills
     (a proto int32 or int64), so that a value out of it is a usage error naming the flag
     and the range, as the HTTP API says it, not protobuf's "Value out of range"."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be within [{low}, {high}], got {value}")
-        return value
-
-    return parse
+    return _bounded_int(low, high, not_int="invalid int value", bound=f"within [{low}, {high}]")
 
 
 def _fraction_open(text: str) -> float:

@@ -69,13 +69,9 @@ import asyncio
 import json
 import os
 import random
-import re
-import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -85,14 +81,14 @@ from jaxserve.engine.block_hash import hash_token_blocks
 from jaxserve.router.options import RouterOptions
 from jaxserve.router.router import Router
 
+# The --workload's servers, traffic and oracle (scripts/ is on sys.path when a script
+# runs; inserted for an import from elsewhere).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from router_workload import Server, final_history, pct, run_rate  # noqa: E402
+
 
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def micro(args: argparse.Namespace) -> dict:
@@ -130,7 +126,7 @@ def micro(args: argparse.Namespace) -> dict:
         "block_size": bs,
         "requests": args.requests,
         "route_us_p50": statistics.median(route_us),
-        "route_us_p99": _pct(route_us, 0.99),
+        "route_us_p99": pct(route_us, 0.99),
         "hash_us_p50": statistics.median(hash_us),
         "matched_blocks_mean": statistics.mean(matched),
         "uptime": _uptime(),
@@ -143,250 +139,6 @@ def micro(args: argparse.Namespace) -> dict:
         f"{result['hash_us_p50']:11.1f}"
     )
     return result
-
-
-# ----- the workload -------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """`jaxserve serve --replicas N` on a free loopback port, until stop()."""
-
-    def __init__(self, args: argparse.Namespace, policy: str, replicas: int) -> None:
-        self.port = _free_port()
-        # "LABEL=FLAGS": the router flags given (--router-policy among them);
-        # "kv:W": the kv policy with weight W; else a policy name.
-        label, eq, flags = policy.partition("=")
-        name, _, weight = label.partition(":")
-        router = shlex.split(flags) if eq else [
-            "--router-policy", name, *(["--router-weight", weight] if weight else []),
-        ]  # fmt: skip
-        cmd = [
-            sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port),
-            "--replicas", str(replicas), *router,
-            "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.max_model_len), "--stats-log-interval", "0",
-            "--compile-all-at-start", *shlex.split(args.serve_args),
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.ready = threading.Event()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if re.search(r"jaxserve ready", line):
-                self.ready.set()
-
-    def wait(self, timeout: float) -> None:
-        from jaxserve.frontend.client import JaxserveClient
-
-        if not self.ready.wait(timeout):
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-30:]))
-        with JaxserveClient(f"127.0.0.1:{self.port}") as c:
-            deadline = time.monotonic() + timeout
-            while not all(r.state == "serving" for r in _replicas(c)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("replicas did not all start")
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def _replicas(client) -> list:
-    from jaxserve.frontend.proto import jaxserve_pb2 as pb
-
-    info = client._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-    return sorted(info.replicas, key=lambda r: r.replica)
-
-
-def _final_history(args: argparse.Namespace) -> int:
-    """Tokens of a conversation after its last answer."""
-    return args.system_tokens + args.turns * (args.user_tokens + args.output_tokens)
-
-
-def _conversations(args: argparse.Namespace, rng: np.random.Generator, high: int) -> list[dict]:
-    systems = [
-        rng.integers(100, high, args.system_tokens).tolist() for _ in range(args.system_prompts)
-    ]
-    return [
-        {"history": list(systems[i % len(systems)]), "turn": 0, "busy": False}
-        for i in range(args.conversations)
-    ]
-
-
-async def _run_rate(args: argparse.Namespace, port: int, rate: float, seed: int) -> dict:
-    import grpc
-
-    from jaxserve.frontend.client import build_generate_request
-    from jaxserve.frontend.proto import jaxserve_pb2 as pb
-    from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-
-    rng = np.random.default_rng(seed)
-    high = min(2000, _vocab_size(port))
-    convs = _conversations(args, rng, high)
-    errors: list[str] = []
-    total = args.conversations * args.turns
-    log: list[tuple[list[int], list[int]]] = []  # (prompt, output) in issue order
-    ttfts: list[float] = []
-    finish_times: list[float] = []
-    out_tokens = 0
-    done = asyncio.Event()
-    finished = 0
-    ready = asyncio.Condition()
-    waiting: list[int] = []  # requests waiting in the engines' queues, sampled each second
-
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.JaxserveStub(channel)
-
-        async def one(conv: dict) -> None:
-            nonlocal out_tokens, finished
-            conv["history"] += rng.integers(100, high, args.user_tokens).tolist()
-            prompt = list(conv["history"])
-            entry = (prompt, [])
-            log.append(entry)
-            req = build_generate_request(
-                prompt, max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True,
-                return_token_ids=True,
-            )  # fmt: skip
-            start = time.perf_counter()
-            first = None
-            try:
-                async for resp in stub.Generate(req, timeout=600):
-                    if resp.token_ids and first is None:
-                        first = time.perf_counter() - start
-                    entry[1].extend(resp.token_ids)
-            except grpc.RpcError as e:
-                errors.append(f"{e.code().name}: {e.details()}")
-            finish_times.append(time.perf_counter())
-            ttfts.append(first if first is not None else time.perf_counter() - start)
-            out_tokens += len(entry[1])
-            conv["history"] += entry[1]
-            conv["turn"] += 1
-            conv["busy"] = False
-            finished += 1
-            async with ready:
-                ready.notify_all()
-            if finished == total:
-                done.set()
-
-        def pick() -> dict | None:
-            free = [c for c in convs if not c["busy"] and c["turn"] < args.turns]
-            if not free:
-                return None
-            low = min(c["turn"] for c in free)
-            least = [c for c in free if c["turn"] == low]
-            return least[int(rng.integers(len(least)))]
-
-        async def sample_queues() -> None:
-            while not done.is_set():
-                try:
-                    info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-                    waiting.append(sum(r.num_waiting for r in info.replicas))
-                except grpc.RpcError:
-                    pass
-                await asyncio.sleep(1.0)
-
-        before = _replicas_sync(port)
-        gaps = rng.exponential(1.0 / rate, total)
-        # The offered rate: of the Poisson schedule itself (arrivals blocked waiting for a
-        # free conversation do not lower it).
-        offered = (total - 1) / float(gaps[1:].sum()) if total > 1 else rate
-        sampler = asyncio.create_task(sample_queues())
-        t0 = None  # the first send
-        tasks = []
-        for gap in gaps:
-            await asyncio.sleep(float(gap))
-            async with ready:
-                while (conv := pick()) is None:
-                    await ready.wait()
-            conv["busy"] = True
-            t0 = time.perf_counter() if t0 is None else t0
-            tasks.append(asyncio.create_task(one(conv)))
-        await done.wait()
-        elapsed = max(finish_times) - t0
-        await asyncio.gather(*tasks)
-        await sampler
-    after = _replicas_sync(port)
-    pairs = list(zip(after, before, strict=True))
-    queries = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in pairs]
-    hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in pairs]
-    routed = [a.router_decisions - b.router_decisions for a, b in pairs]
-    # Work per replica: prompt tokens it computed (not hit) + output tokens it decoded.
-    work = [q - h + n * args.output_tokens for q, h, n in zip(queries, hits, routed, strict=True)]
-    # The completion rate, as the offered one over the gaps between events: it keeps up
-    # with the arrivals unless a queue grows during the run (saturation).
-    span = max(finish_times) - min(finish_times)
-    served = (total - 1) / span if total > 1 and span > 0 else float(total)
-    return {
-        "rate": rate,
-        "offered_req_s": offered,
-        "served_req_s": served,
-        "saturated": served < 0.9 * offered,
-        "waiting_mean": statistics.mean(waiting) if waiting else 0.0,
-        "waiting_max": max(waiting, default=0),
-        "requests": total,
-        "hit_rate": sum(hits) / sum(queries) if sum(queries) else 0.0,
-        "oracle_hit_rate": _oracle_hit_rate(log, args.block_size),
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p99_s": _pct(ttfts, 0.99),
-        "output_tok_s": out_tokens / elapsed,
-        "routed": routed,
-        "work_tokens": work,
-        "max_mean_load": _max_mean(routed),
-        "max_mean_work": _max_mean(work),
-        "elapsed_s": elapsed,
-        "errors": errors,
-    }
-
-
-def _max_mean(xs: list[int]) -> float:
-    return max(xs) / statistics.mean(xs) if any(xs) else 0.0
-
-
-def _vocab_size(port: int) -> int:
-    from jaxserve.frontend.client import JaxserveClient
-
-    with JaxserveClient(f"127.0.0.1:{port}") as c:
-        return c.server_info(timeout=30).vocab_size
-
-
-def _replicas_sync(port: int) -> list:
-    from jaxserve.frontend.client import JaxserveClient
-
-    with JaxserveClient(f"127.0.0.1:{port}") as c:
-        return _replicas(c)
-
-
-def _oracle_hit_rate(log: list[tuple[list[int], list[int]]], bs: int) -> float:
-    """Hit rate of one replica with an unlimited cache on the same requests, in order:
-    every full block of every earlier prompt + answer whose K/V was computed (all but
-    the answer's last token: it is sampled, never fed back) is cached; a prompt hits its
-    leading cached blocks, leaving at least one token to compute (the engine's rule)."""
-    cached: set[bytes] = set()
-    hits = queries = 0
-    for prompt, output in log:
-        names = hash_token_blocks(prompt, bs)
-        n = 0
-        while n < min(len(names), (len(prompt) - 1) // bs) and names[n] in cached:
-            n += 1
-        hits += n * bs
-        queries += len(prompt)
-        cached.update(hash_token_blocks((prompt + output)[:-1], bs))
-    return hits / queries if queries else 0.0
 
 
 _HEADER = (
@@ -407,13 +159,13 @@ def _line(r: dict) -> str:
 
 
 def workload(args: argparse.Namespace) -> dict:
-    if _final_history(args) > args.max_model_len:
+    if final_history(args) > args.max_model_len:
         raise SystemExit(
             f"--max-model-len {args.max_model_len} < a conversation's final history "
-            f"({_final_history(args)} tokens): fewer --turns or shorter turns"
+            f"({final_history(args)} tokens): fewer --turns or shorter turns"
         )
     if args.num_blocks is None:
-        per_conv = -(-_final_history(args) // args.block_size)
+        per_conv = -(-final_history(args) // args.block_size)
         share = -(-args.conversations * per_conv // args.replicas)
         args.num_blocks = max(int(1.25 * share), args.max_num_seqs * per_conv) + 1
     print(f"# {args.num_blocks} KV blocks per replica; {_uptime()}", flush=True)
@@ -421,7 +173,7 @@ def workload(args: argparse.Namespace) -> dict:
     # cache, so the N replicas of each policy load the shapes instead of each compiling
     # them on the same cores.
     if not args.no_prime:
-        prime = _Server(args, "round-robin", 1)  # the router flags change no shape
+        prime = Server(args, "round-robin", 1)  # the router flags change no shape
         try:
             t = time.perf_counter()
             prime.wait(args.start_timeout)
@@ -430,7 +182,7 @@ def workload(args: argparse.Namespace) -> dict:
             prime.stop()
     rows = []
     for policy in args.policies:
-        server = _Server(args, policy, args.replicas)
+        server = Server(args, policy, args.replicas)
         try:
             t = time.perf_counter()
             server.wait(args.start_timeout)
@@ -439,7 +191,7 @@ def workload(args: argparse.Namespace) -> dict:
             for i, rate in enumerate(args.rates):
                 # A new seed per rate: new system prompts and conversations, so the
                 # caches the previous rate left cannot hit.
-                row = asyncio.run(_run_rate(args, server.port, rate, seed=1000 + i))
+                row = asyncio.run(run_rate(args, server.port, rate, seed=1000 + i))
                 row["policy"] = policy.partition("=")[0]
                 row["policy_spec"] = policy
                 row["uptime"] = _uptime()

@@ -44,13 +44,15 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, when imported
+from serve_process import ServeProcess, free_port  # noqa: E402
 
 PROMPTS = [
     "import ", "def ", "class ", "from collections import ", "for i in range(",
@@ -59,18 +61,12 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     """`jaxserve serve` in a subprocess; records when its first token could be served."""
 
     def __init__(self, model: str | None, cache_dir: str, extra: list[str], http: bool = False):
-        self.port = _free_port()
-        self.http_port = _free_port() if http else None
+        self.port = free_port()
+        self.http_port = free_port() if http else None
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port)]
         if http:
             cmd += ["--http-port", str(self.http_port)]
@@ -78,23 +74,14 @@ class Server:
         if model:
             cmd += ["--model", model]
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-        )
-        self.ready = threading.Event()
         # Every step shape compiled (`engine.warmup`): until then the step budget is held
         # to the compiled shapes, and the background compiles take CPU from the steps.
         self.warm = threading.Event()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(cmd, stdout=subprocess.DEVNULL, stop_timeout_s=15)
 
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if re.search(r"jaxserve ready", line):
-                self.ready.set()
-            if re.search(r"all \d+ step shapes compiled|compiled \d+ step shapes in", line):
-                self.warm.set()
+    def on_line(self, line: str) -> None:
+        if re.search(r"all \d+ step shapes compiled|compiled \d+ step shapes in", line):
+            self.warm.set()
 
     def wait_warm(self, timeout: float = 900) -> float:
         """Wait until the server's background compilation is done; returns the seconds
@@ -132,13 +119,6 @@ class Server:
             except psutil.NoSuchProcess:
                 continue
         return used
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 # The processes whose CPU a served run reports (Server.cpu_seconds, and this one).

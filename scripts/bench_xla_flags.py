@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, str(HERE))
     from bench_offline import write_random_checkpoint
-    from compare_hf import QWEN3MOE_SHAPE, Worker, _agreement, _prompts
+    from compare_hf import QWEN3MOE_SHAPE, _agreement, _prompts
+    from compare_hf_sides import Worker
 
     from jaxserve.config import DEMO_MODEL_DIR
 

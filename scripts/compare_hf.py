@@ -10,7 +10,7 @@ median tok/s, the ratio, the share of greedy tokens on which jaxserve and transf
 agree, the load average when the row was taken, and each side's FLOP utilisation
 against the f32 matmul ceiling measured in this run (the best side's).
 
-Each side runs in its own worker process (this file with `--worker`), the others idle
+Each side runs in its own worker process (compare_hf_sides.py), the others idle
 meanwhile; the torch worker runs with OMP_WAIT_POLICY=PASSIVE, since spin-waiting OpenMP
 threads collapse on an oversubscribed CPU and would make the comparison say nothing
 (llama.cpp keeps OpenMP's default: passive sleeps its threads between graph runs, which
@@ -43,13 +43,16 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the helpers beside this script, when it is imported
+
+from compare_hf_sides import Worker  # noqa: E402
+
 # The random Qwen3-MoE of the comparison (the issue's "hidden 512, 8 layers, 32 experts,
 # top-4"); vocab 4096 so that the demo model's tokenizer can detokenize its ids.
 QWEN3MOE_SHAPE = dict(
@@ -71,145 +74,6 @@ def flops_per_token(cfg: dict, context: float) -> float:
     weights = cfg["num_hidden_layers"] * per_layer + h * cfg["vocab_size"]
     attention = cfg["num_hidden_layers"] * 2 * q * context
     return 2.0 * (weights + attention)
-
-
-# ---------------------------------------------------------------------------- workers
-
-
-def _matmul_ceiling_jax(n: int = 1024, reps: int = 10) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = min(_timed(lambda: f(a, a).block_until_ready()) for _ in range(reps))
-    return 2 * n**3 / best
-
-
-def _matmul_ceiling_torch(n: int = 1024, reps: int = 10) -> float:
-    import torch
-
-    a = torch.ones((n, n), dtype=torch.float32)
-    a @ a
-    best = min(_timed(lambda: a @ a) for _ in range(reps))
-    return 2 * n**3 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-class JaxserveSide:
-    def __init__(self, model: str, max_batch: int, max_model_len: int):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from jaxserve import LLM
-        from jaxserve.config import DEMO_MODEL_DIR
-
-        self.llm = LLM(
-            model=model,
-            tokenizer=DEMO_MODEL_DIR,
-            max_num_seqs=max_batch,
-            max_model_len=max_model_len,
-        )
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        from jaxserve import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return [o.token_ids for o in self.llm.generate(prompts, params)]
-
-    ceiling = staticmethod(_matmul_ceiling_jax)
-
-
-class TransformersSide:
-    def __init__(self, model: str, max_batch: int, max_model_len: int):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(os.cpu_count() or 1)
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        torch = self.torch
-        ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        return out[:, ids.shape[1] :].tolist()
-
-    ceiling = staticmethod(_matmul_ceiling_torch)
-
-
-def worker_main(side: str, model: str, max_batch: int, max_model_len: int) -> None:
-    """Answer one JSON command per stdin line with one JSON line on stdout."""
-    out = sys.stdout
-    sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
-    if side == "llama.cpp":  # under --llama-python, which has neither jax nor torch
-        sys.path.insert(0, str(HERE))
-        from compare_llama_cpp import LlamaCppSide as cls
-    else:
-        cls = {"jaxserve": JaxserveSide, "transformers": TransformersSide}[side]
-    impl = cls(model, max_batch, max_model_len)
-    out.write(json.dumps({"ready": True}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "ceiling":
-            result = {"flops_per_s": impl.ceiling()}
-        else:
-            start = time.perf_counter()
-            tokens = impl.generate(cmd["prompts"], cmd["max_tokens"])
-            result = {"seconds": time.perf_counter() - start, "tokens": tokens}
-        out.write(json.dumps(result) + "\n")
-        out.flush()
-
-
-class Worker:
-    """A worker process driven over its stdin/stdout."""
-
-    def __init__(
-        self,
-        side: str,
-        model: str,
-        max_batch: int,
-        max_model_len: int,
-        python: str | None = None,
-        env: dict[str, str] | None = None,
-    ):
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", JAX_PLATFORMS="cpu", **(env or {}))
-        if side == "llama.cpp":  # OpenMP's default wait policy (see the docstring)
-            del env["OMP_WAIT_POLICY"]
-        cmd = [python or sys.executable, __file__, "--worker", side, "--worker-model", model]
-        cmd += ["--worker-max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-        self._read()
-
-    def call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.proc.args[3]} died (exit {self.proc.wait()})")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 # ---------------------------------------------------------------------------- driver
@@ -372,13 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         help="llama.cpp's convert_hf_to_gguf.py (of the llama.cpp that llama-cpp-python "
         "vendors), which makes the GGUFs",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-model", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-max-batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, args.worker_model, args.worker_max_batch, args.max_model_len)
-        return
     args.batches = [int(b) for b in args.batches.split(",")]
     try:
         args.llama_python, skipped = llama_python(args.llama_python, args.llama_converter)
@@ -387,7 +245,6 @@ def main(argv: list[str] | None = None) -> None:
     if skipped:
         print(f"# llama.cpp: not compared ({skipped})")
 
-    sys.path.insert(0, str(HERE))
     from bench_offline import write_random_checkpoint
     from compare_llama_cpp import has_llama_cpp, make_gguf
 
@@ -425,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": sys.version},
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+        "args": vars(args),
         "rows": rows,
     }
     out.write_text(json.dumps(result, indent=1))

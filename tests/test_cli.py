@@ -360,19 +360,26 @@ def test_fewer_batched_tokens_than_sequences_is_refused_before_any_process():
 
 
 @pytest.mark.parametrize("where", ["/proc/nope", "a file"])
-def test_a_compilation_cache_dir_that_cannot_be_one_is_refused_at_start(where, tmp_path):
+@pytest.mark.parametrize(
+    "command",
+    # `jaxserve engine` (a replica joining a remote frontend) used to start its engine
+    # process and fail there; nothing listens at its --frontend, so only the check answers.
+    [["serve"], ["engine", "--frontend", "127.0.0.1:9", "--handshake-timeout-s", "1"]],
+)
+def test_a_compilation_cache_dir_that_cannot_be_one_is_refused_at_start(command, where, tmp_path):
     """It used to fail in the engine as "engine failed to start: [Errno 2] ...", exit 1:
     a bad setting, one line naming the flag, exit 2, before any process starts."""
     if where == "a file":
         where = tmp_path / "file"
         where.write_text("")
     out = subprocess.run(
-        [sys.executable, "-m", "jaxserve", "serve", "--compilation-cache-dir", str(where)],
+        [sys.executable, "-m", "jaxserve", *command, "--compilation-cache-dir", str(where)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     lines = out.stderr.splitlines()
     assert out.returncode == 2, out.stderr
-    assert len(lines) == 1 and lines[0].startswith("jaxserve serve: error: compilation-cache-dir: ")
+    prefix = f"jaxserve {command[0]}: error: compilation-cache-dir: "
+    assert len(lines) == 1 and lines[0].startswith(prefix), out.stderr
     assert "--compilation-cache-dir" in lines[0] and str(where) in lines[0]
 
 

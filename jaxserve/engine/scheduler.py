@@ -13,9 +13,8 @@ of tokens each sequence still has to compute. One step:
    head of the waiting queue (Kwon et al., "Efficient Memory Management for Large
    Language Model Serving with PagedAttention", SOSP 2023, section 4.5).
 3. If nothing was preempted, waiting sequences are admitted in FCFS order, reusing
-   prefix-cached blocks, with their prompt chunked to fit the remaining budget. A
-   sequence whose next uncached block is being computed by another row in this step
-   waits a step and then reuses it, so identical prompts arriving together share KV.
+   prefix-cached blocks, with their prompt chunked to fit the remaining budget
+   (admission.py: which requests join a step, and which never can).
 
 4. A step is committed when it is scheduled: each row's `num_computed_tokens` advances
    and the tokens it will sample count as pending (request.py), so the engine can
@@ -31,13 +30,9 @@ after every token (tokens sampled past a stop are discarded), and returns the
 `TokenOutput`s. Aborts and requests that can never fit end with one final output on
 the next `update` (or `drain_finished`). Pure Python: no JAX, no sockets, no text.
 
-Ranks. With DP attention (README.md, Parallelism) each dp rank has its own requests and
-its own KV cache: a `Rank` here, with its own `BlockManager` (its own null block and
-prefix cache; block ids are rank-local), waiting queue and running list; one device is
-one rank. A request is assigned to a rank when it arrives and stays there
-(`Request.rank`): the rank holding the longest cached prefix of its prompt, else the
-least loaded one (fewest waiting + running requests), as SGLang's DP-attention
-controller does with its "shortest queue" policy. The budgets (max_num_seqs,
+Ranks. With DP attention each dp rank has its own requests and its own KV cache (a
+`Rank`, rank.py; one device is one rank). A request is assigned to a rank when it
+arrives and stays there (`rank.pick_rank`). The budgets (max_num_seqs,
 max_num_batched_tokens) and the steps above apply per rank. Every step is one device
 call for all ranks, so their decisions share the number of decode steps (multi-step
 decode only when every busy rank wants it); the input builder pads every rank to the
@@ -47,10 +42,9 @@ busiest one's bucket (`step_inputs.InputBuilder.shape_for`).
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
+from jaxserve.engine import admission
 from jaxserve.engine.block_hash import BlockHash
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.outputs import (
@@ -59,27 +53,12 @@ from jaxserve.engine.outputs import (
     request_output,
     row_logprobs,
 )
+from jaxserve.engine.rank import Rank, pick_rank
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.ipc import TokenOutput
 
 __all__ = ["Rank", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepSamples"]
-
-
-@dataclass(slots=True, eq=False)
-class Rank:
-    """One dp rank's share of the scheduler: its KV block pool and its requests.
-
-    index: k, the rank (`Request.rank` of its requests); bm: its `BlockManager`;
-    waiting: its queue (FCFS, preempted requests at the head); running: admitted
-    requests, in admission order; num_assigned: requests ever assigned to it.
-    """
-
-    index: int
-    bm: BlockManager
-    waiting: deque[Request] = field(default_factory=deque)
-    running: list[Request] = field(default_factory=list)
-    num_assigned: int = 0
 
 
 class Scheduler:
@@ -191,8 +170,9 @@ class Scheduler:
 
     def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a request needs at its longest (its final token is never computed)."""
-        longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        return self.bm.blocks_for(longest - 1)
+        return admission.max_blocks_needed(
+            self.bm, self.max_model_len, num_prompt_tokens, max_tokens
+        )
 
     def add(self, seq: Request) -> None:
         """Assign seq to a rank (`pick_rank`) and queue it there; one that can never be
@@ -208,7 +188,13 @@ class Scheduler:
         seq.rank = rank.index
         seq.arrival_seq = next(self._arrivals)
         seq.status = RequestStatus.WAITING
-        error = self._unservable(seq)
+        error = admission.unservable(
+            seq,
+            self.bm,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill=self.enable_chunked_prefill,
+        )
         if error is not None:
             seq.status = RequestStatus.FINISHED
             seq.finish_reason, seq.error = "error", error
@@ -218,34 +204,8 @@ class Scheduler:
         rank.waiting.append(seq)
 
     def pick_rank(self, seq: Request) -> int:
-        """The rank with the longest cached prefix of seq, ties and misses to the least
-        loaded (then the lowest index)."""
-
-        def key(rank: Rank) -> tuple[int, int, int]:
-            hit = len(rank.bm.lookup_prefix(seq)) if rank.bm.caches(seq) else 0
-            return (-hit, len(rank.waiting) + len(rank.running), rank.index)
-
-        return min(self.ranks, key=key).index
-
-    def _unservable(self, seq: Request) -> str | None:
-        if seq.num_prompt_tokens >= self.max_model_len:
-            return (
-                f"prompt: {seq.num_prompt_tokens} tokens leave no room for output within "
-                f"max_model_len={self.max_model_len}"
-            )
-        need = self.max_blocks_needed(seq.num_prompt_tokens, seq.params.max_tokens)
-        if need > self.bm.num_usable_blocks:
-            return (
-                f"max_tokens: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                f"({seq.params.max_tokens}) needs {need} KV blocks but the cache has only "
-                f"{self.bm.num_usable_blocks}"
-            )
-        if not self.enable_chunked_prefill and seq.num_prompt_tokens > self.max_num_batched_tokens:
-            return (
-                f"prompt: {seq.num_prompt_tokens} tokens exceed max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} with chunked prefill disabled"
-            )
-        return None
+        """The rank seq would join now (`rank.pick_rank`)."""
+        return pick_rank(self.ranks, seq)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Finish waiting or running requests with "abort"; unknown ids are ignored."""
@@ -289,8 +249,18 @@ class Scheduler:
         if preempted == 0 and out.num_steps == 1:
             inflight: set[BlockHash] = set()
             for seq, n in chunks.items():
-                self._add_inflight(rank.bm, inflight, seq, seq.num_computed_tokens, n)
-            self._admit_waiting(rank, chunks, budget, inflight)
+                admission.add_inflight(rank.bm, inflight, seq, seq.num_computed_tokens, n)
+            admitted = admission.admit_waiting(
+                rank,
+                chunks,
+                budget,
+                inflight,
+                max_num_seqs=self.max_num_seqs,
+                chunked_prefill=self.enable_chunked_prefill,
+            )
+            for seq in admitted:
+                self.num_prefix_queries += seq.num_tokens
+                self.num_prefix_hits += seq.num_cached_tokens
         for seq, n in chunks.items():
             start = seq.num_computed_tokens
             item = ScheduledRequest(seq, start, n, start + n == seq.num_total_tokens)
@@ -382,58 +352,6 @@ class Scheduler:
                 chunks[seq] = n
                 budget -= n
         return budget, preempted
-
-    def _admit_waiting(
-        self, rank: Rank, chunks: dict[Request, int], budget: int, inflight: set[BlockHash]
-    ) -> None:
-        bm = rank.bm
-        while rank.waiting and budget > 0 and len(rank.running) < self.max_num_seqs:
-            seq = rank.waiting[0]
-            cached = bm.lookup_prefix(seq)
-            if self._next_block_inflight(bm, seq, len(cached), inflight):
-                break  # another row computes that block now: reuse it from the next step
-            num_cached = len(cached) * bm.block_size
-            n = seq.num_tokens - num_cached
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            if not bm.allocate(seq, num_cached + n, cached):
-                break
-            rank.waiting.popleft()
-            seq.status = RequestStatus.RUNNING
-            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-            self.num_prefix_queries += seq.num_tokens
-            self.num_prefix_hits += num_cached
-            rank.running.append(seq)
-            chunks[seq] = n
-            budget -= n
-            self._add_inflight(bm, inflight, seq, num_cached, n)
-
-    @staticmethod
-    def _add_inflight(
-        bm: BlockManager, inflight: set[BlockHash], seq: Request, start: int, n: int
-    ) -> None:
-        """Add the names of the full blocks that computing tokens [start, start + n) completes."""
-        if not bm.caches(seq):
-            return
-        bs = bm.block_size
-        hashes = bm.full_block_hashes(seq)
-        inflight.update(hashes[start // bs : (start + n) // bs])
-
-    @staticmethod
-    def _next_block_inflight(
-        bm: BlockManager, seq: Request, num_hit: int, inflight: set[BlockHash]
-    ) -> bool:
-        """Whether seq's first uncached block is being computed by another row this step.
-
-        Identical prompts that arrive together (n > 1 samples, a shared system prompt)
-        would otherwise all compute the shared prefix; instead the later ones wait for the
-        first one's blocks, as a radix-tree scheduler (SGLang) does.
-        """
-        if not inflight or num_hit >= (seq.num_tokens - 1) // bm.block_size:
-            return False
-        return bm.full_block_hashes(seq)[num_hit] in inflight
 
     def _preempt(self, rank: Rank, seq: Request) -> None:
         rank.running.remove(seq)

@@ -247,10 +247,8 @@ def cmd_engine(args) -> int:
     try:
         frontend = host_port("frontend", args.frontend)
         config = engine_config(args, model=resolve_model(model_argument(args)))
-        preflight.check_model_folder(
-            config.model, check_model=args.engine_class is None,
-            max_model_len=config.scheduler.max_model_len,
-        )  # fmt: skip
+        # Mistakes that need no device, before the engine process starts (exit code 2).
+        preflight.check_engine_settings(config, check_model=args.engine_class is None)
         if not args.handshake_timeout_s > 0:
             raise ValueError(f"handshake-timeout-s: must be > 0, got {args.handshake_timeout_s}")
     except (ValueError, OSError) as e:

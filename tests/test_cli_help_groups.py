@@ -1,0 +1,38 @@
+"""`jaxserve serve --help` shows every flag under a topic: the admission, stall, TLS and
+API-key flags in groups of their own, not among the general options (where only --help
+is left)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.cli import build_parser
+
+
+def _sections(help_text: str) -> dict[str, list[str]]:
+    """Heading -> the flags listed under it (the first option string of each entry)."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in help_text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and line.startswith("  -"):
+            current.append(line.split()[0].rstrip(","))
+    return sections
+
+
+def _serve_help() -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"].format_help()
+
+
+def test_frontend_flags_have_groups_of_their_own():
+    sections = _sections(_serve_help())
+    assert sections["options"] == ["-h"]
+    assert sections["admission control and stall detection"] == [
+        "--max-pending-requests", "--max-queued-prompt-tokens",
+        "--max-inflight-request-bytes", "--stall-timeout-s",
+    ]  # fmt: skip
+    assert sections["TLS"] == ["--tls-cert", "--tls-key", "--tls-client-ca"]
+    assert sections["API key"] == ["--api-key", "--api-key-file"]
