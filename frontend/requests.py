@@ -45,6 +45,11 @@ from jaxserve.observability.request_timing import RequestTiming
 # How long a request waits for its request_id to be released by a call that was just
 # cancelled (the cancel and the new call race within the server), seconds.
 REQUEST_ID_REUSE_GRACE_S = 0.5
+# Requests up to this many bytes (the serialized message) are tokenized on the event loop:
+# tens of microseconds, less than the hop to a worker thread, which under load also waits
+# up to the interpreter's GIL switch interval (5 ms) for the loop to let it run. Larger
+# ones go to a thread so that a huge prompt cannot stall every other stream.
+INLINE_TOKENIZE_MAX_BYTES = 8192
 
 __all__ = [
     "AdmissionError",
@@ -201,10 +206,10 @@ class RequestPath:
         return ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
 
     async def start(self, request: pb.GenerateRequest, deadline: float | None = None) -> Generation:
-        """Admit, validate and tokenize `request` (off the event loop: tokenizing is CPU
-        work), then send its n samples to the engine. An empty request_id gets a random
-        one. deadline: time.time() after which the engine aborts the request (the
-        client's deadline), or None.
+        """Admit, validate and tokenize `request` (a large one off the event loop:
+        `INLINE_TOKENIZE_MAX_BYTES`), then send its n samples to the engine. An empty
+        request_id gets a random one. deadline: time.time() after which the engine
+        aborts the request (the client's deadline), or None.
 
         Raises RequestValidationError naming the field (validation.build_engine_request,
         or a request_id already running), EngineUnavailableError (starting, stalled or
@@ -214,7 +219,8 @@ class RequestPath:
         limits = self.limits()
         request_id = request.request_id or uuid.uuid4().hex
         engine = self.engine
-        ticket = self.admission.reserve(request.ByteSize())
+        size = request.ByteSize()
+        ticket = self.admission.reserve(size)
         admitted = False
         try:
             # A client that cancelled a request and reuses its id at once may get here
@@ -224,9 +230,11 @@ class RequestPath:
             # Fail fast on a duplicate id (add_request checks again, after tokenizing).
             if engine.is_running(request_id):
                 raise RequestValidationError(f"request_id: {request_id!r} is already running")
-            engine_request = await asyncio.to_thread(
-                build_engine_request, request, request_id, self.tokenizer, limits
-            )
+            args = (request, request_id, self.tokenizer, limits)
+            if size <= INLINE_TOKENIZE_MAX_BYTES:
+                engine_request = build_engine_request(*args)
+            else:
+                engine_request = await asyncio.to_thread(build_engine_request, *args)
             engine_request.deadline = deadline
             samples = split_samples(engine_request)
             ticket.admit(len(samples), len(engine_request.prompt_token_ids))
