@@ -225,36 +225,27 @@ def test_engine_loop_counts_socket_wait_and_work():
     the steps say the loop waited about the idle time and worked at least the steps."""
     import threading
 
-    import zmq
+    from engine_loop_sockets import loop_sockets
 
     from jaxserve.engine.process import EngineLoop
     from jaxserve.ipc import EngineStats, Shutdown, decode, encode
 
-    ctx = zmq.Context()
-    to_loop, loop_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_out, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_in.bind("inproc://in")
-    to_loop.connect("inproc://in")
-    from_loop.bind("inproc://out")
-    loop_out.connect("inproc://out")
-    loop = EngineLoop(_SleepyCore(), loop_in, loop_out)
-    thread = threading.Thread(target=loop.run)
-    start = time.perf_counter()
-    thread.start()
-    time.sleep(0.4)
-    to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
-    time.sleep(0.3)
-    to_loop.send(encode(Shutdown("test")))
-    thread.join(10)
-    elapsed = time.perf_counter() - start
-    stats = [m for m in map(decode, iter_frames(from_loop)) if isinstance(m, EngineStats)]
+    with loop_sockets("metrics") as (to_loop, loop_in, loop_out, from_loop):
+        loop = EngineLoop(_SleepyCore(), loop_in, loop_out)
+        thread = threading.Thread(target=loop.run)
+        start = time.perf_counter()
+        thread.start()
+        time.sleep(0.4)
+        to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
+        time.sleep(0.3)
+        to_loop.send(encode(Shutdown("test")))
+        thread.join(10)
+        elapsed = time.perf_counter() - start
+        stats = [m for m in map(decode, iter_frames(from_loop)) if isinstance(m, EngineStats)]
     last = stats[-1].counters
     assert 0.35 <= last.loop_wait_s <= elapsed
     assert last.loop_work_s >= 5 * 0.02
     assert last.loop_wait_s + last.loop_work_s <= elapsed
-    for s in (to_loop, loop_in, loop_out, from_loop):
-        s.close(linger=0)
-    ctx.term()
 
 
 def iter_frames(sock):

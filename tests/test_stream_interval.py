@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-import zmq
+from engine_loop_sockets import loop_sockets
 
 from jaxserve.engine.stream_interval import OutputCoalescer
 from jaxserve.ipc import EngineOutputs, EngineRequest, Shutdown, TokenOutput, decode, encode
@@ -141,31 +141,22 @@ def test_engine_loop_publishes_by_the_stream_interval():
     as [1], [2..5], [6..9], [10] (first at once, then 4 at a time, the final with the rest)."""
     from jaxserve.engine.process import EngineLoop
 
-    ctx = zmq.Context()
-    to_loop, loop_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_out, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_in.bind("inproc://si-in")
-    to_loop.connect("inproc://si-in")
-    from_loop.bind("inproc://si-out")
-    loop_out.connect("inproc://si-out")
-    loop = EngineLoop(_CountingCore(), loop_in, loop_out, stream_interval=4)
-    thread = threading.Thread(target=loop.run)
-    thread.start()
-    to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
-    messages = []
-    while not messages or messages[-1][-1].finish_reason is None:
-        assert from_loop.poll(10_000), "the loop published no final output"
-        msg = decode(from_loop.recv())
-        if isinstance(msg, EngineOutputs):
-            messages.append(msg.outputs)
-    to_loop.send(encode(Shutdown("test")))
-    thread.join(10)
+    with loop_sockets("stream-interval") as (to_loop, loop_in, loop_out, from_loop):
+        loop = EngineLoop(_CountingCore(), loop_in, loop_out, stream_interval=4)
+        thread = threading.Thread(target=loop.run)
+        thread.start()
+        to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
+        messages = []
+        while not messages or messages[-1][-1].finish_reason is None:
+            assert from_loop.poll(10_000), "the loop published no final output"
+            msg = decode(from_loop.recv())
+            if isinstance(msg, EngineOutputs):
+                messages.append(msg.outputs)
+        to_loop.send(encode(Shutdown("test")))
+        thread.join(10)
     assert [[o.new_token_ids for o in m] for m in messages] == [
         [[1]],
         [[2, 3, 4, 5]],
         [[6, 7, 8, 9]],
         [[10]],
     ]
-    for s in (to_loop, loop_in, loop_out, from_loop):
-        s.close(linger=0)
-    ctx.term()
