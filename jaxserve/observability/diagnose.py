@@ -8,8 +8,11 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
 0. start-up: step shapes still compiling in the background (the step budget is held to
    the compiled shapes, and the compile threads take CPU from the engine);
 1. memory: preemptions in the window, or KV blocks in use near the pool's size;
-2. application: the detokenizer lag (engine output -> frontend) or the frontend's event
-   loop lag is a large part of the time per output token;
+2. application: the frontend's or the detokenizer sidecar's CPU (`observability.
+   process_cpu`): one of them near a whole core (`PROCESS_CORE_FULL`), or the two
+   together `STACK_SHARE` of the host's cores while the engine loop is saturated (CPU
+   the engine does not get); then the detokenizer lag (engine output -> frontend) or the
+   frontend's event loop lag is a large part of the time per output token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
 4. step agreement (several processes): the leader's step agreement latency (its slowest
@@ -65,6 +68,17 @@ QUEUE_MIN_S = 0.1
 # high means a slow path between the processes, not the channel's normal cost.
 AGREEMENT_SHARE = 0.25
 HOT_REPLICA = 1.5  # busiest replica's running requests / the mean
+# The frontend's and the sidecar's CPU, in cores over the window. Each is one Python
+# process whose work runs on one thread (the frontend's asyncio loop, the sidecar's
+# loop; the GIL), so it saturates at about one core: at 0.8 of one it has little room
+# left for a burst, and the streams queue behind it.
+PROCESS_CORE_FULL = 0.8
+# Frontend + sidecar(s) / the host's usable cores, with the engine loop saturated: what
+# they take, the engine's host work (and on the CPU backend its XLA threads) does not
+# get. A quarter is half a core of a 2-core host, where serving ran at 0.65-0.80x of
+# the offline LLM.generate (issue 17 item 5); below it the engine's loss is small next
+# to its own host time, which the host-gaps branch names.
+STACK_SHARE = 0.25
 BUSY = 0.9  # engine loop work / (work + wait): saturated
 HOST_SHARE = 0.6  # host time / (host + device time) of the steps
 MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
@@ -180,7 +194,15 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "prompts' blocks",
         ))  # fmt: skip
 
-    # 2. application
+    # 2. application: CPU, then lags (the CPU names a cause, a lag its effect)
+    wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
+    work = w.delta("jaxserve_engine_loop_work_seconds_total")
+    busy = _ratio(work, wait + work)
+    cpu = _process_cores(w)
+    if cpu:
+        summary.update(cpu)
+        if (finding := _cpu_finding(w, cpu, busy, steps, out_tokens)) is not None:
+            findings.append(finding)
     detok = w.mean("jaxserve_detokenizer_lag_seconds")
     loop_lag = w.mean("jaxserve_frontend_event_loop_lag_seconds")
     per_token = tpot or 0.0
@@ -276,9 +298,6 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
         ))  # fmt: skip
 
     # 7-8. throughput with a busy engine: host gaps, or a slow device step
-    wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
-    work = w.delta("jaxserve_engine_loop_work_seconds_total")
-    busy = _ratio(work, wait + work)
     host = w.delta("jaxserve_engine_host_time_seconds_total")
     device = w.delta("jaxserve_engine_device_time_seconds_total")
     host_share = _ratio(host, host + device)
@@ -313,6 +332,60 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
                 "scripts/bench_kernels.py; larger batches (--max-num-seqs) raise MBU",
             ))  # fmt: skip
     return Diagnosis(source, findings, summary)
+
+
+_CPU = "jaxserve_process_cpu_seconds_total"
+
+
+def _process_cores(w: Window) -> dict[str, float]:
+    """Cores each serving process used over the window ({} from a server without the
+    metric): frontend, detokenizer (all sidecars), engine (all engines)."""
+    if f'{_CPU}{{process="frontend"}}' not in w.last:
+        return {}
+    return {
+        f"{p}_cores": max(0.0, w.delta(f'{_CPU}{{process="{p}"}}')) / w.seconds
+        for p in ("frontend", "detokenizer", "engine")
+    }
+
+
+def _cpu_finding(
+    w: Window, cpu: dict[str, float], busy: float, steps: float, out_tokens: float
+) -> Finding | None:
+    """The application (CPU) branch: `PROCESS_CORE_FULL`, `STACK_SHARE`."""
+    # With several replicas, each sidecar's own (one of them may be the full one).
+    prefix = "jaxserve_replica_detokenizer_cpu_seconds{"
+    sidecars = [max(0.0, w.delta(k)) / w.seconds for k in w.last if k.startswith(prefix)]
+    sidecar = max(sidecars, default=cpu["detokenizer_cores"])
+    frontend = cpu["frontend_cores"]
+    host_cores = w.gauge("jaxserve_host_usable_cores")
+    share = _ratio(frontend + cpu["detokenizer_cores"], host_cores)
+    if max(frontend, sidecar) >= PROCESS_CORE_FULL:
+        which = "frontend" if frontend >= sidecar else "detokenizer sidecar"
+        symptom = (f"the {which} process is near a whole core, all one Python process "
+                   "can run: the streams queue behind it")  # fmt: skip
+    elif busy >= BUSY and steps > 0 and share >= STACK_SHARE:
+        symptom = ("the frontend and the detokenizer sidecar take a large share of the "
+                   "host's cores while the engine loop is saturated: CPU the engine does "
+                   "not get")  # fmt: skip
+    else:
+        return None
+    numbers: dict[str, float | str] = {
+        **cpu, "host_cores": host_cores, "frontend_detokenizer_share_of_host": share,
+        # CPU microseconds per output token: cores x window seconds / tokens
+        "frontend_cpu_us_per_token": _ratio(1e6 * frontend * w.seconds, out_tokens),
+        "detokenizer_cpu_us_per_token": _ratio(
+            1e6 * cpu["detokenizer_cores"] * w.seconds, out_tokens),
+        "engine_busy": busy,
+    }  # fmt: skip
+    if len(sidecars) > 1:
+        numbers["detokenizer_max_cores"] = sidecar
+    return Finding(
+        "application (frontend / detokenizer CPU)", symptom, numbers,
+        "fewer, larger stream messages: serve --stream-interval N (the frontend's and the "
+        "sidecar's cost is per message, not per token); more cores, or the frontend on a "
+        "host of its own (replicas as `jaxserve engine` on the engine hosts); run the load "
+        "client (jaxserve bench) off the server's machine: it takes the same cores",
+    )  # fmt: skip
 
 
 def diagnose_server(

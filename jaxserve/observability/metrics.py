@@ -231,9 +231,7 @@ EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
 class Metrics:
     """Prometheus metrics of one jaxserve server (one registry, so tests can make many)."""
 
-    def __init__(
-        self, model: str = "", cpu_clock: Callable[[], float] = time.process_time
-    ) -> None:
+    def __init__(self, model: str = "", cpu_clock: Callable[[], float] = time.process_time) -> None:
         """cpu_clock: this process's CPU seconds (`jaxserve_process_cpu_seconds_total`
         of the frontend; a test passes its own)."""
         self.registry = CollectorRegistry()
