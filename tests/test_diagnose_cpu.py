@@ -34,6 +34,7 @@ from jaxserve.observability.diagnose import (
     parse_exposition,
 )
 from jaxserve.observability.metrics import Metrics
+from jaxserve.observability.process_cpu import busy_seconds
 from jaxserve.observability.stats import EngineCounters
 from jaxserve.router.metrics import RouterMetrics
 
@@ -62,13 +63,17 @@ def _window(
     busy: float = 0.5,
     host_s: float = 1.0,
     replicas: tuple[float, ...] = (),
+    host_busy_s: float | None = None,
 ) -> Window:
     """A `WINDOW_S` window in which each process used the CPU seconds given, the engine
     loop worked `busy` of the time over `STEPS` steps of `TOKENS` tokens (`host_s` of
     its step time on the host, the rest on the device); `replicas`: each replica's
-    sidecar's CPU seconds (router gauges), on the same registry."""
-    clock = _Clock()
-    metrics = Metrics(model="m", cpu_clock=clock)
+    sidecar's CPU seconds (router gauges), on the same registry; `host_busy_s`: the
+    host's busy CPU seconds, every process included (None: not known, as off Linux)."""
+    clock, host = _Clock(), _Clock()
+    metrics = Metrics(
+        model="m", cpu_clock=clock, host_clock=lambda: None if host_busy_s is None else host()
+    )
     router = RouterMetrics(metrics.registry, "m") if replicas else None
     base = dict(model="m", num_blocks_total=64, num_blocks_free=60)
     start = EngineCounters(process_cpu_s=100.0, detokenizer_cpu_s=20.0)  # before the window
@@ -84,6 +89,7 @@ def _window(
         host_time_s=host_s, device_time_s=WINDOW_S * busy - host_s,
     )  # fmt: skip
     clock.value = 30.0 + frontend_s
+    host.value = host_busy_s or 0.0
     metrics.update_from_engine(EngineStats(counters=end, **base))
     metrics.generation_tokens.inc(TOKENS)
     for i, seconds in enumerate(replicas):
@@ -102,8 +108,8 @@ def _cpu_findings(w: Window):
 
 
 def test_each_process_is_counted_from_its_own_clock_across_a_restart():
-    clock = _Clock()
-    metrics = Metrics(model="m", cpu_clock=clock)
+    clock, host = _Clock(), _Clock()
+    metrics = Metrics(model="m", cpu_clock=clock, host_clock=host)
     clock.value = 1.5
     metrics.update_from_engine(
         EngineStats(counters=EngineCounters(process_cpu_s=3.0, detokenizer_cpu_s=1.0))
@@ -112,12 +118,28 @@ def test_each_process_is_counted_from_its_own_clock_across_a_restart():
     metrics.update_from_engine(
         EngineStats(counters=EngineCounters(process_cpu_s=0.5, detokenizer_cpu_s=1.25))
     )
-    clock.value = 2.0
+    clock.value, host.value = 2.0, 123.0
     series = parse_exposition(generate_latest(metrics.registry).decode())
+    assert series["jaxserve_host_busy_cpu_seconds_total"] == 123.0
     assert series[f'{CPU}{{process="frontend"}}'] == 2.0
     assert series[f'{CPU}{{process="engine"}}'] == 3.5
     assert series[f'{CPU}{{process="detokenizer"}}'] == 1.25
     assert series["jaxserve_host_usable_cores"] == len(os.sched_getaffinity(0))
+
+
+def test_host_busy_seconds_sum_the_usable_cpus_busy_ticks():
+    """user + nice + system + irq + softirq of the CPUs in the set, at 100 ticks/s; the
+    all-CPU line, CPUs out of the set, idle, iowait, steal and guest left out."""
+    stat = (
+        "cpu  999 999 999 999 999 999 999 999 999 999\n"
+        "cpu0 100 20 30 5000 70 1 2 300 40 0\n"
+        "cpu1 7 0 3 9000 0 0 0 0 0 0\n"
+        "cpu2 500 500 500 0 0 0 0 0 0 0\n"
+        "intr 12345 0 0\n"
+        "ctxt 6789\n"
+    )
+    assert busy_seconds(stat, {0, 1}, 100) == pytest.approx((153 + 10) / 100)
+    assert busy_seconds(stat, set(), 100) == 0.0
 
 
 def test_stats_of_an_older_peer_without_the_cpu_fields_decode_as_zero():
@@ -249,7 +271,7 @@ def test_a_frontend_at_the_core_threshold_is_the_suspect():
     assert n["detokenizer_cores"] == pytest.approx(0.1)
     assert n["engine_cores"] == pytest.approx(0.5)
     assert n["host_cores"] == HOST_CORES
-    assert n["frontend_detokenizer_share_of_host"] == pytest.approx(0.9 / HOST_CORES)
+    assert n["non_engine_share_of_host"] == pytest.approx(0.9 / HOST_CORES)
     assert n["frontend_cpu_us_per_token"] == pytest.approx(cores * 1e6 / TOKENS)
     assert n["detokenizer_cpu_us_per_token"] == pytest.approx(1.0 * 1e6 / TOKENS)
     assert "--stream-interval" in finding.next and "off the server" in finding.next
@@ -274,8 +296,8 @@ def test_the_stack_share_with_a_saturated_engine_is_named():
     at = STACK_SHARE * HOST_CORES * WINDOW_S  # CPU seconds of the two together
     busy = BUSY + 0.05
     (finding,) = _cpu_findings(_window(frontend_s=0.6 * at, detokenizer_s=0.4 * at, busy=busy))
-    assert "large share of the host's cores" in finding.symptom
-    assert finding.numbers["frontend_detokenizer_share_of_host"] == pytest.approx(STACK_SHARE)
+    assert "large share of the host's cores (most: the frontend)" in finding.symptom
+    assert finding.numbers["non_engine_share_of_host"] == pytest.approx(STACK_SHARE)
     assert finding.numbers["engine_busy"] == pytest.approx(busy)
     below = _window(frontend_s=0.6 * at, detokenizer_s=0.4 * at - 0.1, busy=busy)
     assert _cpu_findings(below) == []
@@ -314,3 +336,18 @@ def test_a_server_without_the_metric_gets_no_cpu_numbers():
             del scrape[key]
     result = diagnose_window(w, "test")
     assert result.findings == [] and "frontend_cores" not in result.summary
+
+
+def test_other_processes_on_the_host_count_in_the_share():
+    """Frontend 0.3 + sidecar 0.1 core (a tenth of 4 cores) beside an engine of 2.0 and
+    a host busy 3.0 cores: 0.6 core is another process's (a load client), and the three
+    make a quarter of the host: named, the other processes the largest. Unknown host
+    busy time (off Linux): the tenth alone, nothing."""
+    parts = dict(frontend_s=3.0, detokenizer_s=1.0, engine_s=20.0, busy=BUSY + 0.05)
+    at = STACK_SHARE * HOST_CORES * WINDOW_S + 20.0  # the host's busy CPU seconds
+    (finding,) = _cpu_findings(_window(**parts, host_busy_s=at))
+    assert "(most: other processes" in finding.symptom
+    assert finding.numbers["other_processes_cores"] == pytest.approx(0.6)
+    assert finding.numbers["non_engine_share_of_host"] == pytest.approx(STACK_SHARE)
+    assert _cpu_findings(_window(**parts, host_busy_s=at - 0.1)) == []
+    assert _cpu_findings(_window(**parts)) == []

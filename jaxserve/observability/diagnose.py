@@ -9,10 +9,11 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
    the compiled shapes, and the compile threads take CPU from the engine);
 1. memory: preemptions in the window, or KV blocks in use near the pool's size;
 2. application: the frontend's or the detokenizer sidecar's CPU (`observability.
-   process_cpu`): one of them near a whole core (`PROCESS_CORE_FULL`), or the two
-   together `STACK_SHARE` of the host's cores while the engine loop is saturated (CPU
-   the engine does not get); then the detokenizer lag (engine output -> frontend) or the
-   frontend's event loop lag is a large part of the time per output token;
+   process_cpu`): one of them near a whole core (`PROCESS_CORE_FULL`), or they and the
+   host's other processes (a load client) together `STACK_SHARE` of the host's cores
+   while the engine loop is saturated (CPU the engine does not get); then the
+   detokenizer lag (engine output -> frontend) or the frontend's event loop lag is a
+   large part of the time per output token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
 4. step agreement (several processes): the leader's step agreement latency (its slowest
@@ -42,9 +43,8 @@ server-side number, is not in it). No JAX here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 from jaxserve.frontend.client_auth import ClientAuth
+from jaxserve.observability.findings import Diagnosis, Finding
 from jaxserve.observability.metrics_window import (  # noqa: F401 (importers of diagnose)
     Window,
     parse_exposition,
@@ -73,69 +73,16 @@ HOT_REPLICA = 1.5  # busiest replica's running requests / the mean
 # loop; the GIL), so it saturates at about one core: at 0.8 of one it has little room
 # left for a burst, and the streams queue behind it.
 PROCESS_CORE_FULL = 0.8
-# Frontend + sidecar(s) / the host's usable cores, with the engine loop saturated: what
-# they take, the engine's host work (and on the CPU backend its XLA threads) does not
-# get. A quarter is half a core of a 2-core host, where serving ran at 0.65-0.80x of
-# the offline LLM.generate (issue 17 item 5); below it the engine's loss is small next
-# to its own host time, which the host-gaps branch names.
+# Frontend + sidecar(s) + the host's other processes / its usable cores, with the
+# engine loop saturated: what they take, the engine's host work (and on the CPU backend
+# its XLA threads) does not get. A quarter is half a core of a 2-core host, where
+# serving ran at 0.65-0.80x of the offline LLM.generate (issue 17 item 5); below it the
+# engine's loss is small next to its own host time, which the host-gaps branch names.
 STACK_SHARE = 0.25
 BUSY = 0.9  # engine loop work / (work + wait): saturated
 HOST_SHARE = 0.6  # host time / (host + device time) of the steps
 MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
 MAX_SECONDS = 3600.0
-
-
-@dataclass
-class Finding:
-    """One branch of the tree that holds: its layer, the numbers, the next step."""
-
-    layer: str
-    symptom: str
-    numbers: dict[str, float | str]
-    next: str
-
-
-@dataclass
-class Diagnosis:
-    """The findings, the first being the suspect; `summary` holds the window's numbers."""
-
-    source: str
-    findings: list[Finding]
-    summary: dict[str, float | str] = field(default_factory=dict)
-    note: str = ""
-
-    @property
-    def layer(self) -> str | None:
-        return self.findings[0].layer if self.findings else None
-
-    def to_json(self) -> dict:
-        findings = [asdict(f) for f in self.findings]
-        return {"source": self.source, "layer": self.layer, "note": self.note,
-                "summary": self.summary, "findings": findings}  # fmt: skip
-
-    def render(self) -> str:
-        """A few lines a person can act on."""
-        lines = [f"jaxserve diagnose: {self.source}"]
-        s = self.summary
-        if s:
-            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in s.items()))
-        if not self.findings:
-            lines.append(self.note or "healthy: no layer holds the server back")
-            return "\n".join(lines)
-        for i, f in enumerate(self.findings):
-            head = "suspect" if i == 0 else "also"
-            lines.append(f"{head}: {f.layer}: {f.symptom}")
-            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in f.numbers.items()))
-            lines.append(f"  next: {f.next}")
-        if self.note:
-            lines.append(self.note)
-        return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -335,17 +282,24 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
 
 
 _CPU = "jaxserve_process_cpu_seconds_total"
+_HOST_BUSY = "jaxserve_host_busy_cpu_seconds_total"
 
 
 def _process_cores(w: Window) -> dict[str, float]:
     """Cores each serving process used over the window ({} from a server without the
-    metric): frontend, detokenizer (all sidecars), engine (all engines)."""
+    metric): frontend, detokenizer (all sidecars), engine (all engines), and, where the
+    host's busy time is known, the other processes of the host (the busy cores less the
+    serving processes'; an engine on another host makes it an underestimate)."""
     if f'{_CPU}{{process="frontend"}}' not in w.last:
         return {}
-    return {
+    cores = {
         f"{p}_cores": max(0.0, w.delta(f'{_CPU}{{process="{p}"}}')) / w.seconds
         for p in ("frontend", "detokenizer", "engine")
     }
+    if _HOST_BUSY in w.last:
+        busy = w.delta(_HOST_BUSY) / w.seconds
+        cores["other_processes_cores"] = max(0.0, busy - sum(cores.values()))
+    return cores
 
 
 def _cpu_finding(
@@ -358,19 +312,23 @@ def _cpu_finding(
     sidecar = max(sidecars, default=cpu["detokenizer_cores"])
     frontend = cpu["frontend_cores"]
     host_cores = w.gauge("jaxserve_host_usable_cores")
-    share = _ratio(frontend + cpu["detokenizer_cores"], host_cores)
+    takers = {"the frontend": frontend, "the detokenizer sidecar": cpu["detokenizer_cores"],
+              "other processes (a load client on this host?)":
+              cpu.get("other_processes_cores", 0.0)}  # fmt: skip
+    share = _ratio(sum(takers.values()), host_cores)
     if max(frontend, sidecar) >= PROCESS_CORE_FULL:
         which = "frontend" if frontend >= sidecar else "detokenizer sidecar"
         symptom = (f"the {which} process is near a whole core, all one Python process "
                    "can run: the streams queue behind it")  # fmt: skip
     elif busy >= BUSY and steps > 0 and share >= STACK_SHARE:
-        symptom = ("the frontend and the detokenizer sidecar take a large share of the "
-                   "host's cores while the engine loop is saturated: CPU the engine does "
-                   "not get")  # fmt: skip
+        most = max(takers, key=takers.__getitem__)
+        symptom = ("processes beside the engine take a large share of the host's cores "
+                   f"(most: {most}) while the engine loop is saturated: CPU the engine "
+                   "does not get")  # fmt: skip
     else:
         return None
     numbers: dict[str, float | str] = {
-        **cpu, "host_cores": host_cores, "frontend_detokenizer_share_of_host": share,
+        **cpu, "host_cores": host_cores, "non_engine_share_of_host": share,
         # CPU microseconds per output token: cores x window seconds / tokens
         "frontend_cpu_us_per_token": _ratio(1e6 * frontend * w.seconds, out_tokens),
         "detokenizer_cpu_us_per_token": _ratio(

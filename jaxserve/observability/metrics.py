@@ -52,7 +52,9 @@ Layer metrics (issue 11), one per layer of the diagnosis tree (`observability.di
   replicas, the sum over them, and each replica's as
   `jaxserve_replica_{engine,detokenizer}_cpu_seconds`, `router.metrics`), and
   `jaxserve_host_usable_cores`, the cores this process may run on
-  (`os.sched_getaffinity`): rate(cpu) / cores is a process's share of the host;
+  (`os.sched_getaffinity`): rate(cpu) / cores is a process's share of the host; and
+  `jaxserve_host_busy_cpu_seconds_total`, those cores' busy time, every process of the
+  host included (Linux): what is not the serving processes' is another's (a client);
 - router: the replica router's decision metrics register on this registry too (see
   `Metrics.registry`; none until replicas exist).
 No JAX here.
@@ -66,7 +68,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
 
-from jaxserve.observability.process_cpu import ProcessCpu, usable_cores
+from jaxserve.observability.process_cpu import ProcessCpu, host_busy_seconds, usable_cores
 from jaxserve.observability.stats import LATENCY_BUCKETS_S
 
 _LATENCY_BUCKETS = LATENCY_BUCKETS_S
@@ -231,9 +233,15 @@ EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
 class Metrics:
     """Prometheus metrics of one jaxserve server (one registry, so tests can make many)."""
 
-    def __init__(self, model: str = "", cpu_clock: Callable[[], float] = time.process_time) -> None:
+    def __init__(
+        self,
+        model: str = "",
+        cpu_clock: Callable[[], float] = time.process_time,
+        host_clock: Callable[[], float | None] = host_busy_seconds,
+    ) -> None:
         """cpu_clock: this process's CPU seconds (`jaxserve_process_cpu_seconds_total`
-        of the frontend; a test passes its own)."""
+        of the frontend); host_clock: the host's busy CPU seconds
+        (`jaxserve_host_busy_cpu_seconds_total`, None: unknown); a test passes its own."""
         self.registry = CollectorRegistry()
         labels = {"model": model}
         r = self.registry
@@ -298,7 +306,7 @@ class Metrics:
         ).labels(**labels)  # fmt: skip
         self._engine_histograms = _EngineHistograms(model)
         r.register(self._engine_histograms)
-        self._process_cpu = ProcessCpu(model, cpu_clock)
+        self._process_cpu = ProcessCpu(model, cpu_clock, host_clock)
         r.register(self._process_cpu)
         Gauge(
             "jaxserve_host_usable_cores", "CPU cores the frontend process may run on "

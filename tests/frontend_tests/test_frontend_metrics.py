@@ -107,7 +107,8 @@ def test_metrics_count_a_cancelled_request_once_as_abort(metrics_server, model_d
 def test_each_serving_process_cpu_time_grows_under_a_request(metrics_server, model_dir):
     """`jaxserve_process_cpu_seconds_total`: the frontend's, the sidecar's and the
     engine's CPU seconds each grow while a request streams (each process works for it),
-    and the host's usable cores are this machine's affinity mask (the server runs here)."""
+    and the host's usable cores are this machine's affinity mask (the server runs here);
+    the host's busy CPU seconds grow too, where the kernel says them (/proc/stat)."""
     import os
 
     port = metrics_server.metrics_port
@@ -122,3 +123,7 @@ def test_each_serving_process_cpu_time_grows_under_a_request(metrics_server, mod
         key = f'jaxserve_process_cpu_seconds_total{{{model},process="{process}"}}'
         assert _increase(before, after, key) > 0, process
     assert after[f"jaxserve_host_usable_cores{{{model}}}"] == len(os.sched_getaffinity(0))
+    host_busy = f"jaxserve_host_busy_cpu_seconds_total{{{model}}}"
+    assert (host_busy in after) == os.path.exists("/proc/stat")
+    if host_busy in after:
+        assert _increase(before, after, host_busy) > 0
