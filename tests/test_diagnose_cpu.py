@@ -14,6 +14,7 @@ tests/frontend_tests/test_frontend_metrics.py.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ from jaxserve.observability.diagnose import (
 )
 from jaxserve.observability.metrics import Metrics
 from jaxserve.observability.process_cpu import busy_seconds
-from jaxserve.observability.stats import EngineCounters
+from jaxserve.observability.stats import LATENCY_BUCKETS_S, EngineCounters, EngineHistograms
 from jaxserve.router.metrics import RouterMetrics
 
 CPU_LAYER = "application (frontend / detokenizer CPU)"
@@ -64,12 +65,14 @@ def _window(
     host_s: float = 1.0,
     replicas: tuple[float, ...] = (),
     host_busy_s: float | None = None,
+    queued: int = 0,
 ) -> Window:
     """A `WINDOW_S` window in which each process used the CPU seconds given, the engine
     loop worked `busy` of the time over `STEPS` steps of `TOKENS` tokens (`host_s` of
     its step time on the host, the rest on the device); `replicas`: each replica's
     sidecar's CPU seconds (router gauges), on the same registry; `host_busy_s`: the
-    host's busy CPU seconds, every process included (None: not known, as off Linux)."""
+    host's busy CPU seconds, every process included (None: not known, as off Linux);
+    `queued`: requests that waited 0.5 s each in the queue, of a TTFT of 0.6 s."""
     clock, host = _Clock(), _Clock()
     metrics = Metrics(
         model="m", cpu_clock=clock, host_clock=lambda: None if host_busy_s is None else host()
@@ -90,7 +93,12 @@ def _window(
     )  # fmt: skip
     clock.value = 30.0 + frontend_s
     host.value = host_busy_s or 0.0
-    metrics.update_from_engine(EngineStats(counters=end, **base))
+    counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+    counts[bisect.bisect_left(LATENCY_BUCKETS_S, 0.5)] = queued
+    queue = EngineHistograms(queue_time_counts=counts, queue_time_sum_s=0.5 * queued)
+    metrics.update_from_engine(EngineStats(counters=end, histograms=queue, **base))
+    for _ in range(queued):
+        metrics.ttft.observe(0.6)
     metrics.generation_tokens.inc(TOKENS)
     for i, seconds in enumerate(replicas):
         router.replica(i, detokenizer_cpu_seconds=10.0 + seconds)
@@ -309,12 +317,24 @@ def test_the_stack_share_with_an_engine_that_keeps_up_names_nothing():
     assert diagnose_window(w, "test").findings == []
 
 
-def test_the_cpu_branch_ranks_before_host_gaps():
-    """A saturated engine whose steps are host time (host gaps on its own) beside a
-    frontend near a core: the frontend is the suspect, host gaps come after."""
-    w = _window(frontend_s=9.0, detokenizer_s=1.0, busy=0.95, host_s=8.0)
+def test_a_process_near_a_core_ranks_before_the_queue_and_host_gaps():
+    """A saturated engine whose steps are host time (host gaps on its own), requests
+    queued (the queue on its own), and a frontend near a core: the frontend is the
+    suspect, the queue and host gaps come after."""
+    w = _window(frontend_s=9.0, detokenizer_s=1.0, busy=0.95, host_s=8.0, queued=10)
     layers = [f.layer for f in diagnose_window(w, "test").findings]
-    assert layers == [CPU_LAYER, "scheduling (host gaps)"]
+    assert layers == [CPU_LAYER, "scheduling (queue)", "scheduling (host gaps)"]
+
+
+def test_a_shared_host_ranks_after_the_queue_and_before_host_gaps():
+    """The same with a quarter of the host beside the engine but no process near a
+    core: requests beyond the engine's slots queue however fast it runs, so the queue
+    is the suspect; the shared host comes before host gaps (an engine short of cores
+    shows longer host time)."""
+    at = STACK_SHARE * HOST_CORES * WINDOW_S
+    w = _window(frontend_s=0.6 * at, detokenizer_s=0.4 * at, busy=0.95, host_s=8.0, queued=10)
+    layers = [f.layer for f in diagnose_window(w, "test").findings]
+    assert layers == ["scheduling (queue)", CPU_LAYER, "scheduling (host gaps)"]
 
 
 def test_each_replicas_sidecar_is_judged_alone():

@@ -8,12 +8,11 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
 0. start-up: step shapes still compiling in the background (the step budget is held to
    the compiled shapes, and the compile threads take CPU from the engine);
 1. memory: preemptions in the window, or KV blocks in use near the pool's size;
-2. application: the frontend's or the detokenizer sidecar's CPU (`observability.
-   process_cpu`): one of them near a whole core (`PROCESS_CORE_FULL`), or they and the
-   host's other processes (a load client) together `STACK_SHARE` of the host's cores
-   while the engine loop is saturated (CPU the engine does not get); then the
-   detokenizer lag (engine output -> frontend) or the frontend's event loop lag is a
-   large part of the time per output token;
+2. application: the frontend or the detokenizer sidecar near a whole core of CPU
+   (`PROCESS_CORE_FULL`, `observability.process_cpu`: one Python process can use no
+   more, and the streams queue behind it); the detokenizer lag (engine output ->
+   frontend) or the frontend's event loop lag is a large part of the time per output
+   token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
 4. step agreement (several processes): the leader's step agreement latency (its slowest
@@ -26,9 +25,14 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
    than the others (`jaxserve_replica_running`; both exist with several replicas);
 6. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
    requests waiting: more requests than the engine runs at once;
-7. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
+7. application, shared host: with the engine loop saturated, the frontend, the
+   sidecar and the host's other processes (a load client) take `STACK_SHARE` or more
+   of the host's cores, CPU the engine does not get. After the queue (an engine asked
+   for more requests than it runs at once queues them however fast it runs), before
+   host gaps (an engine that loses cores shows longer host time);
+8. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
    on the host (scheduling, packing, output processing), not waiting for the device;
-8. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
+9. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
    time is not spent moving weights and KV at the device's bandwidth).
 
 Every branch that holds is a `Finding` (the layer, the numbers that point there, the next
@@ -141,15 +145,16 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "prompts' blocks",
         ))  # fmt: skip
 
-    # 2. application: CPU, then lags (the CPU names a cause, a lag its effect)
+    # 2. application: a process near a core, then lags (the CPU names a cause, a lag
+    # its effect)
     wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
     work = w.delta("jaxserve_engine_loop_work_seconds_total")
     busy = _ratio(work, wait + work)
     cpu = _process_cores(w)
-    if cpu:
-        summary.update(cpu)
-        if (finding := _cpu_finding(w, cpu, busy, steps, out_tokens)) is not None:
-            findings.append(finding)
+    summary.update(cpu)
+    cpu_finding = _cpu_finding(w, cpu, busy, out_tokens, shared=False) if cpu else None
+    if cpu_finding is not None:
+        findings.append(cpu_finding)
     detok = w.mean("jaxserve_detokenizer_lag_seconds")
     loop_lag = w.mean("jaxserve_frontend_event_loop_lag_seconds")
     per_token = tpot or 0.0
@@ -244,7 +249,12 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "replicas; jaxserve bench --max-concurrency N finds the knee",
         ))  # fmt: skip
 
-    # 7-8. throughput with a busy engine: host gaps, or a slow device step
+    # 7. application, shared host (unless a process near a core was named already)
+    if cpu and cpu_finding is None and busy >= BUSY and steps > 0:
+        if (cpu_finding := _cpu_finding(w, cpu, busy, out_tokens, shared=True)) is not None:
+            findings.append(cpu_finding)
+
+    # 8-9. throughput with a busy engine: host gaps, or a slow device step
     host = w.delta("jaxserve_engine_host_time_seconds_total")
     device = w.delta("jaxserve_engine_device_time_seconds_total")
     host_share = _ratio(host, host + device)
@@ -303,9 +313,10 @@ def _process_cores(w: Window) -> dict[str, float]:
 
 
 def _cpu_finding(
-    w: Window, cpu: dict[str, float], busy: float, steps: float, out_tokens: float
+    w: Window, cpu: dict[str, float], busy: float, out_tokens: float, shared: bool
 ) -> Finding | None:
-    """The application (CPU) branch: `PROCESS_CORE_FULL`, `STACK_SHARE`."""
+    """The application (CPU) branches: a process near a core (`PROCESS_CORE_FULL`), or
+    `shared`: the processes beside a saturated engine (`STACK_SHARE`)."""
     # With several replicas, each sidecar's own (one of them may be the full one).
     prefix = "jaxserve_replica_detokenizer_cpu_seconds{"
     sidecars = [max(0.0, w.delta(k)) / w.seconds for k in w.last if k.startswith(prefix)]
@@ -316,11 +327,11 @@ def _cpu_finding(
               "other processes (a load client on this host?)":
               cpu.get("other_processes_cores", 0.0)}  # fmt: skip
     share = _ratio(sum(takers.values()), host_cores)
-    if max(frontend, sidecar) >= PROCESS_CORE_FULL:
+    if not shared and max(frontend, sidecar) >= PROCESS_CORE_FULL:
         which = "frontend" if frontend >= sidecar else "detokenizer sidecar"
         symptom = (f"the {which} process is near a whole core, all one Python process "
                    "can run: the streams queue behind it")  # fmt: skip
-    elif busy >= BUSY and steps > 0 and share >= STACK_SHARE:
+    elif shared and share >= STACK_SHARE:
         most = max(takers, key=takers.__getitem__)
         symptom = ("processes beside the engine take a large share of the host's cores "
                    f"(most: {most}) while the engine loop is saturated: CPU the engine "
