@@ -87,7 +87,7 @@ class EngineCounters:
     warmup_pending_shapes: step shapes still compiling in the background after start-up
         (`engine.warmup.WarmUp`; the step budget is held to the compiled ones until 0).
 
-    CPU of the serving processes (issue 17; `metrics.PROCESS_CPU`, the application branch
+    CPU of the serving processes (issue 17; `process_cpu.PROCESS_CPU`, the CPU branches
     of `observability.diagnose`):
     process_cpu_s: CPU seconds (user + system, all threads) of the engine process since
         its start; set by the engine loop, not the core (multi-process: the leader's).
