@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from engine_loop_sockets import loop_sockets
 from prometheus_client import generate_latest
 
 from jaxserve.ipc import EngineRequest, EngineStats, Shutdown, decode, encode
@@ -203,25 +204,16 @@ def test_engine_loop_reports_its_process_cpu_time():
     the first is at least the steps' CPU."""
     from jaxserve.engine.process import EngineLoop
 
-    ctx = zmq.Context()
-    to_loop, loop_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_out, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    loop_in.bind("inproc://cpu-in")
-    to_loop.connect("inproc://cpu-in")
-    from_loop.bind("inproc://cpu-out")
-    loop_out.connect("inproc://cpu-out")
-    before = time.process_time()
-    thread = threading.Thread(target=EngineLoop(_BurningCore(), loop_in, loop_out).run)
-    thread.start()
-    to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
-    time.sleep(0.5)
-    to_loop.send(encode(Shutdown("test")))
-    thread.join(10)
-    after = time.process_time()
-    stats = [m for m in map(decode, _frames(from_loop)) if isinstance(m, EngineStats)]
-    for s in (to_loop, loop_in, loop_out, from_loop):
-        s.close(linger=0)
-    ctx.term()
+    with loop_sockets("process-cpu") as (to_loop, loop_in, loop_out, from_loop):
+        before = time.process_time()
+        thread = threading.Thread(target=EngineLoop(_BurningCore(), loop_in, loop_out).run)
+        thread.start()
+        to_loop.send(encode(EngineRequest("r", np.asarray([1], np.int32), {})))
+        time.sleep(0.5)
+        to_loop.send(encode(Shutdown("test")))
+        thread.join(10)
+        after = time.process_time()
+        stats = [m for m in map(decode, _frames(from_loop)) if isinstance(m, EngineStats)]
     cpu = [s.counters.process_cpu_s for s in stats]
     assert all(before <= c <= after for c in cpu), (before, cpu, after)
     assert cpu[-1] - cpu[0] >= 5 * _BurningCore.STEP_CPU_S
