@@ -8,7 +8,8 @@
 When a stop string matches, the request's final TextOutput goes to the frontend at once
 and an AbortRequest goes to the engine; the engine's later outputs for that request
 (tokens already in flight, then its final "abort") are dropped. The main loop around it
-forwards EngineStats unchanged, in order with the outputs.
+forwards EngineStats in order with the outputs, with this process's CPU seconds written
+into them (`EngineCounters.detokenizer_cpu_s`: `jaxserve_process_cpu_seconds_total`).
 
 One request's bad data (a token id the tokenizer cannot decode, a malformed `first`)
 fails only that request: its final TextOutput has finish_reason "error" and an error
@@ -237,7 +238,10 @@ def run_detokenizer(
                     to_engine.send(encode(AbortRequest(aborts)))
                 if texts:
                     to_frontend.send(encode(TextOutputs(texts, msg.sent_time)))
-            elif isinstance(msg, (EngineStats, Heartbeat)):
+            elif isinstance(msg, EngineStats):  # with this process's CPU time on it
+                msg.counters.detokenizer_cpu_s = time.process_time()
+                to_frontend.send(encode(msg))
+            elif isinstance(msg, Heartbeat):
                 to_frontend.send(frame)
             elif isinstance(msg, Shutdown):
                 return

@@ -41,7 +41,8 @@ _NDARRAY_EXT = 1
 # would misread (a field added, renamed or given another meaning). The handshake
 # messages `ReplicaHello`'s `protocol` and `ReplicaRefused` never change, so that two
 # versions can always tell each other apart.
-PROTOCOL_VERSION = 1
+# 2: `EngineCounters.process_cpu_s` / `detokenizer_cpu_s` (the processes' CPU time).
+PROTOCOL_VERSION = 2
 
 
 @dataclass(slots=True)

@@ -140,11 +140,14 @@ def test_time_metrics_are_named_in_seconds():
 
 def test_every_engine_counter_key_is_exported():
     """The fields of EngineCore.counters()'s record (`EngineCounters`, no engine built):
-    each is a counter or a gauge here, so no engine value is silently dropped."""
+    each is a counter or a gauge here, or a process's CPU (`PROCESS_CPU`), so no engine
+    value is silently dropped."""
     import dataclasses
 
+    from jaxserve.observability.process_cpu import PROCESS_CPU
+
     keys = {f.name for f in dataclasses.fields(EngineCounters)}
-    assert keys == set(ENGINE_COUNTERS) | set(ENGINE_GAUGES)
+    assert keys == set(ENGINE_COUNTERS) | set(ENGINE_GAUGES) | set(PROCESS_CPU)
 
 
 def _moe_stats(layers: list[int], balancedness: list[float], routed: int) -> EngineStats:

@@ -19,7 +19,8 @@ the router sees the gap in the event numbers and asks for a snapshot.
 Profiling (`jaxserve profile`): a `ProfileRequest` on the control socket starts an
 `observability.profile.ProfileSession` (a JAX trace and the loop's host timeline), which
 the loop ends once its seconds are over; the loop's own time blocked in poll versus
-working is counted for the metrics (`EngineCounters.loop_wait_s` / `loop_work_s`).
+working is counted for the metrics (`EngineCounters.loop_wait_s` / `loop_work_s`), and
+so is the process's CPU time (`EngineCounters.process_cpu_s`).
 
 The engine class is pluggable (`--engine-class module:Class`) so that the whole server
 runs on a mock engine in tests; only the default class imports JAX.
@@ -270,13 +271,15 @@ class EngineLoop:
         counters = stats.counters
         counters.requests_expired = self._control.num_expired
         last = self._last_stats
-        if last is not None:  # the loop's clock alone is no change worth a message
+        if last is not None:  # the loop's clocks alone are no change worth a message
             counters.loop_wait_s = last.counters.loop_wait_s
             counters.loop_work_s = last.counters.loop_work_s
+            counters.process_cpu_s = last.counters.process_cpu_s
         if not force and stats == last:
             return
         counters.loop_wait_s = self._wait_s
         counters.loop_work_s = time.perf_counter() - self._started - self._wait_s
+        counters.process_cpu_s = time.process_time()  # all threads (XLA's too)
         now = time.monotonic()
         if (
             rate_limited

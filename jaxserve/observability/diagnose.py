@@ -8,8 +8,11 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
 0. start-up: step shapes still compiling in the background (the step budget is held to
    the compiled shapes, and the compile threads take CPU from the engine);
 1. memory: preemptions in the window, or KV blocks in use near the pool's size;
-2. application: the detokenizer lag (engine output -> frontend) or the frontend's event
-   loop lag is a large part of the time per output token;
+2. application: the frontend or the detokenizer sidecar near a whole core of CPU
+   (`PROCESS_CORE_FULL`, `observability.process_cpu`: one Python process can use no
+   more, and the streams queue behind it); the detokenizer lag (engine output ->
+   frontend) or the frontend's event loop lag is a large part of the time per output
+   token;
 3. parallelism: the experts' load is unbalanced over the EP ranks (balancedness mean /
    max below `BALANCE_MIN`), with EPLB not re-placing them;
 4. step agreement (several processes): the leader's step agreement latency (its slowest
@@ -22,9 +25,14 @@ several scrapes of `--metrics-port`, and the highest value each gauge took):
    than the others (`jaxserve_replica_running`; both exist with several replicas);
 6. scheduling, queue: high TTFT that is mostly queue time (arrival to first schedule),
    requests waiting: more requests than the engine runs at once;
-7. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
+7. application, shared host: with the engine loop saturated, the frontend, the
+   sidecar and the host's other processes (a load client) take `STACK_SHARE` or more
+   of the host's cores, CPU the engine does not get. After the queue (an engine asked
+   for more requests than it runs at once queues them however fast it runs), before
+   host gaps (an engine that loses cores shows longer host time);
+8. scheduling, host gaps: a saturated engine loop whose steps spend most of their time
    on the host (scheduling, packing, output processing), not waiting for the device;
-8. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
+9. hardware / kernel: a saturated, device-bound engine with low MBU and MFU (the step
    time is not spent moving weights and KV at the device's bandwidth).
 
 Every branch that holds is a `Finding` (the layer, the numbers that point there, the next
@@ -39,15 +47,14 @@ server-side number, is not in it). No JAX here.
 
 from __future__ import annotations
 
-import ssl
-import time
-import urllib.request
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
-
 from jaxserve.frontend.client_auth import ClientAuth
+from jaxserve.observability.findings import Diagnosis, Finding
+from jaxserve.observability.metrics_window import (  # noqa: F401 (importers of diagnose)
+    Window,
+    parse_exposition,
+    sample,
+    scrape,
+)
 
 # Thresholds of the tree (see the module docstring).
 KV_FULL = 0.9  # KV blocks in use / usable blocks
@@ -65,143 +72,21 @@ QUEUE_MIN_S = 0.1
 # high means a slow path between the processes, not the channel's normal cost.
 AGREEMENT_SHARE = 0.25
 HOT_REPLICA = 1.5  # busiest replica's running requests / the mean
+# The frontend's and the sidecar's CPU, in cores over the window. Each is one Python
+# process whose work runs on one thread (the frontend's asyncio loop, the sidecar's
+# loop; the GIL), so it saturates at about one core: at 0.8 of one it has little room
+# left for a burst, and the streams queue behind it.
+PROCESS_CORE_FULL = 0.8
+# Frontend + sidecar(s) + the host's other processes / its usable cores, with the
+# engine loop saturated: what they take, the engine's host work (and on the CPU backend
+# its XLA threads) does not get. A quarter is half a core of a 2-core host, where
+# serving ran at 0.65-0.80x of the offline LLM.generate (issue 17 item 5); below it the
+# engine's loss is small next to its own host time, which the host-gaps branch names.
+STACK_SHARE = 0.25
 BUSY = 0.9  # engine loop work / (work + wait): saturated
 HOST_SHARE = 0.6  # host time / (host + device time) of the steps
 MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
 MAX_SECONDS = 3600.0
-
-
-def scrape(
-    url: str, timeout: float = 10.0, context: ssl.SSLContext | None = None
-) -> dict[str, float]:
-    """One scrape of a Prometheus text endpoint: {series: value}, a series named as
-    `name{label="v",...}` without the `model` label (sorted labels; just `name` when none).
-    `context`: the TLS context of an https:// URL (`ClientAuth.ssl_context`).
-
-    Raises OSError (urllib.error.URLError) when the endpoint cannot be read."""
-    with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
-        return parse_exposition(resp.read().decode())
-
-
-def parse_exposition(text: str) -> dict[str, float]:
-    """The series of a Prometheus text exposition, named as `scrape` names them."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "model"}
-            key = s.name
-            if labels:
-                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-@dataclass
-class Window:
-    """Metrics over a sampling window: `first` and `last` scrape, `peak` of each series
-    over all scrapes, and the window's length in seconds."""
-
-    first: dict[str, float]
-    last: dict[str, float]
-    peak: dict[str, float]
-    seconds: float
-
-    def delta(self, name: str) -> float:
-        """Change of a counter (or histogram _sum / _count) over the window."""
-        return self.last.get(name, 0.0) - self.first.get(name, 0.0)
-
-    def mean(self, histogram: str) -> float | None:
-        """Mean of a histogram's observations in the window (None: none)."""
-        n = self.delta(f"{histogram}_count")
-        return self.delta(f"{histogram}_sum") / n if n > 0 else None
-
-    def gauge(self, name: str) -> float:
-        return self.last.get(name, 0.0)
-
-    def max(self, name: str) -> float:
-        return self.peak.get(name, 0.0)
-
-    def labelled(self, name: str, label: str) -> dict[str, float]:
-        """The last values of `name{label=...}` series: label value -> value."""
-        prefix = f'{name}{{{label}="'
-        return {k[len(prefix) : -2]: v for k, v in self.last.items() if k.startswith(prefix)}
-
-
-def sample(
-    url: str,
-    seconds: float,
-    interval_s: float = 0.5,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-    context: ssl.SSLContext | None = None,
-) -> Window:
-    """Scrape `url` every `interval_s` for `seconds` (at least twice) into a Window
-    (`context`: as `scrape`'s)."""
-    start = clock()
-    first = scrape(url, context=context)
-    peak = dict(first)
-    last = first
-    while True:
-        sleep(min(interval_s, max(0.0, start + seconds - clock())))
-        last = scrape(url, context=context)
-        for k, v in last.items():
-            peak[k] = max(peak.get(k, v), v)
-        if clock() - start >= seconds:
-            break
-    return Window(first, last, peak, clock() - start)
-
-
-@dataclass
-class Finding:
-    """One branch of the tree that holds: its layer, the numbers, the next step."""
-
-    layer: str
-    symptom: str
-    numbers: dict[str, float | str]
-    next: str
-
-
-@dataclass
-class Diagnosis:
-    """The findings, the first being the suspect; `summary` holds the window's numbers."""
-
-    source: str
-    findings: list[Finding]
-    summary: dict[str, float | str] = field(default_factory=dict)
-    note: str = ""
-
-    @property
-    def layer(self) -> str | None:
-        return self.findings[0].layer if self.findings else None
-
-    def to_json(self) -> dict:
-        findings = [asdict(f) for f in self.findings]
-        return {"source": self.source, "layer": self.layer, "note": self.note,
-                "summary": self.summary, "findings": findings}  # fmt: skip
-
-    def render(self) -> str:
-        """A few lines a person can act on."""
-        lines = [f"jaxserve diagnose: {self.source}"]
-        s = self.summary
-        if s:
-            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in s.items()))
-        if not self.findings:
-            lines.append(self.note or "healthy: no layer holds the server back")
-            return "\n".join(lines)
-        for i, f in enumerate(self.findings):
-            head = "suspect" if i == 0 else "also"
-            lines.append(f"{head}: {f.layer}: {f.symptom}")
-            lines.append("  " + ", ".join(f"{k} {_fmt(v)}" for k, v in f.numbers.items()))
-            lines.append(f"  next: {f.next}")
-        if self.note:
-            lines.append(self.note)
-        return "\n".join(lines)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -260,7 +145,16 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "prompts' blocks",
         ))  # fmt: skip
 
-    # 2. application
+    # 2. application: a process near a core, then lags (the CPU names a cause, a lag
+    # its effect)
+    wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
+    work = w.delta("jaxserve_engine_loop_work_seconds_total")
+    busy = _ratio(work, wait + work)
+    cpu = _process_cores(w)
+    summary.update(cpu)
+    cpu_finding = _cpu_finding(w, cpu, busy, out_tokens, shared=False) if cpu else None
+    if cpu_finding is not None:
+        findings.append(cpu_finding)
     detok = w.mean("jaxserve_detokenizer_lag_seconds")
     loop_lag = w.mean("jaxserve_frontend_event_loop_lag_seconds")
     per_token = tpot or 0.0
@@ -355,10 +249,12 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "replicas; jaxserve bench --max-concurrency N finds the knee",
         ))  # fmt: skip
 
-    # 7-8. throughput with a busy engine: host gaps, or a slow device step
-    wait = w.delta("jaxserve_engine_loop_wait_seconds_total")
-    work = w.delta("jaxserve_engine_loop_work_seconds_total")
-    busy = _ratio(work, wait + work)
+    # 7. application, shared host (unless a process near a core was named already)
+    if cpu and cpu_finding is None and busy >= BUSY and steps > 0:
+        if (cpu_finding := _cpu_finding(w, cpu, busy, out_tokens, shared=True)) is not None:
+            findings.append(cpu_finding)
+
+    # 8-9. throughput with a busy engine: host gaps, or a slow device step
     host = w.delta("jaxserve_engine_host_time_seconds_total")
     device = w.delta("jaxserve_engine_device_time_seconds_total")
     host_share = _ratio(host, host + device)
@@ -393,6 +289,72 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
                 "scripts/bench_kernels.py; larger batches (--max-num-seqs) raise MBU",
             ))  # fmt: skip
     return Diagnosis(source, findings, summary)
+
+
+_CPU = "jaxserve_process_cpu_seconds_total"
+_HOST_BUSY = "jaxserve_host_busy_cpu_seconds_total"
+
+
+def _process_cores(w: Window) -> dict[str, float]:
+    """Cores each serving process used over the window ({} from a server without the
+    metric): frontend, detokenizer (all sidecars), engine (all engines), and, where the
+    host's busy time is known, the other processes of the host (the busy cores less the
+    serving processes'; an engine on another host makes it an underestimate)."""
+    if f'{_CPU}{{process="frontend"}}' not in w.last:
+        return {}
+    cores = {
+        f"{p}_cores": max(0.0, w.delta(f'{_CPU}{{process="{p}"}}')) / w.seconds
+        for p in ("frontend", "detokenizer", "engine")
+    }
+    if _HOST_BUSY in w.last:
+        busy = w.delta(_HOST_BUSY) / w.seconds
+        cores["other_processes_cores"] = max(0.0, busy - sum(cores.values()))
+    return cores
+
+
+def _cpu_finding(
+    w: Window, cpu: dict[str, float], busy: float, out_tokens: float, shared: bool
+) -> Finding | None:
+    """The application (CPU) branches: a process near a core (`PROCESS_CORE_FULL`), or
+    `shared`: the processes beside a saturated engine (`STACK_SHARE`)."""
+    # With several replicas, each sidecar's own (one of them may be the full one).
+    prefix = "jaxserve_replica_detokenizer_cpu_seconds{"
+    sidecars = [max(0.0, w.delta(k)) / w.seconds for k in w.last if k.startswith(prefix)]
+    sidecar = max(sidecars, default=cpu["detokenizer_cores"])
+    frontend = cpu["frontend_cores"]
+    host_cores = w.gauge("jaxserve_host_usable_cores")
+    takers = {"the frontend": frontend, "the detokenizer sidecar": cpu["detokenizer_cores"],
+              "other processes (a load client on this host?)":
+              cpu.get("other_processes_cores", 0.0)}  # fmt: skip
+    share = _ratio(sum(takers.values()), host_cores)
+    if not shared and max(frontend, sidecar) >= PROCESS_CORE_FULL:
+        which = "frontend" if frontend >= sidecar else "detokenizer sidecar"
+        symptom = (f"the {which} process is near a whole core, all one Python process "
+                   "can run: the streams queue behind it")  # fmt: skip
+    elif shared and share >= STACK_SHARE:
+        most = max(takers, key=takers.__getitem__)
+        symptom = ("processes beside the engine take a large share of the host's cores "
+                   f"(most: {most}) while the engine loop is saturated: CPU the engine "
+                   "does not get")  # fmt: skip
+    else:
+        return None
+    numbers: dict[str, float | str] = {
+        **cpu, "host_cores": host_cores, "non_engine_share_of_host": share,
+        # CPU microseconds per output token: cores x window seconds / tokens
+        "frontend_cpu_us_per_token": _ratio(1e6 * frontend * w.seconds, out_tokens),
+        "detokenizer_cpu_us_per_token": _ratio(
+            1e6 * cpu["detokenizer_cores"] * w.seconds, out_tokens),
+        "engine_busy": busy,
+    }  # fmt: skip
+    if len(sidecars) > 1:
+        numbers["detokenizer_max_cores"] = sidecar
+    return Finding(
+        "application (frontend / detokenizer CPU)", symptom, numbers,
+        "fewer, larger stream messages: serve --stream-interval N (the frontend's and the "
+        "sidecar's cost is per message, not per token); more cores, or the frontend on a "
+        "host of its own (replicas as `jaxserve engine` on the engine hosts); run the load "
+        "client (jaxserve bench) off the server's machine: it takes the same cores",
+    )  # fmt: skip
 
 
 def diagnose_server(

@@ -45,6 +45,16 @@ Layer metrics (issue 11), one per layer of the diagnosis tree (`observability.di
   text reaches the frontend: the sidecar and both IPC hops) and
   `jaxserve_frontend_event_loop_lag_seconds` (`observability.loop_lag`: how late the
   frontend's event loop runs a timer, i.e. how long a ready client write waits);
+- application, CPU (issue 17, `observability.process_cpu`):
+  `jaxserve_process_cpu_seconds_total{process=...}`, the CPU seconds (user + system, all
+  threads) of each serving process: "frontend" (this process, read at each scrape),
+  "engine" and "detokenizer" (their own clocks, sent on the engine's stats; with several
+  replicas, the sum over them, and each replica's as
+  `jaxserve_replica_{engine,detokenizer}_cpu_seconds`, `router.metrics`), and
+  `jaxserve_host_usable_cores`, the cores this process may run on
+  (`os.sched_getaffinity`): rate(cpu) / cores is a process's share of the host; and
+  `jaxserve_host_busy_cpu_seconds_total`, those cores' busy time, every process of the
+  host included (Linux): what is not the serving processes' is another's (a client);
 - router: the replica router's decision metrics register on this registry too (see
   `Metrics.registry`; none until replicas exist).
 No JAX here.
@@ -53,10 +63,12 @@ No JAX here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
 
+from jaxserve.observability.process_cpu import ProcessCpu, host_busy_seconds, usable_cores
 from jaxserve.observability.stats import LATENCY_BUCKETS_S
 
 _LATENCY_BUCKETS = LATENCY_BUCKETS_S
@@ -221,7 +233,15 @@ EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
 class Metrics:
     """Prometheus metrics of one jaxserve server (one registry, so tests can make many)."""
 
-    def __init__(self, model: str = "") -> None:
+    def __init__(
+        self,
+        model: str = "",
+        cpu_clock: Callable[[], float] = time.process_time,
+        host_clock: Callable[[], float | None] = host_busy_seconds,
+    ) -> None:
+        """cpu_clock: this process's CPU seconds (`jaxserve_process_cpu_seconds_total`
+        of the frontend); host_clock: the host's busy CPU seconds
+        (`jaxserve_host_busy_cpu_seconds_total`, None: unknown); a test passes its own."""
         self.registry = CollectorRegistry()
         labels = {"model": model}
         r = self.registry
@@ -286,6 +306,13 @@ class Metrics:
         ).labels(**labels)  # fmt: skip
         self._engine_histograms = _EngineHistograms(model)
         r.register(self._engine_histograms)
+        self._process_cpu = ProcessCpu(model, cpu_clock, host_clock)
+        r.register(self._process_cpu)
+        Gauge(
+            "jaxserve_host_usable_cores", "CPU cores the frontend process may run on "
+            "(os.sched_getaffinity): the host's cores the serving processes share",
+            ["model"], registry=r,
+        ).labels(**labels).set(usable_cores())  # fmt: skip
         self.engine_counters = {
             key: Counter(name, doc, ["model"], registry=r).labels(**labels)
             for key, (name, doc) in ENGINE_COUNTERS.items()
@@ -323,6 +350,7 @@ class Metrics:
         self.kv_blocks_used.set(stats.num_blocks_total - stats.num_blocks_free)
         counters = stats.counters
         self._engine_histograms.update(stats.histograms)
+        self._process_cpu.update(counters)
         for key, counter in self.engine_counters.items():
             self._advance_engine_counter(key, float(getattr(counters, key)), counter)
         for key, gauge in self.engine_gauges.items():

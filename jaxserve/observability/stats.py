@@ -86,6 +86,13 @@ class EngineCounters:
     last_prefill_tokens / last_decode_tokens: those tokens of the last step dispatched.
     warmup_pending_shapes: step shapes still compiling in the background after start-up
         (`engine.warmup.WarmUp`; the step budget is held to the compiled ones until 0).
+
+    CPU of the serving processes (issue 17; `process_cpu.PROCESS_CPU`, the CPU branches
+    of `observability.diagnose`):
+    process_cpu_s: CPU seconds (user + system, all threads) of the engine process since
+        its start; set by the engine loop, not the core (multi-process: the leader's).
+    detokenizer_cpu_s: the same of the detokenizer sidecar that forwarded these stats;
+        set by the sidecar on the way (0 until it has).
     """
 
     num_steps: int = 0
@@ -121,6 +128,8 @@ class EngineCounters:
     last_prefill_tokens: int = 0
     last_decode_tokens: int = 0
     warmup_pending_shapes: int = 0
+    process_cpu_s: float = 0.0
+    detokenizer_cpu_s: float = 0.0
 
 
 @dataclass(slots=True)

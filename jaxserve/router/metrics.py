@@ -6,7 +6,9 @@ replica (`jaxserve_router_prompt_blocks_total`, `jaxserve_router_matched_blocks_
 their ratio is the router's expected hit rate). Per replica, as gauges: whether it serves
 (`jaxserve_replica_up`: 1 serving, 0 starting/stalled/dead), its running and waiting
 requests and free KV blocks (its own stats), the router's view of its load (blocks) and
-of its cache (blocks in the prefix index), and the index resyncs asked of it
+of its cache (blocks in the prefix index), its engine's and sidecar's CPU seconds since
+they started (`jaxserve_replica_{engine,detokenizer}_cpu_seconds`, cumulative values of
+one process life, so gauges), and the index resyncs asked of it
 (`jaxserve_router_resyncs_total`). No JAX.
 """
 
@@ -49,6 +51,8 @@ class RouterMetrics:
             "kv_blocks_free": "Free KV blocks of the replica",
             "load_blocks": "The router's active load of the replica (KV blocks)",
             "index_blocks": "Blocks of the replica in the router's prefix index",
+            "engine_cpu_seconds": "CPU seconds of the replica's engine process (0 dead)",
+            "detokenizer_cpu_seconds": "CPU seconds of the replica's detokenizer sidecar",
         }
         self._gauges = {
             key: Gauge(f"jaxserve_replica_{key}", doc, ["model", "replica"], registry=r)

@@ -79,6 +79,8 @@ def update_gauges(metrics, replicas, router) -> None:
             kv_blocks_free=s.num_blocks_free,
             load_blocks=router.load.load(rep.index),
             index_blocks=router.index.num_blocks(rep.index),
+            engine_cpu_seconds=s.counters.process_cpu_s,
+            detokenizer_cpu_seconds=s.counters.detokenizer_cpu_s,
         )
 
 

@@ -102,3 +102,28 @@ def test_metrics_count_a_cancelled_request_once_as_abort(metrics_server, model_d
     # The tokens the server delivered: at least what this client read before leaving.
     generated = increase(f"jaxserve_generation_tokens_total{{{model}}}")
     assert received <= generated < n * 1000
+
+
+def test_each_serving_process_cpu_time_grows_under_a_request(metrics_server, model_dir):
+    """`jaxserve_process_cpu_seconds_total`: the frontend's, the sidecar's and the
+    engine's CPU seconds each grow while a request streams (each process works for it),
+    and the host's usable cores are this machine's affinity mask (the server runs here);
+    the host's busy CPU seconds grow too, where the kernel says them (/proc/stat)."""
+    import os
+
+    port = metrics_server.metrics_port
+    model = f'model="{model_dir.name}"'
+    with JaxserveClient(metrics_server.target) as client:
+        _wait_idle(client)
+        before = _scrape(port)
+        list(client.generate("cpu please", max_tokens=24, timeout=RPC_TIMEOUT_S))
+        _wait_idle(client)  # the engine's stats after the request have arrived
+    after = _scrape(port)
+    for process in ("frontend", "detokenizer", "engine"):
+        key = f'jaxserve_process_cpu_seconds_total{{{model},process="{process}"}}'
+        assert _increase(before, after, key) > 0, process
+    assert after[f"jaxserve_host_usable_cores{{{model}}}"] == len(os.sched_getaffinity(0))
+    host_busy = f"jaxserve_host_busy_cpu_seconds_total{{{model}}}"
+    assert (host_busy in after) == os.path.exists("/proc/stat")
+    if host_busy in after:
+        assert _increase(before, after, host_busy) > 0
