@@ -271,3 +271,28 @@ def test_multi_pass_cost_is_the_sum_of_its_passes(tiny_moe_dir):
         for field in ("weight_bytes", "kv_bytes", "flops"):
             expected = sum(getattr(c, field) for c in parts)
             assert getattr(got, field) == pytest.approx(expected, rel=1e-12)
+
+
+def test_engine_peak_is_measured_before_any_step_compiles(tiny_engine_config, monkeypatch):
+    """build_engine takes the mesh's peak before the warm-up starts compiling: on the CPU
+    the peak is measured, and beside the compile threads it came out up to 10x low."""
+    from jaxserve.engine import builder
+
+    calls: list[str] = []
+
+    class _Stop(Exception):
+        pass
+
+    def peak(mesh):
+        calls.append("peak")
+        return None
+
+    def start(self):
+        calls.append("warm-up")
+        raise _Stop  # nothing to compile: the order is all this test needs
+
+    monkeypatch.setattr(builder, "engine_peak", peak)
+    monkeypatch.setattr(builder.WarmUp, "start", start)
+    with pytest.raises(_Stop):
+        builder.build_engine(tiny_engine_config)
+    assert calls == ["peak", "warm-up"]

@@ -35,6 +35,7 @@ from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
 from jaxserve.engine.warmup import WarmUp
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_config, load_model
+from jaxserve.observability.peaks import Peak, engine_peak
 
 if TYPE_CHECKING:
     from jaxserve.eplb.controller import EplbController
@@ -78,6 +79,7 @@ class EngineParts:
         background compilation, the first tier only) / building it all.
     compiles_at_ready: `CompileCounter.count` once built (the base of the engine's
         num_compilations).
+    peak: the mesh's peak bandwidth and FLOP/s (`peaks.engine_peak`), or None.
     """
 
     model_config: ModelConfig
@@ -93,6 +95,7 @@ class EngineParts:
     compile_time_s: float
     startup_time_s: float
     compiles_at_ready: int
+    peak: Peak | None
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -170,6 +173,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler.decode_steps_for_rows = runner.builder.decode_steps_for_rows
     # Built (its move compiled) before the start-up compilations are counted.
     eplb = _build_eplb(config, eplb_config, runner, mesh, mc)
+    # Before any step compiles: on the CPU the peak is measured (`peaks.cpu_ceiling`), and
+    # beside the compile threads it came out up to 10x low (diagnose reported MFU 1.2-2.1).
+    peak = engine_peak(mesh)
     warmup = WarmUp(runner, scheduler, background=config.background_compile)
     compile_time_s = warmup.start()
     async_scheduling = resolve_async_scheduling(sc.async_scheduling, mesh.devices.flat[0].platform)
@@ -187,6 +193,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         compile_time_s=compile_time_s,
         startup_time_s=time.perf_counter() - start,
         compiles_at_ready=CompileCounter.count,
+        peak=peak,
     )
     logger.info(
         "engine ready in %.1f s: %s, %d usable KV blocks of %d tokens (per dp rank; "

@@ -39,7 +39,6 @@ from jaxserve.engine.sampling_metadata import uses_penalties
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_inputs import StepInputs
 from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
-from jaxserve.observability.peaks import engine_peak
 from jaxserve.observability.profile import TIMELINE
 from jaxserve.observability.stats import (
     LATENCY_BUCKETS_S,
@@ -115,7 +114,7 @@ class EngineCore:
         # Layer metrics (observability.step_cost): per-step cost and time, queue time,
         # the KV high-water mark.
         self.step_meter = StepMeter(
-            StepCostModel(self.model_config, config.dtype), engine_peak(self.mesh), config.dtype
+            StepCostModel(self.model_config, config.dtype), parts.peak, config.dtype
         )
         self.queue_time = Histogram(LATENCY_BUCKETS_S)
         self.kv_blocks_used_max = 0
