@@ -56,6 +56,23 @@ def test_random_mixed_steps_match_reference(window):
         assert np.all(np.asarray(out[num_real:]) == 0.0)  # padded tokens
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_many_requests_match_reference(window):
+    """A step with 16 (request, query tile) pairs or more, where a work unit takes all KV
+    heads (`kMinTilesAllHeads`): decode rows and prefill chunks over up to 3 blocks each,
+    GQA with 2 query heads per KV head, padded tokens and rows."""
+    rng = np.random.default_rng(20)
+    requests = []
+    for _ in range(20):
+        seq_len = int(rng.integers(1, 13))
+        requests.append((1 if rng.random() < 0.6 else int(rng.integers(1, seq_len + 1)), seq_len))
+    num_real = sum(q for q, _ in requests)
+    q, k, v = arrays(rng, num_real + 3, heads=8, kv_heads=4, head_dim=16)
+    positions, metadata = random_step(rng, requests, num_real + 3, 22)
+    out = assert_matches_reference(q, k, v, positions, metadata, window)
+    assert np.all(np.asarray(out[num_real:]) == 0.0)  # padded tokens
+
+
 def test_decode_rows_at_every_block_boundary_and_wide_heads():
     """One query token per request at contexts 1..48 around block boundaries; head_dim
     64 (the models' size: whole SIMD lanes) and 20 (a remainder)."""

@@ -122,30 +122,9 @@ void RunUnit(const Problem& p, int64_t u) {
   MatmulBlock<kRows>(rows, const_cast<const float* const*>(g), p.w_down + e * i * h, i, h, out);
 }
 
-ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w_gate,
-                       ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), idd = ids.dimensions(), wd = w_gate.dimensions();
-  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 3 || idd[0] != xd[0] ||
-      wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("moe_rows: expected x [T, H], ids [T, k], w [E, H, I]");
-  }
-  auto state = std::make_shared<Problem>();
-  Problem& p = *state;
-  const int64_t num_experts = wd[0];
-  p.x = x.typed_data();
-  p.w_gate = w_gate.typed_data();
-  p.w_up = w_up.typed_data();
-  p.w_down = w_down.typed_data();
-  p.y = y->typed_data();
-  p.top_k = idd[1];
-  p.hidden = xd[1];
-  p.inter = wd[2];
-  const int64_t n = idd[0] * idd[1];
-  const int32_t* id = ids.typed_data();
-  std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
-  // Counting sort of the copies by expert.
+// Groups the n copies of `id` (expert of each; outside [0, E) marks an empty copy) by
+// expert (a counting sort) and cuts each expert's copies into work units.
+void PlanUnits(Problem& p, const int32_t* id, int64_t n, int64_t num_experts) {
   std::vector<int32_t> count(num_experts + 1, 0);
   for (int64_t c = 0; c < n; ++c) {
     const int32_t e = id[c];
@@ -171,6 +150,31 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.unit_rows.push_back(std::min(step, count[e + 1] - s));
     }
   }
+}
+
+ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w_gate,
+                       ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), wd = w_gate.dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 3 || idd[0] != xd[0] ||
+      wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("moe_rows: expected x [T, H], ids [T, k], w [E, H, I]");
+  }
+  auto state = std::make_shared<Problem>();
+  Problem& p = *state;
+  const int64_t num_experts = wd[0];
+  p.x = x.typed_data();
+  p.w_gate = w_gate.typed_data();
+  p.w_up = w_up.typed_data();
+  p.w_down = w_down.typed_data();
+  p.y = y->typed_data();
+  p.top_k = idd[1];
+  p.hidden = xd[1];
+  p.inter = wd[2];
+  const int64_t n = idd[0] * idd[1];
+  std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
+  PlanUnits(p, ids.typed_data(), n, num_experts);
   const int64_t units = static_cast<int64_t>(p.unit_expert.size());
   jaxserve::ShareUnits(pool, units, [state](int64_t u) { RunUnit(*state, u); });
   return ffi::Error::Success();

@@ -36,4 +36,27 @@ void ShareUnits(xla::ffi::ThreadPool& pool, int64_t units, RunUnit run_unit) {
   while (done->load(std::memory_order_acquire) < units) std::this_thread::yield();
 }
 
+// As ShareUnits, but units are claimed `chunk` consecutive ones at a time, and each runs
+// as run_unit(u, next): next is the unit this thread runs after u (u + 1 in the same
+// chunk), or -1, so that u can prefetch what next reads. Pool: any type with
+// num_threads() and Schedule(function) (xla::ffi::ThreadPool).
+template <typename Pool, typename RunUnit>
+void ShareUnitChunks(Pool& pool, int64_t units, int64_t chunk, RunUnit run_unit) {
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t chunks = (units + chunk - 1) / chunk;
+  auto next_chunk = std::make_shared<std::atomic<int64_t>>(0);
+  auto done = std::make_shared<std::atomic<int64_t>>(0);
+  auto work = [next_chunk, done, units, chunk, chunks, run_unit]() {
+    for (int64_t c; (c = next_chunk->fetch_add(1)) < chunks;) {
+      const int64_t end = std::min(units, (c + 1) * chunk);
+      for (int64_t u = c * chunk; u < end; ++u) run_unit(u, u + 1 < end ? u + 1 : -1);
+      done->fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (done->load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
 }  // namespace jaxserve
