@@ -17,7 +17,7 @@ import os
 import sys
 
 from jaxserve.config import ServerConfig
-from jaxserve.frontend import client_auth
+from jaxserve.frontend import client_auth, server_address
 from jaxserve.serve_args import INT32, INT64, int_within, positive_float
 
 # The flags that are fields of the request by the same name (`JaxserveClient.generate`).
@@ -41,6 +41,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", help='prompt text ("-" reads stdin)')
     g.add_argument(
         "--server",
+        type=server_address.server_arg,
         default=f"{ServerConfig().host}:{ServerConfig().port}",
         help="the server's gRPC host:port (default: %(default)s)",
     )

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from jaxserve.frontend import client_auth
+from jaxserve.frontend import client_auth, server_address
 from jaxserve.serve_args import positive_float
 
 
@@ -31,7 +31,12 @@ def add_subparsers(sub) -> None:
         "point there and the next tool or flag to try.",
     )
     src = d.add_mutually_exclusive_group(required=True)
-    src.add_argument("--server", metavar="HOST:PORT", help="the server's metrics endpoint")
+    src.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        type=server_address.server_arg,
+        help="the server's metrics endpoint",
+    )
     src.add_argument("--from", dest="from_file", metavar="BENCH.json",
                      help="a jaxserve bench --out file (client-side numbers only)")  # fmt: skip
     d.add_argument("--seconds", type=float, default=10.0,
@@ -49,7 +54,13 @@ def add_subparsers(sub) -> None:
         "(Perfetto / TensorBoard / XProf) and a Chrome-trace timeline of its loop phases "
         "for N seconds, without a restart. DIR is written by the engine, on its host.",
     )
-    p.add_argument("--server", required=True, metavar="HOST:PORT", help="the gRPC address")
+    p.add_argument(
+        "--server",
+        required=True,
+        metavar="HOST:PORT",
+        type=server_address.server_arg,
+        help="the gRPC address",
+    )
     p.add_argument(
         "--seconds",
         type=positive_float,
