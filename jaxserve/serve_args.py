@@ -306,7 +306,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="weight and activation dtype; auto takes the checkpoint's config.json dtype "
         "(float32 stays float32) (default: %(default)s)",
     )
-    m.add_argument("--seed", type=int, help=f"sampling seed of the engine (default: {eng.seed})")
+    m.add_argument(
+        "--seed", type=_int_at_least(0), help=f"sampling seed of the engine (default: {eng.seed})"
+    )
 
     srv = s.add_argument_group("server")
     srv.add_argument(
