@@ -304,6 +304,8 @@ def test_bench_diagnose_and_profile_speak_tls(tls_server, pki, mock_model_dir, t
     assert json.loads(diag.stdout)["source"].startswith(metrics)  # read the HTTPS port
     plain = jaxserve("diagnose", "--server", metrics, "--seconds", "1", "--interval", "0.5")
     assert plain.returncode == 1 and f"http://{metrics}/metrics" in plain.stderr
+    # the port was right and only TLS was missing: the hint used to name only the gRPC port
+    assert "if the server runs with --tls-cert, pass --tls-ca-cert" in plain.stderr, plain.stderr
 
     profile = jaxserve("profile", "--server", tls_server.target, "--tls-ca-cert", ca,
                        "--seconds", "1", "--out", str(tmp_path / "prof"))  # fmt: skip

@@ -98,14 +98,34 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             return 1
         # A gRPC port answers HTTP/1 badly (BadStatusLine); the HTTP API port serves
         # /metrics too.
-        where = client_auth.from_args(args).url(args.server, "/metrics")
+        auth = client_auth.from_args(args)
+        where = auth.url(args.server, "/metrics")
         why = e if isinstance(e, OSError) else f"not an HTTP metrics endpoint ({type(e).__name__})"
+        # A TLS port closes a plaintext request during the handshake: the metrics port may
+        # be the right one, spoken to without TLS.
+        tls = ""
+        if _closed_early(e) and not auth.uses_tls:
+            tls = "; if the server runs with --tls-cert, pass --tls-ca-cert"
         print(f"jaxserve diagnose: error: cannot read {where}: {why}; --server takes the "
-              "address of serve's --metrics-port (or its --http-port), not its gRPC port",
-              file=sys.stderr)  # fmt: skip
+              "address of serve's --metrics-port (or its --http-port), not its gRPC port"
+              f"{tls}", file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
     return 0
+
+
+def _closed_early(e: BaseException) -> bool:
+    """Whether a scrape failed as a TLS port answers plain HTTP: the connection reset or
+    closed before a response (urllib wraps the socket error in URLError)."""
+    import http.client
+    import urllib.error
+
+    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException):
+        e = e.reason
+    return isinstance(
+        e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
+            http.client.RemoteDisconnected),
+    )  # fmt: skip
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
