@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,19 @@ def test_every_serve_flag_says_its_default():
         and "default" not in (a.help or "")
     ]
     assert not missing
+
+
+def test_serve_help_writes_defaults_one_way_and_in_user_words():
+    """Every default reads "(default: X)" (the admission and EPLB groups wrote
+    "(default X)"), no help names an internal constant (--num-decode-steps named
+    step_inputs.SMALL_BATCH_DECODE_STEPS), the counts of steps and tokens show as N,
+    and --tls-cert says that the HTTP API is served over TLS too."""
+    actions = {a.dest: a for a in _serve_parser()._actions}
+    helps = {dest: a.help or "" for dest, a in actions.items()}
+    assert [d for d, h in helps.items() if re.search(r"\(default [^:]", h)] == []
+    assert [d for d, h in helps.items() if re.search(r"\b[a-z_]+\.[A-Z_]{4,}\b", h)] == []
+    assert actions["num_decode_steps"].metavar == actions["stream_interval"].metavar == "N"
+    assert "HTTP API" in helps["tls_cert"]
 
 
 def test_usage_error_is_one_line():
