@@ -392,3 +392,22 @@ def test_client_with_a_bad_tls_file_names_the_field(pki, fields, cause):
         auth.channel("127.0.0.1:1")
     with pytest.raises(ValueError, match=cause):
         auth.ssl_context()
+
+
+@pytest.mark.parametrize("flag", ["--tls-cert", "--tls-key"])
+def test_a_client_cert_without_its_key_names_both_flags(flag):
+    """`generate --tls-cert X` without --tls-key said "give both tls_cert and tls_key",
+    the Python fields' names; the CLI names the flags (the API keeps its field names)."""
+    import sys
+
+    from server_harness import REPO_DIR
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", flag, "x.pem", "hi"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.splitlines() == [
+        "jaxserve generate: error: tls-cert: give both --tls-cert and --tls-key (mutual TLS), "
+        "or neither"
+    ]
