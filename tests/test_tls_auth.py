@@ -411,3 +411,21 @@ def test_a_client_cert_without_its_key_names_both_flags(flag):
         "jaxserve generate: error: tls-cert: give both --tls-cert and --tls-key (mutual TLS), "
         "or neither"
     ]
+
+
+def test_plaintext_generate_against_the_tls_port_asks_about_tls(tls_server):
+    """A plaintext `generate` to a --tls-cert server said only gRPC's "UNAVAILABLE: ...
+    Socket closed"; the one line now asks whether the server uses TLS."""
+    import sys
+
+    from server_harness import REPO_DIR
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", tls_server.target,
+         "--timeout", "20", "hi"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    lines = out.stderr.splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out
+    assert lines[0].startswith("jaxserve generate: UNAVAILABLE: "), lines[0]
+    assert lines[0].endswith(" (is the server using TLS? pass --tls / --tls-ca-cert)"), lines[0]
