@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.frontend import server_address
 from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
@@ -219,8 +220,8 @@ class JaxserveClient:
             and an API key (`client_auth.ClientAuth`, which documents each).
 
     Raises:
-        ValueError: naming the option, for a file that cannot be read or a tls_cert
-            without tls_key (or the reverse).
+        ValueError: naming the option, for a file that cannot be read, a tls_cert
+            without tls_key (or the reverse), or a target port outside [1, 65535].
     """
 
     def __init__(
@@ -233,6 +234,7 @@ class JaxserveClient:
         tls_key: str | None = None,
         api_key: str | None = None,
     ) -> None:
+        server_address.check("target", target)
         auth = ClientAuth(tls, tls_ca_cert, tls_cert, tls_key, api_key)
         self._channel = auth.channel(target)
         self._metadata = auth.metadata

@@ -228,6 +228,8 @@ def from_args(args: argparse.Namespace) -> ClientAuth:
     key = None
     if hasattr(args, "api_key"):
         key = resolve_api_key(args.api_key, getattr(args, "api_key_file", None))
+    if (args.tls_cert is None) != (args.tls_key is None):  # ClientAuth's words are fields'
+        raise ValueError("tls-cert: give both --tls-cert and --tls-key (mutual TLS), or neither")
     try:
         return ClientAuth(args.tls, args.tls_ca_cert, args.tls_cert, args.tls_key, key)
     except ValueError as e:

@@ -220,24 +220,26 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
     adm.add_argument(
         "--max-pending-requests", type=POSITIVE, default=DEFAULT_MAX_REQUESTS,
         help="most requests (samples) running or waiting; past it RESOURCE_EXHAUSTED "
-        "(default %(default)s)",
+        "(default: %(default)s)",
     )  # fmt: skip
     adm.add_argument(
         "--max-queued-prompt-tokens", type=POSITIVE, default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
-        help="most prompt tokens waiting for prefill (default %(default)s)",
+        help="most prompt tokens waiting for prefill (default: %(default)s)",
     )  # fmt: skip
     adm.add_argument(
         "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
-        help="most bytes of open requests held at once (default %(default)s)",
+        help="most bytes of open requests held at once (default: %(default)s)",
     )  # fmt: skip
     adm.add_argument(
         "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
         help="heartbeat silence after which the engine or sidecar counts as stalled: "
-        "health NOT_SERVING, requests UNAVAILABLE (default %(default)s)",
+        "health NOT_SERVING, requests UNAVAILABLE (default: %(default)s)",
     )  # fmt: skip
     tls = s.add_argument_group("TLS")
     tls.add_argument(
-        "--tls-cert", help="PEM certificate chain: serve gRPC and metrics over TLS (default: off)"
+        "--tls-cert",
+        help="PEM certificate chain: serve gRPC, the HTTP API (--http-port) and metrics over "
+        "TLS (default: off)",
     )
     tls.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
     tls.add_argument(

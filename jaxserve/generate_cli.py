@@ -17,7 +17,7 @@ import os
 import sys
 
 from jaxserve.config import ServerConfig
-from jaxserve.frontend import client_auth
+from jaxserve.frontend import client_auth, server_address
 from jaxserve.serve_args import INT32, INT64, int_within, positive_float
 
 # The flags that are fields of the request by the same name (`JaxserveClient.generate`).
@@ -41,6 +41,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", help='prompt text ("-" reads stdin)')
     g.add_argument(
         "--server",
+        type=server_address.server_arg,
         default=f"{ServerConfig().host}:{ServerConfig().port}",
         help="the server's gRPC host:port (default: %(default)s)",
     )
@@ -131,7 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if streamed:  # end the text's line; nothing printed: no empty line
                 sys.stdout.write("\n")
                 sys.stdout.flush()
-            print(f"jaxserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = _unavailable_hint(e, args.server, auth.uses_tls)
+            print(f"jaxserve generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # leaving the loop cancelled the request on the server
             print(file=sys.stderr)
@@ -145,6 +147,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in completions or ([last] if last is not None else []):
             print(_summary(c, len(completions) > 1), file=sys.stderr)
     return 0
+
+
+# gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE
+# (its engine starting or gone), which needs no hint.
+_REFUSED = "Connection refused"
+_TRANSPORT = ("Socket closed", "Connection reset", "failed to connect", "handshake")
+
+
+def _unavailable_hint(e, server: str, tls: bool) -> str:
+    """What to check after an UNAVAILABLE that gRPC raised itself: nothing listens at
+    `server`, or (no TLS flag given) a TLS server closed the plaintext connection, which
+    gRPC reports only as "Socket closed". "" for any other status."""
+    import grpc
+
+    details = e.details() or ""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    if _REFUSED in details:
+        return f"; is `jaxserve serve` running at {server}?"
+    if not tls and any(word in details for word in _TRANSPORT):
+        return " (is the server using TLS? pass --tls / --tls-ca-cert)"
+    return ""
 
 
 def _summary(result, with_index: bool) -> str:

@@ -282,7 +282,7 @@ async def _run_frontend(
         watch = asyncio.create_task(_watch_children(children))
     stopping = asyncio.create_task(stop.wait())
     liveness = None
-    http = ""
+    http, http_port = "", None
     try:
         port = await server.start(server_config.host, server_config.port)
         if server_config.http_port is not None:
@@ -312,7 +312,13 @@ async def _run_frontend(
             logger.info(
                 "configuration:\n%s",
                 config_block(
-                    engine_config, server_config, stats, port, about, tls=options.tls is not None
+                    engine_config,
+                    server_config,
+                    stats,
+                    port,
+                    about,
+                    tls=options.tls is not None,
+                    http_port=http_port,
                 ),
             )
             if server_config.stats_log_interval_s > 0:

@@ -249,20 +249,20 @@ def _add_eplb_arguments(s: argparse.ArgumentParser) -> None:
         "--eplb-window-size",
         type=POSITIVE,
         metavar="STEPS",
-        help=f"engine steps of the expert-load window (default {EplbConfig().window_size})",
+        help=f"engine steps of the expert-load window (default: {EplbConfig().window_size})",
     )
     s.add_argument(
         "--eplb-step-interval",
         type=POSITIVE,
         metavar="STEPS",
-        help=f"engine steps between re-placements (default {EplbConfig().step_interval})",
+        help=f"engine steps between re-placements (default: {EplbConfig().step_interval})",
     )
     s.add_argument(
         "--eplb-min-improvement",
         type=_fraction,
         metavar="F",
         help="re-place a layer only if its peak device load drops by more than F "
-        f"(default {EplbConfig().min_improvement:g})",
+        f"(default: {EplbConfig().min_improvement:g})",
     )
 
 
@@ -306,7 +306,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="weight and activation dtype; auto takes the checkpoint's config.json dtype "
         "(float32 stays float32) (default: %(default)s)",
     )
-    m.add_argument("--seed", type=int, help=f"sampling seed of the engine (default: {eng.seed})")
+    m.add_argument(
+        "--seed", type=_int_at_least(0), help=f"sampling seed of the engine (default: {eng.seed})"
+    )
 
     srv = s.add_argument_group("server")
     srv.add_argument(
@@ -414,13 +416,15 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     sc.add_argument(
         "--num-decode-steps",
         type=_int_at_least(1, 64),
+        metavar="N",
         help="decode steps per device call while every running request decodes; 1 "
-        f"disables multi-step decode (default: {sched.num_decode_steps}; on the CPU small "
-        "batches run more, see step_inputs.SMALL_BATCH_DECODE_STEPS)",
+        f"disables multi-step decode (default: {sched.num_decode_steps}; on the CPU, "
+        "batches of up to 8 rows run 2-4x more)",
     )
     sc.add_argument(
         "--stream-interval",
         type=_int_at_least(1, MAX_STREAM_INTERVAL),
+        metavar="N",
         help="tokens a stream message carries at least (a request's first and last "
         "excepted): fewer, larger messages cost the frontend, sidecar and client less CPU "
         f"per token, at the price of smoothness (default: {sched.stream_interval}, every "

@@ -120,6 +120,7 @@ def config_block(
     grpc_port: int,
     replicas: str = "",
     tls: bool = False,
+    http_port: int | None = None,
 ) -> str:
     """The effective configuration, one `key: value` per line, logged once at ready.
 
@@ -127,7 +128,8 @@ def config_block(
     blocks); grpc_port: the port bound (the configured one may be 0). replicas: with the
     request router, a description of the replicas (then the KV numbers are the serving
     ones' sum so far, each replica's logged as it becomes ready); "" for one engine.
-    tls: whether --tls-cert is on (the metrics port then speaks HTTPS only).
+    tls: whether --tls-cert is on (the metrics and HTTP API ports then speak HTTPS only).
+    http_port: the HTTP (OpenAI) API's bound port; None: no --http-port.
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
     host = f"[{server.host}]" if ":" in server.host else server.host
@@ -159,10 +161,16 @@ def config_block(
             f"{sc.max_num_batched_tokens}, chunked prefill "
             f"{'on' if sc.enable_chunked_prefill else 'off'}, async scheduling "
             f"{_async_scheduling(sc.async_scheduling, stats.async_scheduling)}, decode "
-            f"steps per call {sc.num_decode_steps}",
+            f"steps per call {sc.num_decode_steps}, stream interval {sc.stream_interval} "
+            "token(s)",
         ),
         ("EPLB", _eplb(eplb, mesh.size)),
         ("gRPC", f"{host}:{grpc_port}"),
+        *(
+            [("HTTP API", f"{'https' if tls else 'http'}://{host}:{http_port}/v1")]
+            if http_port is not None
+            else []
+        ),
         ("metrics", metrics),
         ("compilation cache", engine.compilation_cache_dir or "off"),
     ]

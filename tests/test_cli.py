@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,19 @@ def test_every_serve_flag_says_its_default():
         and "default" not in (a.help or "")
     ]
     assert not missing
+
+
+def test_serve_help_writes_defaults_one_way_and_in_user_words():
+    """Every default reads "(default: X)" (the admission and EPLB groups wrote
+    "(default X)"), no help names an internal constant (--num-decode-steps named
+    step_inputs.SMALL_BATCH_DECODE_STEPS), the counts of steps and tokens show as N,
+    and --tls-cert says that the HTTP API is served over TLS too."""
+    actions = {a.dest: a for a in _serve_parser()._actions}
+    helps = {dest: a.help or "" for dest, a in actions.items()}
+    assert [d for d, h in helps.items() if re.search(r"\(default [^:]", h)] == []
+    assert [d for d, h in helps.items() if re.search(r"\b[a-z_]+\.[A-Z_]{4,}\b", h)] == []
+    assert actions["num_decode_steps"].metavar == actions["stream_interval"].metavar == "N"
+    assert "HTTP API" in helps["tls_cert"]
 
 
 def test_usage_error_is_one_line():
@@ -439,3 +453,39 @@ def test_bench_refuses_nan_where_it_refuses_negatives(argv, cause):
 
     with pytest.raises(ValueError, match=f"^{cause}$"):
         _check_flags(build_parser().parse_args(["bench", *argv]))
+
+
+_SERVER_COMMANDS = [["generate", "hi"], ["bench"], ["diagnose"], ["profile", "--out", "d"]]
+
+
+@pytest.mark.parametrize("command", _SERVER_COMMANDS)
+@pytest.mark.parametrize(
+    ("server", "port"),
+    [("127.0.0.1:99999", 99999), ("127.0.0.1:0", 0), ("[::1]:65536", 65536),
+     ("http://h:70000/v1", 70000)],
+)  # fmt: skip
+def test_a_server_port_out_of_range_is_a_usage_error(command, server, port, capsys):
+    """`generate --server 127.0.0.1:99999` used to reach gRPC, which takes the port modulo
+    65536 (a server on 34463 would answer): refused while parsing, in every client tool."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--server", server])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"error: argument --server: port must be in [1, 65535], got {port}" in lines[0]
+
+
+@pytest.mark.parametrize("command", _SERVER_COMMANDS)
+@pytest.mark.parametrize(
+    "server", ["127.0.0.1:65535", "[::1]:1", "h:50051", "http://h/v1", "unix:/tmp/s"]
+)
+def test_a_server_address_in_range_or_without_a_port_is_taken(command, server):
+    assert build_parser().parse_args([*command, "--server", server]).server == server
+
+
+def test_the_client_refuses_a_target_port_out_of_range():
+    from jaxserve.frontend.client import JaxserveClient
+
+    with pytest.raises(ValueError, match=r"^target: port must be in \[1, 65535\], got 99999$"):
+        JaxserveClient("127.0.0.1:99999")
+    JaxserveClient("127.0.0.1:65535").close()

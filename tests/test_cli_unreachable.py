@@ -41,13 +41,16 @@ def test_bench_against_a_dead_server_is_one_line(backend):
 
 def test_generate_against_a_dead_server_is_one_line_and_no_empty_one():
     """A failed `jaxserve generate` that printed no text says so in one stderr line; it
-    used to print an empty line first (the newline that ends streamed text)."""
+    used to print an empty line first (the newline that ends streamed text). The line
+    asks whether the server runs at the address."""
     address = f"127.0.0.1:{free_port()}"
     r = _jaxserve("generate", "--server", address, "--timeout", "20", "hi")
     assert r.returncode == 1, r
     assert r.stdout == ""
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxserve generate: UNAVAILABLE: "), r.stderr
+    # gRPC's words alone did not say what to check
+    assert lines[0].endswith(f"; is `jaxserve serve` running at {address}?"), lines[0]
 
 
 def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():

@@ -78,6 +78,22 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "https://[::1]:9090/metrics" in block
 
 
+def test_config_block_names_the_stream_interval_and_the_http_api():
+    """The block listed neither --stream-interval nor the --http-port API address."""
+    from jaxserve.config import SchedulerConfig
+
+    engine = EngineConfig(model="/m/demo", scheduler=SchedulerConfig(stream_interval=7))
+    server = ServerConfig(host="::1", port=0, http_port=0)
+    block = config_block(engine, server, _stats(), grpc_port=4321, http_port=8123)
+    assert "stream interval 7 token(s)" in block
+    lines = block.splitlines()
+    after_grpc = lines[next(i for i, line in enumerate(lines) if "gRPC" in line) + 1]
+    assert "HTTP API" in after_grpc and "http://[::1]:8123/v1" in after_grpc  # the bound port
+    tls = config_block(engine, server, _stats(), grpc_port=4321, tls=True, http_port=8123)
+    assert "https://[::1]:8123/v1" in tls
+    assert "HTTP API" not in config_block(engine, ServerConfig(port=0), _stats(), 4321)
+
+
 def test_config_block_says_eplb_is_off_on_one_device():
     # The engine turns EPLB and redundant experts off on one device (check_eplb): the
     # block says so, not what was asked for.

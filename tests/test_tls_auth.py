@@ -304,6 +304,8 @@ def test_bench_diagnose_and_profile_speak_tls(tls_server, pki, mock_model_dir, t
     assert json.loads(diag.stdout)["source"].startswith(metrics)  # read the HTTPS port
     plain = jaxserve("diagnose", "--server", metrics, "--seconds", "1", "--interval", "0.5")
     assert plain.returncode == 1 and f"http://{metrics}/metrics" in plain.stderr
+    # the port was right and only TLS was missing: the hint used to name only the gRPC port
+    assert "if the server runs with --tls-cert, pass --tls-ca-cert" in plain.stderr, plain.stderr
 
     profile = jaxserve("profile", "--server", tls_server.target, "--tls-ca-cert", ca,
                        "--seconds", "1", "--out", str(tmp_path / "prof"))  # fmt: skip
@@ -390,3 +392,40 @@ def test_client_with_a_bad_tls_file_names_the_field(pki, fields, cause):
         auth.channel("127.0.0.1:1")
     with pytest.raises(ValueError, match=cause):
         auth.ssl_context()
+
+
+@pytest.mark.parametrize("flag", ["--tls-cert", "--tls-key"])
+def test_a_client_cert_without_its_key_names_both_flags(flag):
+    """`generate --tls-cert X` without --tls-key said "give both tls_cert and tls_key",
+    the Python fields' names; the CLI names the flags (the API keeps its field names)."""
+    import sys
+
+    from server_harness import REPO_DIR
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", flag, "x.pem", "hi"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.splitlines() == [
+        "jaxserve generate: error: tls-cert: give both --tls-cert and --tls-key (mutual TLS), "
+        "or neither"
+    ]
+
+
+def test_plaintext_generate_against_the_tls_port_asks_about_tls(tls_server):
+    """A plaintext `generate` to a --tls-cert server said only gRPC's "UNAVAILABLE: ...
+    Socket closed"; the one line now asks whether the server uses TLS."""
+    import sys
+
+    from server_harness import REPO_DIR
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", tls_server.target,
+         "--timeout", "20", "hi"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_DIR,
+    )  # fmt: skip
+    lines = out.stderr.splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out
+    assert lines[0].startswith("jaxserve generate: UNAVAILABLE: "), lines[0]
+    assert lines[0].endswith(" (is the server using TLS? pass --tls / --tls-ca-cert)"), lines[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 from jaxserve.benchmark.probe import ServerUnreachableError, ask_server
 from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
-from jaxserve.frontend import client_auth
+from jaxserve.frontend import client_auth, server_address
 
 MAX_PROMPTS = 1_000_000  # --num-prompts: requests (or conversations) one run builds
 
@@ -48,6 +48,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument(
         "--server",
+        type=server_address.server_arg,
         default=f"{ServerConfig().host}:{ServerConfig().port}",
         help="HOST:PORT (http: also a base URL); default %(default)s",
     )

@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-timeout-s",
         type=int,
         help=f"seconds of missed heartbeats after which a process counts as dead and the "
-        f"run ends (default ${HEARTBEAT_TIMEOUT_ENV} or {DEFAULT_HEARTBEAT_TIMEOUT_S})",
+        f"run ends (default: ${HEARTBEAT_TIMEOUT_ENV} or {DEFAULT_HEARTBEAT_TIMEOUT_S})",
     )
 
 

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from jaxserve.frontend import client_auth
+from jaxserve.frontend import client_auth, server_address
 from jaxserve.serve_args import positive_float
 
 
@@ -31,7 +31,12 @@ def add_subparsers(sub) -> None:
         "point there and the next tool or flag to try.",
     )
     src = d.add_mutually_exclusive_group(required=True)
-    src.add_argument("--server", metavar="HOST:PORT", help="the server's metrics endpoint")
+    src.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        type=server_address.server_arg,
+        help="the server's metrics endpoint",
+    )
     src.add_argument("--from", dest="from_file", metavar="BENCH.json",
                      help="a jaxserve bench --out file (client-side numbers only)")  # fmt: skip
     d.add_argument("--seconds", type=float, default=10.0,
@@ -49,7 +54,13 @@ def add_subparsers(sub) -> None:
         "(Perfetto / TensorBoard / XProf) and a Chrome-trace timeline of its loop phases "
         "for N seconds, without a restart. DIR is written by the engine, on its host.",
     )
-    p.add_argument("--server", required=True, metavar="HOST:PORT", help="the gRPC address")
+    p.add_argument(
+        "--server",
+        required=True,
+        metavar="HOST:PORT",
+        type=server_address.server_arg,
+        help="the gRPC address",
+    )
     p.add_argument(
         "--seconds",
         type=positive_float,
@@ -87,14 +98,34 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             return 1
         # A gRPC port answers HTTP/1 badly (BadStatusLine); the HTTP API port serves
         # /metrics too.
-        where = client_auth.from_args(args).url(args.server, "/metrics")
+        auth = client_auth.from_args(args)
+        where = auth.url(args.server, "/metrics")
         why = e if isinstance(e, OSError) else f"not an HTTP metrics endpoint ({type(e).__name__})"
+        # A TLS port closes a plaintext request during the handshake: the metrics port may
+        # be the right one, spoken to without TLS.
+        tls = ""
+        if _closed_early(e) and not auth.uses_tls:
+            tls = "; if the server runs with --tls-cert, pass --tls-ca-cert"
         print(f"jaxserve diagnose: error: cannot read {where}: {why}; --server takes the "
-              "address of serve's --metrics-port (or its --http-port), not its gRPC port",
-              file=sys.stderr)  # fmt: skip
+              "address of serve's --metrics-port (or its --http-port), not its gRPC port"
+              f"{tls}", file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(result.to_json(), indent=1) if args.json else result.render())
     return 0
+
+
+def _closed_early(e: BaseException) -> bool:
+    """Whether a scrape failed as a TLS port answers plain HTTP: the connection reset or
+    closed before a response (urllib wraps the socket error in URLError)."""
+    import http.client
+    import urllib.error
+
+    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException):
+        e = e.reason
+    return isinstance(
+        e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
+            http.client.RemoteDisconnected),
+    )  # fmt: skip
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -1,0 +1,48 @@
+"""The server address a client tool is given (`--server HOST:PORT` of generate, bench,
+diagnose and profile; `JaxserveClient(target)`): its port is range-checked here, before
+gRPC or urllib see it (gRPC takes a port modulo 65536, so 127.0.0.1:99999 would reach
+a server on 34463).
+
+    port_error("127.0.0.1:99999")  # "port must be in [1, 65535], got 99999"
+    server_arg("[::1]:50051")      # argparse type: the text, or a usage error
+
+Forms checked: HOST:PORT, [IPV6]:PORT, and a URL (scheme://HOST:PORT/...) as bench's
+http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) and a
+host without a port pass unchanged: gRPC and urllib name their own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")
+
+
+def port_error(address: str) -> str | None:
+    """ "port must be in [1, 65535], got N" for an address whose port is out of range;
+    None for one in range or without a port of its own."""
+    netloc = address
+    if "://" in address:
+        netloc = address.split("://", 1)[1].split("/", 1)[0].rpartition("@")[2]
+    m = _HOST_PORT.match(netloc)
+    if m is None:
+        return None
+    port = int(m.group(1))
+    return None if 1 <= port <= 65535 else f"port must be in [1, 65535], got {port}"
+
+
+def check(field: str, address: str) -> None:
+    """Raise ValueError("FIELD: port must be in [1, 65535], got N") for a port out of range."""
+    error = port_error(address)
+    if error is not None:
+        raise ValueError(f"{field}: {error}")
+
+
+def server_arg(text: str) -> str:
+    """argparse `type` of --server: `text` unchanged; a port out of range is a usage
+    error ("argument --server: port must be in [1, 65535], got N", exit 2)."""
+    error = port_error(text)
+    if error is not None:
+        raise argparse.ArgumentTypeError(error)
+    return text
