@@ -75,7 +75,10 @@ inline float Swish(float gate, float up) { return gate / (1.f + std::exp(-gate))
 
 #if JAXSERVE_HAVE_TILES
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
-void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
+// matmul(blocks, packed rows, expert weight [K, N], K, N, out rows) is the tile product
+// (PanelMatmul; scripts/native/bench_moe_kernel.cc passes a variant over another layout).
+template <class Matmul>
+void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy, Matmul matmul) {
   const int64_t h = p.hidden, i = p.inter;
   const jaxserve::RowBlocks blocks(rows);
   std::vector<float> packed(rows * std::max(h, i)), gate(rows * i), up(rows * i);
@@ -88,11 +91,19 @@ void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
     out[r] = p.y + int64_t{copy[r]} * h;
   }
   jaxserve::PackRows(blocks, a.data(), h, packed.data());
-  jaxserve::PanelMatmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data());
-  jaxserve::PanelMatmul(blocks, packed.data(), p.w_up + e * h * i, h, i, u.data());
+  matmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data());
+  matmul(blocks, packed.data(), p.w_up + e * h * i, h, i, u.data());
   for (int64_t c = 0; c < rows * i; ++c) gate[c] = Swish(gate[c], up[c]);
   jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
-  jaxserve::PanelMatmul(blocks, packed.data(), p.w_down + e * i * h, i, h, out.data());
+  matmul(blocks, packed.data(), p.w_down + e * i * h, i, h, out.data());
+}
+
+void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
+  RunTileUnitWith(p, e, rows, copy,
+                  [](const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
+                     int64_t k, int64_t n, float* const* o) {
+                    jaxserve::PanelMatmul(blocks, packed, w, k, n, o);
+                  });
 }
 #endif
 

@@ -24,31 +24,17 @@ namespace {
 
 // RunTileUnit of cpu_moe_rows.cc over panel-major weights (--panel-major).
 void RunTileUnitPanelMajor(const Problem& p, int64_t e, int rows, const int32_t* copy) {
-  const int64_t h = p.hidden, i = p.inter;
-  const jaxserve::RowBlocks blocks(rows);
-  std::vector<float> packed(rows * std::max(h, i)), gate(rows * i), up(rows * i);
-  std::vector<const float*> a(rows);
-  std::vector<float*> g(rows), u(rows), out(rows);
-  for (int r = 0; r < rows; ++r) {
-    a[r] = p.x + (copy[r] / p.top_k) * h;
-    g[r] = gate.data() + r * i;
-    u[r] = up.data() + r * i;
-    out[r] = p.y + int64_t{copy[r]} * h;
-  }
-  auto matmul = [&](const float* w, int64_t K, int64_t N, float* const* o) {
-    for (int64_t col = 0; col < N; col += 16)  // panel col / 16 starts at w + col * K
-      for (int b = 0; b < blocks.blocks; ++b) {
-        const int s = blocks.BlockStart(b);
-        jaxserve::TileRows<jaxserve::kTileRows>(blocks.BlockRows(b), packed.data() + s * K,
-                                                w + col * K - col, 16, K, col, 0xffff, o + s);
-      }
-  };
-  jaxserve::PackRows(blocks, a.data(), h, packed.data());
-  matmul(p.w_gate + e * h * i, h, i, g.data());
-  matmul(p.w_up + e * h * i, h, i, u.data());
-  for (int64_t c = 0; c < rows * i; ++c) gate[c] = Swish(gate[c], up[c]);
-  jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
-  matmul(p.w_down + e * i * h, i, h, out.data());
+  RunTileUnitWith(p, e, rows, copy,
+                  [](const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
+                     int64_t K, int64_t N, float* const* o) {
+                    for (int64_t col = 0; col < N; col += 16)  // panel col/16 at w + col * K
+                      for (int b = 0; b < blocks.blocks; ++b) {
+                        const int s = blocks.BlockStart(b);
+                        jaxserve::TileRows<jaxserve::kTileRows>(
+                            blocks.BlockRows(b), packed + s * K, w + col * K - col, 16, K, col,
+                            0xffff, o + s);
+                      }
+                  });
 }
 
 }  // namespace
