@@ -151,7 +151,10 @@ def test_a_stream_of_cache_misses_is_spread_over_replicas(idle):
     threads = [
         threading.Thread(
             target=idle.complete, args=(_prompt(rng, 3 * BLOCK),),
-            kwargs=dict(max_tokens=60, ignore_eos=True, timeout=RPC_TIMEOUT_S),
+            # Long enough that all 8 still run when the last is routed: at 60 tokens a
+            # faster engine finished some before the next arrived (CI: 3/5), and then
+            # an idle pair of replicas ties.
+            kwargs=dict(max_tokens=400, ignore_eos=True, timeout=RPC_TIMEOUT_S),
         )
         for _ in range(8)
     ]  # fmt: skip
