@@ -133,8 +133,9 @@ def config_block(
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
     host = f"[{server.host}]" if ":" in server.host else server.host
+    scheme = "https" if tls else "http"
     metrics = (
-        f"{'https' if tls else 'http'}://{host}:{server.metrics_port}/metrics"
+        f"{scheme}://{host}:{server.metrics_port}/metrics"
         if server.metrics_port is not None
         else "off (--metrics-port)"
     )
@@ -166,11 +167,7 @@ def config_block(
         ),
         ("EPLB", _eplb(eplb, mesh.size)),
         ("gRPC", f"{host}:{grpc_port}"),
-        *(
-            [("HTTP API", f"{'https' if tls else 'http'}://{host}:{http_port}/v1")]
-            if http_port is not None
-            else []
-        ),
+        *([("HTTP API", f"{scheme}://{host}:{http_port}/v1")] if http_port is not None else []),
         ("metrics", metrics),
         ("compilation cache", engine.compilation_cache_dir or "off"),
     ]

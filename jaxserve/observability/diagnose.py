@@ -193,7 +193,7 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
 
     # 4. step agreement (the gauge is 0 in one process)
     agreement = w.gauge("jaxserve_engine_step_agreement_seconds")
-    step_wall = _ratio(w.delta("jaxserve_engine_loop_work_seconds_total"), steps)
+    step_wall = _ratio(work, steps)
     if agreement > 0 and step_wall > 0 and agreement >= AGREEMENT_SHARE * step_wall:
         findings.append(Finding(
             "step agreement (CPU path between hosts)", "the followers get each step late: "

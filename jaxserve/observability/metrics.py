@@ -69,7 +69,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import HistogramMetricFamily
 
 from jaxserve.observability.process_cpu import ProcessCpu, host_busy_seconds, usable_cores
-from jaxserve.observability.stats import LATENCY_BUCKETS_S
+from jaxserve.observability.stats import LATENCY_BUCKETS_S, cumulative_increment
 
 _LATENCY_BUCKETS = LATENCY_BUCKETS_S
 # Event-loop lag: a healthy loop runs a timer within a millisecond.
@@ -402,9 +402,7 @@ class Metrics:
 
     def _advance_engine_counter(self, key: str, total: float, counter) -> None:
         """Advance `counter` by the change of the engine's cumulative value `key`."""
-        last = self._last_engine_counts.get(key, 0.0)
-        # Below the last value: the engine restarted, and `total` counts from its start.
-        delta = total - last if total >= last else total
+        delta = cumulative_increment(total, self._last_engine_counts.get(key, 0.0))
         self._last_engine_counts[key] = total
         if delta > 0:
             counter.inc(delta)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily
 
+from jaxserve.observability.stats import cumulative_increment
+
 # `EngineCounters` fields that are another process's CPU seconds: field -> the `process`
 # label of `jaxserve_process_cpu_seconds_total` (the frontend's own is read at scrape).
 PROCESS_CPU = {"process_cpu_s": "engine", "detokenizer_cpu_s": "detokenizer"}
@@ -64,7 +66,7 @@ class ProcessCpu:
     (from `host_clock`, none when it gives None): the frontend's CPU from `clock` at each
     scrape, the other processes' from their cumulative values in the
     engine's stats. A value below the previous one is a restarted process counting from
-    0 again: the whole value is the increment (`observability.metrics`' counter rule)."""
+    0 again (`stats.cumulative_increment`, the engine counters' rule too)."""
 
     def __init__(
         self,
@@ -78,8 +80,8 @@ class ProcessCpu:
 
     def update(self, counters) -> None:
         for key, process in PROCESS_CPU.items():
-            value, last = float(getattr(counters, key)), self._last[process]
-            self._totals[process] += value - last if value >= last else value
+            value = float(getattr(counters, key))
+            self._totals[process] += cumulative_increment(value, self._last[process])
             self._last[process] = value
 
     def collect(self):

@@ -22,6 +22,12 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
+def cumulative_increment(total: float, last: float) -> float:
+    """The increment of a process's cumulative counter from `last` to `total`: below
+    `last`, the process restarted and `total` counts from its start, all of it new."""
+    return total - last if total >= last else total
+
+
 class Histogram:
     """A cumulative histogram over fixed upper bounds (Prometheus' `le` buckets).
 
