@@ -114,6 +114,9 @@ class ServerInfo:
     kv_layout: str = ""
     # Step shapes still compiling in the background (below steady-state speed until 0).
     warmup_pending_shapes: int = 0
+    # Prompt tokens looked up in the prefix cache since start, and those found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # With `serve --replicas N`: one dict per replica, the fields of the proto's
     # `ReplicaInfo` (replica, state, reason, KV blocks, requests, router load, ...).
     replicas: list[dict] = field(default_factory=list)

@@ -181,6 +181,8 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             kv_bytes_per_token=s.kv_bytes_per_token,
             kv_layout=s.kv_layout,
             warmup_pending_shapes=s.counters.warmup_pending_shapes,
+            prefix_cache_queries=s.counters.prefix_cache_queries,
+            prefix_cache_hits=s.counters.prefix_cache_hits,
         )
         # Several replicas (jaxserve.router.replicas.ReplicaSet): one entry each.
         for replica in getattr(self._engine, "replica_info", list)():

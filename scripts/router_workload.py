@@ -68,6 +68,15 @@ def replica_infos(client) -> list:
     from jaxserve.frontend.proto import jaxserve_pb2 as pb
 
     info = client._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    if not info.replicas:  # one engine (--replicas 1): the server's own line, as replica 0
+        return [  # (GetServerInfo answers UNAVAILABLE until the engine serves)
+            pb.ReplicaInfo(
+                replica=0,
+                state="serving",
+                prefix_cache_queries=info.prefix_cache_queries,
+                prefix_cache_hits=info.prefix_cache_hits,
+            )
+        ]
     return sorted(info.replicas, key=lambda r: r.replica)
 
 
@@ -153,7 +162,7 @@ async def run_rate(args: argparse.Namespace, port: int, rate: float, seed: int) 
             while not done.is_set():
                 try:
                     info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-                    waiting.append(sum(r.num_waiting for r in info.replicas))
+                    waiting.append(info.num_waiting)  # summed over the replicas
                 except grpc.RpcError:
                     pass
                 await asyncio.sleep(1.0)
@@ -183,6 +192,8 @@ async def run_rate(args: argparse.Namespace, port: int, rate: float, seed: int) 
     queries = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in pairs]
     hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in pairs]
     routed = [a.router_decisions - b.router_decisions for a, b in pairs]
+    if len(routed) == 1:  # one engine: no router, every request went there
+        routed = [total]
     # Work per replica: prompt tokens it computed (not hit) + output tokens it decoded.
     work = [q - h + n * args.output_tokens for q, h, n in zip(queries, hits, routed, strict=True)]
     # The completion rate, as the offered one over the gaps between events: it keeps up

@@ -265,6 +265,24 @@ def test_bad_input_is_invalid_argument_beside_a_running_stream(client, offline, 
     assert "".join(d.text for d in result["deltas"]) == offline[-1].text
 
 
+def test_server_info_counts_prefix_cache_lookups_and_hits(client):
+    """A prompt sent twice: the first is looked up and misses, the second finds every
+    full block of the first's but the block holding its last token (which is computed
+    to sample from), as the engine's prefix-cache rule says."""
+    info = _wait_idle(client)
+    bs = info.block_size
+    prompt = [(7 * i) % 90 + 5 for i in range(3 * bs + 5)]  # token ids, 3 full blocks + 5
+    before = client.server_info(timeout=RPC_TIMEOUT_S)
+    list(client.generate(prompt, max_tokens=2, timeout=RPC_TIMEOUT_S))
+    first = client.server_info(timeout=RPC_TIMEOUT_S)
+    list(client.generate(prompt, max_tokens=2, timeout=RPC_TIMEOUT_S))
+    second = client.server_info(timeout=RPC_TIMEOUT_S)
+    assert first.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
+    assert first.prefix_cache_hits == before.prefix_cache_hits
+    assert second.prefix_cache_queries - first.prefix_cache_queries == len(prompt)
+    assert second.prefix_cache_hits - first.prefix_cache_hits == (len(prompt) - 1) // bs * bs
+
+
 def test_sigterm_stops_every_process_within_10_s(server):
     pids = [server.proc.pid, *server.children]
     elapsed = server.terminate(10)

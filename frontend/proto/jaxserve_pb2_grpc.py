@@ -5,7 +5,7 @@ import warnings
 
 from jaxserve.frontend.proto import jaxserve_pb2 as jaxserve_dot_frontend_dot_proto_dot_jaxserve__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -59,8 +59,14 @@ class JaxserveServicer:
         finish_reason. With sampling.n > 1, one stream carries the n samples interleaved,
         each response naming its sample in `index`; every sample ends with its own response
         carrying finish_reason, and the call ends once all n have. Errors: INVALID_ARGUMENT
-        (a bad field, named in the message), UNAVAILABLE (the engine is starting or has
-        died). Cancelling the call aborts the request (all n samples) in the engine.
+        (a bad field, named in the message); RESOURCE_EXHAUSTED at once when the server is
+        past an admission limit (the message names it and its flag: --max-pending-requests,
+        --max-queued-prompt-tokens, --max-inflight-request-bytes) or the message is over
+        32 MiB; UNAVAILABLE (the engine is starting, stalled or dead; the message names the
+        process; open streams end with it too); DEADLINE_EXCEEDED (the call's deadline,
+        which the engine also honours: it aborts the request at its next step after it);
+        INTERNAL (the output could not be detokenized; only this request fails).
+        Cancelling the call aborts the request (all n samples) in the engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,7 +74,8 @@ class JaxserveServicer:
 
     def Abort(self, request, context):
         """Aborts a running request (all of its n samples); each sample that was still running
-        ends with finish_reason "abort".
+        ends with finish_reason "abort". Never fails while the server runs: when the engine
+        cannot take the abort now (stalled), it is kept and delivered once it can.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
