@@ -171,6 +171,9 @@ class MockEngineCore:
             outputs.append(self._decode_one(r))
         return outputs
 
+    def request_counts(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
     def stats(self) -> EngineStats:
         stats = EngineStats(
             model=self.model,

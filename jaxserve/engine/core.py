@@ -344,6 +344,10 @@ class EngineCore:
 
     # ----- facts -------------------------------------------------------------------------
 
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests: `stats()`'s two counts, without building the rest."""
+        return self.scheduler.num_running, self.scheduler.num_waiting
+
     def stats(self) -> EngineStats:
         """Engine facts and gauges. Free blocks include cached blocks no request holds."""
         s, bms = self.scheduler, self.block_managers
