@@ -35,13 +35,9 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from jaxserve.frontend.engine_client import (
-    SHUTTING_DOWN,
-    AsyncEngineClient,
-    EngineDeadError,
-    RequestStream,
-)
+from jaxserve.frontend.engine_client import SHUTTING_DOWN, AsyncEngineClient
 from jaxserve.frontend.liveness import CHECK_INTERVAL_S, stalled_process
+from jaxserve.frontend.request_stream import EngineDeadError, RequestStream
 from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
