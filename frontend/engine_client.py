@@ -1,5 +1,6 @@
 """The frontend's side of the IPC: requests and aborts out to the engine, text deltas in
-from the sidecar, fanned out to one stream per open client request (asyncio, no JAX).
+from the sidecar, fanned out to one `RequestStream` (request_stream.py) per open client
+request (asyncio, no JAX).
 
 Client request ids and engine request ids are two namespaces. A client request (its id
 chosen by the client, unique among running requests) with n samples becomes n engine
@@ -28,11 +29,11 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
 
+from jaxserve.frontend.request_stream import EngineDeadError, RequestStream
 from jaxserve.ipc import (
     AbortRequest,
     EngineRequest,
@@ -68,70 +69,8 @@ def engine_request_id(request_id: str, serial: int, index: int) -> str:
     return f"{request_id}{ENGINE_ID_SEPARATOR}{serial}.{index}"
 
 
-class EngineDeadError(RuntimeError):
-    """The engine process is gone (or not ready yet); the message says which."""
-
-
 # Why open streams end when the server stops (`AsyncEngineClient.shut_down`).
 SHUTTING_DOWN = "the server is shutting down"
-
-
-class SampleOutput(NamedTuple):
-    """One text output of one sample of a client request."""
-
-    index: int  # the sample, in [0, n)
-    output: TextOutput  # output.request_id is the sample's engine request id
-
-
-class RequestStream:
-    """The outputs of the n samples of one client request, in arrival order (each sample's
-    outputs in order, none waiting behind another's), as `SampleOutput`s.
-
-    request_id: the client's id. num_samples: n. engine_ids: the samples' engine ids.
-    """
-
-    def __init__(self, request_id: str, engine_ids: list[str]) -> None:
-        self.request_id = request_id
-        self.engine_ids = engine_ids
-        self._index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
-        # engine id -> sample index, for the samples whose final output has not come yet.
-        self._unfinished = dict(self._index)
-        self._queue: asyncio.Queue[SampleOutput | EngineDeadError] = asyncio.Queue()
-        self.released = asyncio.Event()  # set by AsyncEngineClient.release
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.engine_ids)
-
-    def unfinished_engine_ids(self) -> list[str]:
-        """The engine ids of the samples the engine has not sent a final output for."""
-        return list(self._unfinished)
-
-    def put(self, item: TextOutput | EngineDeadError) -> bool:
-        """Queue an output of one of this request's samples (or the engine's death).
-        Returns True when it was the final output of the last unfinished sample."""
-        if isinstance(item, EngineDeadError):
-            self._unfinished.clear()
-            self._queue.put_nowait(item)
-            return False
-        if item.finish_reason is not None:
-            self._unfinished.pop(item.request_id)
-        self._queue.put_nowait(SampleOutput(self._index[item.request_id], item))
-        return item.finish_reason is not None and not self._unfinished
-
-    async def next_batch(self) -> list[SampleOutput]:
-        """Wait for the next output, then take every output already queued with it (so a
-        slow client gets fewer, larger deltas). Raises EngineDeadError if the engine died."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        for i, item in enumerate(items):
-            if isinstance(item, EngineDeadError):
-                if i == 0:
-                    raise item
-                self._queue.put_nowait(item)  # deliver what came before it first
-                return items[:i]  # type: ignore[return-value]
-        return items  # type: ignore[return-value]
 
 
 class AsyncEngineClient:

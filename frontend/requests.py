@@ -25,13 +25,9 @@ from collections.abc import AsyncIterator
 from tokenizers import Tokenizer
 
 from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
-from jaxserve.frontend.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    RequestStream,
-    SampleOutput,
-)
+from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.request_stream import EngineDeadError, RequestStream, SampleOutput
 from jaxserve.frontend.validation import (
     ModelLimits,
     RequestValidationError,

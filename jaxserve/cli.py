@@ -22,6 +22,7 @@ import sys
 
 from jaxserve import convert, distributed, generate_cli
 from jaxserve.benchmark import cli as bench_cli
+from jaxserve.flag_types import POSITIVE
 from jaxserve.hub import resolve_model
 from jaxserve.logs import (
     add_start_failure_explainer,
@@ -30,13 +31,9 @@ from jaxserve.logs import (
     drop_start_logs,
 )
 from jaxserve.observability import cli as observability_cli
-from jaxserve.serve_args import (
-    POSITIVE,
-    add_serve_arguments,
-    model_argument,
-    server_config,
-)
-from jaxserve.serve_args import engine_config as _engine_config  # tests import this name
+from jaxserve.serve_args import add_serve_arguments
+from jaxserve.serve_config import engine_config as _engine_config  # tests import this name
+from jaxserve.serve_config import model_argument, server_config
 
 
 class _Parser(argparse.ArgumentParser):

@@ -17,8 +17,8 @@ import os
 import sys
 
 from jaxserve.config import ServerConfig
+from jaxserve.flag_types import INT32, INT64, int_within, positive_float
 from jaxserve.frontend import client_auth, server_address
-from jaxserve.serve_args import INT32, INT64, int_within, positive_float
 
 # The flags that are fields of the request by the same name (`JaxserveClient.generate`).
 _REQUEST_FLAGS = (

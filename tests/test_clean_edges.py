@@ -161,7 +161,8 @@ def test_aborts_the_engine_cannot_take_wait_and_are_sent_later():
 
     import numpy as np
 
-    from jaxserve.frontend.engine_client import AsyncEngineClient, EngineDeadError
+    from jaxserve.frontend.engine_client import AsyncEngineClient
+    from jaxserve.frontend.request_stream import EngineDeadError
     from jaxserve.ipc import AbortRequest, EngineRequest, IpcAddresses
 
     async def scenario():

@@ -1,7 +1,7 @@
 """The two wordings of an int flag's usage error, pinned: serve's flags
 ("not an integer", "must be in [low, high]" / "must be >= low") and generate's request
 fields ("invalid int value", "must be within [low, high]"); both come from one parser
-(`serve_args._bounded_int`)."""
+(`flag_types._bounded_int`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.ipc import EngineStats
-from jaxserve.observability.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, Metrics
+from jaxserve.observability.engine_metrics import ENGINE_COUNTERS, ENGINE_GAUGES
+from jaxserve.observability.metrics import Metrics
 from jaxserve.observability.stats import EngineCounters
 
 MODEL = "tiny"

@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
+from jaxserve.flag_types import positive_float
 from jaxserve.frontend import client_auth, server_address
-from jaxserve.serve_args import positive_float
 
 
 def add_subparsers(sub) -> None:

@@ -1,10 +1,10 @@
-"""The metric registry: every Prometheus metric jaxserve exports, defined in one place.
+"""The metric registry: the Prometheus metrics jaxserve exports, on one registry.
 
 The frontend process owns the registry and the HTTP endpoint. It observes what it sees
 itself (TTFT, inter-token latency, TPOT, end-to-end latency, tokens, finish reasons) and
-copies the engine's gauges and counters from the `EngineStats` messages that the engine
-sends through the detokenizer (`EngineStats.counters`, an
-`observability.stats.EngineCounters`: see `ENGINE_COUNTERS` and `ENGINE_GAUGES`).
+copies the engine's gauges, counters and histograms from the `EngineStats` messages that
+the engine sends through the detokenizer (which field is which metric:
+engine_metrics.py).
 
 The engine sends its counters as cumulative values since its start; they are exported as
 Prometheus counters (`..._total`, as vLLM's `vllm:num_preemptions_total` and
@@ -66,163 +66,18 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import HistogramMetricFamily
 
+from jaxserve.observability.engine_metrics import (
+    ENGINE_COUNTERS,
+    ENGINE_GAUGES,
+    EngineHistogramCollector,
+)
 from jaxserve.observability.process_cpu import ProcessCpu, host_busy_seconds, usable_cores
 from jaxserve.observability.stats import LATENCY_BUCKETS_S, cumulative_increment
 
 _LATENCY_BUCKETS = LATENCY_BUCKETS_S
 # Event-loop lag: a healthy loop runs a timer within a millisecond.
 _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-# Cumulative `EngineCounters` fields: field -> (counter name, help).
-# prometheus_client appends `_total` to a counter's name in the exposition.
-ENGINE_COUNTERS = {
-    "num_steps": ("jaxserve_engine_steps", "Engine steps"),
-    "num_preemptions": (
-        "jaxserve_num_preemptions", "Requests preempted (KV blocks freed, recomputed later)"
-    ),
-    "prefix_cache_queries": (
-        "jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
-    ),
-    "prefix_cache_hits": ("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-    "prefill_tokens": ("jaxserve_engine_prefill_tokens", "Prefill tokens computed"),
-    "decode_tokens": ("jaxserve_engine_decode_tokens", "Decode tokens computed"),
-    "host_time_s": (
-        "jaxserve_engine_host_time_seconds",
-        "Engine host time (schedule, prepare inputs, outputs), s",
-    ),
-    "device_time_s": ("jaxserve_engine_device_time_seconds", "Engine device time, s"),
-    "coordination_time_s": (
-        "jaxserve_engine_coordination_time_seconds",
-        "Multi-process step coordination (publishing steps), s",
-    ),
-    "num_compilations": (
-        "jaxserve_engine_compilations", "XLA compilations after warm-up (should stay 0)"
-    ),
-    "eplb_rebalances": (
-        "jaxserve_eplb_rebalances", "EPLB expert re-placements applied (weights moved)"
-    ),
-    "eplb_rebalance_s": (
-        "jaxserve_eplb_rebalance_seconds", "Time spent moving expert weights for EPLB, s"
-    ),
-    "coordination_bytes": (
-        "jaxserve_engine_coordination_bytes",
-        "Bytes the multi-process leader published to the followers (step inputs)",
-    ),
-    "requests_expired": (
-        "jaxserve_engine_requests_expired",
-        "Requests the engine aborted because their client's deadline had passed",
-    ),
-    "loop_wait_s": (
-        "jaxserve_engine_loop_wait_seconds", "Engine loop time blocked on its sockets (idle), s"
-    ),
-    "loop_work_s": (
-        "jaxserve_engine_loop_work_seconds",
-        "Engine loop time working (sockets drained, steps, outputs sent), s",
-    ),
-    "step_time_s": (
-        "jaxserve_engine_step_seconds",
-        "Dispatch-to-results time of the engine steps (an upper bound of device time), s",
-    ),
-    "model_bytes": (
-        "jaxserve_engine_model_bytes", "Bytes the steps read (weights + KV), from their shapes"
-    ),
-    "model_flops": ("jaxserve_engine_model_flops", "FLOPs of the steps, from their shapes"),
-    "prefill_steps": ("jaxserve_engine_prefill_steps", "Engine steps with prefill tokens"),
-    "decode_steps": ("jaxserve_engine_decode_steps", "Engine steps with decode tokens"),
-}  # fmt: skip
-
-# `EngineCounters` fields that are values of the last step, exported as gauges (name, help).
-# Names end in the unit, `_seconds` (Prometheus' naming convention).
-ENGINE_GAUGES = {
-    "last_host_s": ("jaxserve_engine_last_host_seconds", "Host time of the last engine step, s"),
-    "last_device_s": (
-        "jaxserve_engine_last_device_seconds", "Device time of the last engine step, s"
-    ),
-    "last_coordination_s": (
-        "jaxserve_engine_last_coordination_seconds",
-        "Multi-process step coordination time of the last step, s",
-    ),
-    "step_agreement_s": (
-        "jaxserve_engine_step_agreement_seconds",
-        "Multi-process: slowest follower's median time from the leader's publish to "
-        "having the step, s",
-    ),
-    "kv_blocks_used_max": (
-        "jaxserve_kv_blocks_used_max", "High-water mark of KV blocks held by requests"
-    ),
-    "last_mbu": (
-        "jaxserve_engine_mbu", "Model bandwidth utilisation of the last step (bytes/s / peak)"
-    ),
-    "last_mfu": ("jaxserve_engine_mfu", "Model FLOP utilisation of the last step (FLOP/s / peak)"),
-    "peak_bandwidth": (
-        "jaxserve_device_peak_bandwidth_bytes_per_second",
-        "Memory bandwidth peak of the engine's devices, bytes per second (CPU: measured)",
-    ),
-    "peak_flops": (
-        "jaxserve_device_peak_flops_per_second",
-        "FLOP per second peak of the engine's devices at the compute dtype (CPU: measured)",
-    ),
-    "last_prefill_tokens": (
-        "jaxserve_engine_last_step_prefill_tokens", "Prefill tokens of the last engine step"
-    ),
-    "last_decode_tokens": (
-        "jaxserve_engine_last_step_decode_tokens", "Decode tokens of the last engine step"
-    ),
-    "warmup_pending_shapes": (
-        "jaxserve_engine_warmup_pending_shapes",
-        "Step shapes still compiling in the background after start-up (0: all compiled)",
-    ),
-}  # fmt: skip
-
-# Histograms the engine keeps (`observability.stats.EngineHistograms`): name -> (counts
-# field, sum field, bucket bounds, help).
-ENGINE_HISTOGRAMS = {
-    "jaxserve_request_queue_time_seconds": (
-        "queue_time_counts", "queue_time_sum_s", LATENCY_BUCKETS_S,
-        "Queue time: request arrival to its first scheduling in the engine, s",
-    ),
-}  # fmt: skip
-
-
-class _EngineHistograms:
-    """A prometheus_client collector of `ENGINE_HISTOGRAMS` from the engine's last
-    cumulative counts; counts that go down (an engine restart) are added to a base."""
-
-    def __init__(self, model: str) -> None:
-        self._model = model
-        self._last: dict[str, tuple[list[int], float]] = {}
-        self._base: dict[str, tuple[list[int], float]] = {}
-
-    def update(self, histograms) -> None:
-        for name, (counts_key, sum_key, bounds, _) in ENGINE_HISTOGRAMS.items():
-            counts = list(getattr(histograms, counts_key)) or [0] * (len(bounds) + 1)
-            total = float(getattr(histograms, sum_key))
-            last = self._last.get(name)
-            if last is not None and sum(counts) < sum(last[0]):  # restarted: keep the old
-                base = self._base.get(name, ([0] * len(counts), 0.0))
-                self._base[name] = (
-                    [a + b for a, b in zip(base[0], last[0], strict=True)],
-                    base[1] + last[1],
-                )
-            self._last[name] = (counts, total)
-
-    def collect(self):
-        for name, (_, _, bounds, doc) in ENGINE_HISTOGRAMS.items():
-            counts, total = self._last.get(name, ([0] * (len(bounds) + 1), 0.0))
-            base = self._base.get(name)
-            if base is not None:
-                counts = [a + b for a, b in zip(counts, base[0], strict=True)]
-                total += base[1]
-            family = HistogramMetricFamily(name, doc, labels=["model"])
-            cumulative, buckets = 0, []
-            for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
-                cumulative += n
-                buckets.append((le, cumulative))
-            family.add_metric([self._model], buckets, total)
-            yield family
-
 
 # Expert-load metric names (see the module docstring).
 EXPERT_BALANCEDNESS = "jaxserve_expert_balancedness"
@@ -304,7 +159,7 @@ class Metrics:
             "How late the frontend's event loop runs a timer (observability.loop_lag)",
             labelnames=["model"], buckets=_LOOP_LAG_BUCKETS, registry=r,
         ).labels(**labels)  # fmt: skip
-        self._engine_histograms = _EngineHistograms(model)
+        self._engine_histograms = EngineHistogramCollector(model)
         r.register(self._engine_histograms)
         self._process_cpu = ProcessCpu(model, cpu_clock, host_clock)
         r.register(self._process_cpu)

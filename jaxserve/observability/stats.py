@@ -2,11 +2,12 @@
 boundaries (msgpack, `jaxserve.ipc`) field by field.
 
 `EngineCounters` is the engine core's: cumulative counters since its start (exported as
-Prometheus counters, `metrics.ENGINE_COUNTERS`), the last step's timings and utilisation
-(gauges, `metrics.ENGINE_GAUGES`). Every field has a metric: a new field needs one there.
-`EngineHistograms` holds the histograms kept in the engine (`metrics.ENGINE_HISTOGRAMS`:
-per-bucket counts and a sum, cumulative, so that a stats message the engine skips loses
-nothing); `Histogram` is the engine-side accumulator of one.
+Prometheus counters, `engine_metrics.ENGINE_COUNTERS`), the last step's timings and
+utilisation (gauges, `engine_metrics.ENGINE_GAUGES`). Every field has a metric: a new
+field needs one there. `EngineHistograms` holds the histograms kept in the engine
+(`engine_metrics.ENGINE_HISTOGRAMS`: per-bucket counts and a sum, cumulative, so that a
+stats message the engine skips loses nothing); `Histogram` is the engine-side
+accumulator of one.
 No JAX here.
 """
 
@@ -141,7 +142,7 @@ class EngineCounters:
 @dataclass(slots=True)
 class EngineHistograms:
     """Histograms the engine keeps (`EngineStats.histograms`), cumulative since its start,
-    exported by `metrics.ENGINE_HISTOGRAMS`.
+    exported by `engine_metrics.ENGINE_HISTOGRAMS`.
 
     queue_time_counts / queue_time_sum_s: per-bucket counts (`Histogram.counts`, over
         `LATENCY_BUCKETS_S`) and total of the seconds from a request's arrival to its

@@ -239,7 +239,7 @@ def cmd_engine(args) -> int:
     from jaxserve.hub import resolve_model  # noqa: PLC0415
     from jaxserve.logs import configure_logging  # noqa: PLC0415
     from jaxserve.router.cli_args import host_port  # noqa: PLC0415
-    from jaxserve.serve_args import engine_config, model_argument  # noqa: PLC0415
+    from jaxserve.serve_config import engine_config, model_argument  # noqa: PLC0415
 
     configure_logging(args.log_level, "headless")
     if ignored := _frontend_flags_given(args):

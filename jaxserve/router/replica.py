@@ -41,6 +41,10 @@ class Replica:
     def name(self) -> str:
         return f"replica {self.index}"
 
+    def named(self, reason: str) -> str:
+        """`reason` naming this replica (as it is when it names it already)."""
+        return reason if self.name in reason else f"{self.name}: {reason}"
+
     @property
     def state(self) -> str:
         c = self.client
@@ -49,3 +53,12 @@ class Replica:
         if c.stalled_reason is not None:
             return "stalled"
         return "serving" if c.ready else "starting"
+
+
+def no_replica_serves(replicas: list[Replica]) -> str:
+    """Why none of `replicas` serves: each one's dead or stall reason, or "starting"."""
+    reasons = [
+        rep.named(rep.client.dead_reason or rep.client.stalled_reason or "starting")
+        for rep in replicas
+    ]
+    return "no replica serves (" + "; ".join(reasons) + ")"

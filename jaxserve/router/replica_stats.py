@@ -9,7 +9,8 @@ death never makes a counter go down (the engine histograms too, bucket by bucket
 `last_*` step values and the `peak_*` device peaks are the maximum. Model limits and the
 resolved async scheduling come from the first replica (they agree: every replica runs
 one config, and `ReplicaSet` refuses a replica whose model or block size differs).
-`replica_info` and `update_gauges` give each replica's line (GetServerInfo, metrics).
+`refusal` says why a replica cannot join them; `replica_info` and `update_gauges` give
+each replica's line (GetServerInfo, metrics).
 """
 
 from __future__ import annotations
@@ -65,6 +66,23 @@ def aggregate_stats(live: list[EngineStats], all_seen: list[EngineStats]) -> Eng
         counters=counters,
         histograms=histograms,
     )
+
+
+def refusal(stats: EngineStats, first: EngineStats, block_size: int) -> str | None:
+    """Why a replica whose stats are `stats` cannot serve beside the others: once ready,
+    its model or max_model_len differs from the first replica's (`first`) or its block
+    size from the router's (`block_size`). None when it can."""
+    if stats.ready and (
+        stats.block_size != block_size
+        or stats.model != first.model
+        or stats.max_model_len != first.max_model_len
+    ):
+        return (
+            f"refused: model {stats.model!r} / block_size {stats.block_size} / "
+            f"max_model_len {stats.max_model_len} differ from model {first.model!r} / "
+            f"block_size {block_size} / max_model_len {first.max_model_len}"
+        )
+    return None
 
 
 def update_gauges(metrics, replicas, router) -> None:

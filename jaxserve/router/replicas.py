@@ -2,12 +2,12 @@
 `AsyncEngineClient` (what `frontend.requests.RequestPath`, the gRPC and HTTP services use).
 
 Each replica is its own pipeline (engine process -> its detokenizer sidecar -> this
-frontend), reached through its own `AsyncEngineClient` and `IpcAddresses`, plus a KV
-events socket bound here (`addresses.kv_events`) and a socket to its control path for
-snapshot requests. A request's n samples go to one replica, chosen by the `Router`
-among the replicas that serve now (ready, not stalled, not dead). Replicas on other
-hosts join while it runs (`add_remote`, called by `router.remote`), with their sockets
-bound here on TCP ports; a dead remote replica's slot goes to the next one that joins.
+frontend), reached through its own `AsyncEngineClient` and `IpcAddresses`, plus its KV
+event channel (router/kv_channel.py). A request's n samples go to one replica, chosen
+by the `Router` among the replicas that serve now (ready, not stalled, not dead).
+Replicas on other hosts join while it runs (`add_remote`, called by `router.remote`),
+with their sockets bound here on TCP ports; a dead remote replica's slot goes to the
+next one that joins.
 
 Health of a replica:
 - dead (`replica_died`, called by the launcher's child watcher when its engine or its
@@ -27,7 +27,6 @@ No JAX. The router's own logic is in `router.Router`; this module is the wiring.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -36,33 +35,23 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from jaxserve.frontend.engine_client import (
-    SHUTTING_DOWN,
-    AsyncEngineClient,
-    EngineDeadError,
-    RequestStream,
-)
+from jaxserve.frontend.engine_client import SHUTTING_DOWN, AsyncEngineClient
 from jaxserve.frontend.liveness import CHECK_INTERVAL_S, stalled_process
+from jaxserve.frontend.request_stream import EngineDeadError, RequestStream
 from jaxserve.ipc import (
     EngineRequest,
     EngineStats,
     IpcAddresses,
-    KvEvents,
-    KvSnapshot,
-    KvSnapshotRequest,
     ProfileRequest,
     TextOutput,
     TextOutputs,
     bound_endpoint,
-    decode,
-    encode,
-    make_socket,
 )
-from jaxserve.router.events import ReplicaEvents
+from jaxserve.router.kv_channel import open_kv_channel
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.profiles import profile_replicas
-from jaxserve.router.replica import Replica
-from jaxserve.router.replica_stats import aggregate_stats, replica_info, update_gauges
+from jaxserve.router.replica import Replica, no_replica_serves
+from jaxserve.router.replica_stats import aggregate_stats, refusal, replica_info, update_gauges
 from jaxserve.router.router import Decision, Router
 
 logger = logging.getLogger("jaxserve.router")
@@ -119,7 +108,7 @@ class ReplicaSet:
         rep.client.add_stats_listener(lambda s, rep=rep: self._on_stats(rep, s))
         self._listen(rep)
         if rep.addresses.kv_events:
-            self._start_events(rep)
+            open_kv_channel(rep, self._ctx, self._sync_ctx, self.router.index, self.metrics)
 
     async def add_remote(self, addresses: IpcAddresses, name: str) -> Replica:
         """A replica on another host joined (`router.remote`): a new replica, or the slot
@@ -158,23 +147,6 @@ class ReplicaSet:
                 sock.close()
         rep.reader = rep.kv_socket = rep.control = None
 
-    def _start_events(self, rep: Replica) -> None:
-        a = rep.addresses
-        rep.kv_socket = make_socket(self._ctx, zmq.PULL, a.kv_events, bind=True)
-        rep.control = make_socket(
-            self._sync_ctx, zmq.PUSH, a.kv_control or a.engine_control, bind=a.frontend_binds
-        )
-
-        def ask(reason: str, rep: Replica = rep) -> None:
-            with contextlib.suppress(zmq.Again):  # a full queue: poll() asks again
-                rep.control.send(encode(KvSnapshotRequest(reason)), zmq.NOBLOCK)
-            if self.metrics is not None:
-                self.metrics.resync(rep.index)
-
-        rep.events = ReplicaEvents(rep.index, self.router.index, ask)
-        rep.events.start()  # this frontend knows nothing yet: ask for a snapshot
-        rep.reader = asyncio.create_task(self._read_events(rep), name=f"kv-events-{rep.index}")
-
     async def close(self) -> None:
         tasks = [t for t in [self._watch] + [r.reader for r in self.replicas] if t is not None]
         for task in tasks:
@@ -185,20 +157,6 @@ class ReplicaSet:
         for ctx in (self._ctx, self._sync_ctx):
             if ctx is not None:
                 ctx.term()
-
-    async def _read_events(self, rep: Replica) -> None:
-        while True:
-            frame = await rep.kv_socket.recv()
-            try:
-                msg = decode(frame)
-                if rep.client.dead_reason is not None:
-                    continue
-                if isinstance(msg, KvEvents):
-                    rep.events.on_events(msg)
-                elif isinstance(msg, KvSnapshot):
-                    rep.events.on_snapshot(msg)
-            except Exception:
-                logger.exception("%s: dropping a KV events message that failed to apply", rep.name)
 
     # ----- the engine client interface ----------------------------------------------------
 
@@ -235,7 +193,7 @@ class ReplicaSet:
         EngineDeadError when none serves."""
         live = [rep for rep in self.replicas if rep.client.ready]
         if not live:
-            raise EngineDeadError(self._unavailable())
+            raise EngineDeadError(no_replica_serves(self.replicas))
         if isinstance(msg, ProfileRequest) and len(self.replicas) > 1:
             from jaxserve.observability.profile_rpc import MANIFEST_GRACE_S  # noqa: PLC0415
 
@@ -267,7 +225,7 @@ class ReplicaSet:
             raise ValueError(f"request_id: {request_id!r} is already running")
         live = [rep.index for rep in self.replicas if rep.client.ready]
         if not live:
-            raise EngineDeadError(self._unavailable())
+            raise EngineDeadError(no_replica_serves(self.replicas))
         prompt = samples[0].prompt_token_ids if samples else []
         decision = self.router.decide(prompt, live)
         rep = self.replicas[decision.replica]
@@ -339,7 +297,7 @@ class ReplicaSet:
     def replica_died(self, index: int, reason: str) -> None:
         """The replica's engine or sidecar exited: out of rotation, streams end naming it."""
         rep = self.replicas[index]
-        self._replica_down(rep, self._named(rep, reason), dead=True)
+        self._replica_down(rep, rep.named(reason), dead=True)
         if all(r.client.dead_reason is not None for r in self.replicas):
             self.dead_reason = f"every replica died (last: {rep.name}: {reason})"
         self._publish_stats()
@@ -356,17 +314,6 @@ class ReplicaSet:
         for s, r in list(self._by_stream.items()):
             if r is rep and dead:
                 del self._by_stream[s]
-
-    @staticmethod
-    def _named(rep: Replica, reason: str) -> str:
-        return reason if rep.name in reason else f"{rep.name}: {reason}"
-
-    def _unavailable(self) -> str:
-        reasons = [
-            self._named(rep, rep.client.dead_reason or rep.client.stalled_reason or "starting")
-            for rep in self.replicas
-        ]
-        return "no replica serves (" + "; ".join(reasons) + ")"
 
     async def _watch_replicas(self) -> None:
         since = time.monotonic()
@@ -390,11 +337,13 @@ class ReplicaSet:
                         if rep.events is not None:
                             rep.events.resync("back from a stall")
                     else:
-                        self._replica_down(rep, self._named(rep, reason), dead=False)
+                        self._replica_down(rep, rep.named(reason), dead=False)
                 if rep.events is not None:
                     rep.events.poll(now)
             self.stalled_reason = (
-                None if self.ready else (self._unavailable() if self.dead_reason is None else None)
+                None
+                if self.ready
+                else (no_replica_serves(self.replicas) if self.dead_reason is None else None)
             )
             self._update_gauges()
             if changed:
@@ -420,17 +369,9 @@ class ReplicaSet:
 
     def _on_stats(self, rep: Replica, stats: EngineStats) -> None:
         first = next((r.last_stats for r in self.replicas if r.last_stats is not None), stats)
-        if stats.ready and (
-            stats.block_size != self.router.block_size
-            or stats.model != first.model
-            or stats.max_model_len != first.max_model_len
-        ):
-            self.replica_died(
-                rep.index,
-                f"refused: model {stats.model!r} / block_size {stats.block_size} / "
-                f"max_model_len {stats.max_model_len} differ from model {first.model!r} / "
-                f"block_size {self.router.block_size} / max_model_len {first.max_model_len}",
-            )
+        refused = refusal(stats, first, self.router.block_size)
+        if refused is not None:
+            self.replica_died(rep.index, refused)
             return
         joined = stats.ready and (rep.last_stats is None or not rep.last_stats.ready)
         if joined:

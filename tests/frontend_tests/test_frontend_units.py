@@ -12,12 +12,9 @@ import pytest
 from jaxserve import ipc
 from jaxserve.frontend.client import build_generate_request
 from jaxserve.frontend.detokenizer_process import OutputProcessor
-from jaxserve.frontend.engine_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    engine_request_id,
-)
+from jaxserve.frontend.engine_client import AsyncEngineClient, engine_request_id
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
+from jaxserve.frontend.request_stream import EngineDeadError
 from jaxserve.frontend.validation import (
     DEFAULT_MAX_TOKENS,
     ModelLimits,

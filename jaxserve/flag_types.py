@@ -1,0 +1,125 @@
+"""The argparse types of the command-line flags: each turns the text of one flag into a
+checked value (an int in a range, a finite float, a fraction, a log level, ...) or a
+usage error that names the flag and the range, raised before any process starts.
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.config import block_size_error
+
+
+def _bounded_int(low: int, high: int | None, *, not_int: str, bound: str):
+    """An argparse type: an int in [low, high] (high None: no upper bound). Text that is
+    no int is the usage error "{not_int}: 'text'"; an int out of range is
+    "must be {bound}, got {value}" (the wording is the caller's: see its two users)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{not_int}: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high], else a usage error naming the range."""
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    return _bounded_int(low, high, not_int="not an integer", bound=bound)
+
+
+PORT = int_at_least(0, 65535)
+POSITIVE = int_at_least(1)
+
+
+def block_size(text: str) -> int:
+    """An argparse type: a KV block size the engine takes (`config.block_size_error`)."""
+    value = POSITIVE(text)
+    error = block_size_error(value)
+    if error:
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
+def model_name(text: str) -> str:
+    """An argparse type: a non-empty model name (what clients send as `model`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty (clients name the model with it; leave the flag out to use "
+            "the model id or folder name)"
+        )
+    return text
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0 (seconds of a timeout or a capture; NaN,
+    inf, 0 and negatives are usage errors naming the flag, not a call that fails later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def int_within(low: int, high: int):
+    """An argparse type: an int in [low, high], the range of the request field it fills
+    (a proto int32 or int64), so that a value out of it is a usage error naming the flag
+    and the range, as the HTTP API says it, not protobuf's "Value out of range"."""
+    return _bounded_int(low, high, not_int="invalid int value", bound=f"within [{low}, {high}]")
+
+
+def fraction_open(text: str) -> float:
+    """An argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}; expected one of {', '.join(_LOG_LEVELS)} (any case)"
+        )
+    return text.upper()
