@@ -227,3 +227,16 @@ def test_engine_control_deadlines_and_late_aborts():
     ctl.aborted(["late"])  # the abort overtook its request
     assert not ctl.admit("late", deadline=None) and ctl.num_dropped_late == 1
     assert ctl.admit("late2", deadline=None)
+
+
+def test_engine_control_poll_timeout_follows_each_clock():
+    """The heartbeat is on the monotonic clock, deadlines on the wall clock: with the
+    real clocks (about 1.7e9 s apart), an idle loop blocks until the next heartbeat,
+    not 1 ms (the old single-clock arithmetic spun an idle engine at ~14% of a core)."""
+    ctl = EngineControl(heartbeat_interval_s=0.5)
+    wall, mono = time.time(), time.monotonic()
+    assert ctl.heartbeat_due(mono)
+    assert 490 <= ctl.poll_timeout_ms(wall, mono) <= 500
+    ctl.admit("r", deadline=wall + 0.2)  # a deadline sooner than the heartbeat
+    assert 190 <= ctl.poll_timeout_ms(wall, mono) <= 200
+    assert ctl.poll_timeout_ms(wall + 0.3, mono) == 1  # past it: do not block

@@ -5,6 +5,7 @@ out at the step it happens."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import zmq
@@ -94,3 +95,17 @@ def test_stats_not_due_are_not_built_and_count_changes_go_out_at_once():
     # Built: the start, the first step's, the change at step 30, the idle ones at the end
     # (and the add's); not one per step.
     assert core.stats_built <= 8, core.stats_built
+
+
+def test_an_idle_loop_blocks_between_heartbeats():
+    """Idle for 1 s, the loop wakes for its heartbeats (every 0.5 s), not every
+    millisecond: it builds its stats a few times, not hundreds."""
+    core = _CountedCore()
+    with loop_sockets("loop-idle") as (to_loop, loop_in, loop_out, from_loop):
+        loop = EngineLoop(core, loop_in, loop_out)
+        thread = threading.Thread(target=loop.run)
+        thread.start()
+        time.sleep(1.0)
+        to_loop.send(encode(Shutdown("test")))
+        thread.join(10)
+    assert core.stats_built <= 10, core.stats_built

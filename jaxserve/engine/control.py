@@ -13,6 +13,10 @@ Plain Python, no JAX, no sockets: `jaxserve.engine.process.EngineLoop` calls it.
   the loop to abort before its next step.
 - Heartbeat: `heartbeat_due(now)` says when the loop must send one (every
   `heartbeat_interval_s`, idle or not), so the frontend can tell a stalled engine.
+
+Two clocks: deadlines are wall-clock times (`time.time()`: they come from the client's
+host), the heartbeat schedule is monotonic (`time.monotonic()`: a wall-clock step must
+not stop or flood the heartbeats). `poll_timeout_ms` takes both.
 """
 
 from __future__ import annotations
@@ -80,15 +84,16 @@ class EngineControl:
         return out
 
     def heartbeat_due(self, now: float) -> bool:
-        """True (and the clock restarts) when a heartbeat is due."""
+        """True (and the clock restarts) when a heartbeat is due. now: `time.monotonic()`."""
         if now - self._last_heartbeat >= self.heartbeat_interval_s:
             self._last_heartbeat = now
             return True
         return False
 
-    def poll_timeout_ms(self, now: float) -> int:
-        """How long an idle loop may block: until the next heartbeat or deadline."""
-        wait = self._last_heartbeat + self.heartbeat_interval_s - now
+    def poll_timeout_ms(self, wall_now: float, monotonic_now: float) -> int:
+        """How long an idle loop may block (ms, 1 to 3,600,000): until the next heartbeat
+        (`monotonic_now`: `time.monotonic()`) or deadline (`wall_now`: `time.time()`)."""
+        wait = self._last_heartbeat + self.heartbeat_interval_s - monotonic_now
         if self._heap:
-            wait = min(wait, self._heap[0][0] - now)
+            wait = min(wait, self._heap[0][0] - wall_now)
         return max(1, int(min(max(wait, 0.0), 3600.0) * 1000))

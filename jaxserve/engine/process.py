@@ -152,7 +152,8 @@ class EngineLoop:
                 self._flush_kv_events()
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
                 waited = time.perf_counter()
-                self._poller.poll(min(_IDLE_POLL_MS, self._control.poll_timeout_ms(time.time())))
+                timeout = self._control.poll_timeout_ms(time.time(), time.monotonic())
+                self._poller.poll(min(_IDLE_POLL_MS, timeout))
                 self._wait_s += time.perf_counter() - waited
                 TIMELINE.span("poll (idle)", waited)
             t = TIMELINE.now()
