@@ -36,3 +36,27 @@ def test_frontend_flags_have_groups_of_their_own():
     ]  # fmt: skip
     assert sections["TLS"] == ["--tls-cert", "--tls-key", "--tls-client-ca"]
     assert sections["API key"] == ["--api-key", "--api-key-file"]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_engine_help_lists_only_the_flags_that_shape_the_engine():
+    """`jaxserve engine --help` lists no frontend or router flag (serve lists them all);
+    the engine still accepts them, so that a serve command line runs as is, and names
+    the ones given as ignored."""
+    from jaxserve.router import headless
+
+    engine = _subparser("engine")
+    listed = {flag for flags in _sections(engine.format_help()).values() for flag in flags}
+    frontend = ["--port", "--http-port", "--stats-log-interval", "--replicas", "--router-policy"]
+    frontend += ["--router-weight", "--replica-listen", "--allow-remote"]
+    serve_listed = {f for fs in _sections(_serve_help()).values() for f in fs}
+    assert set(frontend) <= serve_listed
+    assert not listed & set(frontend), listed & set(frontend)
+    assert {"--max-num-seqs", "--mesh", "--log-level", "--frontend"} <= listed
+    args = engine.parse_args(["--frontend", "h:1", "--port", "7", "--router-weight", "2"])
+    assert headless._frontend_flags_given(args) == ["--port", "--router-weight"]

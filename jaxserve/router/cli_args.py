@@ -8,12 +8,15 @@ from jaxserve.router import options
 from jaxserve.router.options import RouterOptions
 from jaxserve.router.policy import POLICIES
 
+# The help group of the flags below; every one of them is the frontend's.
+ROUTER_GROUP = "replicas and routing"
+
 
 def add_router_arguments(s: argparse.ArgumentParser) -> None:
     """--replicas, --devices-per-replica, --router-policy, --router-weight,
     --router-temperature, --restart-dead-replicas, --replica-listen, --allow-remote (a
     "replicas and routing" group)."""
-    g = s.add_argument_group("replicas and routing")
+    g = s.add_argument_group(ROUTER_GROUP)
     g.add_argument(
         "--replicas", type=int, default=1, metavar="N",
         help="engine replicas on this host, each with its own devices, engine process and "

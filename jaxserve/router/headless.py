@@ -26,6 +26,7 @@ No JAX in this process (the engine process has it).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from jaxserve.ipc import (
 )
 from jaxserve.launcher import CHILD_POLL_INTERVAL_S, _Child, _spawn, _stop_children
 from jaxserve.logs import read_start_failure
+from jaxserve.router.cli_args import ROUTER_GROUP
 from jaxserve.router.identity import model_identity
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
 
@@ -265,10 +267,11 @@ def cmd_engine(args) -> int:
 
 
 # serve's flags that only the frontend reads: given to `jaxserve engine`, they are ignored.
+# The serve flags outside the router's group that only the frontend reads (the
+# router's group, `cli_args.ROUTER_GROUP`, is the frontend's whole).
 FRONTEND_ONLY = (
-    "host", "port", "metrics_port", "http_port", "chat_template", "replicas",
-    "devices_per_replica", "router_policy", "replica_listen", "allow_remote",
-    "restart_dead_replicas",
+    "host", "port", "metrics_port", "http_port", "chat_template", "stats_log_interval",
+    "disable_log_stats",
 )  # fmt: skip
 
 
@@ -277,12 +280,25 @@ def _frontend_flags_given(args) -> list[str]:
     defaults = _PARSER_DEFAULTS
     return [
         "--" + d.replace("_", "-")
-        for d in FRONTEND_ONLY
+        for d in _FRONTEND_DESTS
         if d in defaults and getattr(args, d, None) != defaults[d]
     ]
 
 
 _PARSER_DEFAULTS: dict = {}
+_FRONTEND_DESTS: list[str] = []  # FRONTEND_ONLY and the router group's, in --help order
+
+
+def _hide_frontend_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Unlist the frontend's flags from `parser`'s help (still accepted, so that a serve
+    command line runs as is; cmd_engine warns that they are ignored). Returns their dests."""
+    hidden = []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if group.title == ROUTER_GROUP or action.dest in FRONTEND_ONLY:
+                action.help = argparse.SUPPRESS
+                hidden.append(action.dest)
+    return hidden
 
 
 def add_subparser(sub) -> None:
@@ -295,9 +311,12 @@ def add_subparser(sub) -> None:
         description="A headless engine replica: joins the frontend at --frontend over TCP "
         "and serves its requests on this host's devices. The serve flags that shape the "
         "engine (model, dtype, KV cache, scheduler, mesh, compilation) apply and must give "
-        "the frontend's model identity; the frontend's and router's flags are ignored.",
+        "the frontend's model identity. The frontend's and router's flags are accepted, so "
+        "that a serve command line runs as is, but ignored (with a warning), and not "
+        "listed here.",
     )  # fmt: skip
     add_serve_arguments(e)
+    _FRONTEND_DESTS[:] = _hide_frontend_flags(e)
     e.add_argument(
         "--frontend", required=True, metavar="HOST:PORT",
         help="the frontend's --replica-listen address",
