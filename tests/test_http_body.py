@@ -75,44 +75,113 @@ def test_a_body_that_stops_coming_is_a_408_at_the_deadline(monkeypatch):
     )
 
 
-def test_connections_past_the_cap_get_503(monkeypatch):
-    """HttpServer caps open connections (MAX_HTTP_CONNECTIONS): idle connections that
-    never send a request fill it, and the next client is answered 503 at once instead of
-    the process running out of file descriptors."""
+def _serve(app, run):
+    """Start an HttpServer of `app` on a free port, await run(port), stop it."""
+    from jaxserve.frontend.http import server as http_server
+
+    async def go():
+        srv = http_server.HttpServer(app)
+        port = await srv.start("127.0.0.1", 0)
+        try:
+            return await run(port)
+        finally:
+            await srv.stop(1.0)
+
+    return asyncio.run(go())
+
+
+def _get(port: int, head: bytes = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n") -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        return s.recv(4096)
+
+
+async def _ok(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_idle_connections_past_the_cap_make_room(monkeypatch):
+    """HttpServer caps open connections (MAX_HTTP_CONNECTIONS) so that they cannot use up
+    the file descriptors; idle ones (that never sent a request, or kept alive after
+    theirs) cannot lock clients out: a newcomer past the cap is served, and the
+    connection idle the longest is closed for it."""
     import socket
 
     from jaxserve.frontend.http import server as http_server
 
     monkeypatch.setattr(http_server, "MAX_HTTP_CONNECTIONS", 2)
 
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async def go():
-        srv = http_server.HttpServer(app)
-        port = await srv.start("127.0.0.1", 0)
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-        await asyncio.sleep(0.3)  # the server has accepted both
-
-        def get() -> bytes:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-                return s.recv(100)
-
+    async def run(port):
+        first = socket.create_connection(("127.0.0.1", port), timeout=10)
+        await asyncio.sleep(0.2)
+        second = socket.create_connection(("127.0.0.1", port), timeout=10)
+        await asyncio.sleep(0.2)  # the server has accepted both, the first idle longer
         try:
-            over = await asyncio.to_thread(get)
-            for s in idle:
-                s.close()
-            await asyncio.sleep(0.3)
-            under = await asyncio.to_thread(get)
+            answer = await asyncio.to_thread(_get, port)
+            closed = await asyncio.to_thread(first.recv, 100)  # b"": closed by the server
+            second.setblocking(False)
+            try:
+                second.recv(100)
+                still_open = False
+            except BlockingIOError:
+                still_open = True
+            return answer, closed, still_open
         finally:
-            await srv.stop(1.0)
-        return over, under
+            first.close()
+            second.close()
 
-    over, under = asyncio.run(go())
-    assert over.startswith(b"HTTP/1.1 503"), over
-    assert under.startswith(b"HTTP/1.1 200"), under
+    answer, closed, still_open = _serve(_ok, run)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert closed == b"" and still_open
+
+
+def test_busy_connections_past_the_cap_get_a_json_503(monkeypatch):
+    """When every connection under the cap has a request in progress, the next one is
+    answered 503 in the API's error shape and closed."""
+    import threading
+
+    from jaxserve.frontend.http import server as http_server
+
+    monkeypatch.setattr(http_server, "MAX_HTTP_CONNECTIONS", 2)
+    release = threading.Event()
+
+    async def slow(scope, receive, send):
+        await asyncio.to_thread(release.wait, 10)
+        await _ok(scope, receive, send)
+
+    async def run(port):
+        busy = [asyncio.create_task(asyncio.to_thread(_get, port)) for _ in range(2)]
+        await asyncio.sleep(0.3)  # both requests are in the app
+        try:
+            return await asyncio.to_thread(_get, port)
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+
+    answer = _serve(slow, run)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"content-type: application/json" in head
+    error = json.loads(body)["error"]
+    assert error["code"] == "server_busy" and "request in progress" in error["message"]
+
+
+def test_a_request_head_that_stops_coming_is_a_408(monkeypatch):
+    """A client that sends part of a request head and then nothing (slowloris) gets 408
+    at the deadline, so that it cannot hold a connection as "in progress" for ever."""
+    from jaxserve.frontend.http import server as http_server
+
+    monkeypatch.setattr(http_server, "BODY_READ_TIMEOUT_S", 0.3)
+
+    async def run(port):
+        return await asyncio.to_thread(_get, port, b"GET / HTTP/1.1\r\nhost: x\r\n")
+
+    answer = _serve(_ok, run)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,15 @@ sees it: the app cannot answer it. `JsonErrorProtocol` makes that answer a 400 i
 API's JSON error shape (`errors.error_body`) instead of uvicorn's plain text, and
 `MalformedRequestLog` turns uvicorn's WARNING per such request (a scanner sending garbage
 would flood the log) into a DEBUG line, with a WARNING at most once a minute counting them.
+
+Open connections are capped (`MAX_HTTP_CONNECTIONS`), so that clients that open
+connections and never finish a request cannot use up the process's file descriptors,
+which the gRPC port and the metrics share. A connection past the cap takes the place of
+the connection idle the longest (no request in progress: never sent one, or kept alive
+after its response), which is closed; only when every connection has a request in
+progress is the new one answered 503 (JSON, `server_busy`) and closed. So idle sockets,
+however many, cannot lock clients out (uvicorn's own cap, `limit_concurrency`, answers
+the newcomer with a plain-text 503 and a WARNING each: 4096 idle sockets held the API).
 """
 
 from __future__ import annotations
@@ -28,12 +37,16 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from jaxserve.frontend.http.errors import error_body
+from jaxserve.frontend.http.responses import BODY_READ_TIMEOUT_S
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
-# Open HTTP connections (and their requests) at most; the request body deadline is
-# `responses.BODY_READ_TIMEOUT_S`.
+# Open HTTP connections (and their requests) at most (see the module docstring); the
+# request body deadline is `responses.BODY_READ_TIMEOUT_S`.
 MAX_HTTP_CONNECTIONS = 4096
+BUSY_MESSAGE = (
+    f"server busy: {MAX_HTTP_CONNECTIONS} HTTP connections all have a request in progress; retry"
+)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,12 +82,67 @@ MALFORMED_WARNING_INTERVAL_S = 60.0
 
 class JsonErrorProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP protocol, whose 400 for a request its parser refuses is JSON in the
-    API's error shape. The connection closes after it, as uvicorn's own 400 does."""
+    API's error shape (the connection closes after it, as uvicorn's own 400 does), and
+    which keeps open connections under `MAX_HTTP_CONNECTIONS` (module docstring)."""
+
+    # loop.time() since when the connection has had no request in progress; None while
+    # one is (from its first bytes to its response's end).
+    idle_since: float | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.idle_since = self.loop.time()
+        if len(self.connections) <= MAX_HTTP_CONNECTIONS:
+            return
+        idle = [c for c in self.connections if c is not self and c.idle_since is not None]
+        if idle:
+            oldest = min(idle, key=lambda c: c.idle_since)
+            oldest.idle_since = None  # counted out at once: its close comes later
+            oldest.transport.close()
+            _CAP_LOG.note("closed the longest idle HTTP connection for a new one")
+            return
+        _CAP_LOG.note("refused an HTTP connection with 503: every one has a request")
+        self._send_json_error(503, "Service Unavailable", BUSY_MESSAGE, "server_busy")
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle_since is not None:  # a request begins: its head has a deadline
+            self.idle_since = None
+            self._head_timer = self.loop.call_later(BODY_READ_TIMEOUT_S, self._head_timed_out)
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def _head_timed_out(self) -> None:
+        """A request head not complete within BODY_READ_TIMEOUT_S of its first byte (a
+        slowloris) is a 408, as a body that stops coming is (`responses.read_body`)."""
+        self._head_timer = None
+        if not self.transport.is_closing():
+            message = f"request: the request head was not received within {BODY_READ_TIMEOUT_S:g} s"
+            self._send_json_error(408, "Request Timeout", message, "request_timeout")
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.idle_since = self.loop.time()
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps(error_body(400, MALFORMED_MESSAGE, None, "invalid_http_request"))
-        data = body.encode()
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        self._send_json_error(400, "Bad Request", MALFORMED_MESSAGE, "invalid_http_request")
+
+    def _send_json_error(self, status: int, reason: str, message: str, code: str) -> None:
+        data = json.dumps(error_body(status, message, None, code)).encode()
+        head = [f"HTTP/1.1 {status} {reason}\r\n".encode()]
         head += [
             name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
         ]
@@ -87,30 +155,46 @@ class JsonErrorProtocol(AutoHTTPProtocol):
         self.transport.close()
 
 
+class CountedWarning:
+    """A WARNING of jaxserve.frontend.http at most every `MALFORMED_WARNING_INTERVAL_S`
+    (the first at once), counting the events noted since the last (`template`'s %d);
+    each event is a DEBUG line."""
+
+    def __init__(self, template: str) -> None:
+        self._template = template + "; at most one such line a minute, each at --log-level debug"
+        self._count = 0
+        self._last = -float("inf")
+
+    def note(self, event: str) -> None:
+        logger.debug(event)
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= MALFORMED_WARNING_INTERVAL_S:
+            logger.warning(self._template, self._count)
+            self._count, self._last = 0, now
+
+
+_CAP_LOG = CountedWarning(
+    f"%d HTTP connection(s) came past the cap of {MAX_HTTP_CONNECTIONS} (the one idle the "
+    "longest was closed for each, or the new one refused with 503 when all had a request)"
+)
+
+
 class MalformedRequestLog(logging.Filter):
     """A filter of the "uvicorn.error" logger: its WARNING for each request the parser
-    refuses becomes a DEBUG line of jaxserve.frontend.http; a WARNING counting them is
-    logged at most every `MALFORMED_WARNING_INTERVAL_S` (the first at once). uvicorn's
-    other lines pass."""
+    refuses becomes a DEBUG line of jaxserve.frontend.http, counted by a `CountedWarning`.
+    uvicorn's other lines pass."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._count = 0  # refused since the last warning
-        self._last = -float("inf")
+        self._warning = CountedWarning(
+            "refused %d malformed HTTP request(s) with 400 (such as a bad Content-Length)"
+        )
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.getMessage() != _UVICORN_MALFORMED:
             return True
-        logger.debug("refused a malformed HTTP request with 400")
-        self._count += 1
-        now = time.monotonic()
-        if now - self._last >= MALFORMED_WARNING_INTERVAL_S:
-            logger.warning(
-                "refused %d malformed HTTP request(s) with 400 (such as a bad Content-Length); "
-                "at most one such line a minute, each at --log-level debug",
-                self._count,
-            )
-            self._count, self._last = 0, now
+        self._warning.note("refused a malformed HTTP request with 400")
         return False
 
 
@@ -129,10 +213,8 @@ class HttpServer:
             lifespan="off",
             # Several idle streams per client are normal (benchmarks, SDK pools).
             timeout_keep_alive=30,
-            # Connections beyond this get 503 at once: clients that open connections
-            # and never finish a request (slowloris) must not use up the process's file
-            # descriptors, which the gRPC port and the metrics share.
-            limit_concurrency=MAX_HTTP_CONNECTIONS,
+            # The connection cap is JsonErrorProtocol's (module docstring), not uvicorn's.
+            limit_concurrency=None,
             http=JsonErrorProtocol,
             **(tls or {}),
         )
