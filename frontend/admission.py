@@ -13,7 +13,11 @@ queueing until its deadline (vLLM and SGLang queue without bound):
   calls (what a burst of large requests holds in frontend memory).
 
 A request always gets in when nothing else is in flight, whatever its size, so no
-single valid request is refused forever. Plain Python on the event loop; no locks.
+single valid request is refused forever. The prompts of one API call (an HTTP request
+with a list of prompts, each its own engine request) share an `AdmissionGroup`: what the
+call's earlier prompts hold does not count against its later ones, so the call is judged
+as one request (a lone call of 5 prompts under a limit of 4 gets in, as a lone gRPC
+request with n = 5 does). Plain Python on the event loop; no locks.
 When the bytes in flight fall back to zero after a burst, `on_drained` runs (the server
 returns freed memory to the OS there: `frontend.memory`).
 """
@@ -48,54 +52,73 @@ class AdmissionLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
+class AdmissionGroup:
+    """What the admitted requests of one API call hold together (module docstring):
+    samples, prompt tokens waiting for prefill, bytes."""
+
+    __slots__ = ("samples", "prompt_tokens", "bytes")
+
+    def __init__(self) -> None:
+        self.samples = self.prompt_tokens = self.bytes = 0
+
+
 class Ticket:
     """One request's share of the limits; `release()` returns it (idempotent)."""
 
-    __slots__ = ("_ctl", "_bytes", "_samples", "_prompt_tokens")
+    __slots__ = ("_ctl", "_group", "_bytes", "_samples", "_prompt_tokens")
 
-    def __init__(self, ctl: AdmissionController, request_bytes: int) -> None:
+    def __init__(self, ctl: AdmissionController, request_bytes: int, group: AdmissionGroup) -> None:
         self._ctl = ctl
+        self._group = group
         self._bytes = request_bytes
         self._samples = 0
         self._prompt_tokens = 0
+        group.bytes += request_bytes
 
     def admit(self, num_samples: int, prompt_tokens: int) -> None:
         """Take the request's samples and prompt tokens. Raises AdmissionError (and
         releases the ticket) past a limit."""
-        ctl, lim = self._ctl, self._ctl.limits
-        busy = ctl.num_requests > 0
-        if busy and ctl.num_requests + num_samples > lim.max_requests:
+        ctl, lim, own = self._ctl, self._ctl.limits, self._group
+        # Only other calls' holdings refuse a call; the messages count them and the call.
+        others = ctl.num_requests - own.samples
+        if others and ctl.num_requests + num_samples > lim.max_requests:
+            mine = own.samples + num_samples
             self.release()
             raise AdmissionError(
                 "requests",
-                f"overloaded: {ctl.num_requests} requests are running or waiting; "
-                f"{num_samples} more would pass the limit of {lim.max_requests} "
+                f"overloaded: {others} requests are running or waiting; "
+                f"{mine} more would pass the limit of {lim.max_requests} "
                 "(--max-pending-requests)",
             )
-        if ctl.queued_prompt_tokens and (
-            ctl.queued_prompt_tokens + prompt_tokens > lim.max_queued_prompt_tokens
-        ):
+        others = ctl.queued_prompt_tokens - own.prompt_tokens
+        if others and ctl.queued_prompt_tokens + prompt_tokens > lim.max_queued_prompt_tokens:
+            mine = own.prompt_tokens + prompt_tokens
             self.release()
             raise AdmissionError(
                 "queued_prompt_tokens",
-                f"overloaded: {ctl.queued_prompt_tokens} prompt tokens wait for prefill; "
-                f"{prompt_tokens} more would pass the limit of "
+                f"overloaded: {others} prompt tokens wait for prefill; "
+                f"{mine} more would pass the limit of "
                 f"{lim.max_queued_prompt_tokens} (--max-queued-prompt-tokens)",
             )
         self._samples, self._prompt_tokens = num_samples, prompt_tokens
         ctl.num_requests += num_samples
         ctl.queued_prompt_tokens += prompt_tokens
+        own.samples += num_samples
+        own.prompt_tokens += prompt_tokens
 
     def prompt_done(self) -> None:
         """The request's first output came: its prompt no longer waits."""
         self._ctl.queued_prompt_tokens -= self._prompt_tokens
+        self._group.prompt_tokens -= self._prompt_tokens
         self._prompt_tokens = 0
 
     def release(self) -> None:
-        ctl = self._ctl
+        ctl, own = self._ctl, self._group
         self.prompt_done()
         ctl.num_requests -= self._samples
         ctl.request_bytes -= self._bytes
+        own.samples -= self._samples
+        own.bytes -= self._bytes
         self._samples = self._bytes = 0
         ctl.maybe_drained()
 
@@ -121,17 +144,20 @@ class AdmissionController:
             if self.on_drained is not None:
                 self.on_drained()
 
-    def reserve(self, request_bytes: int) -> Ticket:
-        """A ticket holding `request_bytes` (before the request is tokenized). Raises
+    def reserve(self, request_bytes: int, group: AdmissionGroup | None = None) -> Ticket:
+        """A ticket holding `request_bytes` (before the request is tokenized); group: the
+        API call's, when it sends several requests (None: a call of one). Raises
         AdmissionError past --max-inflight-request-bytes."""
+        group = group or AdmissionGroup()
         lim = self.limits.max_request_bytes
         self.seen_bytes += request_bytes
-        if self.request_bytes and self.request_bytes + request_bytes > lim:
+        others = self.request_bytes - group.bytes
+        if others and self.request_bytes + request_bytes > lim:
             raise AdmissionError(
                 "bytes",
-                f"overloaded: {self.request_bytes} bytes of requests are in flight; "
-                f"{request_bytes} more would pass the limit of {lim} "
+                f"overloaded: {others} bytes of requests are in flight; "
+                f"{group.bytes + request_bytes} more would pass the limit of {lim} "
                 "(--max-inflight-request-bytes)",
             )
         self.request_bytes += request_bytes
-        return Ticket(self, request_bytes)
+        return Ticket(self, request_bytes, group)

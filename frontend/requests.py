@@ -24,7 +24,12 @@ from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer
 
-from jaxserve.frontend.admission import AdmissionController, AdmissionError, Ticket
+from jaxserve.frontend.admission import (
+    AdmissionController,
+    AdmissionError,
+    AdmissionGroup,
+    Ticket,
+)
 from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.request_stream import EngineDeadError, RequestStream, SampleOutput
@@ -49,6 +54,7 @@ INLINE_TOKENIZE_MAX_BYTES = 8192
 
 __all__ = [
     "AdmissionError",
+    "AdmissionGroup",
     "EngineUnavailableError",
     "Generation",
     "RequestPath",
@@ -151,15 +157,18 @@ class Generation:
         finally:
             self.release()
 
-    def release(self) -> None:
+    def release(self, abandoned: str | None = None) -> None:
         """End the request: samples not finished count once as aborts, the engine aborts
-        them, and the client id is free again. Idempotent."""
+        them, and the client id is free again. Idempotent. abandoned: why unfinished
+        samples were left (`jaxserve_requests_abandoned_total`'s reason), when not the
+        client's cancel or deadline: "refused" for the prompts started before their
+        API call was refused."""
         if self._released:
             return
         self._released = True
         if self._pending:
             late = self._deadline is not None and time.time() >= self._deadline
-            self._metrics.request_abandoned("deadline" if late else "cancelled")
+            self._metrics.request_abandoned(abandoned or ("deadline" if late else "cancelled"))
         for index in self._pending:
             self._timings[index].cancelled(self.prompt_tokens)
         self._pending.clear()
@@ -201,7 +210,12 @@ class RequestPath:
         stats = self.engine.stats
         return ModelLimits(max_model_len=stats.max_model_len, vocab_size=stats.vocab_size)
 
-    async def start(self, request: pb.GenerateRequest, deadline: float | None = None) -> Generation:
+    async def start(
+        self,
+        request: pb.GenerateRequest,
+        deadline: float | None = None,
+        group: AdmissionGroup | None = None,
+    ) -> Generation:
         """Admit, validate and tokenize `request` (a large one off the event loop:
         `INLINE_TOKENIZE_MAX_BYTES`), then send its n samples to the engine. An empty
         request_id gets a random one. deadline: time.time() after which the engine
@@ -209,14 +223,16 @@ class RequestPath:
 
         Raises RequestValidationError naming the field (validation.build_engine_request,
         or a request_id already running), EngineUnavailableError (starting, stalled or
-        dead), AdmissionError naming the admission limit it would pass.
+        dead), AdmissionError naming the admission limit it would pass. group: the
+        admission group of the API call's requests, when it sends several (HTTP prompt
+        lists; `frontend.admission`).
         """
         start = time.perf_counter()
         limits = self.limits()
         request_id = request.request_id or uuid.uuid4().hex
         engine = self.engine
         size = request.ByteSize()
-        ticket = self.admission.reserve(size)
+        ticket = self.admission.reserve(size, group)
         admitted = False
         try:
             # A client that cancelled a request and reuses its id at once may get here

@@ -19,7 +19,12 @@ from hostile_helpers import generate_request, mock_server, status_of, wait_idle
 from server_harness import free_port
 
 from jaxserve.engine.control import EngineControl
-from jaxserve.frontend.admission import AdmissionController, AdmissionError, AdmissionLimits
+from jaxserve.frontend.admission import (
+    AdmissionController,
+    AdmissionError,
+    AdmissionGroup,
+    AdmissionLimits,
+)
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -97,6 +102,54 @@ def test_past_max_pending_requests_is_resource_exhausted_at_once(server, stub):
         for s in streams:
             s.cancel()
     wait_idle(stub)
+
+
+def _post_completion(server, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _refused(server) -> float:
+    """jaxserve_requests_abandoned_total{reason="refused"}, summed over its other labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.read().decode().splitlines()
+        if line.startswith("jaxserve_requests_abandoned_total{") and 'reason="refused"' in line
+    )
+
+
+def test_a_lone_http_call_of_more_prompts_than_the_limit_gets_in(server, stub):
+    """An HTTP call's prompts are admitted as one request: alone, 5 prompts under
+    --max-pending-requests 4 get in (as a lone gRPC request with n = 5 does); beside 3
+    running requests the call is refused whole, with the others counted in the message,
+    and its prompts already started count as refused, not as the client's cancels."""
+    wait_idle(stub)
+    status, body = _post_completion(
+        server, {"prompt": [[90, i] for i in range(5)], "max_tokens": 3}
+    )
+    assert status == 200, body
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 5
+    streams = _open_streams(stub, [[80, i] for i in range(3)])
+    refused_before = _refused(server)
+    try:
+        status, body = _post_completion(server, {"prompt": [[91], [92]], "max_tokens": 3})
+        assert status == 429, body
+        message = body["error"]["message"]
+        assert "3 requests are running or waiting; 2 more would pass the limit of 4" in message
+    finally:
+        for s in streams:
+            s.cancel()
+    wait_idle(stub)
+    refused = _refused(server)
+    assert refused - refused_before == 1  # the first prompt, started before the second was refused
 
 
 def test_past_max_inflight_request_bytes_is_resource_exhausted(server, stub):
@@ -215,6 +268,35 @@ def test_admission_controller_counts_and_releases():
     d = ctl.reserve(1000)
     d.admit(50, 500)
     d.release()
+
+
+def test_an_admission_group_is_judged_as_one_request():
+    """A group's requests do not count against each other: alone, a group of 3
+    one-sample requests passes a limit of 2; beside another call it is refused at the
+    request that passes the limit; releases return every count to 0."""
+    ctl = AdmissionController(AdmissionLimits(max_requests=2, max_queued_prompt_tokens=5,
+                                              max_request_bytes=10))  # fmt: skip
+    group = AdmissionGroup()  # 18 bytes, 12 prompt tokens, 3 requests: all past a limit
+    tickets = [ctl.reserve(6, group) for _ in range(3)]
+    for t in tickets:
+        t.admit(1, 4)
+    assert (ctl.num_requests, ctl.queued_prompt_tokens, ctl.request_bytes) == (3, 12, 18)
+    with pytest.raises(AdmissionError, match="--max-inflight-request-bytes"):
+        ctl.reserve(1)  # another call: the limits hold against it
+    for t in tickets:
+        t.release()
+    assert (group.samples, group.prompt_tokens, group.bytes) == (0, 0, 0)
+    first = ctl.reserve(1)
+    first.admit(1, 1)
+    late = AdmissionGroup()
+    a = ctl.reserve(1, late)
+    a.admit(1, 1)  # 2 of 2: fits
+    b = ctl.reserve(1, late)
+    with pytest.raises(AdmissionError, match="1 requests are running or waiting; 2 more"):
+        b.admit(1, 1)
+    a.release()
+    first.release()
+    assert (ctl.num_requests, ctl.queued_prompt_tokens, ctl.request_bytes) == (0, 0, 0)
 
 
 def test_engine_control_deadlines_and_late_aborts():

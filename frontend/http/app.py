@@ -61,6 +61,7 @@ from jaxserve.frontend.http.responses import (
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.requests import (
     AdmissionError,
+    AdmissionGroup,
     EngineUnavailableError,
     Generation,
     RequestPath,
@@ -250,12 +251,13 @@ class OpenAIApi:
         """Start every prompt's request; on an error, release those already started and
         raise HttpError (400 naming the field, 503)."""
         generations: list[Generation] = []
+        group = AdmissionGroup()  # the call's prompts are admitted as one request
         try:
             for message in messages:
-                generations.append(await self._requests.start(message))
+                generations.append(await self._requests.start(message, group=group))
         except BaseException as e:
             for g in generations:
-                g.release()
+                g.release(abandoned="refused")
             if isinstance(e, RequestValidationError):
                 own = prompt_aliases(len(generations), len(messages))
                 raise bad_field(str(e), {**aliases, **own}) from None
