@@ -100,6 +100,34 @@ def test_step_meter_utilisation_is_cost_over_time_over_peak(tiny_moe_dir):
     assert (meter.prefill_steps, meter.decode_steps, meter.last_prefill_tokens) == (1, 0, 12)
 
 
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_measured_peak_is_raised_by_a_faster_step(tiny_moe_dir, measured):
+    """A measured (CPU) ceiling below a step's achieved rate is raised to it, so MFU
+    stays <= 1; a data-sheet peak is kept (MFU > 1 then shows a wrong cost model)."""
+    model = _model(tiny_moe_dir)
+    cost = model.cost([(0, 12)])
+    low = Peak(cost.bytes / 4.0, {"float32": cost.flops / 4.0}, measured=measured)  # 0.5 s
+    clock = iter([10.0, 10.5, 20.0, 22.0])
+    meter = StepMeter(model, low, "float32", clock=lambda: next(clock))
+
+    class _Sched:  # one prefill row of 12 tokens
+        num_steps = 1
+        requests = [type("R", (), dict(start=0, num_tokens=12, samples=True,
+                                       seq=type("S", (), dict(num_prompt_tokens=12))))]  # fmt: skip
+
+    for _ in range(2):  # 0.5 s, then 2 s for the same work
+        handle = object()
+        meter.dispatched(handle, _Sched)
+        meter.fetched(handle)
+    if measured:
+        assert meter.peak_flops_per_s == pytest.approx(cost.flops / 0.5)
+        assert meter.peak_bytes_per_s == pytest.approx(cost.bytes / 0.5)
+        assert meter.last_mfu == pytest.approx(0.25) and meter.last_mbu == pytest.approx(0.25)
+    else:
+        assert meter.peak_flops_per_s == cost.flops / 4.0
+        assert meter.last_mfu == pytest.approx(2.0)
+
+
 def test_peak_table():
     h200 = device_peak("NVIDIA H200")
     assert h200.bytes_per_s == 4.8e12 and h200.flops("bfloat16") == 989e12
@@ -108,6 +136,7 @@ def test_peak_table():
     assert mesh_peak("NVIDIA H200", 8, "gpu").bytes_per_s == 8 * 4.8e12
     cpu = mesh_peak("cpu", 8, "cpu")  # measured once, not multiplied by emulated devices
     assert cpu is mesh_peak("cpu", 1, "cpu") and cpu.bytes_per_s > 0 and cpu.flops("float32") > 0
+    assert cpu.measured and not h200.measured
 
 
 def _value(metrics: Metrics, name: str) -> float:

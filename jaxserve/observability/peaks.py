@@ -24,6 +24,9 @@ class Peak:
 
     bytes_per_s: float
     flops_per_s: dict[str, float]
+    # Measured on this host (`cpu_ceiling`), not a data-sheet figure: a lower bound, which a
+    # faster step may raise (`step_cost.StepMeter`).
+    measured: bool = False
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (float32 when the dtype is not in the table)."""
@@ -93,7 +96,9 @@ def cpu_ceiling(copy_mib: int = 64, matmul_n: int = 512, repeats: int = 10) -> P
         x @ x
         best = min(best, time.perf_counter() - t)
     flops = 2 * matmul_n**3 / best
-    _CPU_CEILING = Peak(bandwidth, {"bfloat16": flops, "float16": flops, "float32": flops})
+    _CPU_CEILING = Peak(
+        bandwidth, {"bfloat16": flops, "float16": flops, "float32": flops}, measured=True
+    )
     return _CPU_CEILING
 
 
