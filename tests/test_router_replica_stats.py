@@ -53,3 +53,23 @@ def test_the_resolved_async_scheduling_is_the_replicas_own():
         replicas = [_stats(rng, value) for _ in range(2)]
         assert aggregate_stats(replicas, replicas).async_scheduling is value
     assert aggregate_stats([], []).async_scheduling is None and not aggregate_stats([], []).ready
+
+
+def test_a_dead_replica_keeps_its_counters_in_its_line():
+    """GetServerInfo's line of a dead replica: no requests or blocks, but the prefix-cache
+    counters it had (the server's totals keep them too)."""
+    from types import SimpleNamespace
+
+    from jaxserve.router.replica_stats import replica_info
+
+    rng = random.Random(1)
+    last = _stats(rng, False)
+    client = SimpleNamespace(ready=False, dead_reason="exit 1", stalled_reason=None)
+    rep = SimpleNamespace(index=0, state="dead", client=client, last_stats=last,
+                          decisions=7, address="a")  # fmt: skip
+    zero = SimpleNamespace(num_requests=lambda i: 0, load=lambda i: 0.0)
+    router = SimpleNamespace(load=zero, index=SimpleNamespace(num_blocks=lambda i: 0))
+    (line,) = replica_info([rep], router)
+    assert (line["num_running"], line["kv_blocks_total"]) == (0, 0)
+    assert line["prefix_cache_queries"] == last.counters.prefix_cache_queries > 0
+    assert line["prefix_cache_hits"] == last.counters.prefix_cache_hits

@@ -107,6 +107,9 @@ def replica_info(replicas, router) -> list[dict]:
     out = []
     for rep in replicas:
         s = _live_stats(rep)
+        # Counters since the replica's (last) start stay after it died: the server's
+        # totals keep them too (`aggregate_stats`' all_seen).
+        counters = (rep.last_stats or s).counters
         out.append(
             dict(
                 replica=rep.index,
@@ -121,8 +124,8 @@ def replica_info(replicas, router) -> list[dict]:
                 router_index_blocks=router.index.num_blocks(rep.index),
                 router_decisions=rep.decisions,
                 address=rep.address,
-                prefix_cache_queries=s.counters.prefix_cache_queries,
-                prefix_cache_hits=s.counters.prefix_cache_hits,
+                prefix_cache_queries=counters.prefix_cache_queries,
+                prefix_cache_hits=counters.prefix_cache_hits,
             )
         )
     return out
