@@ -76,7 +76,8 @@ inline float Swish(float gate, float up) { return gate / (1.f + std::exp(-gate))
 #if JAXSERVE_HAVE_TILES
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
 // matmul(blocks, packed rows, expert weight [K, N], K, N, out rows) is the tile product
-// (PanelMatmul; scripts/native/bench_moe_kernel.cc passes a variant over another layout).
+// and block_rows the most rows of a row block (PanelMatmul and kTileRows here;
+// scripts/native/bench_moe_kernel.cc passes variants: other tiles, another layout).
 template <class Matmul>
 void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy, Matmul matmul,
                      int block_rows = jaxserve::kTileRows) {

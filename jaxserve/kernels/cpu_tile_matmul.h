@@ -19,12 +19,16 @@
 // when the tile reaches it; the first kPrefetchPanels panels, which no earlier panel
 // fetched, also prefetch kPrefetchRows rows ahead. Measured (scripts/native/
 // bench_moe_kernel.cc: Zen 4, two cores, hidden 512, 32 experts, I 256, top-4, 8 layers
-// of weights from memory), ms a call and speed-up over the earlier prefetch of the same
-// panel 8 rows ahead: 32 tokens 2.78 (1.07x), 64 3.12 (1.22x), 128 3.05 (1.37x, 132
-// GFLOP/s), 256 5.67 (1.17x); within 3% of storing the weights panel-major ([E][N/16]
-// [K][16], contiguous panels), which this layout keeps. Wider tiles (2-4 panels x 6-12
-// rows), packing the weights panel-major per call, and k-chunks with a sequential
-// prefetch all measured slower (the benchmark keeps them as variants).
+// of weights from memory, interleaved medians), ms a call and speed-up over the earlier
+// prefetch of the same panel 8 rows ahead, weights on 4 KB pages / on huge pages:
+// 32 tokens 2.29 (1.12x) / 1.95 (1.04x), 64 3.34 (1.19x) / 2.42 (1.14x), 128 2.97
+// (1.36x, 136 GFLOP/s) / 2.60 (1.20x, 155 GFLOP/s), 256 5.08 (1.20x) / 4.68 (1.09x);
+// level with storing the weights panel-major ([E][N/16][K][16], contiguous panels: 1.36x
+// / 1.14x at 128), which this layout does without. Wider tiles (2-4 panels x 6-8 rows),
+// packing an expert's weights panel-major per call, and k-chunks with a sequential
+// prefetch all measured slower (the benchmark keeps them as variants). Inside XLA
+// (scripts/bench_moe.py --cpu-kernel --weight-sets 8) the kernel went 3.57 -> 3.09 ms
+// at 128 tokens (1.16x).
 
 #pragma once
 

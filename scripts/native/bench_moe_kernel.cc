@@ -1,14 +1,36 @@
 // The CPU MoE kernel (jaxserve/kernels/cpu_moe_rows.cc) alone, outside XLA: ms a call
 // and GFLOP/s for the random Qwen3-MoE's layer (hidden 512, 32 experts, I 256, top-4),
 // T tokens routed uniformly at random, 8 layers of weights cycled (from memory, as in a
-// step), the work shared by this thread and one helper (two cores). Checks the output
-// against a double-precision reference. With --panel-major the weights are first
-// repacked [E][N/16][K][16] (each 16-column panel contiguous) and the tile path reads
-// them so: the same products in the same order (equal output), contiguous streams.
+// step), the work shared by this thread and one helper (two cores). Checks each
+// variant's output against a double-precision reference (a line only if it fails).
+//
+// Variants of the tile product (experts with kTileMinRows rows or more; the others take
+// the kernel's row path), run interleaved: 12 rounds of `calls` calls of each, medians
+// (the first two calls of a round dropped), speed-up against the first one named:
+//   base    the kernel as built (cpu_tile_matmul.h's PanelMatmul)
+//   pm[:P,R,pf,hint]  the weights repacked panel-major [E][N/16][K][16] (each 16-column
+//           panel contiguous; a layout change) and read so by tiles as tile's
+//           (--panel-major: pm, i.e. pm:1,8,8,0)
+//   tile:P,R,pf,hint,kc,seq,lead  register tiles of P panels x R rows over the [K, N]
+//           weights; pf > 0 prefetches pf rows ahead in the panel, pf < 0 -pf panels
+//           ahead in the row, 0 none; hint 0-3 T0, T1, T2, NTA; lead > 0 also prefetches
+//           lead rows ahead in the first -pf panels. tile:1,8 (pf 8, T0) is the kernel
+//           before the panels-ahead prefetch.
+//   pack:P,R,pf,hint,kc  copies kc rows (0: all K) of an expert's matrix panel-major into
+//           a per-thread buffer (one sequential read), then tiles over the copy
+//   chunk:P,R,pf,hint,kc,seq  k-chunks of kc rows (contiguous in memory), all panels of
+//           one chunk before the next, accumulating into out; seq 1 prefetches the next
+//           chunk in address order
+// BENCH_HUGEPAGES=1 puts the weights on transparent huge pages (fewer TLB misses on
+// the row-strided reads; the older prefetch gains most from them). E.g. T=128 on two
+// shared Zen 4 cores (load ~1.8), ms and x tile:1,8, 4 KB pages / huge pages: base 2.97
+// (1.36x) / 2.60 (1.20x), pm 2.97 (1.36x) / 2.74 (1.14x), tile:1,8,-3,0 1.29x / 1.15x,
+// tile:2,8,-4,0 1.21x / 0.93x, tile:4,6 1.00x / 0.84x, pack:1,8 0.87x / 0.69x,
+// chunk:4,6,0,0,64,1 0.95x / 0.76x.
 //
 //   g++ -O3 -march=native -std=c++17 -I$(python -c 'import jax; print(jax.ffi.include_dir())') \
 //       -Ijaxserve/kernels scripts/native/bench_moe_kernel.cc -o /tmp/bench_moe_kernel -pthread
-//   /tmp/bench_moe_kernel [T=128] [calls=80] [--panel-major]
+//   /tmp/bench_moe_kernel [T=128] [calls=16] [variant ...]   (default: base)
 #include "../../jaxserve/kernels/cpu_moe_rows.cc"
 
 #include <algorithm>
@@ -18,16 +40,18 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <sys/mman.h>
 #include <string>
 #include <thread>
 
 namespace {
 
-// Tile variants over the weights' own layout (or panel-major, --panel-major): P 16-column
-// panels x R rows of accumulators (P * R zmm), so one weight row k gives P * 64
-// contiguous bytes; `Hint` the software prefetch's (0 T0, 1 T1, 2 T2, 3 NTA), `pf` its
-// distance in floats (0: none). Panel j of the tile is at w + j * lds (lds 16 row-major,
-// 16 * K panel-major); row k at + k * ldw. kAcc: add to out instead of storing.
+// A register tile of P 16-column panels x R rows (P * R zmm accumulators), so one weight
+// row k gives P * 64 contiguous bytes: out[r][col + 16 j + i] (+)= sum_k at[k * R + r] *
+// w[k * ldw + j * lds + i], lanes of the last panel outside `last` neither read nor
+// written; panel j at w + j * lds (lds 16 over [K, N] weights, 16 * K panel-major).
+// `Hint` the software prefetch's (0 T0, 1 T1, 2 T2, 3 NTA), pf and pf2 its offsets in
+// floats (0: none). kAcc: add to out instead of storing.
 template <int P, int R, int Hint, bool kAcc>
 inline void WideTile(const float* at, const float* w, int64_t ldw, int64_t lds, int64_t K,
                      int64_t col, __mmask16 last, float* const* out, int64_t pf, int64_t pf2 = 0) {
@@ -76,7 +100,7 @@ inline void WideTileRows(int rows, const float* at, const float* w, int64_t ldw,
 }
 
 struct Variant {
-  std::string kind = "base";  // base | pm | tile | pmtile | chunk | pack
+  std::string kind = "base";  // base | pm | tile | chunk | pack
   int P = 1, R = 8, pf = 8, hint = 0, kc = 0, seq = 0, lead = 0;
 };
 Variant variant;
@@ -122,7 +146,7 @@ thread_local std::vector<float> pack_buffer;
 template <int P, int R, int Hint>
 void WideMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
                 int64_t K, int64_t N, float* const* o) {
-  const bool pm = variant.kind == "pm" || variant.kind == "pmtile";
+  const bool pm = variant.kind == "pm";
   if (pm) return WideRange<P, R, Hint>(blocks, packed, K, 0, K, w, 16, true, N, o, nullptr, 0);
   if (variant.kind == "pack" && blocks.blocks >= 2) {  // copy kc rows panel-major, then tiles
     const int64_t kc = variant.kc ? variant.kc : K;
@@ -205,7 +229,7 @@ int main(int argc, char** argv) {
   bool any_panel_major = false;
   for (const auto& spec : specs) {
     const Variant v = ParseVariant(spec.c_str());
-    any_panel_major |= v.kind == "pm" || v.kind == "pmtile";
+    any_panel_major |= v.kind == "pm";
   }
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.f, 0.05f);
@@ -224,6 +248,23 @@ int main(int argc, char** argv) {
       for (auto& v : *w) v = normal(rng);
     }
     if (any_panel_major) pg[l] = repack(wg[l], H, I), pu[l] = repack(wu[l], H, I), pd[l] = repack(wd[l], I, H);
+  }
+  // The weights each call reads: the vectors', or with BENCH_HUGEPAGES=1 copies on
+  // transparent huge pages (madvise; as XLA's allocator may place them).
+  std::vector<const float*> rg(L), ru(L), rd(L), mg(L), mu(L), md(L);
+  for (int l = 0; l < L; ++l) {
+    const std::pair<std::vector<float>*, const float**> all[] = {
+        {&wg[l], &rg[l]}, {&wu[l], &ru[l]}, {&wd[l], &rd[l]},
+        {&pg[l], &mg[l]}, {&pu[l], &mu[l]}, {&pd[l], &md[l]}};
+    for (auto [w, ptr] : all) {
+      *ptr = w->data();
+      if (w->empty() || !std::getenv("BENCH_HUGEPAGES")) continue;
+      const size_t huge = size_t{2} << 20, bytes = (w->size() * 4 + huge - 1) / huge * huge;
+      void* mem = std::aligned_alloc(huge, bytes);
+      madvise(mem, bytes, MADV_HUGEPAGE);
+      std::memcpy(mem, w->data(), w->size() * 4);
+      *ptr = static_cast<const float*>(mem);  // freed at exit
+    }
   }
   std::vector<float> x(T * H), y(T * K * H);
   for (auto& v : x) v = normal(rng) * 20;
@@ -246,7 +287,7 @@ int main(int argc, char** argv) {
   for (int round = 0; round < rounds; ++round)
     for (size_t vi = 0; vi < specs.size(); ++vi) {
       variant = ParseVariant(specs[vi].c_str());
-      const bool panel_major = variant.kind == "pm" || variant.kind == "pmtile";
+      const bool panel_major = variant.kind == "pm";
       chosen = PickMatmul(variant.P, variant.R, variant.hint);
       for (int c = 0; c < calls; ++c) {
         const int l = (round * calls + c) % L;
@@ -254,9 +295,9 @@ int main(int argc, char** argv) {
         auto state = std::make_shared<Problem>();
         Problem& p = *state;
         p.x = x.data();
-        p.w_gate = (panel_major ? pg : wg)[l].data();
-        p.w_up = (panel_major ? pu : wu)[l].data();
-        p.w_down = (panel_major ? pd : wd)[l].data();
+        p.w_gate = (panel_major ? mg : rg)[l];
+        p.w_up = (panel_major ? mu : ru)[l];
+        p.w_down = (panel_major ? md : rd)[l];
         p.y = y.data();
         p.top_k = K, p.hidden = H, p.inter = I;
         std::fill(y.begin(), y.end(), 0.f);
@@ -267,7 +308,7 @@ int main(int argc, char** argv) {
         auto rows_state = state;
         if (panel_major) {
           rows_state = std::make_shared<Problem>(p);
-          rows_state->w_gate = wg[l].data(), rows_state->w_up = wu[l].data(), rows_state->w_down = wd[l].data();
+          rows_state->w_gate = rg[l], rows_state->w_up = ru[l], rows_state->w_down = rd[l];
         }
         const bool base = variant.kind == "base";
         auto work = [state, rows_state, next, units, base] {
