@@ -55,27 +55,34 @@ namespace {
 template <int P, int R, int Hint, bool kAcc>
 inline void WideTile(const float* at, const float* w, int64_t ldw, int64_t lds, int64_t K,
                      int64_t col, __mmask16 last, float* const* out, int64_t pf, int64_t pf2 = 0) {
-  constexpr auto hint = Hint == 0 ? _MM_HINT_T0 : Hint == 1 ? _MM_HINT_T1 : Hint == 2 ? _MM_HINT_T2 : _MM_HINT_NTA;
+  constexpr auto hint = Hint == 0   ? _MM_HINT_T0
+                       : Hint == 1 ? _MM_HINT_T1
+                       : Hint == 2 ? _MM_HINT_T2
+                                   : _MM_HINT_NTA;
   __m512 acc[R * P];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < P; ++j)
-      acc[r * P + j] = kAcc ? _mm512_maskz_loadu_ps(j == P - 1 ? last : 0xffff, out[r] + col + 16 * j)
+      acc[r * P + j] = kAcc ? _mm512_maskz_loadu_ps(j == P - 1 ? last : 0xffff,
+                                                    out[r] + col + 16 * j)
                             : _mm512_setzero_ps();
   const float* wk = w;
   for (int64_t k = 0; k < K; ++k, wk += ldw) {
     if (pf) {
 #pragma GCC unroll 8
-      for (int j = 0; j < P; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + j * lds + pf), hint);
+      for (int j = 0; j < P; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + j * lds + pf), hint);
     }
     if (pf2) {
 #pragma GCC unroll 8
-      for (int j = 0; j < P; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + j * lds + pf2), hint);
+      for (int j = 0; j < P; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + j * lds + pf2), hint);
     }
     __m512 b[P];
 #pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) b[j] = _mm512_maskz_loadu_ps(j == P - 1 ? last : 0xffff, wk + j * lds);
+    for (int j = 0; j < P; ++j)
+      b[j] = _mm512_maskz_loadu_ps(j == P - 1 ? last : 0xffff, wk + j * lds);
     const float* ak = at + k * R;
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
@@ -96,7 +103,8 @@ inline void WideTileRows(int rows, const float* at, const float* w, int64_t ldw,
                          int64_t K, int64_t col, __mmask16 last, float* const* out, int64_t pf,
                          int64_t pf2 = 0) {
   if (rows >= R) return WideTile<P, R, Hint, kAcc>(at, w, ldw, lds, K, col, last, out, pf, pf2);
-  if constexpr (R > 1) WideTileRows<P, R - 1, Hint, kAcc>(rows, at, w, ldw, lds, K, col, last, out, pf, pf2);
+  if constexpr (R > 1)
+    WideTileRows<P, R - 1, Hint, kAcc>(rows, at, w, ldw, lds, K, col, last, out, pf, pf2);
 }
 
 struct Variant {
@@ -112,7 +120,8 @@ void WideRange(const jaxserve::RowBlocks& blocks, const float* packed, int64_t K
                int64_t kn, const float* w, int64_t ldw, bool panel_major, int64_t N,
                float* const* o, const float* seq_next, int64_t seq_lines) {
   // pf > 0: rows ahead in the same panel; pf < 0: -pf panels ahead in the same row.
-  const int64_t pf = variant.pf >= 0 ? variant.pf * ldw : -variant.pf * (panel_major ? 16 * kn : 16);
+  const int64_t pf =
+      variant.pf >= 0 ? variant.pf * ldw : -variant.pf * (panel_major ? 16 * kn : 16);
   const int64_t lds = panel_major ? 16 * kn : 16;
   const int64_t groups = (N + 16 * P - 1) / (16 * P);
   for (int64_t col = 0, g = 0; col < N; col += 16 * P, ++g) {
@@ -125,9 +134,12 @@ void WideRange(const jaxserve::RowBlocks& blocks, const float* packed, int64_t K
       const float* at = packed + s * K + k0 * n;
       if (N - col >= 16 * P) {
         // lead: rows-ahead prefetch for the panels that the panels-ahead one did not cover.
-        const int64_t pf2 = variant.pf < 0 && b == 0 && col < -variant.pf * 16 ? variant.lead * ldw : 0;
-        if (k0) WideTileRows<P, R, Hint, true>(n, at, wc, ldw, lds, kn, col, 0xffff, o + s, pf, pf2);
-        else WideTileRows<P, R, Hint, false>(n, at, wc, ldw, lds, kn, col, 0xffff, o + s, pf, pf2);
+        const int64_t pf2 =
+            variant.pf < 0 && b == 0 && col < -variant.pf * 16 ? variant.lead * ldw : 0;
+        if (k0)
+          WideTileRows<P, R, Hint, true>(n, at, wc, ldw, lds, kn, col, 0xffff, o + s, pf, pf2);
+        else
+          WideTileRows<P, R, Hint, false>(n, at, wc, ldw, lds, kn, col, 0xffff, o + s, pf, pf2);
       } else {
         for (int64_t c = col; c < N; c += 16) {
           const int64_t lanes = N - c < 16 ? N - c : 16;
@@ -209,7 +221,8 @@ Variant ParseVariant(const char* spec) {
     size_t at = colon + 1;
     for (int f = 0; f < 7 && at <= s.size(); ++f) {
       const size_t comma = s.find(',', at);
-      const std::string part = s.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+      const size_t len = comma == std::string::npos ? std::string::npos : comma - at;
+      const std::string part = s.substr(at, len);
       if (!part.empty()) *fields[f] = std::atoi(part.c_str());
       if (comma == std::string::npos) break;
       at = comma + 1;
@@ -224,7 +237,8 @@ int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? atoi(argv[1]) : 128, E = 32, H = 512, I = 256, K = 4, L = 8;
   const int calls = argc > 2 ? atoi(argv[2]) : 16, rounds = 12;
   std::vector<std::string> specs;
-  for (int a = 3; a < argc; ++a) specs.push_back(std::strcmp(argv[a], "--panel-major") == 0 ? "pm" : argv[a]);
+  for (int a = 3; a < argc; ++a)
+    specs.push_back(std::strcmp(argv[a], "--panel-major") == 0 ? "pm" : argv[a]);
   if (specs.empty()) specs.push_back("base");
   bool any_panel_major = false;
   for (const auto& spec : specs) {
@@ -247,7 +261,8 @@ int main(int argc, char** argv) {
       w->resize(E * H * I);
       for (auto& v : *w) v = normal(rng);
     }
-    if (any_panel_major) pg[l] = repack(wg[l], H, I), pu[l] = repack(wu[l], H, I), pd[l] = repack(wd[l], I, H);
+    if (any_panel_major)
+      pg[l] = repack(wg[l], H, I), pu[l] = repack(wu[l], H, I), pd[l] = repack(wd[l], I, H);
   }
   // The weights each call reads: the vectors', or with BENCH_HUGEPAGES=1 copies on
   // transparent huge pages (madvise; as XLA's allocator may place them).
@@ -315,7 +330,8 @@ int main(int argc, char** argv) {
           for (int64_t u; (u = next->fetch_add(1)) < units;) {
             const Problem& q = *state;
             if (!base && Tiled(q.unit_rows[u]))
-              RunTileUnitVariant(q, q.unit_expert[u], q.unit_rows[u], q.copies.data() + q.unit_start[u]);
+              RunTileUnitVariant(q, q.unit_expert[u], q.unit_rows[u],
+                                 q.copies.data() + q.unit_start[u]);
             else
               RunUnit(*rows_state, u);
           }
@@ -325,7 +341,8 @@ int main(int argc, char** argv) {
         ++posted;
         work();
         while (finished.load() == before) std::this_thread::yield();
-        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const double t =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (c >= 2) times[vi].push_back(t);  // each round's first two calls: warm-up
         if (round == 0 && c == calls - 1) {  // every 7th copy against a double-precision reference
           double err = 0, top = 0;
@@ -344,7 +361,9 @@ int main(int argc, char** argv) {
               err = std::max(err, std::abs(s - y[cp * H + o])), top = std::max(top, std::abs(s));
             }
           }
-          if (err > 1e-4 * top) std::printf("CHECK FAILED %s: max |error| %.3g (max |reference| %.3g)\n", specs[vi].c_str(), err, top);
+          if (err > 1e-4 * top)
+            std::printf("CHECK FAILED %s: max |error| %.3g (max |reference| %.3g)\n",
+                        specs[vi].c_str(), err, top);
         }
       }
     }
