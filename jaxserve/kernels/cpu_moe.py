@@ -17,7 +17,10 @@ or more runs register tiles instead (`cpu_tile_matmul.h`), which beat XLA's layo
 every size measured (random routing, one layer, ms, kernel vs XLA: 3.7 vs 5.3 at 64
 tokens, 3.7-4.3 vs 6.3-8.7 at 128 (108 GFLOP/s, 63% of the f32 matmul ceiling), 5.8 vs
 8.3 at 256, 10.5 vs 14.2 at 512, 45 vs 82 at 2048), so there it runs below
-`MAX_MEAN_GROUP_TILED` rows per expert (the largest size measured).
+`MAX_MEAN_GROUP_TILED` rows per expert (the largest size measured). Since the tiles
+prefetch each weight row two panels ahead (see `cpu_tile_matmul.h`), the kernel measured
+(same script, interleaved with the one before, Zen 4, load ~1.8) 3.28 vs 3.60 ms at 64
+tokens, 3.09 vs 3.57 at 128 (1.16x), 5.45-5.49 vs 5.60-5.90 at 256.
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs

@@ -76,11 +76,13 @@ inline float Swish(float gate, float up) { return gate / (1.f + std::exp(-gate))
 #if JAXSERVE_HAVE_TILES
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
 // matmul(blocks, packed rows, expert weight [K, N], K, N, out rows) is the tile product
-// (PanelMatmul; scripts/native/bench_moe_kernel.cc passes a variant over another layout).
+// and block_rows the most rows of a row block (PanelMatmul and kTileRows here;
+// scripts/native/bench_moe_kernel.cc passes variants: other tiles, another layout).
 template <class Matmul>
-void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy, Matmul matmul) {
+void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy, Matmul matmul,
+                     int block_rows = jaxserve::kTileRows) {
   const int64_t h = p.hidden, i = p.inter;
-  const jaxserve::RowBlocks blocks(rows);
+  const jaxserve::RowBlocks blocks(rows, block_rows);
   std::vector<float> packed(rows * std::max(h, i)), gate(rows * i), up(rows * i);
   std::vector<const float*> a(rows);
   std::vector<float*> g(rows), u(rows), out(rows);
