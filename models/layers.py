@@ -557,6 +557,11 @@ class MoeBlock(nnx.Module):
         return out, count_expert_tokens(slots, token_mask, num_slots)
 
 
+# T * k * S up to which `count_expert_tokens` compares and sums instead of scattering
+# (decode steps; a [T, k, S] comparison this small costs less than the scatter's ops).
+SMALL_COUNT_ELEMENTS = 1 << 16
+
+
 def count_expert_tokens(
     slots: jax.Array, token_mask: jax.Array | None, num_slots: int
 ) -> jax.Array:
@@ -570,6 +575,14 @@ def count_expert_tokens(
     ones = jnp.ones(slots.shape, jnp.int32)
     if token_mask is not None:
         ones = ones * token_mask[:, None].astype(jnp.int32)
+    if slots.size * num_slots <= SMALL_COUNT_ELEMENTS:
+        # Decode sizes: one fused compare-and-sum over [T, k, S]. The scatter-add below
+        # costs three ops on the CPU (a zeroed buffer, the index layout, the scatter), per
+        # MoE layer and decode step. Same counts: the scatter's index rules (a negative
+        # slot counts from the end, one out of range is dropped) and exact integer sums.
+        wrapped = jnp.where(slots < 0, slots + num_slots, slots)
+        hits = wrapped[..., None] == jnp.arange(num_slots, dtype=slots.dtype)
+        return jnp.sum(jnp.where(hits, ones[..., None], 0), axis=(0, 1), dtype=jnp.int32)
     # A scatter-add of T*k ones: no [T, k, S] one-hot is materialized.
     return jnp.zeros(num_slots, jnp.int32).at[slots].add(ones, mode="drop")
 

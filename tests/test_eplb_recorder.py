@@ -366,3 +366,26 @@ def test_recorder_errors_name_the_field():
         rec.expert_load(np.array([0, 1, 2, 3]), 3)
     with pytest.raises(ValueError, match="physical_to_logical"):
         rec.expert_load(np.zeros((3, 4), np.int64), 3)
+
+
+@pytest.mark.parametrize("tokens, top_k, slots", [(8, 2, 8), (1, 4, 32), (300, 8, 64)])
+def test_count_expert_tokens_is_a_masked_bincount(tokens, top_k, slots):
+    """Both ways `count_expert_tokens` counts (compare-and-sum at decode sizes, the
+    scatter-add past `SMALL_COUNT_ELEMENTS`) give NumPy's bincount of the real tokens'
+    slots, a negative slot counted from the end and one out of range dropped, as a JAX
+    scatter-add indexes."""
+    from jaxserve.models.layers import SMALL_COUNT_ELEMENTS, count_expert_tokens
+
+    rng = np.random.default_rng(tokens)
+    ids = rng.integers(-slots - 2, slots + 2, (tokens, top_k)).astype(np.int32)
+    mask = rng.random(tokens) > 0.3
+    for token_mask in (mask, None):
+        real = ids if token_mask is None else ids[token_mask]
+        wrapped = np.where(real < 0, real + slots, real).ravel()
+        expected = np.bincount(wrapped[(wrapped >= 0) & (wrapped < slots)], minlength=slots)
+        got = jax.jit(count_expert_tokens, static_argnums=2)(
+            jnp.asarray(ids), None if token_mask is None else jnp.asarray(token_mask), slots
+        )
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    assert (ids.size * slots <= SMALL_COUNT_ELEMENTS) == (tokens < 300)  # both paths run

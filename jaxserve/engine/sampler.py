@@ -230,6 +230,38 @@ def sample(
     if os.environ.get(SAMPLER_ENV_VAR, "").strip().lower() == "full":
         token_ids = _draw(apply_penalties(logits, md), md)
         return SamplerOutput(token_ids, *_logprobs(logits, token_ids, num_top_logprobs))
+    if not skip_unwanted_logprobs:
+        return _sample_skipping(logits, md, num_top_logprobs, skip_unwanted_logprobs)
+    # The usual decode step: all rows greedy, no penalty, no log-probs: one branch with
+    # the argmax alone. The general path's three nested conds (penalties, draw, log-probs)
+    # each pass the [R, V] logits through, and cost more than the argmax at R = 32.
+    plain = jnp.all(md.temperature == 0.0) & ~_any_penalty(md) & ~jnp.any(md.wants_logprobs != 0)
+    return jax.lax.cond(
+        plain,
+        lambda x, _: _no_logprobs(first_argmax(x), min(num_top_logprobs, x.shape[-1])),
+        lambda x, m: _sample_skipping(x, m, num_top_logprobs, skip_unwanted_logprobs),
+        logits,
+        md,
+    )
+
+
+def _no_logprobs(token_ids: jax.Array, k: int) -> SamplerOutput:
+    """token_ids [R] with zeros in every log-prob field (K = k)."""
+    rows = token_ids.shape[0]
+    return SamplerOutput(
+        token_ids,
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros(rows, jnp.int32),
+        jnp.zeros((rows, k), jnp.float32),
+        jnp.zeros((rows, k), jnp.int32),
+    )
+
+
+def _sample_skipping(
+    logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int, skip_unwanted_logprobs: bool
+) -> SamplerOutput:
+    """`sample` with the penalties, the draw and (with `skip_unwanted_logprobs`) the
+    log-prob pass each behind a `lax.cond` on whether any row needs it."""
     processed = jax.lax.cond(_any_penalty(md), apply_penalties, lambda x, _: x, logits, md)
     token_ids = jax.lax.cond(
         jnp.all(md.temperature == 0.0),
@@ -243,13 +275,8 @@ def sample(
     k = min(num_top_logprobs, logits.shape[-1])
 
     def nothing(_logits, ids):
-        rows = ids.shape[0]
-        return (
-            jnp.zeros(rows, jnp.float32),
-            jnp.zeros(rows, jnp.int32),
-            jnp.zeros((rows, k), jnp.float32),
-            jnp.zeros((rows, k), jnp.int32),
-        )
+        out = _no_logprobs(ids, k)
+        return out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids
 
     wanted = jnp.any(md.wants_logprobs != 0)
     lp = jax.lax.cond(
