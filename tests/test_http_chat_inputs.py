@@ -137,3 +137,36 @@ def test_other_ints_past_int32_get_the_shared_rules_words(name, rule_field, refu
     shared = _shared_rule_error(rule_field, refused)
     want = shared.replace(str(refused), str(value)).replace(rule_field, name, 1)
     assert str(e.value) == want
+
+
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "count", "limit"),
+    [
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [CALL] * 257}]},
+         "messages[0].tool_calls", 257, 256),
+        ({"messages": [{"role": "user", "content": "x", "extra": {"l": [0] * 4097}}]},
+         "messages[0].extra.l", 4097, 4096),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"enum": list(range(4097))}}}}}]},
+         "tools[0].function.parameters.properties.a.enum", 4097, 4096),
+        ({"chat_template_kwargs": {"docs": [[1] * 4097]}}, "chat_template_kwargs.docs[0]",
+         4097, 4096),
+    ],
+)  # fmt: skip
+def test_lists_the_template_gets_have_a_limit_named_by_path(fields, param, count, limit):
+    """Lists inside messages, tools and chat_template_kwargs go to the template as given:
+    each has a limit (256 tool calls a message, 4096 items elsewhere), and one past it
+    is a 400 naming its path; at the limit it is fine."""
+    with pytest.raises(FieldError) as e:
+        _prompt(**fields)
+    assert e.value.param == param
+    assert str(e.value) == f"{param}: at most {limit} items, got {count}"
+
+
+def test_lists_at_the_limit_pass():
+    message = {"role": "assistant", "content": "x", "tool_calls": [CALL] * 256}
+    ok = _prompt(messages=[message], chat_template_kwargs={"docs": [0] * 4096})
+    assert ok.startswith("assistant:x;")

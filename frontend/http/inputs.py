@@ -20,6 +20,8 @@ from tokenizers import Tokenizer
 from jaxserve.frontend.http.chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from jaxserve.frontend.http.protocol import (
     MAX_CONTENT_PARTS,
+    MAX_NESTED_LIST,
+    MAX_TOOL_CALLS,
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
@@ -233,9 +235,26 @@ def _content_text(index: int, content: Any) -> str | None:
     return "\n".join(texts)
 
 
+def check_nested_lists(value: Any, path: str, limit: int = MAX_NESTED_LIST) -> None:
+    """Refuse a list of more than `limit` items anywhere in `value` (a JSON value the chat
+    template gets as given), named by its path ("tools[0].function.parameters.enum").
+    Iterative: the body's nesting is already bounded (`protocol.JSON_MAX_DEPTH`), this
+    walks it once. Raises FieldError."""
+    stack = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            if len(node) > limit:
+                raise FieldError(where, f"{where}: at most {limit} items, got {len(node)}")
+            stack.extend((v, f"{where}[{j}]") for j, v in enumerate(node))
+
+
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template gets them: each has a string role and a string
-    (or null) content; every other key is passed on unchanged."""
+    (or null) content; every other key is passed on unchanged, within the list limits
+    (`MAX_TOOL_CALLS`, `MAX_NESTED_LIST`)."""
     out = []
     for i, message in enumerate(body.messages):
         role = message.get("role")
@@ -243,6 +262,13 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             raise FieldError(f"messages[{i}].role", f"messages[{i}].role: must be a string")
         if "content" not in message and "tool_calls" not in message:
             raise FieldError(f"messages[{i}].content", f"messages[{i}].content: is required")
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and len(calls) > MAX_TOOL_CALLS:
+            name = f"messages[{i}].tool_calls"
+            raise FieldError(name, f"{name}: at most {MAX_TOOL_CALLS} items, got {len(calls)}")
+        for key, value in message.items():
+            if key != "content":  # checked as parts by _content_text
+                check_nested_lists(value, f"messages[{i}].{key}")
         out.append({**message, "content": _content_text(i, message.get("content"))})
     return out
 
@@ -301,6 +327,8 @@ def chat_request(
     if body.logprobs:
         request.logprobs = body.top_logprobs or 0
     messages = chat_messages(body)
+    check_nested_lists(body.tools, "tools")
+    check_nested_lists(body.chat_template_kwargs, "chat_template_kwargs")
     kwargs = {
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,

@@ -10,10 +10,12 @@ skip_special_tokens, stop_token_ids) are accepted beside OpenAI's.
 Limits of the lists a body carries (a longer one is a 400 naming the field):
 `MAX_PROMPTS` prompts in one completions request, `MAX_MESSAGES` chat messages,
 `MAX_CONTENT_PARTS` parts in one message's content, `MAX_STOP` stop strings,
-`MAX_STOP_TOKEN_IDS` stop token ids, `MAX_TOOLS` tools; logit_bias has the sampler's
-limit (`sampling_params.MAX_LOGIT_BIAS`, checked by the shared rules). The body itself is
-at most `MAX_BODY_BYTES` (413 beyond it), which is also the only bound on the keys of a
-message, of a tool and of chat_template_kwargs (they go to the chat template as given).
+`MAX_STOP_TOKEN_IDS` stop token ids, `MAX_TOOLS` tools, `MAX_TOOL_CALLS` tool calls in one
+message, and `MAX_NESTED_LIST` items in any other list inside a message, a tool or
+chat_template_kwargs (they go to the chat template as given; `inputs.check_nested_lists`);
+logit_bias has the sampler's limit (`sampling_params.MAX_LOGIT_BIAS`, checked by the
+shared rules). The body itself is at most `MAX_BODY_BYTES` (413 beyond it), which is also
+the only bound on the keys of a message, of a tool and of chat_template_kwargs.
 A chat `chat_template` (vLLM's extra) is declared only to be refused, whatever its length
 (`inputs.check_request_template`): no client Jinja is compiled.
 
@@ -46,6 +48,8 @@ MAX_CONTENT_PARTS = 256
 MAX_STOP = sampling_params.MAX_STOP_STRINGS
 MAX_STOP_TOKEN_IDS = sampling_params.MAX_STOP_TOKEN_IDS
 MAX_TOOLS = 256
+MAX_TOOL_CALLS = 256
+MAX_NESTED_LIST = 4096
 
 Int = StrictInt  # no "3" -> 3 or 2.0 -> 2: a JSON number that is not an integer is a 400
 
