@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # Marker of a `jaxserve convert` (Orbax) folder: models/checkpoint.py MARKER_FILE, which
 # imports JAX and so is not imported here.
@@ -43,7 +46,8 @@ def check_model_folder(
     model's max_position_embeddings raises ValueError("max-model-len: ...") naming the
     flag and the model's limit, as the engine would after loading (vLLM's check too).
 
-    A broken config.json is named with the file, line and column of the JSON error.
+    A broken config.json is named with the file, line and column of the JSON error. An
+    EOS id outside the vocabulary is only warned about (`warn_eos_outside_vocab`).
     """
     folder = Path(model_dir)
     config_path = folder / "config.json"
@@ -75,6 +79,7 @@ def check_model_folder(
     except (ValueError, TypeError) as e:
         message = str(e).removeprefix("config.json: ")
         raise ValueError(f"model: {config_path}: {message}") from None
+    warn_eos_outside_vocab(folder, model_config.eos_token_ids, model_config.vocab_size)
     limit = model_config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(
@@ -87,6 +92,29 @@ def check_model_folder(
             f"model: no *.safetensors weights in {folder} (only safetensors are read; "
             "convert *.bin checkpoints with transformers' save_pretrained)"
         )
+
+
+def warn_eos_outside_vocab(folder: Path, eos_ids, vocab_size: int) -> list[int]:
+    """Log one WARNING naming the EOS ids of config.json and generation_config.json that
+    lie outside [0, vocab_size): the model can never sample them, so requests end only at
+    max_tokens or a stop. A warning, not an error, as transformers and vLLM load such a
+    model too. Returns those ids (sorted)."""
+    ids = set(eos_ids)
+    gen_path = folder / "generation_config.json"
+    try:
+        gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+        extra = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        ids.update([extra] if isinstance(extra, int) else extra or ())
+    except (OSError, ValueError, TypeError):
+        pass  # the loader names a broken generation_config.json
+    bad = sorted(t for t in ids if isinstance(t, int) and not 0 <= t < vocab_size)
+    if bad:
+        logger.warning(
+            "model: eos_token_id %s of %s is outside the vocabulary [0, %d) (vocab_size): "
+            "the model never samples it, so requests end only at max_tokens or a stop",
+            ", ".join(map(str, bad)), folder, vocab_size,
+        )  # fmt: skip
+    return bad
 
 
 def check_compilation_cache_dir(path: str | None) -> None:
