@@ -24,6 +24,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.config import cache_root
+
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
 
@@ -120,22 +122,30 @@ def warn_eos_outside_vocab(folder: Path, eos_ids, vocab_size: int) -> list[int]:
 def check_compilation_cache_dir(path: str | None) -> None:
     """Raise ValueError("compilation-cache-dir: ...") if `path` cannot be the persistent
     compilation cache: not creatable (/proc/x), not a folder (a file) or not writable.
+    When `path` is the default under $JAXSERVE_CACHE_ROOT, the message names that
+    variable instead of the flag the user did not pass.
     Creates the folder, as the engine would (`engine.builder.enable_compilation_cache`).
     None: the cache is off (--no-compilation-cache)."""
     if not path:
         return
-    fix = "give --compilation-cache-dir a writable folder, or --no-compilation-cache"
+    name, fix = "compilation-cache-dir", "give --compilation-cache-dir a writable folder"
+    root = os.environ.get("JAXSERVE_CACHE_ROOT")
+    if root and path == str(cache_root() / "jax_cache"):
+        # The default folder, under $JAXSERVE_CACHE_ROOT: the flag was not given.
+        name, fix = (
+            "JAXSERVE_CACHE_ROOT",
+            f"point JAXSERVE_CACHE_ROOT (now {root}) at a writable folder",
+        )
+    fix += ", or pass --no-compilation-cache"
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"compilation-cache-dir: {path} is not a folder; {fix}")
+        raise ValueError(f"{name}: {path} is not a folder; {fix}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(
-            f"compilation-cache-dir: cannot create {path} ({e.strerror or e}); {fix}"
-        ) from None
+        raise ValueError(f"{name}: cannot create {path} ({e.strerror or e}); {fix}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"compilation-cache-dir: {path} is not writable; {fix}")
+        raise ValueError(f"{name}: {path} is not writable; {fix}")
 
 
 def check_engine_settings(config: EngineConfig, *, check_model: bool = True) -> None:

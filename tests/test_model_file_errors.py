@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_startup_errors import one_error_line, serve
+from test_startup_errors import MOCK, one_error_line, serve
 
 from jaxserve import preflight
 from jaxserve.config import DEMO_MODEL_DIR
@@ -108,3 +108,59 @@ def test_eos_inside_the_vocabulary_is_no_warning(model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxserve.preflight"):
         preflight.check_model_folder(model_dir)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_broken_tokenizer_json_is_a_bad_setting(model_dir):
+    # Exit code 1 before, though the README gives 2 for a bad file of the model folder.
+    (model_dir / "tokenizer.json").write_text('{"model": 1}')
+    code, lines = serve(str(model_dir), *MOCK)
+    assert code == 2
+    assert one_error_line(lines).startswith(
+        f"jaxserve serve: error: model: cannot load {model_dir / 'tokenizer.json'}: "
+    )
+
+
+def test_cache_root_that_is_a_file_names_the_variable(model_dir, tmp_path):
+    # It named --compilation-cache-dir, a flag the user never passed.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, lines = serve(str(model_dir), *MOCK, env={"JAXSERVE_CACHE_ROOT": str(afile)})
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: JAXSERVE_CACHE_ROOT: cannot create {afile}/jax_cache "
+        f"(Not a directory); point JAXSERVE_CACHE_ROOT (now {afile}) at a writable folder, "
+        "or pass --no-compilation-cache"
+    )
+
+
+def test_compilation_cache_dir_flag_is_named_when_given(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError) as e:
+        preflight.check_compilation_cache_dir(str(afile))
+    assert str(e.value) == (
+        f"compilation-cache-dir: {afile} is not a folder; give --compilation-cache-dir a "
+        "writable folder, or pass --no-compilation-cache"
+    )
+
+
+def test_chat_template_json_without_template_is_named_once(tmp_path):
+    from jaxserve.frontend.http.chat_template import ChatTemplateError, load_chat_template
+
+    path = tmp_path / "X.json"
+    path.write_text('{"bos_token": "<s>"}')
+    with pytest.raises(ChatTemplateError) as e:
+        load_chat_template(DEMO_MODEL_DIR, path)
+    assert str(e.value) == f"chat-template: {path}: chat_template is not a string"
+
+
+@pytest.mark.parametrize("text", ["", " \n\t\n"])
+def test_empty_chat_template_is_refused_at_start(model_dir, tmp_path, text):
+    # It was accepted; every chat request then got 400 "the chat renders to no tokens".
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    code, lines = serve(str(model_dir), "--chat-template", str(path), "--http-port", "0", *MOCK)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: chat-template: {path} is empty (no template text)"
+    )
