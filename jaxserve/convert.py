@@ -84,7 +84,13 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from jaxserve.config import MeshConfig  # noqa: PLC0415
+    from jaxserve.flag_types import check_writable  # noqa: PLC0415
 
+    try:  # before the model is loaded (a minute for a large one), not after
+        check_writable("--out", args.out, folder=True)
+    except ValueError as e:
+        print(f"jaxserve convert: error: {e}", file=sys.stderr)
+        return 2
     try:
         times = convert(args.model, args.out, args.dtype, MeshConfig.parse(args.mesh))
     except (OSError, ValueError) as e:

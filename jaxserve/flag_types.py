@@ -7,6 +7,10 @@ No JAX here.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import tempfile
+from pathlib import Path
 
 from jaxserve.config import block_size_error
 
@@ -123,3 +127,28 @@ def log_level(text: str) -> str:
             f"unknown log level {text!r}; expected one of {', '.join(_LOG_LEVELS)} (any case)"
         )
     return text.upper()
+
+
+def check_writable(flag: str, path: str, *, folder: bool = False) -> None:
+    """Raise ValueError("{flag}: cannot write ...") unless `path` can be written: a file
+    (its parent folder is created) or, with `folder`, a folder (created). Called before a
+    command's work, so that a bad output path ends it in one line, not in a traceback
+    after the work is done. Probes by creating a file, since os.access says yes to root
+    on folders such as /proc where nothing can be created; an existing file is opened
+    for appending and left as it was, a probe file removed."""
+    target = Path(path)
+    try:
+        if folder:
+            target.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=target).close()
+            return
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        existed = target.exists()
+        with open(target, "a"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {path} ({e.strerror or e})") from None

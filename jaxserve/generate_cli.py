@@ -152,12 +152,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE
 # (its engine starting or gone), which needs no hint.
 _REFUSED = "Connection refused"
+# gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
+# --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
+_HTTP1 = ("http1.x server", "Expected SETTINGS frame")
 _TRANSPORT = ("Socket closed", "Connection reset", "failed to connect", "handshake")
 
 
 def _unavailable_hint(e, server: str, tls: bool) -> str:
     """What to check after an UNAVAILABLE that gRPC raised itself: nothing listens at
-    `server`, or (no TLS flag given) a TLS server closed the plaintext connection, which
+    `server`, an HTTP/1 server answered there (the HTTP API or metrics port, not the gRPC
+    one), or (no TLS flag given) a TLS server closed the plaintext connection, which
     gRPC reports only as "Socket closed". "" for any other status."""
     import grpc
 
@@ -166,6 +170,11 @@ def _unavailable_hint(e, server: str, tls: bool) -> str:
         return ""
     if _REFUSED in details:
         return f"; is `jaxserve serve` running at {server}?"
+    if any(words in details for words in _HTTP1):  # an HTTP/1 server answered: TLS is not the cause
+        return (
+            f" ({server} looks like an HTTP/1 server: the HTTP API or metrics port? "
+            "generate speaks gRPC: give serve's --port)"
+        )
     if not tls and any(word in details for word in _TRANSPORT):
         return " (is the server using TLS? pass --tls / --tls-ca-cert)"
     return ""

@@ -53,6 +53,7 @@ from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
 from jaxserve.logs import (
+    EXIT_BAD_SETTING,
     EXIT_SYSTEM_REFUSED,
     START_ERROR_FILE_ENV,
     read_start_failure_code,
@@ -158,17 +159,22 @@ def serve(
         server_config.host, options.tls is not None, options.api_key is not None
     ):
         logger.warning("%s", warning)
-    tokenizer = load_tokenizer(engine_config.model)  # fail fast, before any child starts
-    chat_template = None
-    if server_config.http_port is not None:
-        from jaxserve.frontend.http.chat_template import load_chat_template
+    # Fail fast, before any child starts. A tokenizer.json or chat template that cannot
+    # be loaded is a bad model file: exit code 2, as a bad config.json (the README).
+    try:
+        tokenizer = load_tokenizer(engine_config.model)
+        chat_template = None
+        if server_config.http_port is not None:
+            from jaxserve.frontend.http.chat_template import load_chat_template
 
-        chat_template = load_chat_template(engine_config.model, server_config.chat_template)
-        if chat_template is None:
-            logger.warning(
-                "the model has no chat template: /v1/chat/completions answers 400 "
-                "(--chat-template FILE gives one)"
-            )
+            chat_template = load_chat_template(engine_config.model, server_config.chat_template)
+    except ValueError as e:
+        raise StartupError(str(e), EXIT_BAD_SETTING) from None
+    if server_config.http_port is not None and chat_template is None:
+        logger.warning(
+            "the model has no chat template: /v1/chat/completions answers 400 "
+            "(--chat-template FILE gives one)"
+        )
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.
     prometheus_client.disable_created_metrics()

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +198,7 @@ class LLM:
             text = p if isinstance(p, str) else None
             if text == "":  # as the server: even where the tokenizer would add a BOS token
                 raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
-            ids = encode_prompt(self.tokenizer, p) if text is not None else [int(t) for t in p]
+            ids = encode_prompt(self.tokenizer, p) if text is not None else _token_ids(i, p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: the prompt is empty")
             encoded.append((text, ids))
@@ -322,6 +324,21 @@ def _load_tokenizer(path: Path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"tokenizer: {file} not found")
     return Tokenizer.from_file(str(file))
+
+
+def _token_ids(i: int, prompt) -> list[int]:
+    """Prompt `i` given as token ids; ValueError naming it ("prompts[i]") when it is no
+    list of ints (None, a number, a dict) or an element is no int (bool and float too:
+    int() would turn 1.5 or True into an id silently)."""
+    if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
+        raise ValueError(
+            f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    ids = list(prompt)
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise ValueError(f"prompts[{i}][{j}]: a token id must be an integer, got {t!r}")
+    return [int(t) for t in ids]
 
 
 def _broadcast_params(

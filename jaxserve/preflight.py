@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.config import cache_root
+
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # Marker of a `jaxserve convert` (Orbax) folder: models/checkpoint.py MARKER_FILE, which
 # imports JAX and so is not imported here.
@@ -43,7 +48,8 @@ def check_model_folder(
     model's max_position_embeddings raises ValueError("max-model-len: ...") naming the
     flag and the model's limit, as the engine would after loading (vLLM's check too).
 
-    A broken config.json is named with the file, line and column of the JSON error.
+    A broken config.json is named with the file, line and column of the JSON error. An
+    EOS id outside the vocabulary is only warned about (`warn_eos_outside_vocab`).
     """
     folder = Path(model_dir)
     config_path = folder / "config.json"
@@ -75,6 +81,7 @@ def check_model_folder(
     except (ValueError, TypeError) as e:
         message = str(e).removeprefix("config.json: ")
         raise ValueError(f"model: {config_path}: {message}") from None
+    warn_eos_outside_vocab(folder, model_config.eos_token_ids, model_config.vocab_size)
     limit = model_config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(
@@ -89,25 +96,56 @@ def check_model_folder(
         )
 
 
+def warn_eos_outside_vocab(folder: Path, eos_ids, vocab_size: int) -> list[int]:
+    """Log one WARNING naming the EOS ids of config.json and generation_config.json that
+    lie outside [0, vocab_size): the model can never sample them, so requests end only at
+    max_tokens or a stop. A warning, not an error, as transformers and vLLM load such a
+    model too. Returns those ids (sorted)."""
+    ids = set(eos_ids)
+    gen_path = folder / "generation_config.json"
+    try:
+        gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+        extra = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        ids.update([extra] if isinstance(extra, int) else extra or ())
+    except (OSError, ValueError, TypeError):
+        pass  # the loader names a broken generation_config.json
+    bad = sorted(t for t in ids if isinstance(t, int) and not 0 <= t < vocab_size)
+    if bad:
+        logger.warning(
+            "model: eos_token_id %s of %s is outside the vocabulary [0, %d) (vocab_size): "
+            "the model never samples it, so requests end only at max_tokens or a stop",
+            ", ".join(map(str, bad)), folder, vocab_size,
+        )  # fmt: skip
+    return bad
+
+
 def check_compilation_cache_dir(path: str | None) -> None:
     """Raise ValueError("compilation-cache-dir: ...") if `path` cannot be the persistent
     compilation cache: not creatable (/proc/x), not a folder (a file) or not writable.
+    When `path` is the default under $JAXSERVE_CACHE_ROOT, the message names that
+    variable instead of the flag the user did not pass.
     Creates the folder, as the engine would (`engine.builder.enable_compilation_cache`).
     None: the cache is off (--no-compilation-cache)."""
     if not path:
         return
-    fix = "give --compilation-cache-dir a writable folder, or --no-compilation-cache"
+    name, fix = "compilation-cache-dir", "give --compilation-cache-dir a writable folder"
+    root = os.environ.get("JAXSERVE_CACHE_ROOT")
+    if root and path == str(cache_root() / "jax_cache"):
+        # The default folder, under $JAXSERVE_CACHE_ROOT: the flag was not given.
+        name, fix = (
+            "JAXSERVE_CACHE_ROOT",
+            f"point JAXSERVE_CACHE_ROOT (now {root}) at a writable folder",
+        )
+    fix += ", or pass --no-compilation-cache"
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"compilation-cache-dir: {path} is not a folder; {fix}")
+        raise ValueError(f"{name}: {path} is not a folder; {fix}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(
-            f"compilation-cache-dir: cannot create {path} ({e.strerror or e}); {fix}"
-        ) from None
+        raise ValueError(f"{name}: cannot create {path} ({e.strerror or e}); {fix}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"compilation-cache-dir: {path} is not writable; {fix}")
+        raise ValueError(f"{name}: {path} is not writable; {fix}")
 
 
 def check_engine_settings(config: EngineConfig, *, check_model: bool = True) -> None:

@@ -33,8 +33,9 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # bound through its OpenAI server): each sample is a full engine request. The gRPC
 # frontend and the offline LLM both enforce it (through `validate`).
 MAX_N = 128
-# The top_k values a request may give, in the words of every top_k error.
-TOP_K_ACCEPTED = "-1 (disabled) or >= 1"
+# The top_k values a request may give, in the words of every top_k error. 0 also means
+# "disabled", as in vLLM (its SamplingParams takes 0 or -1): validation turns it into -1.
+TOP_K_ACCEPTED = "-1 or 0 (disabled) or >= 1"
 # Stop strings: the detokenizer matches all of a request's stop strings with one automaton
 # (O(1) per output character whatever their number), but building it costs O(total size)
 # on the sidecar's single thread, so the lists are bounded. OpenAI allows 4 stop strings
@@ -62,7 +63,7 @@ class SamplingParams:
     """Per-request sampling and stopping parameters.
 
     temperature: 0 means greedy; > 0 scales logits.
-    top_k: keep the k most likely tokens; -1 disables.
+    top_k: keep the k most likely tokens; -1 or 0 disables (0 is stored as -1).
     top_p: nucleus sampling, in (0, 1]; 1 disables.
     min_p: drop tokens with probability < min_p * max probability; 0 disables.
     seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
@@ -139,8 +140,10 @@ class SamplingParams:
         # keeps no token, and a penalty of 0 divides logits by zero.
         if not (0.0 < self.top_p <= 1.0 and np.float32(self.top_p) > 0.0):
             raise ValueError(f"top_p: must be in (0, 1] (and > 0 in float32), got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
+        if self.top_k < -1:
             raise ValueError(f"top_k: must be {TOP_K_ACCEPTED}, got {self.top_k}")
+        if self.top_k == 0:  # vLLM's "disabled"; the sampler's is -1 (all tokens)
+            self.top_k = -1
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
@@ -192,11 +195,12 @@ class SamplingParams:
             )
         total = 0
         for i, s in enumerate(self.stop):
+            # Named by index (stop[0]), as the HTTP API's `param` must name it exactly.
             if not s:
-                raise ValueError("stop: stop strings must be non-empty")
+                raise ValueError(f"stop[{i}]: stop strings must be non-empty")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"stop: stop string {i} has {len(s)} characters, "
+                    f"stop[{i}]: the stop string has {len(s)} characters, "
                     f"at most {MAX_STOP_STRING_CHARS} are supported"
                 )
             total += len(s.encode("utf-8", "surrogatepass"))
@@ -218,12 +222,14 @@ class SamplingParams:
             _check_int("logit_bias", token_id)
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise ValueError(token_id_error("logit_bias", token_id, vocab_size))
+            # A value is named by its key (logit_bias.5), as the HTTP API's body path.
+            name = f"logit_bias.{token_id}"
             if not isinstance(bias, Real):
-                raise ValueError(f"logit_bias: the bias of token {token_id} is not a number")
-            _check_float32("logit_bias", bias, f"the bias of token {token_id}")
+                raise ValueError(f"{name}: the bias of token {token_id} is not a number")
+            _check_float32(name, bias, f"the bias of token {token_id}")
             if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
                 raise ValueError(
-                    f"logit_bias: the bias of token {token_id} must be in "
+                    f"{name}: the bias of token {token_id} must be in "
                     f"[{-MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}"
                 )
 
@@ -280,7 +286,8 @@ def check_lengths(prompt_len: int, max_model_len: int, max_tokens: int | None = 
 
 
 def _check_int(name: str, value: object) -> None:
-    if not isinstance(value, Integral):
+    # bool is an Integral, but True is no count or id (SamplingParams(max_tokens=True)).
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
 
 

@@ -7,6 +7,7 @@ transformers 4.x spellings (`rope_theta`, `rope_scaling`, `num_experts`) and the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +113,16 @@ class ModelConfig:
                 whatever else the config lacks, the message lists the supported ones), a
                 required field is missing, or the config asks for something these
                 families do not implement (rope scaling, attention/MLP bias, a non-SiLU
-                activation, sliding-window layers outside Mixtral); the message names
-                the field.
+                activation, sliding-window layers outside Mixtral), or a value no
+                model can have (max_position_embeddings < 2, rope_theta <= 0); the
+                message names the field.
         """
+        config = cls._parse(hf)
+        _check_values(config)
+        return config
+
+    @classmethod
+    def _parse(cls, hf: dict[str, Any]) -> ModelConfig:
         architecture = _architecture(hf)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -192,6 +200,20 @@ class ModelConfig:
             fp8_weight_block=block,
             **deepseek_config.parse_deepseek(hf, architecture),
         )
+
+
+def _check_values(config: ModelConfig) -> None:
+    """Refuse values that parse but that no model can have: they would otherwise fail
+    inside the engine's warm-up with a message that names no field (a KeyError, numpy's
+    "negative dimensions"). max_position_embeddings >= 2 as --max-model-len's own bound
+    (a prompt token and an output token)."""
+    if config.max_position_embeddings < 2:
+        raise ValueError(
+            "config.json: max_position_embeddings must be >= 2, "
+            f"got {config.max_position_embeddings}"
+        )
+    if not 0 < config.rope_theta < math.inf:  # NaN too
+        raise ValueError(f"config.json: rope_theta must be > 0, got {config.rope_theta}")
 
 
 def normalize_token_ids(value: int | list[int] | None) -> tuple[int, ...]:

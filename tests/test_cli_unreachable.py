@@ -147,6 +147,83 @@ def test_bench_plot_without_matplotlib_fails_before_the_run():
     ], r.stderr
 
 
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_bench_unwritable_output_fails_before_the_run(flag, tmp_path):
+    """--out / --plot where nothing can be written (/proc/x) ended a whole run with a
+    FileNotFoundError traceback, the results lost; now one line naming the flag, exit 2,
+    before the server is asked anything (it is dead here: a run would fail otherwise)."""
+    r = _jaxserve(
+        "bench", "--server", f"127.0.0.1:{free_port()}", flag, "/proc/x.out",
+        "--num-prompts", "2", "--no-progress",
+    )  # fmt: skip
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        f"jaxserve bench: error: {flag}: cannot write /proc/x.out (No such file or directory)"
+    ], r.stderr
+    # A writable path in a folder still to be made is fine, and nothing is left behind.
+    from jaxserve.flag_types import check_writable
+
+    good = tmp_path / "new" / "b.json"
+    check_writable("--out", str(good))
+    assert good.parent.is_dir() and not good.exists()
+    with pytest.raises(ValueError, match=r"--out: cannot write .* \(Is a directory\)"):
+        check_writable("--out", str(tmp_path))
+
+
+def test_convert_unwritable_out_names_the_flag():
+    """It said only "[Errno 2] No such file or directory: '/proc/x'", after loading."""
+    r = _jaxserve("convert", "--model", str(DEMO_MODEL_DIR), "--out", "/proc/x")
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        "jaxserve convert: error: --out: cannot write /proc/x (No such file or directory)"
+    ], r.stderr
+
+
+def _raw_http1_400(listener) -> None:
+    """What uvicorn (serve's --http-port) answers gRPC's HTTP/2 preface with."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize("kind", ["status line", "http.server"])
+def test_generate_against_an_http1_port_names_the_grpc_port(kind):
+    """generate given the HTTP API port (uvicorn: "HTTP/1.1 400") or the metrics port
+    (prometheus_client's http.server: an error page with no status line) suggested TLS;
+    it now says what the port looks like and which one generate needs."""
+    import http.server
+    import socket
+
+    if kind == "http.server":
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), http.server.BaseHTTPRequestHandler
+        )
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port, stop = server.server_address[1], lambda: (server.shutdown(), server.server_close())
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_raw_http1_400, args=(listener,), daemon=True).start()
+        port, stop = listener.getsockname()[1], listener.close
+    address = f"127.0.0.1:{port}"
+    try:
+        r = _jaxserve("generate", "--server", address, "--timeout", "20", "hi")
+    finally:
+        stop()
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r
+    assert lines[0].startswith("jaxserve generate: UNAVAILABLE: "), lines[0]
+    assert "TLS" not in lines[0]
+    assert lines[0].endswith(
+        f" ({address} looks like an HTTP/1 server: the HTTP API or metrics port? "
+        "generate speaks gRPC: give serve's --port)"
+    ), lines[0]
+
+
 def test_ctrl_c_in_a_client_command_is_exit_130_without_a_traceback():
     """SIGINT during `jaxserve bench` (here: waiting on a server that accepts and never
     answers) ends it with 130 and no traceback, as a shell expects."""

@@ -229,9 +229,8 @@ BAD_INPUTS = [
     ("top_p", dict(prompt="def ", top_p=0.0)),
     ("top_p", dict(prompt="def ", top_p=1.5)),
     ("top_k", dict(prompt="def ", top_k=-2)),
-    ("top_k", dict(prompt="def ", top_k=0)),
     ("prompt.token_ids", dict(prompt=[1, 2, 10**6])),  # outside the vocabulary
-    ("stop", dict(prompt="def ", stop=[""])),
+    ("stop[0]", dict(prompt="def ", stop=[""])),
 ]
 
 

@@ -203,7 +203,7 @@ def test_bad_requests_end_with_error_and_others_continue(tiny_engine):
         "too_long": (list(range(TINY_MAX_MODEL_LEN)), greedy(4), "prompt"),
         "temperature": ([1, 2], dict(temperature=-1.0), "temperature"),
         "top_p": ([1, 2], dict(top_p=0.0), "top_p"),
-        "top_k": ([1, 2], dict(top_k=0), "top_k"),
+        "top_k": ([1, 2], dict(top_k=-2), "top_k"),
         "max_tokens": ([1, 2], dict(max_tokens=0), "max_tokens"),
         "stop_ids": ([1, 2], dict(stop_token_ids=[vocab + 5]), "stop_token_ids"),
         "n": ([1, 2], dict(n=2), "n"),
@@ -451,7 +451,7 @@ def test_sampler_limits_end_with_error_and_others_continue(tiny_engine):
         "temperature": dict(temperature=1e308),
         "repetition_penalty": dict(repetition_penalty=1e308),
     }
-    fields = {"biases": "logit_bias", "bias_1e308": "logit_bias"}
+    fields = {"biases": "logit_bias", "bias_1e308": "logit_bias.5"}
     r = run_engine(
         tiny_engine,
         [("normal", prompt, normal)]
@@ -503,7 +503,7 @@ def test_llm_rejects_sampler_limits_and_stays_usable(llm, tiny_engine):
     ref = llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
     with pytest.raises(ValueError, match="^logit_bias: at most"):
         llm.generate("def ", SamplingParams(logit_bias=_too_many_biases()))
-    with pytest.raises(ValueError, match="^logit_bias:"):
+    with pytest.raises(ValueError, match=r"^logit_bias\.5:"):
         llm.generate("def ", SamplingParams(logit_bias={5: 1e308}))
     with pytest.raises(ValueError, match="^temperature:"):
         llm.generate("def ", SamplingParams(temperature=1e308))

@@ -186,7 +186,7 @@ def test_stop_with_many_long_stop_strings_still_matches(tok):
     "kwargs, field",
     [
         ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, r"stop\[0\]"),
         ({"stop": ["€" * MAX_STOP_STRING_CHARS] * 8}, "stop"),
         ({"stop_token_ids": [5] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     ],

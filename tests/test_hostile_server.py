@@ -38,18 +38,18 @@ def stub(server):
 
 
 @pytest.mark.parametrize(
-    "stop, what",
+    "stop, field, what",
     [
-        (["s"] * (MAX_STOP_STRINGS + 1), "stop strings"),
-        (["x" * (MAX_STOP_STRING_CHARS + 1)], "characters"),
-        (["€" * 200] * 7, "UTF-8 bytes"),
+        (["s"] * (MAX_STOP_STRINGS + 1), "stop: ", "stop strings"),
+        (["x" * (MAX_STOP_STRING_CHARS + 1)], "stop[0]: ", "characters"),
+        (["€" * 200] * 7, "stop: ", "UTF-8 bytes"),
     ],
 )
-def test_stop_lists_past_their_limits_are_invalid_argument(stub, stop, what):
+def test_stop_lists_past_their_limits_are_invalid_argument(stub, stop, field, what):
     req = generate_request([5, 6], 4, stop=stop)
     code, details = status_of(lambda: stub.Generate(req, timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details.startswith("stop: ") and what in details
+    assert details.startswith(field) and what in details
 
 
 def test_stop_token_ids_past_the_limit_are_invalid_argument(stub):

@@ -160,6 +160,14 @@ BAD = [
      "chat_template", "--trust-request-chat-template"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}},
      "chat_template_kwargs.chat_template", "--trust-request-chat-template"),
+    # A value named by its key or index, as a type error names it (these were "logit_bias"
+    # and "stop", the message saying which one).
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias.1",
+     "must be in [-100, 100], got 101"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"1": 5, "7": -1e39}}, "logit_bias.7",
+     "float32"),
+    ("/v1/completions", {"prompt": "a", "stop": ["x" * 257]}, "stop[0]", "257 characters"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", ""]}, "stop[1]", "non-empty"),
 ]  # fmt: skip
 
 
@@ -194,3 +202,36 @@ def test_a_long_request_template_is_refused_and_the_servers_is_used(server, clie
     got = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3)
     assert got.choices[0].finish_reason == "length"
     assert "Traceback" not in server.log()
+
+
+# ---------------------------------------------------------------- vLLM / OpenAI compatibility
+
+
+def test_top_k_0_means_all_tokens_as_in_vllm(server, client):
+    # A 400 ("must be -1 (disabled) or >= 1") before; vLLM takes 0 or -1 for "disabled".
+    model = client.models.list().data[0].id
+    for top_k in (0, -1):
+        got = client.completions.create(
+            model=model, prompt="a", max_tokens=2, extra_body={"top_k": top_k}
+        )
+        assert got.usage.completion_tokens == 2
+    status, answer = _post(server, "/v1/completions", {"prompt": "a", "top_k": -2})
+    assert status == 400 and answer["error"]["param"] == "top_k", answer
+    assert "-1 or 0 (disabled) or >= 1" in answer["error"]["message"]
+
+
+def test_retrieve_model_and_its_created_time(server, client):
+    started = time.time()
+    (listed,) = client.models.list().data
+    got = client.models.retrieve(listed.id)  # was a 404: /v1/models/{id} was not served
+    assert got.id == listed.id and got.object == "model" and got.owned_by == "jaxserve"
+    # `created` was 0: now the server's start, a unix time before this test began.
+    assert got.created == listed.created and 0 < started - got.created < 3600
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("not-" + listed.id)
+    error = e.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert error["message"] == (
+        f"model: the model 'not-{listed.id}' does not exist (this server serves '{listed.id}')"
+    )
+    assert _get(server.http_url + f"/v1/models/{listed.id}")[0] == 401  # the key guards it

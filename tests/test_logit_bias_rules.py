@@ -55,8 +55,8 @@ def _offline(bias: dict[int, float]) -> str | None:
     [
         ({5: MAX_LOGIT_BIAS_VALUE, 6: -MAX_LOGIT_BIAS_VALUE}, None),
         ({t: 1.0 for t in range(MAX_LOGIT_BIAS)}, None),
-        ({5: 100.5}, "logit_bias: the bias of token 5 must be in [-100, 100], got 100.5"),
-        ({5: -101.0}, "logit_bias: the bias of token 5 must be in [-100, 100], got -101.0"),
+        ({5: 100.5}, "logit_bias.5: the bias of token 5 must be in [-100, 100], got 100.5"),
+        ({5: -101.0}, "logit_bias.5: the bias of token 5 must be in [-100, 100], got -101.0"),
         (
             {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)},
             f"logit_bias: at most {MAX_LOGIT_BIAS} entries are supported, got 65",

@@ -3,6 +3,8 @@ with an error naming the field (no JAX, no engine)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -44,13 +46,13 @@ def test_float32_max_is_numpys():
         (dict(min_p=float("nan")), "min_p"),
         (dict(presence_penalty=-1e308), "presence_penalty"),
         (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
-        (dict(logit_bias={5: 1e308}), "logit_bias"),
-        (dict(logit_bias={5: -1e308}), "logit_bias"),
-        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias={5: 1e308}), "logit_bias.5"),
+        (dict(logit_bias={5: -1e308}), "logit_bias.5"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias.5"),
     ],
 )
 def test_floats_beyond_float32_are_rejected_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}:"):
         SamplingParams(**kwargs).validate(VOCAB)
 
 
@@ -84,12 +86,20 @@ def test_float32_extremes_are_accepted(kwargs):
         (dict(stop=["ok", 3]), "stop"),
         (dict(stop_token_ids=["a"]), "stop_token_ids"),
         (dict(logit_bias={"a": 1.0}), "logit_bias"),
-        (dict(logit_bias={5: "big"}), "logit_bias"),
+        (dict(logit_bias={5: "big"}), "logit_bias.5"),
         (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
+        # bool is an int to Python, but True is no count or id (it was taken as 1).
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(n=True), "n"),
+        (dict(top_k=False), "top_k"),
+        (dict(seed=True), "seed"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(stop_token_ids=[1, True]), "stop_token_ids"),
+        (dict(logit_bias={True: 1.0}), "logit_bias"),
     ],
 )
 def test_wrong_types_are_rejected_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}:"):
         SamplingParams(**kwargs).validate(VOCAB)
 
 
@@ -118,15 +128,28 @@ def test_from_dict_names_logit_bias_on_bad_entries():
         (dict(top_p=0.0), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(n=0), "n"),
-        (dict(stop=[""]), "stop"),
-        (dict(logit_bias={5: 101.0}), "logit_bias"),
+        (dict(stop=[""]), "stop[0]"),
+        (dict(stop=["ok", "x" * 257]), "stop[1]"),
+        (dict(logit_bias={5: 101.0}), "logit_bias.5"),
         (dict(logprobs=21), "logprobs"),
+        (dict(top_k=-2), "top_k"),
     ],
 )
 def test_validated_at_construction_as_vllm(kwargs, field):
-    """vLLM's SamplingParams raises at construction; so does ours, naming the field."""
-    with pytest.raises(ValueError, match=f"^{field}: "):
+    """vLLM's SamplingParams raises at construction; so does ours, naming the field (and
+    the element of a list or map: stop[1], logit_bias.5, as the HTTP API's param)."""
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}: "):
         SamplingParams(**kwargs)
+
+
+def test_top_k_0_is_disabled_as_in_vllm():
+    # It was refused ("must be -1 (disabled) or >= 1"); vLLM takes 0 or -1 for "all tokens".
+    assert SamplingParams(top_k=0).top_k == -1  # the sampler's "disabled"
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=1).top_k == 1
+    params = SamplingParams()
+    params.top_k = 0  # assigned after construction: validate normalizes it too
+    params.validate(VOCAB)
+    assert params.top_k == -1
 
 
 def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():

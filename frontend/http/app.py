@@ -2,7 +2,8 @@
 
     POST /v1/completions        prompt(s) -> text (SSE with "stream": true)
     POST /v1/chat/completions   messages -> the chat template -> text (SSE with "stream")
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model (`created`: the server's start, unix s)
+    GET  /v1/models/{id}        that model's object; 404 (model_not_found) for another id
     GET  /health                200 once the engine is ready, 503 before and after it died
     GET  /version               {"version": ...}
     GET  /metrics               Prometheus metrics, as vLLM serves them on its API port: the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from importlib import metadata
@@ -132,11 +134,14 @@ class OpenAIApi:
         self._requests = requests
         self._chat_template = chat_template
         self._texts = TokenTexts(requests.tokenizer)
+        self._created = int(time.time())  # the models' `created`: when this server started
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                # :path, as model ids may hold a "/" (Qwen/Qwen3-0.6B)
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
                 Route(
@@ -158,21 +163,42 @@ class OpenAIApi:
     async def version(self, request: Request):
         return JSONResponse({"version": _version()})
 
-    async def models(self, request: Request):
-        try:
-            limits = self._requests.limits()
-        except EngineUnavailableError as e:
-            return unavailable(str(e)).response()
+    def _model_card(self) -> dict:
+        """The served model's object (OpenAI's Model, with vLLM's root and max_model_len).
+        Raises EngineUnavailableError before the engine is ready."""
+        limits = self._requests.limits()
         name = self._requests.engine.stats.model
-        card = {
+        return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": self._created,
             "owned_by": "jaxserve",
             "root": name,
             "max_model_len": limits.max_model_len,
         }
+
+    async def models(self, request: Request):
+        try:
+            card = self._model_card()
+        except EngineUnavailableError as e:
+            return unavailable(str(e)).response()
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(self, request: Request):
+        """OpenAI's retrieve-model (`client.models.retrieve(id)`)."""
+        try:
+            card = self._model_card()
+        except EngineUnavailableError as e:
+            return unavailable(str(e)).response()
+        model_id = request.path_params["model_id"]
+        if model_id != card["id"]:
+            return HttpError(
+                404,
+                f"model: the model {model_id!r} does not exist (this server serves {card['id']!r})",
+                "model",
+                "model_not_found",
+            ).response()
+        return JSONResponse(card)
 
     # ----- completions
 

@@ -221,8 +221,9 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
     """The model's ChatTemplate (see the module docstring for the order), or None when
     neither the override nor the folder has one.
 
-    Raises ChatTemplateError naming --chat-template for an override that cannot be read
-    or compiled, or a tokenizer_config.json template that is not valid Jinja.
+    Raises ChatTemplateError naming --chat-template for an override that cannot be read,
+    is empty or cannot be compiled, or a tokenizer_config.json template that is not valid
+    Jinja.
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "tokenizer_config.json"
@@ -242,8 +243,13 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
         if path.suffix == ".json":
             try:
                 text = _pick_template(json.loads(text).get("chat_template"), str(path))
+            except ChatTemplateError:
+                raise  # it names the file already
             except (ValueError, AttributeError) as e:
                 raise ChatTemplateError(f"chat-template: {path}: {e}") from e
+        if not text.strip():
+            # Every chat would render to no tokens (a 400 per request): refuse it now.
+            raise ChatTemplateError(f"chat-template: {path} is empty (no template text)")
         return ChatTemplate(text, special)
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():

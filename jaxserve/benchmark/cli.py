@@ -28,6 +28,7 @@ from pathlib import Path
 from jaxserve.benchmark.probe import ServerUnreachableError, ask_server
 from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
+from jaxserve.flag_types import check_writable
 from jaxserve.frontend import client_auth, server_address
 
 MAX_PROMPTS = 1_000_000  # --num-prompts: requests (or conversations) one run builds
@@ -145,6 +146,9 @@ def _check_flags(args: argparse.Namespace) -> None:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot: needs matplotlib (pip install 'jaxserve[bench]')")
+        check_writable("--plot", args.plot)
+    if args.out:
+        check_writable("--out", args.out)
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
         raise ValueError(f"--num-prompts: must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
     if args.dataset in ("sharegpt", "text") and not args.dataset_path:

@@ -1,0 +1,166 @@
+"""A model folder's files with values that parse but cannot be served: start-up ends with
+one line naming the file and the field, exit code 2 (a bad setting, as the README says),
+or logs one warning where the model still runs. No engine is started: the checks run
+before any process (`jaxserve.preflight`) or in the frontend's own start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from test_startup_errors import MOCK, one_error_line, serve
+
+from jaxserve import preflight
+from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.models.config import ModelConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """The demo model's files in a folder the test may break (weights linked, not copied)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        elif f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def _demo_config(**changes) -> dict:
+    hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    hf.update(changes)
+    return hf
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    (folder / "config.json").write_text(json.dumps(_demo_config(**changes)))
+
+
+@pytest.mark.parametrize("value", [0, 1, -5])
+def test_max_position_embeddings_below_two_is_named(value):
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(_demo_config(max_position_embeddings=value))
+    assert str(e.value) == f"config.json: max_position_embeddings must be >= 2, got {value}"
+
+
+def test_two_positions_are_enough():
+    assert ModelConfig.from_hf(_demo_config(max_position_embeddings=2)).max_position_embeddings == 2
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_theta": 0, "rope_parameters": None},
+        {"rope_theta": -1.0, "rope_parameters": None},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+        {"rope_theta": float("nan"), "rope_parameters": None},
+    ],
+)
+def test_rope_theta_not_positive_is_named(changes):
+    with pytest.raises(ValueError, match=r"^config\.json: rope_theta must be > 0, got "):
+        ModelConfig.from_hf(_demo_config(**changes))
+
+
+def test_deepseek_rope_theta_is_checked_too():
+    from deepseek_utils import tiny_deepseek_v3_config  # imports transformers
+
+    hf = {**tiny_deepseek_v3_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    assert ModelConfig.from_hf(hf).rope_theta > 0
+    hf["rope_theta"] = -10.0  # transformers 4.x's spelling, and 5.x's below
+    hf["rope_parameters"] = {**(hf.get("rope_parameters") or {}), "rope_theta": -10.0}
+    with pytest.raises(ValueError, match="rope_theta must be > 0, got -10.0"):
+        ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_serve_refuses_max_position_embeddings_in_one_line(model_dir, value):
+    # Before: "engine failed to start: KeyError: 16" (exit 1) or numpy's "negative
+    # dimensions are not allowed", after the engine had started.
+    _edit_config(model_dir, max_position_embeddings=value)
+    code, lines = serve(str(model_dir), timeout=30)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: model: {model_dir / 'config.json'}: "
+        f"max_position_embeddings must be >= 2, got {value}"
+    )
+
+
+def test_eos_outside_the_vocabulary_is_one_warning(model_dir, caplog):
+    _edit_config(model_dir, eos_token_id=999_999)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [0, 4096]  # 4096 = vocab_size: one past the last id
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.preflight"):
+        preflight.check_model_folder(model_dir)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "eos_token_id 4096, 999999 of" in warnings[0]
+    assert "outside the vocabulary [0, 4096)" in warnings[0]
+
+
+def test_eos_inside_the_vocabulary_is_no_warning(model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.preflight"):
+        preflight.check_model_folder(model_dir)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_broken_tokenizer_json_is_a_bad_setting(model_dir):
+    # Exit code 1 before, though the README gives 2 for a bad file of the model folder.
+    (model_dir / "tokenizer.json").write_text('{"model": 1}')
+    code, lines = serve(str(model_dir), *MOCK)
+    assert code == 2
+    assert one_error_line(lines).startswith(
+        f"jaxserve serve: error: model: cannot load {model_dir / 'tokenizer.json'}: "
+    )
+
+
+def test_cache_root_that_is_a_file_names_the_variable(model_dir, tmp_path):
+    # It named --compilation-cache-dir, a flag the user never passed.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, lines = serve(str(model_dir), *MOCK, env={"JAXSERVE_CACHE_ROOT": str(afile)})
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: JAXSERVE_CACHE_ROOT: cannot create {afile}/jax_cache "
+        f"(Not a directory); point JAXSERVE_CACHE_ROOT (now {afile}) at a writable folder, "
+        "or pass --no-compilation-cache"
+    )
+
+
+def test_compilation_cache_dir_flag_is_named_when_given(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError) as e:
+        preflight.check_compilation_cache_dir(str(afile))
+    assert str(e.value) == (
+        f"compilation-cache-dir: {afile} is not a folder; give --compilation-cache-dir a "
+        "writable folder, or pass --no-compilation-cache"
+    )
+
+
+def test_chat_template_json_without_template_is_named_once(tmp_path):
+    from jaxserve.frontend.http.chat_template import ChatTemplateError, load_chat_template
+
+    path = tmp_path / "X.json"
+    path.write_text('{"bos_token": "<s>"}')
+    with pytest.raises(ChatTemplateError) as e:
+        load_chat_template(DEMO_MODEL_DIR, path)
+    assert str(e.value) == f"chat-template: {path}: chat_template is not a string"
+
+
+@pytest.mark.parametrize("text", ["", " \n\t\n"])
+def test_empty_chat_template_is_refused_at_start(model_dir, tmp_path, text):
+    # It was accepted; every chat request then got 400 "the chat renders to no tokens".
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    code, lines = serve(str(model_dir), "--chat-template", str(path), "--http-port", "0", *MOCK)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: chat-template: {path} is empty (no template text)"
+    )
