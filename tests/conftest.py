@@ -188,6 +188,21 @@ def mock_model_dir(tmp_path_factory) -> Path:
     return write_mock_model_dir(tmp_path_factory.mktemp("mock_model"))
 
 
+@pytest.fixture
+def model_copy(tmp_path) -> Path:
+    """The demo model's files in a folder the test may break (weights linked, not copied)."""
+    from jaxserve.config import DEMO_MODEL_DIR
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        elif f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def demo_llm():
     """The offline `LLM` on the bundled demo model, `DEMO_ENGINE` settings (tests leave

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,19 +16,6 @@ from test_startup_errors import MOCK, one_error_line, serve
 from jaxserve import preflight
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.models.config import ModelConfig
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    """The demo model's files in a folder the test may break (weights linked, not copied)."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in DEMO_MODEL_DIR.iterdir():
-        if f.suffix == ".safetensors":
-            (folder / f.name).symlink_to(f)
-        elif f.is_file():
-            shutil.copy(f, folder / f.name)
-    return folder
 
 
 def _demo_config(**changes) -> dict:
@@ -79,52 +65,52 @@ def test_deepseek_rope_theta_is_checked_too():
 
 
 @pytest.mark.parametrize("value", [0, -5])
-def test_serve_refuses_max_position_embeddings_in_one_line(model_dir, value):
+def test_serve_refuses_max_position_embeddings_in_one_line(model_copy, value):
     # Before: "engine failed to start: KeyError: 16" (exit 1) or numpy's "negative
     # dimensions are not allowed", after the engine had started.
-    _edit_config(model_dir, max_position_embeddings=value)
-    code, lines = serve(str(model_dir), timeout=30)
+    _edit_config(model_copy, max_position_embeddings=value)
+    code, lines = serve(str(model_copy), timeout=30)
     assert code == 2
     assert one_error_line(lines) == (
-        f"jaxserve serve: error: model: {model_dir / 'config.json'}: "
+        f"jaxserve serve: error: model: {model_copy / 'config.json'}: "
         f"max_position_embeddings must be >= 2, got {value}"
     )
 
 
-def test_eos_outside_the_vocabulary_is_one_warning(model_dir, caplog):
-    _edit_config(model_dir, eos_token_id=999_999)
-    gen = json.loads((model_dir / "generation_config.json").read_text())
+def test_eos_outside_the_vocabulary_is_one_warning(model_copy, caplog):
+    _edit_config(model_copy, eos_token_id=999_999)
+    gen = json.loads((model_copy / "generation_config.json").read_text())
     gen["eos_token_id"] = [0, 4096]  # 4096 = vocab_size: one past the last id
-    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    (model_copy / "generation_config.json").write_text(json.dumps(gen))
     with caplog.at_level(logging.WARNING, logger="jaxserve.preflight"):
-        preflight.check_model_folder(model_dir)
+        preflight.check_model_folder(model_copy)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "eos_token_id 4096, 999999 of" in warnings[0]
     assert "outside the vocabulary [0, 4096)" in warnings[0]
 
 
-def test_eos_inside_the_vocabulary_is_no_warning(model_dir, caplog):
+def test_eos_inside_the_vocabulary_is_no_warning(model_copy, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxserve.preflight"):
-        preflight.check_model_folder(model_dir)
+        preflight.check_model_folder(model_copy)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_broken_tokenizer_json_is_a_bad_setting(model_dir):
+def test_broken_tokenizer_json_is_a_bad_setting(model_copy):
     # Exit code 1 before, though the README gives 2 for a bad file of the model folder.
-    (model_dir / "tokenizer.json").write_text('{"model": 1}')
-    code, lines = serve(str(model_dir), *MOCK)
+    (model_copy / "tokenizer.json").write_text('{"model": 1}')
+    code, lines = serve(str(model_copy), *MOCK)
     assert code == 2
     assert one_error_line(lines).startswith(
-        f"jaxserve serve: error: model: cannot load {model_dir / 'tokenizer.json'}: "
+        f"jaxserve serve: error: model: cannot load {model_copy / 'tokenizer.json'}: "
     )
 
 
-def test_cache_root_that_is_a_file_names_the_variable(model_dir, tmp_path):
+def test_cache_root_that_is_a_file_names_the_variable(model_copy, tmp_path):
     # It named --compilation-cache-dir, a flag the user never passed.
     afile = tmp_path / "afile"
     afile.write_text("")
-    code, lines = serve(str(model_dir), *MOCK, env={"JAXSERVE_CACHE_ROOT": str(afile)})
+    code, lines = serve(str(model_copy), *MOCK, env={"JAXSERVE_CACHE_ROOT": str(afile)})
     assert code == 2
     assert one_error_line(lines) == (
         f"jaxserve serve: error: JAXSERVE_CACHE_ROOT: cannot create {afile}/jax_cache "
@@ -155,11 +141,11 @@ def test_chat_template_json_without_template_is_named_once(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["", " \n\t\n"])
-def test_empty_chat_template_is_refused_at_start(model_dir, tmp_path, text):
+def test_empty_chat_template_is_refused_at_start(model_copy, tmp_path, text):
     # It was accepted; every chat request then got 400 "the chat renders to no tokens".
     path = tmp_path / "t.jinja"
     path.write_text(text)
-    code, lines = serve(str(model_dir), "--chat-template", str(path), "--http-port", "0", *MOCK)
+    code, lines = serve(str(model_copy), "--chat-template", str(path), "--http-port", "0", *MOCK)
     assert code == 2
     assert one_error_line(lines) == (
         f"jaxserve serve: error: chat-template: {path} is empty (no template text)"

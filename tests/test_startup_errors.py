@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -40,19 +39,6 @@ def one_error_line(lines: list[str]) -> str:
     assert len(lines) == 1, "\n".join(lines)
     assert lines[0].startswith("jaxserve serve: error: "), lines[0]
     return lines[0]
-
-
-@pytest.fixture
-def model_copy(tmp_path) -> Path:
-    """The demo model's files in a folder the test may break (weights linked, not copied)."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in DEMO_MODEL_DIR.iterdir():
-        if f.suffix == ".safetensors":
-            (folder / f.name).symlink_to(f)
-        elif f.is_file():
-            shutil.copy(f, folder / f.name)
-    return folder
 
 
 def test_missing_model_folder(tmp_path):
