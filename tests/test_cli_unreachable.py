@@ -61,17 +61,9 @@ def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():
     listener = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{listener.getsockname()[1]}"
 
-    def answer():  # what a grpc server sends first: an HTTP/2 SETTINGS frame
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(1000)
-                conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x04\x00\x00\xff\xff")
-
-    threading.Thread(target=answer, daemon=True).start()
+    # What a grpc server sends first: an HTTP/2 SETTINGS frame.
+    settings = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x04\x00\x00\xff\xff"
+    threading.Thread(target=_answer_with, args=(listener, settings), daemon=True).start()
     try:
         r = _jaxserve(
             "bench", "--backend", "http", "--server", address, "--num-prompts", "3",
@@ -179,8 +171,9 @@ def test_convert_unwritable_out_names_the_flag():
     ], r.stderr
 
 
-def _raw_http1_400(listener) -> None:
-    """What uvicorn (serve's --http-port) answers gRPC's HTTP/2 preface with."""
+def _answer_with(listener, reply: bytes) -> None:
+    """Answer every connection to `listener` with `reply` after its first bytes, until
+    the listener closes."""
     while True:
         try:
             conn, _ = listener.accept()
@@ -188,7 +181,11 @@ def _raw_http1_400(listener) -> None:
             return
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            conn.sendall(reply)
+
+
+# What uvicorn (serve's --http-port) answers gRPC's HTTP/2 preface with.
+HTTP1_400 = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
 
 
 @pytest.mark.parametrize("kind", ["status line", "http.server"])
@@ -207,7 +204,7 @@ def test_generate_against_an_http1_port_names_the_grpc_port(kind):
         port, stop = server.server_address[1], lambda: (server.shutdown(), server.server_close())
     else:
         listener = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=_raw_http1_400, args=(listener,), daemon=True).start()
+        threading.Thread(target=_answer_with, args=(listener, HTTP1_400), daemon=True).start()
         port, stop = listener.getsockname()[1], listener.close
     address = f"127.0.0.1:{port}"
     try:
