@@ -61,27 +61,36 @@ def model_name(text: str) -> str:
     return text
 
 
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite float >= 0."""
+def _float(text: str, ok, bound: str, shown) -> float:
+    """`text` as a float for which ok(value) holds. Text that is no number is the usage
+    error "not a number: 'text'"; a value out of range is "must be {bound}, got {shown}"
+    (shown: the text or the value, as each caller has always said it)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {shown(text, value)}")
     return value
+
+
+def _text(text: str, value: float) -> str:
+    return text
+
+
+def _value(text: str, value: float) -> float:
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    return _float(text, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0", _text)
 
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite float > 0 (seconds of a timeout or a capture; NaN,
     inf, 0 and negatives are usage errors naming the flag, not a call that fails later)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _float(text, lambda v: 0.0 < v < float("inf"), "a finite number > 0", _text)
 
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -97,24 +106,12 @@ def int_within(low: int, high: int):
 
 def fraction_open(text: str) -> float:
     """An argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+    return _float(text, lambda v: 0.0 < v <= 1.0, "in (0, 1]", _value)
 
 
 def fraction(text: str) -> float:
     """An argparse type: a float in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
+    return _float(text, lambda v: 0.0 <= v < 1.0, "in [0, 1)", _value)
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
