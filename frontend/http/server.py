@@ -113,10 +113,13 @@ class JsonErrorProtocol(AutoHTTPProtocol):
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        super().on_headers_complete()
 
     def _head_timed_out(self) -> None:
         """A request head not complete within BODY_READ_TIMEOUT_S of its first byte (a
@@ -127,9 +130,7 @@ class JsonErrorProtocol(AutoHTTPProtocol):
             self._send_json_error(408, "Request Timeout", message, "request_timeout")
 
     def connection_lost(self, exc) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._cancel_head_timer()
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:

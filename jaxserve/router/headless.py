@@ -266,9 +266,9 @@ def cmd_engine(args) -> int:
         return e.code
 
 
-# serve's flags that only the frontend reads: given to `jaxserve engine`, they are ignored.
 # The serve flags outside the router's group that only the frontend reads (the
-# router's group, `cli_args.ROUTER_GROUP`, is the frontend's whole).
+# router's group, `cli_args.ROUTER_GROUP`, is the frontend's whole); given to
+# `jaxserve engine`, they are ignored.
 FRONTEND_ONLY = (
     "host", "port", "metrics_port", "http_port", "chat_template", "stats_log_interval",
     "disable_log_stats",
