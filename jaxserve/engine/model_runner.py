@@ -52,6 +52,7 @@ from flax import nnx
 
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
 from jaxserve.engine.compile_counter import CompileCounter
+from jaxserve.engine.huge_pages import advise_huge_pages
 from jaxserve.engine.outputs import StepSamples, step_samples
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler_output import SchedulerOutput
@@ -193,6 +194,7 @@ class ModelRunner:
         self._pending: dict[StepShape, Future] = {}
         self._param_specs = [jax.tree.map(_spec, p) for p in self._params]
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
+        advise_huge_pages([*self._params, *jax.tree.leaves(self.kv_cache)])
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
         self.num_compile_waits = 0
@@ -390,6 +392,7 @@ class ModelRunner:
         for key, value in updates.items():
             self._params[self._param_index[key]] = value
         self.state = jax.tree.unflatten(self._params_def, self._params)
+        advise_huge_pages(updates.values())
 
     # ----- one step ----------------------------------------------------------------------
 
