@@ -28,6 +28,10 @@ server at 1). Every served row also gives each process's CPU microseconds per ou
 token: engine, frontend, detokenizer sidecar, and this process's client (psutil), the
 share the serving stack takes from an engine whose cores it shares; an offline row gives
 its engine's (this process), and "cores" is CPU seconds of all of them per second.
+Every row also gives the engine's steps and device seconds per run (medians): served
+device seconds above offline's for the same tokens are XLA's threads slowed by the other
+processes on their cores; more steps are requests arriving one by one (each new prompt
+costs a prefill step, and a step with a prefill cannot run multi-step decode).
 
 For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
 `jaxserve bench` against a running server; this script's load levels run through it.
@@ -67,7 +71,9 @@ class Server(ServeProcess):
     def __init__(self, model: str | None, cache_dir: str, extra: list[str], http: bool = False):
         self.port = free_port()
         self.http_port = free_port() if http else None
+        self.metrics_port = free_port()
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(self.port)]
+        cmd += ["--metrics-port", str(self.metrics_port)]
         if http:
             cmd += ["--http-port", str(self.http_port)]
         cmd += ["--compilation-cache-dir", cache_dir, *extra]
@@ -120,7 +126,28 @@ class Server(ServeProcess):
                 continue
         return used
 
+    def engine_counters(self) -> dict[str, float]:
+        """The engine's step count and device seconds so far (`ENGINE_COUNTERS`), from the
+        server's metrics endpoint."""
+        from urllib.request import urlopen
 
+        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read()
+        values = {}
+        for line in text.decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ENGINE_COUNTERS.values():
+                values[name] = float(line.rsplit(" ", 1)[1])
+        return {k: values.get(name, 0.0) for k, name in ENGINE_COUNTERS.items()}
+
+
+# What each run reports of the engine (the served engine's metrics, the offline one's
+# `EngineCore.stats()`): its steps and the seconds its steps took on the device (on the
+# CPU, XLA's threads). Device seconds above offline's for the same tokens are the engine
+# slowed by the other processes on its cores.
+ENGINE_COUNTERS = {
+    "steps": "jaxserve_engine_steps_total",
+    "device_s": "jaxserve_engine_device_time_seconds_total",
+}
 # The processes whose CPU a served run reports (Server.cpu_seconds, and this one).
 CPU_ROLES = ("engine", "frontend", "detokenizer", "client")
 
@@ -134,10 +161,13 @@ def _served_run(srv: Server, load):
     """Run `load` (a coroutine) against srv; returns its result plus each process's CPU
     seconds in the run, the client's ("client": this process) among them."""
     before, client = srv.cpu_seconds(), time.process_time()
+    counters = srv.engine_counters()
     result = asyncio.run(load)
     client = time.process_time() - client
     cpu = {k: v - before[k] for k, v in srv.cpu_seconds().items()}
-    return (*result, {**cpu, "client": client})
+    time.sleep(0.1)  # the engine's stats of its last step reach the frontend
+    engine = {k: v - counters[k] for k, v in srv.engine_counters().items()}
+    return (*result, {**cpu, "client": client}, engine)
 
 
 async def _run_load(
@@ -245,14 +275,19 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(_prompts(2), sp)  # warm-up
 
+        def engine_counters() -> dict[str, float]:
+            c = llm.engine.stats().counters
+            return {"steps": c.num_steps, "device_s": c.device_time_s}
+
         def offline(prompts: list[str], c: int):
-            t0, cpu = time.perf_counter(), time.process_time()
+            t0, cpu, counters = time.perf_counter(), time.process_time(), engine_counters()
             outs = []
             for i in range(0, len(prompts), c):
                 outs += llm.generate(prompts[i : i + c], sp)
             secs, cpu = time.perf_counter() - t0, time.process_time() - cpu
+            engine = {k: v - counters[k] for k, v in engine_counters().items()}
             tokens = sum(len(o.token_ids) for o in outs)
-            return secs, tokens, [o.text for o in outs], [], {"engine": cpu}
+            return secs, tokens, [o.text for o in outs], [], {"engine": cpu}, engine
 
         paths["offline LLM.generate"] = offline
     try:
@@ -287,6 +322,8 @@ def main() -> None:
                     if k in results[0][4]
                 }
                 rows[-1]["cores_used"] = _median([sum(r[4].values()) / r[0] for r in results])
+                rows[-1].update({f"engine_{k}": _median([r[5][k] for r in results])
+                                 for k in ENGINE_COUNTERS})  # fmt: skip
     finally:
         for srv in set(servers.values()):
             srv.stop()
@@ -311,7 +348,7 @@ def main() -> None:
             print(f"{key}: {result[key]:.1f}")
     print(
         f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
-        f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text  "
+        f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text  steps  device s  "
         f"cores  CPU us/token: {' '.join(CPU_ROLES)}"
     )
     for r in sorted(rows, key=lambda r: r["concurrency"]):
@@ -321,7 +358,8 @@ def main() -> None:
         print(
             f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
             f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}{vs_off:>11}{r['load']:>6.1f}  "
-            f"{r.get('texts_equal_to_served', ''):>9}  {r['cores_used']:5.2f}  "
+            f"{r.get('texts_equal_to_served', ''):>9}  {r['engine_steps']:5.0f}  "
+            f"{r['engine_device_s']:8.2f}  {r['cores_used']:5.2f}  "
             + " ".join(f"{v:.0f}" for v in r.get("cpu_us_per_token", {}).values())
         )
     out = Path(args.out)
