@@ -28,7 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from jaxserve.engine.step_inputs import StepShape  # noqa: E402
+from jaxserve.engine.step_shapes import StepShape  # noqa: E402
 
 
 def one_request_inputs(runner, shape: StepShape, context: int):

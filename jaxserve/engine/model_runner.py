@@ -5,14 +5,9 @@ compiled executables of `step_fn.step`, one per `StepShape`. It packs a schedule
 decision into padded host buffers (`step_inputs.InputBuilder`), queues the executable
 on them, and copies back what the host needs.
 
-Shapes a request can choose never reach the compiler: every step is padded to a token
-bucket T (powers of two up to max_num_batched_tokens). The request-row count is tied to
-it, R = min(T, max_num_seqs): a step of n tokens has at most n rows, and a padded row
-costs only one row of the sampler, so one row bucket per T is enough. Each T has two
-variants: the plain step, and a "full" one for the rare steps that need more: the
-sampler's penalty history (L = max_model_len) and the logits of every token, for prompt
-log-probs. With multi-step decode on, one more call per row bucket runs several decode
-steps in a `lax.scan`. Every executable is compiled ahead of time at start-up
+Shapes a request can choose never reach the compiler: every step is padded to a bucketed
+`StepShape` (`step_shapes`: token buckets, row buckets, the full and multi-step decode
+variants). Every executable is compiled ahead of time at start-up
 (`jax.jit(...).lower(...).compile()`, as vLLM's tpu-inference precompiles its padded
 shapes); calling one with any other shape raises instead of compiling. The KV cache is
 donated to each call, so XLA updates it in place.
@@ -57,7 +52,8 @@ from jaxserve.engine.outputs import StepSamples, step_samples
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_fn import StepOutput, step
-from jaxserve.engine.step_inputs import InputBuilder, StepInputs, StepShape, pow2_buckets
+from jaxserve.engine.step_inputs import InputBuilder, StepInputs
+from jaxserve.engine.step_shapes import MIN_TOKEN_BUCKET, StepShape, pow2_buckets
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.kernels import dispatch
 from jaxserve.logs import ProgressLog
@@ -74,8 +70,6 @@ logger = logging.getLogger(__name__)
 # (`get_executable_and_time`) while a second thread lowered, during a background
 # compile. Compiles still run beside steps being served.
 _XLA_LOCK = threading.Lock()
-
-MIN_TOKEN_BUCKET = 16
 
 
 @dataclass(slots=True)

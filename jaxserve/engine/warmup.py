@@ -35,7 +35,7 @@ import time
 from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.step_inputs import StepShape, pick_bucket
+from jaxserve.engine.step_shapes import StepShape, pick_bucket
 from jaxserve.logs import ProgressLog
 
 logger = logging.getLogger(__name__)
