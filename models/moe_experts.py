@@ -1,10 +1,7 @@
 """The SwiGLU experts of an MoE layer on one device: the dense oracle, the grouped-matmul
 kernel path, and `moe_experts_local`, which picks between them and the sparse paths
-(`moe_sparse`, `moe_slices`).
-
-Every function here has the same contract: x [T, embed], topk_weights [T, k], topk_ids
-[T, k] int32, w_gate / w_up [E, embed, expert_mlp], w_down [E, expert_mlp, embed] ->
-[T, embed]. The gate that makes topk_ids, and the block around it, are `moe.py`.
+(`moe_sparse`, `moe_slices`), all with `moe_experts_dense`'s contract. The gate that
+makes topk_ids, and the block around the experts, are `moe.py`.
 """
 
 from __future__ import annotations
