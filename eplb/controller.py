@@ -31,7 +31,7 @@ from jaxserve.eplb.planner import (
     plan_placement,
 )
 from jaxserve.eplb.recorder import balancedness
-from jaxserve.models.layers import PLACEMENT_FIELDS
+from jaxserve.models.moe import PLACEMENT_FIELDS
 
 if TYPE_CHECKING:
     from jaxserve.engine.model_runner import ModelRunner

@@ -101,7 +101,7 @@ class CausalLM(Protocol):
 # Expert-weight access (EPLB). The slot-indexed expert weights of MoE layer `layer`, in
 # the order EPLB moves them, are the NNX state leaves at `expert_param_path(layer, name)`
 # for name in EXPERT_WEIGHTS: w_gate [S, H, I], w_up [S, H, I], w_down [S, I, H]; its
-# placement tables (models.layers.PLACEMENT_FIELDS, present on an expert-parallel mesh)
+# placement tables (models.moe.PLACEMENT_FIELDS, present on an expert-parallel mesh)
 # are at expert_param_path(layer, field). A model family that lays out its MoE block
 # elsewhere overrides nothing here: it must keep these paths (the engine swaps arrays at
 # them between steps, without recompiling).

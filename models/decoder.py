@@ -23,11 +23,11 @@ from jaxserve.models.layers import (
     ONE_DEVICE,
     Attention,
     KVPair,
-    MoeBlock,
     Parallelism,
     RMSNorm,
     param,
 )
+from jaxserve.models.moe import MoeBlock
 from jaxserve.models.weight_map import (
     WeightSpec,
     bias,

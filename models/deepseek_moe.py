@@ -18,7 +18,8 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.deepseek_config import SIGMOID, TOP2_SUM, GroupedGateConfig
-from jaxserve.models.layers import MLP, MoeBlock, Parallelism, param
+from jaxserve.models.layers import MLP, Parallelism, param
+from jaxserve.models.moe import MoeBlock
 
 
 def _zeros(key, shape, dtype):

@@ -1,19 +1,20 @@
 """Flax NNX layers shared by the model families: RMSNorm, RoPE, GQA attention over the
-paged KV cache, the dense SwiGLU MLP and the MoE block.
+paged KV cache and the dense SwiGLU MLP (the MoE block is `moe.py`).
 
-Every weight is declared once, here, with its shape, dtype and *logical* axes (metadata
-`out_sharding`, read by `nnx.get_partition_spec`); the sharding rules table that maps
-logical axes to mesh axes lives in `jaxserve.sharding`, not here. Logical axis names:
-"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp"; None
-marks a dimension that is never sharded (the gate's expert columns, as in MaxText).
+Every weight is declared once, in its layer (here and in `moe.py`), with its shape, dtype
+and *logical* axes (`param`: metadata `out_sharding`, read by `nnx.get_partition_spec`);
+the sharding rules table that maps logical axes to mesh axes lives in
+`jaxserve.sharding`, not here. Logical axis names: "vocab", "embed", "q_heads",
+"kv_heads", "head_dim", "mlp", "experts", "expert_mlp"; None marks a dimension that is
+never sharded (the gate's expert columns, as in MaxText).
 
 A model is built with `parallel=` (a `Parallelism`): the paged attention and the MoE
 experts call it. On one device (parallel=None, the default) it is `ONE_DEVICE`, which
-runs the plain functions here; on a device mesh,
+runs the plain functions here and in `moe_experts.py`; on a device mesh,
 `jaxserve.sharding.parallel.MeshParallelism`.
 
 Numerics follow HF transformers (Qwen3-MoE / Mixtral): RMSNorm and RoPE in float32,
-gate softmax in float32, attention softmax in float32.
+attention softmax in float32.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from jaxserve.kernels import dispatch
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 from jaxserve.models.config import Llama3RopeScaling
-from jaxserve.models.moe_slices import ExpertSlices, moe_experts_sliced
-from jaxserve.models.moe_sparse import moe_experts_sparse
+from jaxserve.models.moe_experts import moe_experts_local
 
 KVPair = tuple[jax.Array, jax.Array]
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -88,8 +88,8 @@ class Parallelism(Protocol):
 
 @dataclass(frozen=True)
 class OneDevice:
-    """The `Parallelism` of one device: the plain functions of this module, no
-    placement tables (expert slot s holds logical expert s)."""
+    """The `Parallelism` of one device: the plain functions of this module and of
+    `moe_experts`, no placement tables (expert slot s holds logical expert s)."""
 
     def constrain_hidden(self, x: jax.Array) -> jax.Array:
         return x
@@ -122,11 +122,6 @@ class OneDevice:
 
 
 ONE_DEVICE = OneDevice()
-
-
-class PlacementTable(nnx.Variable):
-    """An int32 expert-placement table of an expert-parallel MoE block: model state
-    (traced, so the load balancer can rewrite it without a recompile), not a weight."""
 
 
 def param(
@@ -396,196 +391,3 @@ class MLP(nnx.Module):
         """x: [T, embed] -> [T, embed]."""
         h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
         return h @ self.down_proj[...]
-
-
-def route(
-    x: jax.Array, gate: jax.Array, top_k: int, norm_topk_prob: bool
-) -> tuple[jax.Array, jax.Array]:
-    """Top-k softmax gate (Shazeer et al. 2017; HF Qwen3-MoE / Mixtral order: softmax over
-    all experts in float32, then top-k, then optional renormalization).
-
-    x: [T, embed]; gate: [embed, experts].
-    Returns (topk_weights [T, k] in x.dtype, topk_ids [T, k] int32).
-    """
-    logits = x @ gate
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), ids.astype(jnp.int32)
-
-
-def moe_experts_dense(
-    x: jax.Array,
-    topk_weights: jax.Array,
-    topk_ids: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-) -> jax.Array:
-    """SwiGLU experts computed densely: every token through every expert, unselected
-    experts weighted zero (E/k times the routed work). The oracle of the sparse
-    (`moe_sparse.moe_experts_sparse`) and kernel paths, and their A/B baseline.
-
-    x: [T, embed]; topk_weights: [T, k]; topk_ids: [T, k] int32;
-    w_gate, w_up: [E, embed, expert_mlp]; w_down: [E, expert_mlp, embed]. Returns [T, embed].
-    """
-    num_tokens = x.shape[0]
-    num_experts = w_gate.shape[0]
-    combine = jnp.zeros((num_tokens, num_experts), x.dtype)
-    combine = combine.at[jnp.arange(num_tokens)[:, None], topk_ids].add(topk_weights)
-    gate = jnp.einsum("te,Eei->tEi", x, w_gate)
-    up = jnp.einsum("te,Eei->tEi", x, w_up)
-    h = jax.nn.silu(gate) * up
-    out = jnp.einsum("tEi,Eie->tEe", h, w_down)
-    return jnp.einsum("tEe,tE->te", out, combine)
-
-
-def moe_experts_grouped(
-    x: jax.Array,
-    topk_weights: jax.Array,
-    topk_ids: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-) -> jax.Array:
-    """SwiGLU experts over token copies sorted by expert, through the grouped-matmul
-    kernel (`dispatch.moe_ffn`): each expert's weights are read once for its rows, and
-    no work is spent on unselected experts. Same contract as `moe_experts_dense`.
-    """
-    from jaxserve.kernels import dispatch
-
-    num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # [T*k] token copies grouped by expert
-    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-    out = dispatch.moe_ffn(x[order // top_k], group_sizes, w_gate, w_up, w_down)
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
-    return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(out.dtype)).astype(x.dtype)
-
-
-def moe_experts_local(*args) -> jax.Array:
-    """The single-device experts: the grouped-matmul kernel where a kernel backend is
-    active (NVIDIA GPU); elsewhere the sparse path (only the routed rows: `moe_slices`
-    for weights held per expert, else `moe_sparse`), or the dense oracle if
-    `JAXSERVE_MOE_EXPERTS=dense` (`dispatch.moe_reference_experts`)."""
-    sparse = dispatch.sparse_reference_experts()
-    if isinstance(args[3], ExpertSlices):  # w_gate held per expert (`moe_slices`)
-        if sparse:
-            return moe_experts_sliced(*args)
-        args = (*args[:3], *(w.stacked() for w in args[3:]))
-    if sparse:
-        return moe_experts_sparse(*args)
-    if dispatch.get_backend() != dispatch.REFERENCE:
-        return moe_experts_grouped(*args)
-    return moe_experts_dense(*args)
-
-
-class MoeBlock(nnx.Module):
-    """Sparse MoE block: gate -> top-k -> SwiGLU experts -> weighted sum.
-
-    Weights: gate [embed, experts] (replicated: every device routes its own tokens);
-    w_gate, w_up [experts, embed, expert_mlp]; w_down [experts, expert_mlp, embed].
-
-    With `parallel` (a device mesh) the experts run expert-parallel, and the expert
-    weights are indexed by physical slot: slot s holds logical expert
-    `physical_to_logical[s]`. There are `parallel.num_expert_slots(E)` slots (E, plus
-    any redundant slots for replicas of hot experts); the placement tables
-    (`PlacementTable` state) start as `parallel.initial_placement(E)`: slot e holds
-    expert e for e < E, the redundant slots replicas, so the loader fills slot s from
-    the checkpoint's expert `physical_to_logical[s]`.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        moe_intermediate_size: int,
-        num_experts: int,
-        top_k: int,
-        norm_topk_prob: bool,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-        parallel: Parallelism | None = None,
-    ):
-        if not 0 < top_k <= num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]"
-            )
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.parallel = parallel = ONE_DEVICE if parallel is None else parallel
-        self.num_experts = num_experts
-        e, h, i = num_experts, hidden_size, moe_intermediate_size
-        # Physical expert slots: E on one device, E + redundant slots on a mesh.
-        s = parallel.num_expert_slots(e)
-        self.gate = param(rngs, (h, e), ("embed", None), dtype)
-        self.w_gate = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
-        self.w_up = param(rngs, (s, h, i), ("experts", "embed", "expert_mlp"), dtype)
-        self.w_down = param(rngs, (s, i, h), ("experts", "expert_mlp", "embed"), dtype)
-        tables = self.initial_placement()
-        for name, table in tables.items():
-            setattr(self, name, PlacementTable(jnp.asarray(table)))
-        self.placement_fields = tuple(tables)
-
-    def initial_placement(self) -> dict[str, Any]:
-        """The placement tables of a freshly loaded checkpoint (expert-parallel blocks
-        only), by name (`PLACEMENT_FIELDS`), as host arrays: {} on one device."""
-        return self.parallel.initial_placement(self.num_experts)
-
-    def select_experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The gate: x [T, embed] -> (topk_weights [T, k] in x.dtype, topk_ids [T, k]
-        int32 logical experts). Softmax top-k here; a family with another gate (DeepSeek's
-        grouped gate, `models/deepseek_moe.py`) overrides this method only."""
-        return route(x, self.gate[...], self.top_k, self.norm_topk_prob)
-
-    def __call__(
-        self, x: jax.Array, token_mask: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """x: [T, embed]; token_mask: [T] bool, False for padded tokens (None: all real).
-
-        Returns (out [T, embed], slot_counts [S] int32): the MoE output, and how many
-        (real token, top-k choice) pairs went to each physical slot (S = E on one device;
-        on a mesh the slot each pair is dispatched to, replicas included), the expert load
-        that EPLB records (`jaxserve.eplb.recorder`).
-        """
-        weights, ids = self.select_experts(x)
-        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        num_slots = self.w_gate.shape[0]
-        tables = {name: getattr(self, name)[...] for name in self.placement_fields}
-        out = self.parallel.moe_experts(x, weights, ids, *experts, tables, token_mask)
-        slots = self.parallel.expert_slots(ids, tables)
-        return out, count_expert_tokens(slots, token_mask, num_slots)
-
-
-# T * k * S up to which `count_expert_tokens` compares and sums instead of scattering
-# (decode steps; a [T, k, S] comparison this small costs less than the scatter's ops).
-SMALL_COUNT_ELEMENTS = 1 << 16
-
-
-def count_expert_tokens(
-    slots: jax.Array, token_mask: jax.Array | None, num_slots: int
-) -> jax.Array:
-    """Tokens routed to each expert slot: the per-layer load of vLLM's EPLB
-    (`expert_load_pass`) and SGLang's ExpertDistributionRecorder, on device.
-
-    slots: [T, k] int32 slot (or logical expert) of each token's top-k choices;
-    token_mask: [T] bool, False for padded tokens, which are not counted (None: all
-    real). Returns [num_slots] int32.
-    """
-    ones = jnp.ones(slots.shape, jnp.int32)
-    if token_mask is not None:
-        ones = ones * token_mask[:, None].astype(jnp.int32)
-    if slots.size * num_slots <= SMALL_COUNT_ELEMENTS:
-        # Decode sizes: one fused compare-and-sum over [T, k, S]. The scatter-add below
-        # costs three ops on the CPU (a zeroed buffer, the index layout, the scatter), per
-        # MoE layer and decode step. Same counts: the scatter's index rules (a negative
-        # slot counts from the end, one out of range is dropped) and exact integer sums.
-        wrapped = jnp.where(slots < 0, slots + num_slots, slots)
-        hits = wrapped[..., None] == jnp.arange(num_slots, dtype=slots.dtype)
-        return jnp.sum(jnp.where(hits, ones[..., None], 0), axis=(0, 1), dtype=jnp.int32)
-    # A scatter-add of T*k ones: no [T, k, S] one-hot is materialized.
-    return jnp.zeros(num_slots, jnp.int32).at[slots].add(ones, mode="drop")
-
-
-# The placement tables of an expert-parallel MoE block (`PlacementTable` attributes).
-PLACEMENT_FIELDS = ("logical_to_physical", "replica_counts", "physical_to_logical")

@@ -18,7 +18,7 @@ list into it once, at start-up, on one device off the NVIDIA kernels when
 `JAXSERVE_MOE_EXPERTS=sliced` (`dispatch.moe_reference_experts`; opt-in: measured faster
 at batch 8 but not at 1 or 128 in the engine, see the note of issue 17; the
 expert-parallel path keeps the stacked, sharded arrays). The model reads `w_gate[...]`
-as before and gets the `ExpertSlices`; `layers.moe_experts_local` routes it here, or
+as before and gets the `ExpertSlices`; `moe_experts.moe_experts_local` routes it here, or
 stacks it back (`stacked`, a copy) for a path that wants [E, H, I].
 """
 

@@ -1,10 +1,10 @@
 """Sparse SwiGLU experts off the NVIDIA GPU: only the routed (token copy, expert) rows.
 
 The CPU (and any non-kernel) path of the MoE experts, for the single-device model
-(`layers.moe_experts_local`) and for the local expert FFN of expert parallelism
+(`moe_experts.moe_experts_local`) and for the local expert FFN of expert parallelism
 (`jaxserve.sharding.moe_ep.local_expert_ffn`). The Pallas grouped matmul stays the NVIDIA
-path (`jaxserve.kernels.dispatch`); `layers.moe_experts_dense` (every token through every
-expert, E/k times the work) stays as the test oracle.
+path (`jaxserve.kernels.dispatch`); `moe_experts.moe_experts_dense` (every token through
+every expert, E/k times the work) stays as the test oracle.
 
 Algorithm (the block-sparse layout of MegaBlocks, Gale et al. 2022, with one expert per
 block instead of a block-sparse matmul):
@@ -247,7 +247,7 @@ def moe_experts_sparse(
     block_size: int | None = None,
 ) -> jax.Array:
     """The MoE experts of a token batch, sparse: sum_j topk_weights[t, j] *
-    expert_{topk_ids[t, j]}(x[t]); the contract of `layers.moe_experts_dense`.
+    expert_{topk_ids[t, j]}(x[t]); the contract of `moe_experts.moe_experts_dense`.
 
     x: [T, H]; topk_weights: [T, k]; topk_ids: [T, k] int32 in [0, E);
     w_gate, w_up: [E, H, I]; w_down: [E, I, H]. Returns [T, H] in x.dtype (the weighted

@@ -28,7 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxserve.config import DEMO_MODEL_DIR, CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from jaxserve.engine.step_inputs import StepShape  # noqa: E402
+from jaxserve.engine.step_shapes import StepShape  # noqa: E402
 
 
 def one_request_inputs(runner, shape: StepShape, context: int):
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     runner = EngineCore(config).runner
     shapes = [StepShape(r, r, num_steps=4) for r in (1, 2, 4)] + [StepShape(16, 16)]
     for shape in shapes:
-        if shape not in runner._executables:
-            runner._executables[shape] = runner._lower(shape).compile()
+        if shape not in runner.compiler._executables:
+            runner.compiler._executables[shape] = runner._lower(shape).compile()
     inputs = {s: one_request_inputs(runner, s, args.context) for s in shapes}
     times = {s: [] for s in shapes}
     for _ in range(args.repeats + 2):  # the first two rounds warm up

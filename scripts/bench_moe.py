@@ -135,7 +135,8 @@ def main() -> None:
 
     from jaxserve.kernels import cpu_moe
     from jaxserve.models import moe_capacity, moe_loop, moe_sparse
-    from jaxserve.models.layers import moe_experts_dense, route
+    from jaxserve.models.moe import route
+    from jaxserve.models.moe_experts import moe_experts_dense
     from jaxserve.models.moe_slices import MIN_CHUNK, ExpertSlices, moe_experts_sliced
     from jaxserve.models.moe_sparse import (
         block_size_for,

@@ -29,7 +29,7 @@ each and sparse/dense.
 With --ab, it instead builds two engines of the demo model, "old" (the gather-everything
 reference attention, JAXSERVE_CPU_ATTENTION=reference, and the sampler's full path,
 JAXSERVE_SAMPLER=full, both read when the steps are traced) and "new" (the defaults;
-the old one also without the R = 1 decode bucket, step_inputs.SINGLE_ROW_DECODE_BUCKET),
+the old one also without the R = 1 decode bucket, step_shapes.SINGLE_ROW_DECODE_BUCKET),
 and runs each batch --repeats times on each, interleaved (old, new, old, new, ...), in
 the default scheduling mode with prefix caching on; it prints medians.
 
@@ -315,7 +315,7 @@ def bench_ab(model_dir: str, args) -> dict:
     """Interleaved old/new runs (see the module docstring); returns the JSON record."""
     import statistics
 
-    from jaxserve.engine import step_inputs
+    from jaxserve.engine import step_shapes
     from jaxserve.engine.core import EngineCore
 
     config = EngineConfig(
@@ -330,7 +330,7 @@ def bench_ab(model_dir: str, args) -> dict:
     for variant in ("old", "new"):
         saved = {k: os.environ.get(k) for k in AB_ENV}
         # The old engine also pads batch 1 to MIN_DECODE_ROWS (no R = 1 decode bucket).
-        step_inputs.SINGLE_ROW_DECODE_BUCKET = variant == "new"
+        step_shapes.SINGLE_ROW_DECODE_BUCKET = variant == "new"
         if variant == "old":
             os.environ.update(AB_ENV)
         else:

@@ -334,7 +334,7 @@ def expert_parallel_moe(
     Args:
         x: [T, H] routed activations, the dp ranks' tokens concatenated (T % dp == 0).
         topk_weights: [T, k] combine weights (x.dtype); topk_ids: [T, k] int32 logical
-            expert ids, as returned by `jaxserve.models.layers.route`.
+            expert ids, as returned by `jaxserve.models.moe.route`.
         w_gate, w_up: [S, H, I]; w_down: [S, I, H]: the weights of the S physical slots
             (slot s holds expert placement.physical_to_logical[s]); sharded over ep.
         placement: the tables (traced: a new placement needs no recompile).

@@ -1,8 +1,8 @@
 """The one table that maps logical axes to mesh axes, and the shardings derived from it.
 
 Every weight declares its logical axes where it is defined (`models/layers.py`,
-metadata `out_sharding`); activations, the flat token batch and the paged KV cache use
-the logical names below too. Changing how anything is sharded means changing
+`models/moe.py`, metadata `out_sharding`); activations, the flat token batch and the paged
+KV cache use the logical names below too. Changing how anything is sharded means changing
 `LOGICAL_AXIS_RULES` and nothing else (the pattern of jax-ml/jax-llm-examples and
 MaxText's `logical_axis_rules`).
 

@@ -8,7 +8,8 @@ import pytest
 
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, InputBuilder, StepShape
+from jaxserve.engine.step_inputs import InputBuilder
+from jaxserve.engine.step_shapes import MIN_DECODE_ROWS, StepShape
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -51,7 +52,7 @@ def test_small_row_buckets_run_more_steps_when_scaled():
     """scale_small_decodes (the CPU's): each decode row bucket's call runs num_decode_steps
     times its SMALL_BATCH_DECODE_STEPS factor; a decision picks the smallest bucket that
     holds its rows and runs its steps, and a count no bucket runs is refused."""
-    from jaxserve.engine.step_inputs import SMALL_BATCH_DECODE_STEPS
+    from jaxserve.engine.step_shapes import SMALL_BATCH_DECODE_STEPS
 
     builder = InputBuilder((16, 32), 24, 64, 8, 100, decode_steps=4, scale_small_decodes=True)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models.layers import moe_experts_dense
+from jaxserve.models.moe_experts import moe_experts_dense
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.dispatch_capacity import (
     DEFAULT_CAPACITY_FACTOR,

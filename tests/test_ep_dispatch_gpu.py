@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest_gpu import skip_without_gpu  # noqa: F401 -- fixture used via pytestmark
 
-from jaxserve.models.layers import moe_experts_dense
+from jaxserve.models.moe_experts import moe_experts_dense
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.moe_ragged import ragged_supported

@@ -21,7 +21,8 @@ import pytest
 from jaxserve.eplb.executor import PlacementExecutor
 from jaxserve.eplb.planner import minimize_movement, plan_placement
 from jaxserve.eplb.transfer_plan import source_slots
-from jaxserve.models.layers import moe_experts_dense, route
+from jaxserve.models.moe import route
+from jaxserve.models.moe_experts import moe_experts_dense
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.placement import placement_from_slots

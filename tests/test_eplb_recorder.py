@@ -374,7 +374,7 @@ def test_count_expert_tokens_is_a_masked_bincount(tokens, top_k, slots):
     scatter-add past `SMALL_COUNT_ELEMENTS`) give NumPy's bincount of the real tokens'
     slots, a negative slot counted from the end and one out of range dropped, as a JAX
     scatter-add indexes."""
-    from jaxserve.models.layers import SMALL_COUNT_ELEMENTS, count_expert_tokens
+    from jaxserve.models.moe import SMALL_COUNT_ELEMENTS, count_expert_tokens
 
     rng = np.random.default_rng(tokens)
     ids = rng.integers(-slots - 2, slots + 2, (tokens, top_k)).astype(np.int32)

@@ -1,7 +1,7 @@
 """MoE experts held one array per expert (`jaxserve.models.moe_slices`).
 
 Oracles: a NumPy float64 loop over the token copies (each through its own expert) and
-the dense MoE (`layers.moe_experts_dense`); for the engine, the start-up rule in
+the dense MoE (`moe_experts.moe_experts_dense`); for the engine, the start-up rule in
 `ModelRunner` checked on fresh runners of the tiny checkpoint. The engine tests against
 transformers (test_engine.py) run the session engine, which holds its experts this way.
 """
@@ -19,8 +19,9 @@ from moe_oracle import expert_rows_oracle, random_experts
 from jaxserve.engine import model_runner
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.kernels import dispatch
-from jaxserve.models.layers import moe_experts_dense, moe_experts_local, route
 from jaxserve.models.loader import load_model
+from jaxserve.models.moe import route
+from jaxserve.models.moe_experts import moe_experts_dense, moe_experts_local
 from jaxserve.models.moe_slices import ExpertSlices, moe_experts_sliced, sliced_expert_ffn
 
 HIDDEN, INTER, EXPERTS = 16, 8, 8

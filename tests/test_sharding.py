@@ -21,8 +21,9 @@ from jax.sharding import AxisType
 from model_utils import tiny_mixtral_config, write_hf_checkpoint
 from sharding_utils import GreedyDriver, mesh_qwen3_moe_config
 
-from jaxserve.models.layers import moe_experts_dense, route
 from jaxserve.models.loader import load_config, load_model
+from jaxserve.models.moe import route
+from jaxserve.models.moe_experts import moe_experts_dense
 from jaxserve.sharding import moe_ep
 from jaxserve.sharding.ep_calibration import measure_replicated_max_tokens, replicated_threshold
 from jaxserve.sharding.load import load_sharded_model

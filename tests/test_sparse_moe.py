@@ -1,7 +1,7 @@
 """The sparse MoE experts off the GPU (`jaxserve.models.moe_sparse`).
 
-Oracles: the dense MoE (`layers.moe_experts_dense`, every token through every expert),
-a NumPy loop over the rows for the per-copy outputs, brute force over every routing for
+Oracles: the dense MoE (`moe_experts.moe_experts_dense`, every token through every
+expert), a NumPy loop over the rows for the per-copy outputs, brute force over every routing for
 the static padding bound, and the dot_general shapes of the traced program for the
 FLOPs count.
 """
@@ -21,7 +21,8 @@ from moe_oracle import expert_rows_oracle, random_experts
 
 from jaxserve.kernels import cpu_moe, dispatch
 from jaxserve.models import moe_loop, moe_sparse
-from jaxserve.models.layers import moe_experts_dense, moe_experts_local, route
+from jaxserve.models.moe import route
+from jaxserve.models.moe_experts import moe_experts_dense, moe_experts_local
 from jaxserve.models.moe_sparse import (
     block_size_for,
     moe_experts_sparse,

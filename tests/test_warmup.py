@@ -60,7 +60,7 @@ def test_background_compile_serves_under_the_compiled_budget(
     warmup, runner = engine.warmup, engine.runner
     t0 = runner.token_buckets[0]
     assert not warmup.done.is_set()
-    compiled = [s for s in runner.buckets() if runner.is_compiled(s)]
+    compiled = [s for s in runner.buckets() if runner.compiler.is_compiled(s)]
     assert sorted(compiled) == sorted(warmup_tiers(runner)[0][1])
     assert warmup.budget() == (t0, min(t0, config.scheduler.max_num_seqs), 1)
 
@@ -74,7 +74,7 @@ def test_background_compile_serves_under_the_compiled_budget(
     before = engine.num_compilations
     got = run_engine(engine, reqs, on_step=lambda _: steps.append(engine.scheduler.max_num_seqs))
     assert engine.scheduler.max_num_batched_tokens == t0 and set(steps) == {min(t0, 8)}
-    assert runner.num_compile_waits == 0 and engine.num_compilations == before
+    assert runner.compiler.num_compile_waits == 0 and engine.num_compilations == before
     # The same greedy tokens as the fully compiled engine.
     want = run_engine(tiny_engine, reqs)
     for rid, _, _ in reqs:
@@ -83,7 +83,7 @@ def test_background_compile_serves_under_the_compiled_budget(
 
     gated_background.set()
     assert warmup.wait(600) and warmup.error is None
-    assert all(runner.is_compiled(s) for s in runner.buckets())
+    assert all(runner.compiler.is_compiled(s) for s in runner.buckets())
     sc = config.scheduler
     assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs) == (
         sc.max_num_batched_tokens,
@@ -93,7 +93,7 @@ def test_background_compile_serves_under_the_compiled_budget(
     again = run_engine(engine, reqs[:3])
     for rid, _, _ in reqs[:3]:
         assert again[rid].tokens == want[rid].tokens, rid
-    assert runner.num_compile_waits == 0 and engine.num_compilations == before
+    assert runner.compiler.num_compile_waits == 0 and engine.num_compilations == before
     assert_idle(engine)
 
 

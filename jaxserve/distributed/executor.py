@@ -21,7 +21,8 @@ from jaxserve.distributed.step_message import PLACEMENT, STOP
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.scheduler_output import SchedulerOutput
-from jaxserve.engine.step_inputs import StepInputs, StepShape
+from jaxserve.engine.step_inputs import StepInputs
+from jaxserve.engine.step_shapes import StepShape
 
 
 class LeaderExecutor(Executor):

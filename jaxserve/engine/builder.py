@@ -29,9 +29,9 @@ from jaxserve.engine.kv_sizing import (
     kv_token_bytes,
     num_kv_blocks,
 )
-from jaxserve.engine.model_runner import MIN_TOKEN_BUCKET, ModelRunner
+from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.step_inputs import MIN_DECODE_ROWS, pow2_buckets
+from jaxserve.engine.step_shapes import MIN_DECODE_ROWS, MIN_TOKEN_BUCKET, pow2_buckets
 from jaxserve.engine.warmup import WarmUp
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_config, load_model

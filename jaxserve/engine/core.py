@@ -4,11 +4,10 @@ A step reads as vLLM v1's: schedule -> execute -> update from the output. The co
 the scheduler (who runs, KV blocks) and the queue of steps in flight; it reaches the
 devices through an `Executor` (`engine.executor`: one process, or the multi-process
 leader of `jaxserve.distributed.executor`) and packs inputs with the runner's builder.
-It validates requests at the door, so that a bad request becomes an error output
-instead of an exception. Used in-process by the offline `LLM` and by the engine process,
-whose busy loop calls `add_request` / `abort_requests` / `step`. Nothing here touches a
-socket or text: outputs are token ids. Building the engine (load, mesh, KV sizing, EP
-calibration, compile) is `engine.builder`.
+It validates requests at the door (`engine.validation`). Used in-process by the offline
+`LLM` and by the engine process, whose busy loop calls `add_request` / `abort_requests`
+/ `step`. Nothing here touches a socket or text: outputs are token ids. Building the
+engine (load, mesh, KV sizing, EP calibration, compile) is `engine.builder`.
 
 With `async_scheduling` (the default on an accelerator; off on the CPU, where host and
 "device" share the cores: `config.resolve_async_scheduling`) a step overlaps host and
@@ -38,6 +37,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.sampling_metadata import uses_penalties
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_inputs import StepInputs
+from jaxserve.engine.validation import error_output, validate_request
 from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 from jaxserve.observability.profile import TIMELINE
 from jaxserve.observability.stats import (
@@ -47,7 +47,6 @@ from jaxserve.observability.stats import (
     Histogram,
 )
 from jaxserve.observability.step_cost import StepCostModel, StepMeter
-from jaxserve.sampling_params import SamplingParams, token_id_error
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +146,11 @@ class EngineCore:
         if cache_group is None:
             cache_group = req.cache_group
         try:
-            params, prompt = self._validate(req)
+            params, prompt = validate_request(
+                req, self.model_config.vocab_size, self.scheduler.requests
+            )
         except Exception as e:  # noqa: BLE001 - a bad request must never stop the engine
-            self._rejected.append(_error_output(req, str(e)))
+            self._rejected.append(error_output(req, str(e)))
             return
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         seq = Request(
@@ -164,30 +165,6 @@ class EngineCore:
             cache_group=cache_group,
         )
         self.scheduler.add(seq)
-
-    def _validate(self, req: EngineRequest) -> tuple[SamplingParams, list[int]]:
-        if req.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already running")
-        try:
-            params = SamplingParams.from_dict(req.sampling)
-        except TypeError as e:
-            raise ValueError(f"sampling: {e}") from None
-        vocab = self.model_config.vocab_size
-        params.validate(vocab)
-        if params.n != 1:
-            raise ValueError(
-                f"n: the engine runs one sample per request (fan out n > 1 before it), "
-                f"got {params.n}"
-            )
-        prompt = np.asarray(req.prompt_token_ids).reshape(-1)
-        if prompt.size == 0:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"prompt_token_ids: expected integers, got {prompt.dtype}")
-        bad = prompt[(prompt < 0) | (prompt >= vocab)]
-        if bad.size:
-            raise ValueError(token_id_error("prompt_token_ids", int(bad[0]), vocab))
-        return params, prompt.astype(np.int64).tolist()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort waiting or running requests; unknown ids are ignored. Each aborted request
@@ -433,18 +410,3 @@ def _mark_errors(outputs: list[TokenOutput], errors: dict[str, str]) -> None:
     for out in outputs:
         if out.finish_reason == "abort" and out.request_id in errors:
             out.finish_reason, out.error = "error", errors.pop(out.request_id)
-
-
-def _error_output(req: EngineRequest, error: str) -> TokenOutput:
-    try:
-        prompt = np.asarray(req.prompt_token_ids, np.int64).reshape(-1)
-    except (TypeError, ValueError):
-        prompt = np.zeros(0, np.int64)
-    return TokenOutput(
-        request_id=req.request_id,
-        new_token_ids=[],
-        finish_reason="error",
-        num_prompt_tokens=int(prompt.size),
-        error=error,
-        first={"prompt_token_ids": prompt, "sampling": req.sampling},
-    )

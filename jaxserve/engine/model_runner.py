@@ -1,21 +1,14 @@
-"""`ModelRunner`: compiles the step function for every shape, dispatches steps, fetches results.
+"""`ModelRunner`: lowers the step function for every shape, dispatches steps, fetches results.
 
 Owns the device side of the engine: the model's parameters, the paged KV cache and the
-compiled executables of `step_fn.step`, one per `StepShape`. It packs a scheduler
-decision into padded host buffers (`step_inputs.InputBuilder`), queues the executable
-on them, and copies back what the host needs.
+executables of `step_fn.step`, one per `StepShape`, compiled by its `StepCompiler`
+(`step_compiler`). It packs a scheduler decision into padded host buffers
+(`step_inputs.InputBuilder`), queues the executable on them, and copies back what the
+host needs.
 
-Shapes a request can choose never reach the compiler: every step is padded to a token
-bucket T (powers of two up to max_num_batched_tokens). The request-row count is tied to
-it, R = min(T, max_num_seqs): a step of n tokens has at most n rows, and a padded row
-costs only one row of the sampler, so one row bucket per T is enough. Each T has two
-variants: the plain step, and a "full" one for the rare steps that need more: the
-sampler's penalty history (L = max_model_len) and the logits of every token, for prompt
-log-probs. With multi-step decode on, one more call per row bucket runs several decode
-steps in a `lax.scan`. Every executable is compiled ahead of time at start-up
-(`jax.jit(...).lower(...).compile()`, as vLLM's tpu-inference precompiles its padded
-shapes); calling one with any other shape raises instead of compiling. The KV cache is
-donated to each call, so XLA updates it in place.
+Shapes a request can choose never reach the compiler: every step is padded to a bucketed
+`StepShape` (`step_shapes`: token buckets, row buckets, the full and multi-step decode
+variants). The KV cache is donated to each call, so XLA updates it in place.
 
 Calls are asynchronous: `dispatch` returns as soon as the step is queued (JAX's async
 dispatch), and `fetch` waits for its tokens, so the engine can schedule the next step
@@ -39,10 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -51,16 +41,16 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.distributed.arrays import put_on_mesh, replicated_to_host
-from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.huge_pages import advise_huge_pages
 from jaxserve.engine.outputs import StepSamples, step_samples
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.step_compiler import StepCompiler
 from jaxserve.engine.step_fn import StepOutput, step
-from jaxserve.engine.step_inputs import InputBuilder, StepInputs, StepShape, pow2_buckets
+from jaxserve.engine.step_inputs import InputBuilder, StepInputs
+from jaxserve.engine.step_shapes import MIN_TOKEN_BUCKET, StepShape, pow2_buckets
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.kernels import dispatch
-from jaxserve.logs import ProgressLog
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe_slices import MAX_EXPERT_BRANCHES, split_expert_params
@@ -68,14 +58,6 @@ from jaxserve.sharding.mesh import build_mesh
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
-
-# Tracing/lowering one step shape and compiling (or loading from the persistent cache)
-# another never overlap: a CI run segfaulted inside jax's compilation-cache read
-# (`get_executable_and_time`) while a second thread lowered, during a background
-# compile. Compiles still run beside steps being served.
-_XLA_LOCK = threading.Lock()
-
-MIN_TOKEN_BUCKET = 16
 
 
 @dataclass(slots=True)
@@ -115,8 +97,7 @@ class ModelRunner:
         moe_layers: decoder-layer index of each row of the expert counts.
         last_wait_s / wait_time_s: seconds `fetch` blocked waiting for the device, in
             the last fetch / since start-up.
-        num_compile_waits: steps that waited for their shape's compilation (`run_buffers`;
-            0 on the engine's leader process, by `engine.warmup`'s budget).
+        compiler: the `StepCompiler` of the step shapes (`compile_all` compiles them all).
     """
 
     def __init__(
@@ -189,15 +170,12 @@ class ModelRunner:
         # Where step inputs go (leading axis over dp) and outputs come back (replicated).
         self._input_sharding = batch_sharding(mesh, 1)
         self._output_sharding = replicated(mesh)
-        self._executables: dict[StepShape, jax.stages.Compiled] = {}
-        # Shapes being compiled (`compile_shapes`): their executables, once ready.
-        self._pending: dict[StepShape, Future] = {}
         self._param_specs = [jax.tree.map(_spec, p) for p in self._params]
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
         advise_huge_pages([*self._params, *jax.tree.leaves(self.kv_cache)])
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
-        self.num_compile_waits = 0
+        self.compiler = StepCompiler(self._lower)
 
     def _holds_experts_per_expert(self) -> bool:
         """Whether the expert weights are held one array per expert (`moe_slices`): asked
@@ -227,87 +205,9 @@ class ModelRunner:
 
     def compile_all(self, max_workers: int | None = None) -> float:
         """Compile the step for every shape (`buckets()`). Returns the seconds taken."""
-        elapsed = self.compile_shapes(self.buckets(), max_workers)
+        elapsed = self.compiler.compile_shapes(self.buckets(), max_workers)
         logger.info("compiled %d step shapes in %.1f s", len(self.buckets()), elapsed)
         return elapsed
-
-    def compile_shapes(
-        self,
-        shapes: list[StepShape],
-        max_workers: int | None = None,
-        what: str = "compiling step shapes",
-        progress: ProgressLog | None = None,
-    ) -> float:
-        """Compile the step for `shapes`, in that order. Returns the seconds taken.
-
-        Tracing runs in this thread (it is Python); each shape's XLA compilation starts
-        as soon as it is traced, in parallel threads (they release the GIL),
-        `max_workers` at a time (default: CPU count). Progress lines (`what`, or the
-        caller's `progress` spanning several calls) count the shapes done. While it
-        runs, `run_buffers` on one of these shapes waits for its executable (a
-        multi-process follower compiling in the background).
-
-        Raises:
-            whatever tracing or compiling raises (the first failure; the others finish).
-        """
-        start = time.perf_counter()
-        shapes = [s for s in shapes if s not in self._executables]
-        if not shapes:
-            return 0.0
-        futures = {shape: self._pending.setdefault(shape, Future()) for shape in shapes}
-        workers = max_workers or min(len(shapes), os.cpu_count() or 1)
-        if progress is None:
-            progress = ProgressLog(logger, what, len(shapes), "shapes")
-
-        def compile_one(shape: StepShape, low: jax.stages.Lowered) -> None:
-            try:
-                with CompileCounter.warming_up(), _XLA_LOCK:
-                    exe = low.compile()
-            except BaseException as e:
-                if not futures[shape].done():
-                    futures[shape].set_exception(e)
-                raise
-            self._executables[shape] = exe
-            futures[shape].set_result(exe)
-            progress.advance()
-
-        try:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                jobs = []
-                for shape in shapes:
-                    try:
-                        with CompileCounter.warming_up(), _XLA_LOCK:
-                            low = self._lower(shape)
-                    except BaseException as e:
-                        for f in futures.values():
-                            if not f.done():
-                                f.set_exception(e)
-                        raise
-                    jobs.append(pool.submit(compile_one, shape, low))
-                for job in jobs:
-                    job.result()
-        finally:
-            for shape in shapes:
-                self._pending.pop(shape, None)
-        return time.perf_counter() - start
-
-    def expect_shapes(self, shapes: list[StepShape]) -> None:
-        """Announce shapes a later `compile_shapes` will compile: until then
-        `run_buffers` on one waits for it instead of raising."""
-        for shape in shapes:
-            if shape not in self._executables:
-                self._pending.setdefault(shape, Future())
-
-    def fail_pending(self, error: BaseException) -> None:
-        """End every announced, not compiled shape's wait with `error`."""
-        for shape, future in list(self._pending.items()):
-            if not future.done():
-                future.set_exception(error)
-            self._pending.pop(shape, None)
-
-    def is_compiled(self, shape: StepShape) -> bool:
-        """Whether `shape`'s executable is ready."""
-        return shape in self._executables
 
     def _lower(self, shape: StepShape) -> jax.stages.Lowered:
         fn = functools.partial(
@@ -432,15 +332,7 @@ class ModelRunner:
         Raises:
             RuntimeError: the shape was not compiled.
         """
-        executable = self._executables.get(shape)
-        if executable is None:
-            pending = self._pending.get(shape)
-            if pending is None:
-                raise RuntimeError(f"step shape {shape} was not compiled; call compile_all()")
-            # A multi-process follower ahead of its background compilation (the leader's
-            # `WarmUp` budget never schedules a shape that is not compiled there).
-            self.num_compile_waits += 1
-            executable = pending.result()
+        executable = self.compiler.executable(shape)
         buffers = put_on_mesh(buffers, self._input_sharding)
         out, self.kv_cache = executable(self._params, self.kv_cache, *buffers)
         return out

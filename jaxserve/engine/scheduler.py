@@ -36,7 +36,7 @@ arrives and stays there (`rank.pick_rank`). The budgets (max_num_seqs,
 max_num_batched_tokens) and the steps above apply per rank. Every step is one device
 call for all ranks, so their decisions share the number of decode steps (multi-step
 decode only when every busy rank wants it); the input builder pads every rank to the
-busiest one's bucket (`step_inputs.InputBuilder.shape_for`).
+busiest one's bucket (`step_shapes.StepBuckets.shape_for`).
 """
 
 from __future__ import annotations

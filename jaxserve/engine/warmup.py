@@ -35,7 +35,7 @@ import time
 from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.step_inputs import StepShape, pick_bucket
+from jaxserve.engine.step_shapes import StepShape, pick_bucket
 from jaxserve.logs import ProgressLog
 
 logger = logging.getLogger(__name__)
@@ -126,13 +126,13 @@ class WarmUp:
             whatever tracing or compiling the first tier raises.
         """
         start = time.perf_counter()
-        self.runner.expect_shapes([s for _, tier in self.tiers for s in tier])
+        self.runner.compiler.expect_shapes([s for _, tier in self.tiers for s in tier])
         first = self.tiers if not self.background else self.tiers[:1]
         shapes = [s for _, tier in first for s in tier]
         what = "compiling step shapes" if len(first) == len(self.tiers) else (
             f"compiling the first {len(shapes)} of {self.num_shapes} step shapes"
         )  # fmt: skip
-        self.runner.compile_shapes(shapes, self.max_workers, what)
+        self.runner.compiler.compile_shapes(shapes, self.max_workers, what)
         self.ready_tokens = first[-1][0]
         self.compile_time_s = time.perf_counter() - start
         if len(first) == len(self.tiers):
@@ -164,11 +164,11 @@ class WarmUp:
         try:
             with CompileCounter.warming_up():
                 for t, shapes in rest:
-                    self.runner.compile_shapes(shapes, workers, progress=progress)
+                    self.runner.compiler.compile_shapes(shapes, workers, progress=progress)
                     self.ready_tokens = t
         except BaseException as e:  # noqa: BLE001 - serving goes on with the ready tiers
             self.error = e
-            self.runner.fail_pending(e)
+            self.runner.compiler.fail_pending(e)
             logger.error(
                 "background compilation failed at %d tokens per step; serving on with at "
                 "most %d: %s", t, self.ready_tokens, e,
@@ -187,7 +187,7 @@ class WarmUp:
         rest then never compiles and the budget stays where it is)."""
         if self.done.is_set():
             return 0
-        return sum(not self.runner.is_compiled(s) for s in self.runner.buckets())
+        return sum(not self.runner.compiler.is_compiled(s) for s in self.runner.buckets())
 
     def budget(self) -> tuple[int, int, int]:
         """(max_num_batched_tokens, max_num_seqs, num_decode_steps) the scheduler may
@@ -199,7 +199,7 @@ class WarmUp:
         rows = min(seqs, self.runner.rows_for(t))
         # Multi-step decode only once every decode call of up to `rows` rows is compiled.
         decode_ok = k > 1 and all(
-            self.runner.is_compiled(s)
+            self.runner.compiler.is_compiled(s)
             for s in self.runner.buckets()
             if s.num_steps > 1 and s.num_rows <= _decode_bucket(self.runner, rows)
         )
