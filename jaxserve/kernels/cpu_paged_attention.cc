@@ -21,11 +21,15 @@
 // of 16 keys has one vector accumulator per key and one transposing tree adds them all
 // up (SumEach16), the softmax is vectorised over the chunk (Exp16, no libm call that
 // would spill every vector register), and the weighted values are added 16 lanes at a
-// time in registers (cpu_vec16.h: GCC vector extensions, one AVX-512 register here).
-// `scripts/bench_attention_cpu.py`, old and new kernel alternating, 3 runs each, medians,
-// 2 threads: Qwen3-MoE shapes (8 heads, 4 KV heads, head_dim 64) 8 rows x 48 keys 65.9 ->
-// 32.7 us a call, 128 x 48 595 -> 289 us, 128 x 200 (from memory) 3.72 -> 1.93 ms; the
-// demo model's (4, 2, 32) 8 x 48 28.2 -> 12.1 us, 128 x 48 345 -> 105 us.
+// time in registers (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one
+// AVX-512 register here). The next block is prefetched into L2 (L1 holds the block being
+// read), a share between each two rows (BlockPrefetch): from memory, 1.3x over all at
+// once into L1. `scripts/bench_attention_cpu.py`, old and new kernel alternating, 3 runs
+// each, medians, 2 threads, load 1.1-1.5: Qwen3-MoE shapes (8 heads, 4 KV heads,
+// head_dim 64) 8 rows x 48 keys 65.4 -> 27.6 us a call, 128 x 48 540 -> 243 us, 128 x 200
+// (from memory) 3.64 -> 1.55 ms, 32 x 1000 4.92 -> 2.23 ms; the demo model's (4, 2, 32)
+// 8 x 48 27.9 -> 10.6 us, 8 x 200 112 -> 37 us, 128 x 48 337 -> 99 us.
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,20 +38,18 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_attention_chunk.h"
 #include "cpu_vec16.h"
 #include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxserve::Exp16;
-using jaxserve::HorizontalMax16;
+using jaxserve::AttendChunk;
 using jaxserve::HorizontalSum16;
 using jaxserve::I16;
+using jaxserve::kNegInf;
 using jaxserve::Load16;
-using jaxserve::Splat16;
-using jaxserve::Store16;
-using jaxserve::SumEach16;
-using jaxserve::V16;
+using jaxserve::RowsRef;
 
 namespace {
 
@@ -58,7 +60,6 @@ constexpr int32_t kPadSlot = -1;  // models.base.PAD_SLOT
 constexpr int64_t kMinParallelWork = int64_t{1} << 18;
 // (request, token tile) pairs from which a unit takes all KV heads (PlanUnits).
 constexpr int64_t kMinTilesAllHeads = 16;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Unit {
   // Query tokens [first_token, first_token + num_tokens) of `request`, KV heads
@@ -89,98 +90,31 @@ struct Scratch {
   std::vector<float> acc, row_max, row_sum;
 };
 
-// Where R rows of one token attend (R = 1 or 2: two rows' dependent chains, the
-// reduction tree, max, exp and rescaling, interleave).
-struct RowsRef {
-  const float* q[2];
-  const float* k[2];  // the chunk's key j of row r at k[r] + j * stride
-  const float* v[2];
-  float* acc[2];      // head_dim floats: the row's output so far
-  float* row_max[2];  // the running max of its scores
-  float* row_sum[2];  // 16 floats: the running sum of its weights, by lanes
-};
+// Prefetches a block's keys and values (cache lines of `span` floats at key j * stride
+// for j < keys, from k and v; none if k is null) into L2, over `steps` calls of Some().
+class BlockPrefetch {
+ public:
+  BlockPrefetch(const float* k, const float* v, int64_t stride, int64_t span, int64_t keys,
+                int64_t steps)
+      : k_(k), v_(v), stride_(stride), per_key_((span + 15) / 16),
+        total_(k == nullptr ? 0 : keys * per_key_),
+        share_((total_ + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1)) {}
+  void Some() { Issue(std::min(total_, done_ + share_)); }
+  void Rest() { Issue(total_); }
 
-// The rows' online-softmax step over a chunk of m <= 16 keys, seen where `seen` (lanes
-// past m are not).
-//
-// Scores: a vector accumulator per key over head_dim in 16-lane pieces, then one
-// transposing tree (SumEach16) for all 16 keys; keys past m repeat key m - 1, so that no
-// key past the context is read. Then the running max, sum and output are rescaled and the
-// weighted values added, the output 16 lanes at a time in registers.
-template <int R>
-inline void AttendChunk(const RowsRef& x, int64_t stride, int m, int64_t d, float scale,
-                        I16 seen) {
-  const int64_t whole = d / 16 * 16;
-  V16 s[R];
-  for (int r = 0; r < R; ++r) {
-    V16 part[16];
-    for (int j = 0; j < 16; ++j) part[j] = V16{};
-    for (int64_t c = 0; c < whole; c += 16) {
-      const V16 qc = Load16(x.q[r] + c);
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j)
-        part[j] += qc * Load16(x.k[r] + std::min(j, m - 1) * stride + c);
+ private:
+  void Issue(int64_t end) {
+    for (; done_ < end; ++done_) {
+      __builtin_prefetch(k_ + key_ + line_, 0, 2);  // to L2: L1 holds the block being read
+      __builtin_prefetch(v_ + key_ + line_, 0, 2);
+      line_ += 16;
+      if (line_ == per_key_ * 16) line_ = 0, key_ += stride_;
     }
-    s[r] = SumEach16(part);
-    if (whole < d) {  // head_dim not a multiple of 16: the rest one key at a time
-      alignas(64) float rest[16];
-      for (int j = 0; j < 16; ++j) {
-        const float* kj = x.k[r] + std::min(j, m - 1) * stride;
-        float sum = 0.f;
-        for (int64_t c = whole; c < d; ++c) sum += x.q[r][c] * kj[c];
-        rest[j] = sum;
-      }
-      s[r] += Load16(rest);
-    }
-    s[r] = seen ? s[r] * scale : Splat16(kNegInf);
   }
-  alignas(64) float w[R][16];
-  float rescale[R];
-  bool any = false;
-  for (int r = 0; r < R; ++r) {
-    const float chunk_max = HorizontalMax16(s[r]);
-    // No key of this chunk for this row: weights 0, nothing rescaled.
-    const float new_max = std::max(*x.row_max[r], chunk_max);
-    if (new_max == kNegInf) {
-      rescale[r] = 1.f;
-      Store16(w[r], V16{});
-      continue;
-    }
-    any = true;
-    // exp(-inf) = 0 at the start. Exp16, not std::exp: a call would spill every vector
-    // register.
-    rescale[r] = Exp16(Splat16(*x.row_max[r] - new_max))[0];
-    *x.row_max[r] = new_max;
-    const V16 weights = Exp16(s[r] - new_max);  // masked keys weigh 0
-    Store16(w[r], weights);
-    Store16(x.row_sum[r], Load16(x.row_sum[r]) * rescale[r] + weights);
-  }
-  if (!any) return;
-  // acc = acc * rescale + sum_j w[j] v[j], 16 lanes at a time, over two partial sums a
-  // row (even and odd keys) so that the multiply-adds are not one dependent chain.
-  for (int64_t c = 0; c < whole; c += 16) {
-    V16 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) {
-      a0[r] = Load16(x.acc[r] + c) * rescale[r];
-      a1[r] = V16{};
-    }
-    int j = 0;
-    for (; j + 2 <= m; j += 2)
-      for (int r = 0; r < R; ++r) {
-        a0[r] += w[r][j] * Load16(x.v[r] + j * stride + c);
-        a1[r] += w[r][j + 1] * Load16(x.v[r] + (j + 1) * stride + c);
-      }
-    if (j < m)
-      for (int r = 0; r < R; ++r) a0[r] += w[r][j] * Load16(x.v[r] + j * stride + c);
-    for (int r = 0; r < R; ++r) Store16(x.acc[r] + c, a0[r] + a1[r]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = whole; c < d; ++c) {
-      float a = x.acc[r][c] * rescale[r];
-      for (int j = 0; j < m; ++j) a += w[r][j] * x.v[r][j * stride + c];
-      x.acc[r][c] = a;
-    }
-}
+  const float* k_;
+  const float* v_;
+  int64_t stride_, per_key_, total_, share_, done_ = 0, key_ = 0, line_ = 0;
+};
 
 // Where unit u's first block of keys starts (elements into k or v), as RunUnit's
 // block_offset: the block of its first token's first key (0 without a window).
@@ -248,15 +182,11 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
       next_offset = FirstBlockOffset(p, *next);
       next_span = next->num_kv_heads * d;
     }
-    if (next_offset >= 0) {
-      const float* kn = p.k + next_offset;
-      const float* vn = p.v + next_offset;
-      for (int64_t j = 0; j < bs; ++j)
-        for (int64_t c = 0; c < next_span; c += 16) {
-          __builtin_prefetch(kn + j * key_stride + c, 0, 2);
-          __builtin_prefetch(vn + j * key_stride + c, 0, 2);
-        }
-    }
+    // Issued a share at a time between row pairs, not all at once: a burst of hundreds
+    // of prefetches stalls on the full miss queue.
+    BlockPrefetch prefetch(next_offset >= 0 ? p.k + next_offset : nullptr,
+                           p.v + std::max<int64_t>(next_offset, 0), key_stride, next_span, bs,
+                           (n + 15) / 16 * u.num_tokens * ((unit_heads + 1) / 2));
     // Chunks of up to 16 keys of the block; the rows of one token share its mask.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
@@ -286,9 +216,11 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
           } else {
             AttendChunk<1>(x, key_stride, m, d, p.scale, seen);
           }
+          prefetch.Some();
         }
       }
     }
+    prefetch.Rest();
   }
   for (int64_t i = 0; i < rows; ++i) {
     const float sum = HorizontalSum16(Load16(row_sum + i * 16))[0];
