@@ -12,6 +12,12 @@
 #include <limits>
 #include <utility>
 
+#ifdef __has_builtin
+#if __has_builtin(__builtin_shufflevector)
+#define JAXSERVE_SHUFFLEVECTOR 1  // Clang, GCC 12 and later
+#endif
+#endif
+
 namespace jaxserve {
 
 typedef float V16 __attribute__((vector_size(64)));
@@ -31,14 +37,27 @@ inline V16 Max16(V16 a, V16 b) { return a > b ? a : b; }
 
 namespace vec16_detail {
 
-// The lanes Fold takes from (a, b), as indices into a (0-15) and b (16-31). Lane x of
-// segment s (L lanes from s * L) sums, in its first half, a[x] (`first`: in place, so a
-// blend) and a[x + L / 2] (the other: a shuffle); in its second half, b[x] and
-// b[x - L / 2].
-template <int L, size_t... x>
-constexpr I16 FoldLanes(std::index_sequence<x...>, bool first) {
-  return I16{static_cast<int32_t>(
-      x % L < L / 2 ? (first ? x : x + L / 2) : (first ? 16 + x : 16 + x - L / 2))...};
+// Lanes of (a, b) picked by constant indices (0-15 a's, 16-31 b's): Clang's and GCC 12's
+// __builtin_shufflevector, older GCC's __builtin_shuffle.
+template <int32_t... i>
+inline V16 Pick(V16 a, V16 b) {
+#ifdef JAXSERVE_SHUFFLEVECTOR
+  return __builtin_shufflevector(a, b, i...);
+#else
+  return __builtin_shuffle(a, b, I16{i...});
+#endif
+}
+
+// The lane Fold takes from (a, b) into lane x, as Pick's index. Lane x of segment s (L
+// lanes from s * L) sums, in its first half, a[x] (`first`: in place, so a blend) and
+// a[x + L / 2] (the other: a shuffle); in its second half, b[x] and b[x - L / 2].
+constexpr int32_t FoldLane(int L, int32_t x, bool first) {
+  return x % L < L / 2 ? (first ? x : x + L / 2) : (first ? 16 + x : 16 + x - L / 2);
+}
+
+template <int L, int32_t... x>
+inline V16 FoldLanes(V16 a, V16 b, std::integer_sequence<int32_t, x...>) {
+  return Pick<FoldLane(L, x, true)...>(a, b) + Pick<FoldLane(L, x, false)...>(a, b);
 }
 
 // a, b: the partial sums of 2^k values each, in segments of L = 16 / 2^k lanes. Returns
@@ -46,9 +65,18 @@ constexpr I16 FoldLanes(std::index_sequence<x...>, bool first) {
 // segment 2s is a's segment s, 2s + 1 is b's.
 template <int L>
 inline V16 Fold(V16 a, V16 b) {
-  constexpr I16 in_place = FoldLanes<L>(std::make_index_sequence<16>(), true);
-  constexpr I16 moved = FoldLanes<L>(std::make_index_sequence<16>(), false);
-  return __builtin_shuffle(a, b, in_place) + __builtin_shuffle(a, b, moved);
+  return FoldLanes<L>(a, b, std::make_integer_sequence<int32_t, 16>());
+}
+
+// x with lanes i and i ^ k swapped (k a power of two below 16).
+template <int k, int32_t... i>
+inline V16 SwapLanes(V16 x, std::integer_sequence<int32_t, i...>) {
+  return Pick<(i ^ k)...>(x, x);
+}
+
+template <int k>
+inline V16 Swap(V16 x) {
+  return SwapLanes<k>(x, std::make_integer_sequence<int32_t, 16>());
 }
 
 }  // namespace vec16_detail
@@ -67,17 +95,19 @@ inline V16 SumEach16(const V16 x[16]) {
 
 // The sum of x's lanes (a tree order), in every lane.
 inline V16 HorizontalSum16(V16 x) {
-  x += __builtin_shuffle(x, I16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, I16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, I16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  return x + __builtin_shuffle(x, I16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  using vec16_detail::Swap;
+  x += Swap<8>(x);
+  x += Swap<4>(x);
+  x += Swap<2>(x);
+  return x + Swap<1>(x);
 }
 
 // The largest of x's lanes.
 inline float HorizontalMax16(V16 x) {
-  x = Max16(x, __builtin_shuffle(x, I16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  x = Max16(x, __builtin_shuffle(x, I16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  x = Max16(x, __builtin_shuffle(x, I16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  using vec16_detail::Swap;
+  x = Max16(x, Swap<8>(x));
+  x = Max16(x, Swap<4>(x));
+  x = Max16(x, Swap<2>(x));
   return std::max(x[0], x[1]);
 }
 
