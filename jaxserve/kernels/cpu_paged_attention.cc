@@ -11,7 +11,8 @@
 // for a row, then the row's running max, sum and output are rescaled and updated
 // (AttendChunk). A token's rows go two at a time (the g query heads of a KV head are
 // consecutive), so that two rows' dependent chains interleave and the second reads the
-// keys and values from L1. Work units are shared with XLA's intra-op thread pool
+// keys and values from L1 (one thread, 8 rows x 48 keys: 1.08x at head_dim 64, 1.18x at
+// 32, over one at a time; four at a time measured the same as two). Work units are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h) when the step has enough work to pay for it, claimed a few
 // consecutive ones at a time so that a unit can prefetch the first block of the next one
 // on its thread.
