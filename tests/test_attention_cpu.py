@@ -19,23 +19,23 @@ from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 4, 64, 12
 
 
-def random_step(rng, requests, num_tokens, num_rows, num_blocks=NUM_BLOCKS):
+def random_step(rng, requests, num_tokens, num_rows, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE):
     """A flat batch as the engine packs it. requests: (query_len, seq_len) each, the query
-    tokens being the last query_len positions; blocks are drawn shuffled from
-    1..num_blocks-1; tokens past the requests are padding (PAD_SLOT, the last row), rows
-    past them are padding (seq_len 0)."""
+    tokens being the last query_len positions; blocks (of block_size tokens) are drawn
+    shuffled from 1..num_blocks-1; tokens past the requests are padding (PAD_SLOT, the
+    last row), rows past them are padding (seq_len 0)."""
     free = list(rng.permutation(np.arange(1, num_blocks)))
     tables = np.zeros((num_rows, MAX_BLOCKS), np.int32)
     seq_lens = np.zeros(num_rows, np.int32)
     qsl = np.zeros(num_rows + 1, np.int32)
     positions, slots, token_req = [], [], []
     for r, (q_len, seq_len) in enumerate(requests):
-        n_blocks = -(-seq_len // BLOCK_SIZE)
+        n_blocks = -(-seq_len // block_size)
         tables[r, :n_blocks] = [free.pop() for _ in range(n_blocks)]
         seq_lens[r] = seq_len
         for p in range(seq_len - q_len, seq_len):
             positions.append(p)
-            slots.append(tables[r, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            slots.append(tables[r, p // block_size] * block_size + p % block_size)
             token_req.append(r)
         qsl[r + 1] = qsl[r] + q_len
     qsl[len(requests) + 1 :] = qsl[len(requests)]
@@ -64,11 +64,11 @@ def random_requests(rng, num_requests, max_query=6):
     return requests
 
 
-def arrays(rng, num_tokens, heads, kv_heads, head_dim=8, dtype=jnp.float32):
+def arrays(rng, num_tokens, heads, kv_heads, head_dim=8, dtype=jnp.float32, block_size=BLOCK_SIZE):
     def normal(shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
-    cache_shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
+    cache_shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
     return normal((num_tokens, heads, head_dim)), normal(cache_shape), normal(cache_shape)
 
 

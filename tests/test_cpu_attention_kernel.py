@@ -84,6 +84,39 @@ def test_decode_rows_at_every_block_boundary_and_wide_heads():
         assert_matches_reference(q, k, v, positions, metadata)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "heads", "kv_heads", "head_dim", "window"),
+    [
+        (16, 8, 4, 64, None),  # the random Qwen3-MoE's shapes
+        (16, 4, 2, 32, 19),  # the demo model's, with a window
+        (32, 4, 4, 40, None),
+        (8, 12, 3, 8, None),
+        (16, 6, 2, 24, 7),
+    ],
+)
+def test_block_sizes_head_dims_and_groups_match_reference(
+    block_size, heads, kv_heads, head_dim, window
+):
+    """The kernel scores up to 16 keys of a block at a time (blocks of 8: one partial
+    chunk; 16: one whole; 32: two) and head_dim 16 lanes at a time (64 and 32: whole
+    lanes; 40, 24: a remainder; 8: only one), and takes a token's query heads two at a
+    time (1, 2, 3, 4 per KV head: pairs sharing a KV head or not, one left over). Decode
+    rows at contexts around block and chunk boundaries and prefill chunks; a step with 16
+    (request, query tile) pairs or more (units of all KV heads) and one with a few (a KV
+    head each)."""
+    rng = np.random.default_rng(block_size * 100 + head_dim)
+    decode = [(1, n) for n in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 70)]
+    requests = decode + [(20, 40), (9, 9), (13, 50)]
+    for step in (requests, requests[-3:] + decode[-2:]):
+        num_real = sum(q for q, _ in step)
+        q, k, v = arrays(rng, num_real + 2, heads, kv_heads, head_dim, block_size=block_size)
+        positions, metadata = random_step(
+            rng, step, num_real + 2, len(step) + 1, block_size=block_size
+        )
+        out = assert_matches_reference(q, k, v, positions, metadata, window)
+        assert np.all(np.asarray(out[num_real:]) == 0.0)  # padded tokens
+
+
 def test_long_prefill_and_all_padding():
     rng = np.random.default_rng(4)
     q, k, v = arrays(rng, 40, heads=2, kv_heads=2)

@@ -6,13 +6,30 @@
 // such tiles or more, else one): its tokens' query heads are the rows that attend
 // together, so each key and value of the request is read once per tile, in place
 // through the block table (with all KV heads, a block is one stretch of memory), and
-// nothing is gathered or padded. Keys are taken a cache block at a time with the online
-// softmax of FlashAttention (Dao et al. 2022): scores of the block for every row, then
-// each row's running max, sum and output are rescaled and updated. Work units are shared
-// with XLA's intra-op thread pool (cpu_work_sharing.h) when the step has enough work to
-// pay for it, claimed a few consecutive ones at a time so that a unit can prefetch the
-// first block of the next one on its thread. Decode at 128 rows x 48 keys, 8 layers of
-// cache cycled (from memory), 2 threads: 1.23 -> 0.95-1.0 ms a call.
+// nothing is gathered or padded. Keys are taken a cache block at a time, in chunks of up
+// to 16, with the online softmax of FlashAttention (Dao et al. 2022): a chunk's scores
+// for a row, then the row's running max, sum and output are rescaled and updated
+// (AttendChunk). A token's rows go two at a time (the g query heads of a KV head are
+// consecutive), so that two rows' dependent chains interleave and the second reads the
+// keys and values from L1 (one thread, 8 rows x 48 keys: 1.08x at head_dim 64, 1.18x at
+// 32, over one at a time; four at a time measured the same as two). Work units are shared with XLA's intra-op thread pool
+// (cpu_work_sharing.h) when the step has enough work to pay for it, claimed a few
+// consecutive ones at a time so that a unit can prefetch the first block of the next one
+// on its thread.
+//
+// Scores were one dot product per (row, key) whose 16 lanes were added up one after the
+// other (float order, no -ffast-math): about 20 ns a (query head, key) pair. Now a chunk
+// of 16 keys has one vector accumulator per key and one transposing tree adds them all
+// up (SumEach16), the softmax is vectorised over the chunk (Exp16, no libm call that
+// would spill every vector register), and the weighted values are added 16 lanes at a
+// time in registers (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one
+// AVX-512 register here). The next block is prefetched into L2 (L1 holds the block being
+// read), a share between each two rows (BlockPrefetch): from memory, 1.3x over all at
+// once into L1. `scripts/bench_attention_cpu.py`, old and new kernel alternating, 3 runs
+// each, medians, 2 threads, load 1.1-1.5: Qwen3-MoE shapes (8 heads, 4 KV heads,
+// head_dim 64) 8 rows x 48 keys 65.4 -> 27.6 us a call, 128 x 48 540 -> 243 us, 128 x 200
+// (from memory) 3.64 -> 1.55 ms, 32 x 1000 4.92 -> 2.23 ms; the demo model's (4, 2, 32)
+// 8 x 48 27.9 -> 10.6 us, 8 x 200 112 -> 37 us, 128 x 48 337 -> 99 us.
 
 #include <algorithm>
 #include <cmath>
@@ -22,10 +39,18 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_attention_chunk.h"
+#include "cpu_vec16.h"
 #include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve::AttendChunk;
+using jaxserve::HorizontalSum16;
+using jaxserve::I16;
+using jaxserve::kNegInf;
+using jaxserve::Load16;
+using jaxserve::RowsRef;
 
 namespace {
 
@@ -36,45 +61,6 @@ constexpr int32_t kPadSlot = -1;  // models.base.PAD_SLOT
 constexpr int64_t kMinParallelWork = int64_t{1} << 18;
 // (request, token tile) pairs from which a unit takes all KV heads (PlanUnits).
 constexpr int64_t kMinTilesAllHeads = 16;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {0.f};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < 16; ++l) s += lanes[l];
-  return s;
-}
-
-// e^x for x[0:n] in place, -inf -> 0, in a loop the compiler vectorises: Cephes' expf
-// (range reduction by ln 2, a degree-5 polynomial; within 2 ulp of std::exp, whose call
-// per element GCC does not vectorise without -ffast-math, which would break the -inf
-// masking). With the prefetch of the next block (RunUnit), decode attention from memory
-// runs about 1.45x faster (`scripts/bench_attention_cpu.py`, 3 interleaved runs of each
-// kernel, medians: 128 rows x 200 keys 6.8 -> 4.7 ms a call, 32 x 1000 8.7 -> 5.8 ms; 128
-// x 48, from L3, unchanged); neither change helped alone.
-inline void ExpInPlace(float* x, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = x[j];
-    const float c = std::min(std::max(v, -87.33654f), 88.72283f);
-    const float k = std::nearbyint(c * 1.44269504088896341f);
-    const float r = c - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t e = (static_cast<int32_t>(k) + 127) << 23;  // 2^k as a float's bits
-    float scale;
-    std::memcpy(&scale, &e, sizeof scale);
-    x[j] = v == kNegInf ? 0.f : p * scale;
-  }
-}
 
 struct Unit {
   // Query tokens [first_token, first_token + num_tokens) of `request`, KV heads
@@ -99,10 +85,36 @@ struct Problem {
 
 // A thread's scratch, kept between units and calls (no allocation per unit once grown).
 struct Scratch {
-  std::vector<const float*> qrow;
-  std::vector<float*> orow;
-  std::vector<int32_t> pos;
-  std::vector<float> acc, row_max, row_sum, score;
+  std::vector<int32_t> pos;  // per token of the unit
+  // Per row: the output so far (head_dim floats), the running max, and the running sum
+  // of the weights as 16 lanes (added up once, at the end).
+  std::vector<float> acc, row_max, row_sum;
+};
+
+// Prefetches a block's keys and values (cache lines of `span` floats at key j * stride
+// for j < keys, from k and v; none if k is null) into L2, over `steps` calls of Some().
+class BlockPrefetch {
+ public:
+  BlockPrefetch(const float* k, const float* v, int64_t stride, int64_t span, int64_t keys,
+                int64_t steps)
+      : k_(k), v_(v), stride_(stride), per_key_((span + 15) / 16),
+        total_(k == nullptr ? 0 : keys * per_key_),
+        share_((total_ + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1)) {}
+  void Some() { Issue(std::min(total_, done_ + share_)); }
+  void Rest() { Issue(total_); }
+
+ private:
+  void Issue(int64_t end) {
+    for (; done_ < end; ++done_) {
+      __builtin_prefetch(k_ + key_ + line_, 0, 2);  // to L2: L1 holds the block being read
+      __builtin_prefetch(v_ + key_ + line_, 0, 2);
+      line_ += 16;
+      if (line_ == per_key_ * 16) line_ = 0, key_ += stride_;
+    }
+  }
+  const float* k_;
+  const float* v_;
+  int64_t stride_, per_key_, total_, share_, done_ = 0, key_ = 0, line_ = 0;
 };
 
 // Where unit u's first block of keys starts (elements into k or v), as RunUnit's
@@ -121,27 +133,21 @@ int64_t FirstBlockOffset(const Problem& p, const Unit& u) {
 // The unit's rows attend over their keys: row i is token first_token + i / (heads of the
 // unit) and query head kv_head * g + i % (heads of the unit), so that the rows of one KV
 // head are consecutive and each block's keys (for all the unit's KV heads, one stretch of
-// memory when those are all the KV heads) are read once for them all.
+// memory when those are all the KV heads) are read once for them all, from cache for
+// every row after the first.
 void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
   thread_local Scratch scratch;
   Scratch& sc = scratch;
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
   const int64_t unit_heads = u.num_kv_heads * g;
   const int64_t rows = u.num_tokens * unit_heads;
-  sc.qrow.resize(rows);
-  sc.orow.resize(rows);
-  sc.pos.resize(rows);
-  const float** qrow = sc.qrow.data();
-  float** orow = sc.orow.data();
+  sc.pos.resize(u.num_tokens);
   int32_t* pos = sc.pos.data();
   const int64_t seq_len = p.seq_lens[u.request];
   const int64_t context = std::min<int64_t>(seq_len, p.table_width * bs);  // keys [0, context)
   int64_t first_key = std::numeric_limits<int64_t>::max(), last_key = -1;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t t = u.first_token + i / unit_heads;
-    const int64_t head = u.kv_head * g + i % unit_heads;
-    qrow[i] = p.q + (t * p.heads + head) * d;
-    orow[i] = p.out + (t * p.heads + head) * d;
+  for (int64_t i = 0; i < u.num_tokens; ++i) {
+    const int64_t t = u.first_token + i;
     // A padded token (PAD_SLOT) attends to nothing, as in the reference.
     pos[i] = p.slots[t] == kPadSlot ? -1 : p.positions[t];
     if (pos[i] < 0) continue;
@@ -151,8 +157,7 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
   }
   sc.acc.assign(rows * d, 0.f);
   sc.row_max.assign(rows, kNegInf);
-  sc.row_sum.assign(rows, 0.f);
-  sc.score.resize(rows * bs);
+  sc.row_sum.assign(rows * 16, 0.f);
   float* acc = sc.acc.data();
   float* row_max = sc.row_max.data();
   float* row_sum = sc.row_sum.data();
@@ -165,8 +170,9 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
     return (block * bs * p.kv_heads + u.kv_head) * d;
   };
   const int64_t span = u.num_kv_heads * d;  // floats of one key for the unit's KV heads
+  const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t b = first_key / bs; last_key >= 0 && b <= last_key / bs; ++b) {
-    const int64_t key0 = b * bs, n = std::min(bs, last_key + 1 - key0);
+    const int64_t n = std::min(bs, last_key + 1 - b * bs);
     const float* kb = p.k + block_offset(b);
     const float* vb = p.v + block_offset(b);
     // The next block's keys and values (or the next unit's first), while this one computes.
@@ -177,50 +183,52 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
       next_offset = FirstBlockOffset(p, *next);
       next_span = next->num_kv_heads * d;
     }
-    if (next_offset >= 0) {
-      const float* kn = p.k + next_offset;
-      const float* vn = p.v + next_offset;
-      for (int64_t j = 0; j < bs; ++j)
-        for (int64_t c = 0; c < next_span; c += 16) {
-          __builtin_prefetch(kn + j * key_stride + c);
-          __builtin_prefetch(vn + j * key_stride + c);
+    // Issued a share at a time between row pairs, not all at once: a burst of hundreds
+    // of prefetches stalls on the full miss queue.
+    BlockPrefetch prefetch(next_offset >= 0 ? p.k + next_offset : nullptr,
+                           p.v + std::max<int64_t>(next_offset, 0), key_stride, next_span, bs,
+                           (n + 15) / 16 * u.num_tokens * ((unit_heads + 1) / 2));
+    // Chunks of up to 16 keys of the block; the rows of one token share its mask.
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
+      const int64_t key0 = b * bs + j0;
+      const I16 key = static_cast<int32_t>(key0) + lane;
+      for (int64_t t = 0; t < u.num_tokens; ++t) {
+        if (pos[t] < key0) continue;  // no key of this chunk for this token (causal)
+        if (p.window > 0 && pos[t] - (key0 + m - 1) >= p.window) continue;
+        I16 seen = (lane < m) & (key <= pos[t]);
+        if (p.window > 0) seen &= pos[t] - key < p.window;
+        // The token's rows two at a time (the rows of one KV head are consecutive).
+        RowsRef x;
+        for (int64_t i = t * unit_heads; i < (t + 1) * unit_heads; i += 2) {
+          const int R = std::min<int64_t>(2, (t + 1) * unit_heads - i);
+          for (int r = 0; r < R; ++r) {
+            const int64_t h = (i + r) % unit_heads;  // the row's head in the unit
+            const int64_t off = h / g * d + j0 * key_stride;  // its KV head, the chunk
+            x.q[r] = p.q + ((u.first_token + t) * p.heads + u.kv_head * g + h) * d;
+            x.k[r] = kb + off;
+            x.v[r] = vb + off;
+            x.acc[r] = acc + (i + r) * d;
+            x.row_max[r] = row_max + i + r;
+            x.row_sum[r] = row_sum + (i + r) * 16;
+          }
+          if (R == 2) {
+            AttendChunk<2>(x, key_stride, m, d, p.scale, seen);
+          } else {
+            AttendChunk<1>(x, key_stride, m, d, p.scale, seen);
+          }
+          prefetch.Some();
         }
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      if (pos[i] < key0) continue;  // no key of this block for this row (causal)
-      const int64_t head_off = (i % unit_heads) / g * d;  // the row's KV head in the unit
-      const float* kh = kb + head_off;
-      const float* vh = vb + head_off;
-      float* s = sc.score.data() + i * bs;
-      float block_max = kNegInf;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t key = key0 + j;
-        const bool seen = key <= pos[i] && (p.window <= 0 || pos[i] - key < p.window);
-        s[j] = seen ? Dot(qrow[i], kh + j * key_stride, d) * p.scale : kNegInf;
-        block_max = std::max(block_max, s[j]);
       }
-      if (block_max == kNegInf) continue;  // no key of this block for this row
-      const float new_max = std::max(row_max[i], block_max);
-      const float rescale = std::exp(row_max[i] - new_max);  // exp(-inf) = 0 at the start
-      row_max[i] = new_max;
-      float* a = acc + i * d;
-      float sum = row_sum[i] * rescale;
-      for (int64_t c = 0; c < d; ++c) a[c] *= rescale;
-      for (int64_t j = 0; j < n; ++j) s[j] -= new_max;  // -inf stays -inf
-      ExpInPlace(s, n);  // masked keys weigh 0
-      for (int64_t j = 0; j < n; ++j) {
-        const float w = s[j];
-        if (w == 0.f) continue;
-        sum += w;
-        const float* vj = vh + j * key_stride;
-        for (int64_t c = 0; c < d; ++c) a[c] += w * vj[c];
-      }
-      row_sum[i] = sum;
     }
+    prefetch.Rest();
   }
   for (int64_t i = 0; i < rows; ++i) {
-    const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-    for (int64_t c = 0; c < d; ++c) orow[i][c] = acc[i * d + c] * inv;
+    const float sum = HorizontalSum16(Load16(row_sum + i * 16))[0];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t t = u.first_token + i / unit_heads, head = u.kv_head * g + i % unit_heads;
+    float* o = p.out + (t * p.heads + head) * d;
+    for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
   }
 }
 
