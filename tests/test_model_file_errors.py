@@ -165,7 +165,30 @@ def test_chat_template_json_without_template_is_named_once(tmp_path):
     path.write_text('{"bos_token": "<s>"}')
     with pytest.raises(ChatTemplateError) as e:
         load_chat_template(DEMO_MODEL_DIR, path)
-    assert str(e.value) == f"chat-template: {path}: chat_template is not a string"
+    assert str(e.value) == f"chat-template: {path} has no chat_template entry"
+
+
+@pytest.mark.parametrize(("value", "shown"), [(5, "5"), ({"a": 1}, '{"a": 1}')])
+def test_model_chat_template_not_a_string_is_named_at_start(model_copy, value, shown):
+    # With --http-port (the only user of tokenizer_config.json), exit 2 before any
+    # process starts; the file is the model folder's, so "model:", not the flag's name.
+    config_path = model_copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": value}))
+    code, lines = serve(str(model_copy), "--http-port", "0", *MOCK)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: model: {config_path}: chat_template must be a string or a "
+        f'list of {{"name", "template"}} objects, got {shown}'
+    )
+
+
+def test_model_chat_template_null_is_no_template(model_copy):
+    from jaxserve.frontend.http.chat_template import load_chat_template
+
+    config_path = model_copy / "tokenizer_config.json"
+    config_path.write_text(json.dumps({"chat_template": None}))
+    assert load_chat_template(model_copy) is None  # as transformers: no template
 
 
 @pytest.mark.parametrize("text", ["", " \n\t\n"])
