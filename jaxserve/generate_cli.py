@@ -38,7 +38,11 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     which the help names (frontend/proto/jaxserve.proto)."""
     from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS
 
-    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
+    g.add_argument(
+        "prompt",
+        help='prompt text ("-" reads stdin, less one trailing newline: `echo hi | jaxserve '
+        'generate -` sends "hi"; other whitespace is kept)',
+    )
     g.add_argument(
         "--server",
         type=server_address.server_arg,
@@ -96,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxserve.frontend.client import JaxserveClient
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = stdin_prompt(sys.stdin.read()) if args.prompt == "-" else args.prompt
     params = {name: getattr(args, name) for name in _REQUEST_FLAGS}
     if args.n is not None:
         params["n"] = args.n
@@ -147,6 +151,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in completions or ([last] if last is not None else []):
             print(_summary(c, len(completions) > 1), file=sys.stderr)
     return 0
+
+
+def stdin_prompt(text: str) -> str:
+    """`text` (stdin, read in text mode: a CRLF is a LF already) less one trailing
+    newline: the one `echo` or an editor ends a file with, which no one means as part of
+    the prompt. Only one, unlike a shell's $(...), which takes all: a prompt may end on an
+    empty line on purpose."""
+    return text.removesuffix("\n")
 
 
 # gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE
