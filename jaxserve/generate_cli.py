@@ -164,9 +164,6 @@ def stdin_prompt(text: str) -> str:
 # gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE
 # (its engine starting or gone), which needs no hint.
 _REFUSED = "Connection refused"
-# gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
-# --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
-_HTTP1 = ("http1.x server", "Expected SETTINGS frame")
 _TRANSPORT = ("Socket closed", "Connection reset", "failed to connect", "handshake")
 
 
@@ -177,16 +174,15 @@ def _unavailable_hint(e, server: str, tls: bool) -> str:
     gRPC reports only as "Socket closed". "" for any other status."""
     import grpc
 
+    from jaxserve.frontend.client import NotGrpcServerError, http1_hint
+
     details = e.details() or ""
     if e.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
     if _REFUSED in details:
         return f"; is `jaxserve serve` running at {server}?"
-    if any(words in details for words in _HTTP1):  # an HTTP/1 server answered: TLS is not the cause
-        return (
-            f" ({server} looks like an HTTP/1 server: the HTTP API or metrics port? "
-            "generate speaks gRPC: give serve's --port)"
-        )
+    if isinstance(e, NotGrpcServerError):  # an HTTP/1 server answered: TLS is not the cause
+        return f" ({http1_hint(server, 'generate')})"
     if not tls and any(word in details for word in _TRANSPORT):
         return " (is the server using TLS? pass --tls / --tls-ca-cert)"
     return ""
