@@ -15,6 +15,8 @@ With n > 1 the deltas of the n samples interleave; `delta.index` says whose, and
 Errors are `grpc.RpcError` (`.code()`, `.details()`): INVALID_ARGUMENT names the bad
 field; UNAVAILABLE means the engine is starting or gone; RESOURCE_EXHAUSTED means the
 request message is over the server's 32 MiB limit (`server.MAX_RECEIVE_MESSAGE_BYTES`).
+A target that answers HTTP/1 (serve's --http-port or --metrics-port, not its gRPC --port)
+raises `NotGrpcServerError`, an UNAVAILABLE RpcError whose message names the target.
 Leaving the `generate` loop early cancels the call, which aborts the request (every
 sample) in the engine and frees its request_id for a new request at once.
 
@@ -28,6 +30,7 @@ matching options (frontend/auth.py): `tls=True` (the system's root certificates)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +42,42 @@ from jaxserve.frontend import server_address
 from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+
+# gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
+# --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
+_HTTP1 = ("http1.x server", "Expected SETTINGS frame")
+
+
+def http1_hint(target: str, who: str) -> str:
+    """What to do when `target` answered HTTP/1: `who` ("generate") speaks gRPC."""
+    return (
+        f"{target} looks like an HTTP/1 server: the HTTP API or metrics port? "
+        f"{who} speaks gRPC: give serve's --port"
+    )
+
+
+class NotGrpcServerError(grpc.RpcError):
+    """`target` answered as an HTTP/1 server (serve's --http-port or --metrics-port),
+    not gRPC. An RpcError (code() UNAVAILABLE, details() gRPC's own words), so that a
+    caller catching RpcError still catches it; str() names the target and the fix."""
+
+    def __init__(self, target: str, details: str) -> None:
+        super().__init__(http1_hint(target, "JaxserveClient"))
+        self.target = target
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+def answered_http1(error: grpc.RpcError) -> bool:
+    """Whether gRPC failed `error` (a call's: it has code() and details()) because an
+    HTTP/1 server answered."""
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in _HTTP1)
 
 
 @dataclass(slots=True)
@@ -238,6 +277,7 @@ class JaxserveClient:
         api_key: str | None = None,
     ) -> None:
         server_address.check("target", target)
+        self._target = target
         auth = ClientAuth(tls, tls_ca_cert, tls_cert, tls_key, api_key)
         self._channel = auth.channel(target)
         self._metadata = auth.metadata
@@ -253,14 +293,16 @@ class JaxserveClient:
 
         params: the keyword arguments of `build_generate_request` (max_tokens,
             temperature, top_k, top_p, seed, stop, ...). timeout: seconds for the call.
-        Raises grpc.RpcError on a bad request (INVALID_ARGUMENT) or a dead engine.
+        Raises grpc.RpcError on a bad request (INVALID_ARGUMENT) or a dead engine,
+        NotGrpcServerError when the target is an HTTP/1 port.
         """
         call = self._stub.Generate(
             build_generate_request(prompt, **params), timeout=timeout, metadata=self._metadata
         )
         try:
-            for resp in call:
-                yield _delta(resp)
+            with self._naming_http1():
+                for resp in call:
+                    yield _delta(resp)
         finally:
             call.cancel()  # a no-op after the stream ended; aborts it if the caller left
 
@@ -275,14 +317,16 @@ class JaxserveClient:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a running request (every sample of it); returns False if no such request
         was running."""
-        return self._stub.Abort(
-            pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
-        ).found
+        with self._naming_http1():
+            return self._stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
+            ).found
 
     def server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        info = self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
-        )
+        with self._naming_http1():
+            info = self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         fields = {f: getattr(info, f) for f in ServerInfo.__slots__ if f != "replicas"}
         replicas = [
             {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in info.replicas
@@ -290,9 +334,13 @@ class JaxserveClient:
         return ServerInfo(**fields, replicas=replicas)
 
     def is_serving(self, *, timeout: float | None = 5.0) -> bool:
-        """True if the health service says SERVING (False if unreachable)."""
+        """True if the health service says SERVING (False if unreachable). Raises
+        NotGrpcServerError when the target is an HTTP/1 port: it never will be."""
         try:
-            resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            with self._naming_http1():
+                resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except NotGrpcServerError:
+            raise
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -304,6 +352,16 @@ class JaxserveClient:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"server not SERVING within {timeout} s")
             time.sleep(0.2)
+
+    @contextlib.contextmanager
+    def _naming_http1(self) -> Iterator[None]:
+        """gRPC's UNAVAILABLE "... http1.x server" as NotGrpcServerError naming the target."""
+        try:
+            yield
+        except grpc.RpcError as e:
+            if answered_http1(e):
+                raise NotGrpcServerError(self._target, e.details()) from e
+            raise
 
     def close(self) -> None:
         self._channel.close()

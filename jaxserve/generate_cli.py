@@ -38,7 +38,11 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     which the help names (frontend/proto/jaxserve.proto)."""
     from jaxserve.frontend.validation import DEFAULT_MAX_TOKENS
 
-    g.add_argument("prompt", help='prompt text ("-" reads stdin)')
+    g.add_argument(
+        "prompt",
+        help='prompt text ("-" reads stdin, less one trailing newline: `echo hi | jaxserve '
+        'generate -` sends "hi"; other whitespace is kept)',
+    )
     g.add_argument(
         "--server",
         type=server_address.server_arg,
@@ -96,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxserve.frontend.client import JaxserveClient
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = stdin_prompt(sys.stdin.read()) if args.prompt == "-" else args.prompt
     params = {name: getattr(args, name) for name in _REQUEST_FLAGS}
     if args.n is not None:
         params["n"] = args.n
@@ -149,12 +153,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def stdin_prompt(text: str) -> str:
+    """`text` (stdin, read in text mode: a CRLF is a LF already) less one trailing
+    newline: the one `echo` or an editor ends a file with, which no one means as part of
+    the prompt. Only one, unlike a shell's $(...), which takes all: a prompt may end on an
+    empty line on purpose."""
+    return text.removesuffix("\n")
+
+
 # gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE
 # (its engine starting or gone), which needs no hint.
 _REFUSED = "Connection refused"
-# gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
-# --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
-_HTTP1 = ("http1.x server", "Expected SETTINGS frame")
 _TRANSPORT = ("Socket closed", "Connection reset", "failed to connect", "handshake")
 
 
@@ -165,16 +174,15 @@ def _unavailable_hint(e, server: str, tls: bool) -> str:
     gRPC reports only as "Socket closed". "" for any other status."""
     import grpc
 
+    from jaxserve.frontend.client import NotGrpcServerError, http1_hint
+
     details = e.details() or ""
     if e.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
     if _REFUSED in details:
         return f"; is `jaxserve serve` running at {server}?"
-    if any(words in details for words in _HTTP1):  # an HTTP/1 server answered: TLS is not the cause
-        return (
-            f" ({server} looks like an HTTP/1 server: the HTTP API or metrics port? "
-            "generate speaks gRPC: give serve's --port)"
-        )
+    if isinstance(e, NotGrpcServerError):  # an HTTP/1 server answered: TLS is not the cause
+        return f" ({http1_hint(server, 'generate')})"
     if not tls and any(word in details for word in _TRANSPORT):
         return " (is the server using TLS? pass --tls / --tls-ca-cert)"
     return ""

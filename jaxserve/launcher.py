@@ -56,6 +56,7 @@ from jaxserve.logs import (
     EXIT_BAD_SETTING,
     EXIT_SYSTEM_REFUSED,
     START_ERROR_FILE_ENV,
+    collect_start_logs,
     read_start_failure_code,
     release_start_logs,
 )
@@ -189,6 +190,7 @@ def serve(
         metrics.serve(server_config.metrics_port, server_config.host, **tls_kwargs)
     remove_dead_socket_dirs()
     socket_dir = make_socket_dir()
+    collect_start_logs(socket_dir)  # the children's held start lines, printed in order
     addresses = IpcAddresses.in_dir(socket_dir)
     children: list[_Child] = []
     num_replicas = router_options.replicas if router_options is not None else 1

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+
+from jaxserve.start_log_hold import START_LOG_DIR_ENV, StartLogHold
 
 # Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
 # jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
@@ -15,52 +16,16 @@ import threading
 QUIET_LOGGERS = ("jax._src.xla_bridge",)
 
 
-# A start's lines below WARNING are held back (`hold_start`) until the start succeeds
-# (`release_start_logs`), fails (`drop_start_logs`: its one-line cause says it all), or
-# this many seconds have passed: a long start (loading, compiling) still shows its
-# progress, and a start that fails within them prints only its cause (README, "Serving").
+# A start's lines below ERROR are held back (`hold_start`) until the start succeeds
+# (`release_start_logs`), fails (`drop_start_logs`: its one-line cause says it all, after
+# the held warnings), or this many seconds have passed: a long start (loading, compiling)
+# still shows its progress, and a start that fails within them prints only its cause
+# (README, "Serving"). jaxserve.start_log_hold has the why and the how; `jaxserve serve`'s
+# frontend prints its children's held lines with its own, in timestamp order.
 START_LOG_HOLD_ENV = "JAXSERVE_START_LOG_HOLD_S"
 DEFAULT_START_LOG_HOLD_S = 10.0
 
-
-class _StartLogHold(logging.Handler):
-    """Passes records to `target`, holding back those below WARNING until `let_go`
-    (sends them, in order, then passes everything), `drop` (forgets them) or `hold_s`
-    seconds (`let_go`). Held records never reach the stream at exit: a start that ends
-    without either ends quietly, as a failed one should."""
-
-    def __init__(self, target: logging.Handler, hold_s: float) -> None:
-        super().__init__()
-        self._target = target
-        self._held: list[logging.LogRecord] | None = []
-        self._timer = threading.Timer(hold_s, self.let_go)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def emit(self, record: logging.LogRecord) -> None:  # under self.lock (Handler.handle)
-        if self._held is not None and record.levelno < logging.WARNING:
-            self._held.append(record)
-        else:
-            self._target.handle(record)
-
-    def let_go(self) -> None:
-        self._end(send=True)
-
-    def drop(self) -> None:
-        self._end(send=False)
-
-    def _end(self, send: bool) -> None:
-        self._timer.cancel()
-        with self.lock:
-            held, self._held = self._held, None
-            for record in held if send and held else ():
-                self._target.handle(record)
-
-    def flush(self) -> None:
-        self._target.flush()
-
-
-_HOLD: _StartLogHold | None = None
+_HOLD: StartLogHold | None = None
 
 
 def _hold_seconds() -> float:
@@ -75,7 +40,7 @@ def configure_logging(level: str, process_name: str, hold_start: bool = False) -
     the `QUIET_LOGGERS` log only warnings and errors (unless `level` is DEBUG, which keeps
     everything for debugging).
 
-    hold_start: hold back the lines below WARNING of this process's start (see
+    hold_start: hold back the lines below ERROR of this process's start (see
     `START_LOG_HOLD_ENV`; never at DEBUG, nor with a hold of 0 s) until
     `release_start_logs` or `drop_start_logs`.
 
@@ -94,19 +59,30 @@ def configure_logging(level: str, process_name: str, hold_start: bool = False) -
         added = [h for h in root.handlers if h not in before]
         hold_s = _hold_seconds()
         if hold_start and hold_s > 0 and len(added) == 1 and _HOLD is None:
-            _HOLD = _StartLogHold(added[0], hold_s)
+            _HOLD = StartLogHold(added[0], hold_s, os.environ.get(START_LOG_DIR_ENV))
             root.removeHandler(added[0])
             root.addHandler(_HOLD)
 
 
-def release_start_logs() -> None:
-    """The start succeeded: print the held lines (in order) and hold no more."""
+def collect_start_logs(folder: str) -> None:
+    """This process (the frontend) prints the held start lines of the children it starts
+    after this call with its own, in timestamp order: they hand them over in `folder`
+    (a folder of this run only; the children learn it from START_LOG_DIR_ENV)."""
     if _HOLD is not None:
-        _HOLD.let_go()
+        _HOLD.collect(folder)
+        os.environ[START_LOG_DIR_ENV] = folder
+
+
+def release_start_logs() -> None:
+    """The start succeeded: print the held lines (in timestamp order; a child hands them
+    to the collecting frontend instead) and hold no more."""
+    if _HOLD is not None:
+        _HOLD.start_succeeded()
 
 
 def drop_start_logs() -> None:
-    """The start failed and its one-line cause follows: forget the held lines."""
+    """The start failed and its one-line cause follows: print the held warnings, forget
+    the rest."""
     if _HOLD is not None:
         _HOLD.drop()
 

@@ -114,8 +114,8 @@ class ModelConfig:
                 required field is missing, or the config asks for something these
                 families do not implement (rope scaling, attention/MLP bias, a non-SiLU
                 activation, sliding-window layers outside Mixtral), or a value no
-                model can have (max_position_embeddings < 2, rope_theta <= 0); the
-                message names the field.
+                model can have (max_position_embeddings < 2, rope_theta <= 0, head_dim
+                < 1); the message names the field.
         """
         config = cls._parse(hf)
         _check_values(config)
@@ -152,7 +152,7 @@ class ModelConfig:
             num_hidden_layers=_require(hf, "num_hidden_layers", int),
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
+            head_dim=_head_dim(hf, hidden, heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(hf, architecture),
             max_position_embeddings=_require(hf, "max_position_embeddings", int),
@@ -241,6 +241,20 @@ def _require(hf: dict[str, Any], key: str, kind: type) -> Any:
     if hf.get(key) is None:
         raise ValueError(f"config.json: missing required field {key!r}")
     return kind(hf[key])
+
+
+def _head_dim(hf: dict[str, Any], hidden: int, heads: int) -> int:
+    """config.json's head_dim; absent or null: hidden_size // num_attention_heads (HF's
+    default). 0, a negative or a fraction is refused by name: the engine would fail in its
+    warm-up (0 used to fall back silently, a negative to numpy's "negative dimensions")."""
+    value = hf.get("head_dim")
+    if value is None:
+        if heads < 1:
+            raise ValueError(f"config.json: num_attention_heads must be >= 1, got {heads}")
+        return hidden // heads
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: head_dim must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _rope_theta(hf: dict[str, Any], architecture: str) -> float:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from server_harness import REPO_DIR, free_port
@@ -188,11 +189,11 @@ def _answer_with(listener, reply: bytes) -> None:
 HTTP1_400 = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
 
 
-@pytest.mark.parametrize("kind", ["status line", "http.server"])
-def test_generate_against_an_http1_port_names_the_grpc_port(kind):
-    """generate given the HTTP API port (uvicorn: "HTTP/1.1 400") or the metrics port
-    (prometheus_client's http.server: an error page with no status line) suggested TLS;
-    it now says what the port looks like and which one generate needs."""
+@contextmanager
+def _http1_server(kind: str):
+    """The address of an HTTP/1 server: serve's HTTP API port (uvicorn: "HTTP/1.1 400")
+    or its metrics port (prometheus_client's http.server: an error page with no status
+    line)."""
     import http.server
     import socket
 
@@ -206,11 +207,18 @@ def test_generate_against_an_http1_port_names_the_grpc_port(kind):
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_answer_with, args=(listener, HTTP1_400), daemon=True).start()
         port, stop = listener.getsockname()[1], listener.close
-    address = f"127.0.0.1:{port}"
     try:
-        r = _jaxserve("generate", "--server", address, "--timeout", "20", "hi")
+        yield f"127.0.0.1:{port}"
     finally:
         stop()
+
+
+@pytest.mark.parametrize("kind", ["status line", "http.server"])
+def test_generate_against_an_http1_port_names_the_grpc_port(kind):
+    """generate given the HTTP API port or the metrics port suggested TLS; it now says
+    what the port looks like and which one generate needs."""
+    with _http1_server(kind) as address:
+        r = _jaxserve("generate", "--server", address, "--timeout", "20", "hi")
     lines = r.stderr.splitlines()
     assert r.returncode == 1 and len(lines) == 1, r
     assert lines[0].startswith("jaxserve generate: UNAVAILABLE: "), lines[0]
@@ -219,6 +227,33 @@ def test_generate_against_an_http1_port_names_the_grpc_port(kind):
         f" ({address} looks like an HTTP/1 server: the HTTP API or metrics port? "
         "generate speaks gRPC: give serve's --port)"
     ), lines[0]
+
+
+@pytest.mark.parametrize("kind", ["status line", "http.server"])
+def test_python_client_against_an_http1_port_names_the_grpc_port(kind):
+    """JaxserveClient raised gRPC's raw RpcError ("... http1.x server"); it raises
+    NotGrpcServerError, still an UNAVAILABLE RpcError, whose message names the address
+    and the port to give, from each call."""
+    import grpc
+
+    from jaxserve.frontend.client import JaxserveClient, NotGrpcServerError
+
+    with _http1_server(kind) as address, JaxserveClient(address) as client:
+        calls = {
+            "complete": lambda: client.complete("hi", timeout=20),
+            "server_info": lambda: client.server_info(timeout=20),
+            "abort": lambda: client.abort("x", timeout=20),
+            "is_serving": lambda: client.is_serving(timeout=20),  # never will be: not False
+        }
+        for name, call in calls.items():
+            with pytest.raises(NotGrpcServerError) as info:
+                call()
+            assert str(info.value) == (
+                f"{address} looks like an HTTP/1 server: the HTTP API or metrics port? "
+                "JaxserveClient speaks gRPC: give serve's --port"
+            ), name
+            assert isinstance(info.value, grpc.RpcError) and info.value.target == address
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_ctrl_c_in_a_client_command_is_exit_130_without_a_traceback():

@@ -401,3 +401,51 @@ def test_a_request_uvicorn_cannot_parse_gets_the_json_error_shape_and_no_warning
     assert len(warnings) == 1 and "refused 1 malformed HTTP request" in warnings[0].getMessage()
     refused = [r for r in caplog.records if r.getMessage().startswith("refused a malformed")]
     assert len(refused) == 3 and all(r.levelno == logging.DEBUG for r in refused)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "refused"), [(b"gzip", True), (b"br", True), (b"identity", False)]
+)
+def test_a_compressed_body_is_a_415_naming_its_content_encoding(encoding, refused):
+    """No body decoder runs: Content-Encoding gzip (or any but identity) is a 415 that
+    names it, before the body is read; a gzip body sent without the header is a 400
+    that says it looks compressed, not only "byte b'\\x8b' is not UTF-8"."""
+    import gzip
+
+    from jaxserve.frontend.http.protocol import CompletionRequest
+
+    plain = b'{"prompt": "a"}'
+    body = gzip.compress(plain) if refused else plain
+    request = _request(
+        [{"type": "http.request", "body": body, "more_body": False}],
+        [(b"content-encoding", encoding)],
+    )
+    if not refused:
+        assert asyncio.run(read_body(request, 1000)) == plain
+        return
+    with pytest.raises(HttpError) as info:
+        asyncio.run(read_body(request, 1000))
+    error = info.value.body()["error"]
+    assert info.value.status == 415 and error["code"] == "unsupported_content_encoding"
+    assert error["message"] == (
+        f"body: Content-Encoding {encoding.decode()} is not supported; send plain JSON "
+        "(no Content-Encoding header)"
+    )
+    param, message = _field_error(CompletionRequest, gzip.compress(plain))
+    assert param == "body" and "starts with bytes 1f 8b, as gzip data does" in message
+
+
+def test_a_utf8_byte_order_mark_is_skipped_as_python_json_skips_it():
+    """vLLM's and SGLang's FastAPI parse a body with json.loads(bytes), which decodes a
+    leading UTF-8 BOM away (utf-8-sig): the same body is the same request here. A BOM
+    anywhere else is no whitespace in JSON and stays an error."""
+    from jaxserve.frontend.http.protocol import CompletionRequest, parse_body
+
+    bom = "\ufeff".encode()
+    body = bom + b'{"prompt": "a\\u00e9", "max_tokens": 3}'
+    expected = json.loads(body)  # Python's json: the FastAPI path
+    parsed = parse_body(CompletionRequest, body)
+    assert (parsed.prompt, parsed.max_tokens) == (expected["prompt"], expected["max_tokens"])
+    with pytest.raises(ValueError):
+        json.loads(b'{"prompt": ' + bom + b'"a"}')
+    assert _field_error(CompletionRequest, b'{"prompt": ' + bom + b'"a"}')[0] == "body"

@@ -77,6 +77,34 @@ def test_serve_refuses_max_position_embeddings_in_one_line(model_copy, value):
     )
 
 
+@pytest.mark.parametrize("value", [0, -4, 2.5, True])
+def test_head_dim_below_one_or_not_an_integer_is_named(value):
+    # 0 fell back to hidden_size // num_attention_heads without a word; -4 started the
+    # engine, which then failed on numpy's "negative dimensions are not allowed".
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(_demo_config(head_dim=value))
+    assert str(e.value) == f"config.json: head_dim must be an integer >= 1, got {value!r}"
+
+
+def test_head_dim_absent_or_null_is_hidden_size_over_heads():
+    hf = _demo_config()
+    expected = hf["hidden_size"] // hf["num_attention_heads"]  # HF's default
+    del hf["head_dim"]
+    assert ModelConfig.from_hf(hf).head_dim == expected
+    assert ModelConfig.from_hf({**hf, "head_dim": None}).head_dim == expected
+    assert ModelConfig.from_hf({**hf, "head_dim": 7}).head_dim == 7
+
+
+def test_serve_refuses_head_dim_zero_in_one_line(model_copy):
+    _edit_config(model_copy, head_dim=0)
+    code, lines = serve(str(model_copy), timeout=30)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: model: {model_copy / 'config.json'}: "
+        "head_dim must be an integer >= 1, got 0"
+    )
+
+
 def test_eos_outside_the_vocabulary_is_one_warning(model_copy, caplog):
     _edit_config(model_copy, eos_token_id=999_999)
     gen = json.loads((model_copy / "generation_config.json").read_text())
@@ -137,7 +165,30 @@ def test_chat_template_json_without_template_is_named_once(tmp_path):
     path.write_text('{"bos_token": "<s>"}')
     with pytest.raises(ChatTemplateError) as e:
         load_chat_template(DEMO_MODEL_DIR, path)
-    assert str(e.value) == f"chat-template: {path}: chat_template is not a string"
+    assert str(e.value) == f"chat-template: {path} has no chat_template entry"
+
+
+@pytest.mark.parametrize(("value", "shown"), [(5, "5"), ({"a": 1}, '{"a": 1}')])
+def test_model_chat_template_not_a_string_is_named_at_start(model_copy, value, shown):
+    # With --http-port (the only user of tokenizer_config.json), exit 2 before any
+    # process starts; the file is the model folder's, so "model:", not the flag's name.
+    config_path = model_copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": value}))
+    code, lines = serve(str(model_copy), "--http-port", "0", *MOCK)
+    assert code == 2
+    assert one_error_line(lines) == (
+        f"jaxserve serve: error: model: {config_path}: chat_template must be a string or a "
+        f'list of {{"name", "template"}} objects, got {shown}'
+    )
+
+
+def test_model_chat_template_null_is_no_template(model_copy):
+    from jaxserve.frontend.http.chat_template import load_chat_template
+
+    config_path = model_copy / "tokenizer_config.json"
+    config_path.write_text(json.dumps({"chat_template": None}))
+    assert load_chat_template(model_copy) is None  # as transformers: no template
 
 
 @pytest.mark.parametrize("text", ["", " \n\t\n"])

@@ -170,3 +170,101 @@ def test_progress_log_reports_each_quarter(caplog):
             progress.advance()
     counts = [r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records]
     assert counts == ["0/8", "2/8", "4/8", "6/8", "8/8"]
+
+
+# ---------------------------------------------------------------- held start lines
+
+
+def _holder(stream, name: str, **kwargs):
+    """A StartLogHold of process `name` writing "[name] message" lines to `stream` (the
+    stderr that serve's processes share); a long hold: only the test ends it."""
+    import io
+
+    from jaxserve.start_log_hold import StartLogHold
+
+    target = logging.StreamHandler(stream or io.StringIO())
+    target.setFormatter(logging.Formatter(f"[{name}] %(message)s"))
+    return StartLogHold(target, hold_s=600, **kwargs)
+
+
+def _log(hold, created: float, message: str, level: int = logging.INFO) -> None:
+    hold.handle(logging.makeLogRecord({"msg": message, "levelno": level, "created": created}))
+
+
+def _wait_for(stream, lines: int) -> list[str]:
+    deadline = time.monotonic() + 10
+    while stream.getvalue().count("\n") < lines and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stream.getvalue().splitlines()
+
+
+def test_a_held_warning_keeps_its_place_and_a_failed_start_prints_only_warnings():
+    """A warning was printed at once, before the older INFO lines held with it; now it is
+    held too and printed in its place. A failed start still shows its warnings (and then
+    its cause), not its INFO lines."""
+    import io
+
+    for succeeded, expected in ((True, ["a", "warn", "b"]), (False, ["warn"])):
+        stream = io.StringIO()
+        hold = _holder(stream, "frontend")
+        _log(hold, 1.0, "a")
+        _log(hold, 2.0, "warn", logging.WARNING)
+        _log(hold, 3.0, "b")
+        assert stream.getvalue() == ""
+        hold.let_go() if succeeded else hold.drop()
+        _log(hold, 4.0, "after")  # the start is over: passed on at once
+        assert stream.getvalue().splitlines() == [f"[frontend] {m}" for m in [*expected, "after"]]
+
+
+def test_the_frontend_prints_a_childs_held_lines_with_its_own_in_timestamp_order(tmp_path):
+    """The engine, ready first, printed its held block before the frontend's older lines.
+    Now it hands its lines over and the frontend prints all of them by timestamp; what
+    the engine logs meanwhile waits until they are out. The expected order is the
+    records' own `created` times."""
+    import io
+
+    stderr = io.StringIO()
+    frontend = _holder(stderr, "frontend")
+    frontend.collect(str(tmp_path))
+    engine = _holder(stderr, "engine", handover_dir=str(tmp_path))
+    _log(frontend, 1.0, "admission limits")
+    _log(engine, 2.0, "loading weights")
+    _log(frontend, 3.0, "gRPC listening")
+    _log(engine, 4.0, "engine ready")
+    engine.start_succeeded()  # handed over: nothing printed yet
+    _log(engine, 6.0, "compiling in the background")  # after the handover: held
+    _log(frontend, 5.0, "jaxserve ready")
+    assert stderr.getvalue() == ""
+    frontend.start_succeeded()
+    assert _wait_for(stderr, 6) == [
+        "[frontend] admission limits",
+        "[engine] loading weights",
+        "[frontend] gRPC listening",
+        "[engine] engine ready",
+        "[frontend] jaxserve ready",
+        "[engine] compiling in the background",
+    ]
+    assert list(tmp_path.iterdir()) == [tmp_path / "start-logs.released"]  # files taken
+
+
+def test_a_child_ready_after_the_frontend_or_not_collected_prints_its_own(tmp_path, monkeypatch):
+    import io
+
+    from jaxserve import start_log_hold
+
+    monkeypatch.setattr(start_log_hold, "HANDOVER_WAIT_S", 0.2)
+    nobody = io.StringIO()  # a frontend that never collects: printed after the wait
+    child = _holder(nobody, "engine", handover_dir=str(tmp_path))
+    _log(child, 1.0, "loading weights")
+    child.start_succeeded()
+    assert nobody.getvalue() == ""
+    assert _wait_for(nobody, 1) == ["[engine] loading weights"]
+
+    frontend = _holder(io.StringIO(), "frontend")
+    frontend.collect(str(tmp_path))
+    frontend.start_succeeded()  # released: a replica ready later prints its own at once
+    late = io.StringIO()
+    replica = _holder(late, "replica 1", handover_dir=str(tmp_path))
+    _log(replica, 9.0, "engine ready")
+    replica.start_succeeded()
+    assert late.getvalue().splitlines() == ["[replica 1] engine ready"]

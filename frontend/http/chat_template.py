@@ -106,9 +106,11 @@ def special_tokens(tokenizer_config: dict) -> dict[str, str]:
     return out
 
 
-def _pick_template(value, source: str) -> str:
+def _pick_template(value, source: str, setting: str = "chat-template") -> str:
     """The template of a `chat_template` entry: a string, or transformers' list of named
-    templates ({"name", "template"}), of which "default" is the one used."""
+    templates ({"name", "template"}), of which "default" is the one used. Raises
+    ChatTemplateError "`setting`: `source`...": setting is the flag or the model folder
+    ("model") that gave the file, as the other start-up errors name their cause."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -116,10 +118,17 @@ def _pick_template(value, source: str) -> str:
         if isinstance(named.get("default"), str):
             return named["default"]
         raise ChatTemplateError(
-            f"chat-template: {source} has several templates and none named 'default' "
+            f"{setting}: {source} has several templates and none named 'default' "
             f"({sorted(map(str, named))})"
         )
-    raise ChatTemplateError(f"chat-template: {source}: chat_template is not a string")
+    if value is None:
+        raise ChatTemplateError(f"{setting}: {source} has no chat_template entry")
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ChatTemplateError(
+        f"{setting}: {source}: chat_template must be a string or a list of "
+        f'{{"name", "template"}} objects, got {shown}'
+    )
 
 
 class ChatTemplate:
@@ -254,6 +263,7 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return ChatTemplate(jinja_file.read_text(), special)
-    if "chat_template" in config:
-        return ChatTemplate(_pick_template(config["chat_template"], str(config_path)), special)
+    if config.get("chat_template") is not None:  # null: none, as transformers reads it
+        text = _pick_template(config["chat_template"], str(config_path), setting="model")
+        return ChatTemplate(text, special)
     return None

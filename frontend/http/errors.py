@@ -2,9 +2,9 @@
 
 Statuses: 400 a bad field (param names it; the message is the shared validation's text,
 the same as gRPC's INVALID_ARGUMENT), 404 an unknown model or path, 405 a wrong method,
-413 a body over `protocol.MAX_BODY_BYTES`, 429 past an admission limit (the message names
-it), 503 while the engine starts or after it died,
-500 anything else (logged with its traceback here, never sent to the client).
+413 a body over `protocol.MAX_BODY_BYTES`, 415 a compressed body (Content-Encoding),
+429 past an admission limit (the message names it), 503 while the engine starts or after
+it died, 500 anything else (logged with its traceback here, never sent to the client).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",

@@ -292,6 +292,8 @@ def _in_our_words(error: dict, param: str) -> str:
 JSON_MAX_DEPTH = 201
 
 _POSITION = re.compile(r" at line \d+ column \d+$")
+_UTF8_BOM = b"\xef\xbb\xbf"
+_GZIP_MAGIC = b"\x1f\x8b"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -301,6 +303,11 @@ def _why_not_json(body: bytes, why: str) -> str:
     ("\\ud800" without its pair), which jiter reports as "unexpected end of hex escape"
     or "lone leading surrogate", and bytes that are not UTF-8. Python's json, which takes
     lone surrogates, tells them apart: only on this error path."""
+    if body.startswith(_GZIP_MAGIC):  # compressed, but without a Content-Encoding header
+        return (
+            "it starts with bytes 1f 8b, as gzip data does: compressed bodies are not "
+            "supported; send plain JSON"
+        )
     match = _POSITION.search(why)
     where = match.group(0).removeprefix(" ") if match else "position unknown"
     try:
@@ -322,7 +329,12 @@ def _why_not_json(body: bytes, why: str) -> str:
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """The body as `model`. Raises FieldError naming the first bad field, by its path
     (`field_path`: "stream_options", "messages[0].role"); "body" only when the bytes are
-    not valid JSON in UTF-8 (pydantic's position of the fault kept) or not a JSON object."""
+    not valid JSON in UTF-8 (pydantic's position of the fault kept) or not a JSON object.
+    A leading UTF-8 byte-order mark is skipped, as vLLM's and SGLang's FastAPI read it
+    (Python's json.loads of bytes decodes as utf-8-sig) and RFC 8259 allows; jiter would
+    call it "expected value at line 1 column 1"."""
+    if body.startswith(_UTF8_BOM):
+        body = body[len(_UTF8_BOM) :]
     try:
         return model.model_validate_json(body)
     except ValidationError as e:

@@ -70,9 +70,11 @@ def check_json_content_type(request: Request) -> None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most `limit` bytes, within BODY_READ_TIMEOUT_S. Raises
-    HttpError 413 beyond the limit (judged from Content-Length when given, before
-    anything is read), 408 past the deadline: a client that sends part of a body and
-    stops must not hold its connection (and a file descriptor) for ever."""
+    HttpError 415 for a Content-Encoding other than identity (before anything is read),
+    413 beyond the limit (judged from Content-Length when given, before anything is
+    read), 408 past the deadline: a client that sends part of a body and stops must not
+    hold its connection (and a file descriptor) for ever."""
+    _check_identity_encoding(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
@@ -97,6 +99,23 @@ async def read_body(request: Request, limit: int) -> bytes:
             400, "body: the client disconnected", "body", "client_disconnected"
         ) from None
     return b"".join(chunks)
+
+
+def _check_identity_encoding(request: Request) -> None:
+    """Raise HttpError 415 unless the body is sent as is: no decoder for gzip, deflate or
+    br is run (a compressed body would otherwise be called "not valid JSON in UTF-8",
+    which does not say why). 415 is RFC 7694's answer to a Content-Encoding that a
+    server does not take."""
+    given = request.headers.get("content-encoding")
+    if given is None or given.strip().lower() in ("", "identity"):
+        return
+    raise HttpError(
+        415,
+        f"body: Content-Encoding {given.strip()} is not supported; send plain JSON "
+        "(no Content-Encoding header)",
+        "body",
+        "unsupported_content_encoding",
+    )
 
 
 def _too_large(size: int, limit: int) -> HttpError:

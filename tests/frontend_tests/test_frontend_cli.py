@@ -62,3 +62,18 @@ def test_cli_generate_reports_bad_input(server):
     assert out.stdout == ""  # no text, so no newline to end it
     lines = out.stderr.splitlines()  # one line, no empty one before it
     assert len(lines) == 1 and lines[0].startswith("jaxserve generate: INVALID_ARGUMENT: top_p:")
+
+
+def test_cli_generate_stdin_prompt_loses_one_trailing_newline(server, tok, vocab):
+    """`echo "import " | jaxserve generate -` sends "import ", not "import \\n" (the
+    newline echo adds); only that one goes: a second one is the prompt's."""
+    for stdin, prompt in (("import \n", "import "), ("import \n\n", "import \n")):
+        expected = tok.decode(_expected_ids(tok, vocab, prompt, 6))
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+             "--max-tokens", "6", "--temperature", "0", "-v", "-"],
+            input=stdin, capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == expected + "\n"
+        assert f"prompt_tokens={len(tok.encode(prompt).ids)} " in out.stderr
