@@ -52,8 +52,6 @@ def moe_experts_grouped(
     kernel (`dispatch.moe_ffn`): each expert's weights are read once for its rows, and
     no work is spent on unselected experts. Same contract as `moe_experts_dense`.
     """
-    from jaxserve.kernels import dispatch
-
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # [T*k] token copies grouped by expert
