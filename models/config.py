@@ -238,9 +238,17 @@ def _architecture(hf: dict[str, Any]) -> str:
 
 
 def _require(hf: dict[str, Any], key: str, kind: type) -> Any:
-    if hf.get(key) is None:
+    """hf[key] as `kind`. Raises ValueError naming the field when it is missing, null, or
+    not a `kind` (int("x") alone would say "invalid literal" and name nothing)."""
+    value = hf.get(key)
+    if value is None:
         raise ValueError(f"config.json: missing required field {key!r}")
-    return kind(hf[key])
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"config.json: {key} must be {kind.__name__}, got {value!r}")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"config.json: {key} must be {kind.__name__}, got {value!r}") from None
 
 
 def _head_dim(hf: dict[str, Any], hidden: int, heads: int) -> int:

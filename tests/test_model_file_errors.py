@@ -86,6 +86,16 @@ def test_head_dim_below_one_or_not_an_integer_is_named(value):
     assert str(e.value) == f"config.json: head_dim must be an integer >= 1, got {value!r}"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("hidden_size", "x"), ("vocab_size", [4096]), ("num_hidden_layers", True)]
+)
+def test_a_required_field_of_the_wrong_type_is_named(field, value):
+    # int("x") alone raised "invalid literal for int() with base 10: 'x'", naming nothing.
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(_demo_config(**{field: value}))
+    assert str(e.value) == f"config.json: {field} must be int, got {value!r}"
+
+
 def test_head_dim_absent_or_null_is_hidden_size_over_heads():
     hf = _demo_config()
     expected = hf["hidden_size"] // hf["num_attention_heads"]  # HF's default
