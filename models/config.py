@@ -207,6 +207,9 @@ def _check_values(config: ModelConfig) -> None:
     inside the engine's warm-up with a message that names no field (a KeyError, numpy's
     "negative dimensions"). max_position_embeddings >= 2 as --max-model-len's own bound
     (a prompt token and an output token)."""
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if getattr(config, name) < 1:  # else a checkpoint shape error naming no field
+            raise ValueError(f"config.json: {name} must be >= 1, got {getattr(config, name)}")
     if config.max_position_embeddings < 2:
         raise ValueError(
             "config.json: max_position_embeddings must be >= 2, "
@@ -243,12 +246,9 @@ def _require(hf: dict[str, Any], key: str, kind: type) -> Any:
     value = hf.get(key)
     if value is None:
         raise ValueError(f"config.json: missing required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, kind):  # "4" and true too
         raise ValueError(f"config.json: {key} must be {kind.__name__}, got {value!r}")
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"config.json: {key} must be {kind.__name__}, got {value!r}") from None
+    return value
 
 
 def _head_dim(hf: dict[str, Any], hidden: int, heads: int) -> int:

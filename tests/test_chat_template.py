@@ -11,6 +11,7 @@ must be equal.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from mock_engine import train_test_tokenizer
@@ -280,7 +281,28 @@ def test_where_the_template_comes_from(tmp_path):
     (model / "chat_template.jinja").unlink()
     config["chat_template"] = [{"name": "tool_use", "template": "T"}]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ChatTemplateError, match="none named 'default'"):
+    with pytest.raises(
+        ChatTemplateError, match=r"has no template named 'default' \(it has \['tool_use'\]\)"
+    ):
+        load_chat_template(model)
+    bad_entries = {
+        "[]": "chat_template is an empty list",
+        "[5]": "chat_template[0] must be",
+        '[{"name": "default"}]': "chat_template[0] must be",
+        '[{"name": "default", "template": 5}]': "chat_template[0] must be",
+    }
+    for entries, cause in bad_entries.items():
+        config["chat_template"] = json.loads(entries)
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        with pytest.raises(
+            ChatTemplateError, match=f"^model: .*tokenizer_config.json: {re.escape(cause)}"
+        ):
+            load_chat_template(model)
+    config["chat_template"] = "{% for %}"  # not valid Jinja: the model's file is named
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ChatTemplateError, match="^model: .*tokenizer_config.json: not a valid Jinja"
+    ):
         load_chat_template(model)
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% if %}")

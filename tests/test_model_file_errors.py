@@ -87,13 +87,25 @@ def test_head_dim_below_one_or_not_an_integer_is_named(value):
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("hidden_size", "x"), ("vocab_size", [4096]), ("num_hidden_layers", True)]
-)
+    ("field", "value"),
+    [("hidden_size", "x"), ("num_attention_heads", "4"), ("vocab_size", [4096]),
+     ("num_hidden_layers", True)],
+)  # fmt: skip
 def test_a_required_field_of_the_wrong_type_is_named(field, value):
-    # int("x") alone raised "invalid literal for int() with base 10: 'x'", naming nothing.
+    # int("x") alone raised "invalid literal for int() with base 10: 'x'", naming nothing;
+    # "4" and true were taken as 4 and 1.
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf(_demo_config(**{field: value}))
     assert str(e.value) == f"config.json: {field} must be int, got {value!r}"
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "num_hidden_layers"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_a_size_below_one_is_named(field, value):
+    # With head_dim given, num_attention_heads 0 failed on a checkpoint tensor's shape.
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(_demo_config(**{field: value}))
+    assert str(e.value) == f"config.json: {field} must be >= 1, got {value}"
 
 
 def test_head_dim_absent_or_null_is_hidden_size_over_heads():

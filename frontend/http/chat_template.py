@@ -114,36 +114,56 @@ def _pick_template(value, source: str, setting: str = "chat-template") -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
+        named = {}
+        for i, entry in enumerate(value):
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise ChatTemplateError(
+                    f"{setting}: {source}: chat_template[{i}] must be a "
+                    f'{{"name": str, "template": str}} object, got {_shown(entry)}'
+                )
+            named[entry["name"]] = entry["template"]
+        if "default" in named:  # as transformers picks it when no name is asked for
             return named["default"]
+        if not named:
+            raise ChatTemplateError(f"{setting}: {source}: chat_template is an empty list")
         raise ChatTemplateError(
-            f"{setting}: {source} has several templates and none named 'default' "
-            f"({sorted(map(str, named))})"
+            f"{setting}: {source}: chat_template has no template named 'default' "
+            f"(it has {sorted(named)})"
         )
     if value is None:
         raise ChatTemplateError(f"{setting}: {source} has no chat_template entry")
-    shown = json.dumps(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
     raise ChatTemplateError(
         f"{setting}: {source}: chat_template must be a string or a list of "
-        f'{{"name", "template"}} objects, got {shown}'
+        f'{{"name", "template"}} objects, got {_shown(value)}'
     )
+
+
+def _shown(value) -> str:
+    """`value` as JSON, cut to 40 characters (for an error message)."""
+    shown = json.dumps(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use.
 
-    Raises ChatTemplateError if `source` is not valid Jinja.
+    Raises ChatTemplateError if `source` is not valid Jinja, its message starting with
+    `origin`: what gave the template (the flag, or "model: FILE").
     """
 
-    def __init__(self, source: str, special: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, source: str, special: dict[str, str] | None = None, origin: str = "chat-template"
+    ) -> None:
         self.source = source
         self.special = dict(special or {})
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"chat-template: not a valid Jinja template ({e})") from e
+            raise ChatTemplateError(f"{origin}: not a valid Jinja template ({e})") from e
 
     def render(
         self,
@@ -262,8 +282,8 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
         return ChatTemplate(text, special)
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), special)
+        return ChatTemplate(jinja_file.read_text(), special, origin=f"model: {jinja_file}")
     if config.get("chat_template") is not None:  # null: none, as transformers reads it
         text = _pick_template(config["chat_template"], str(config_path), setting="model")
-        return ChatTemplate(text, special)
+        return ChatTemplate(text, special, origin=f"model: {config_path}")
     return None
