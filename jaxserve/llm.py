@@ -176,7 +176,9 @@ class LLM:
         """Complete every prompt; returns one RequestOutput per prompt, in input order.
 
         Args:
-            prompts: a string, a list of strings, or a list of token-id lists.
+            prompts: a string, a list of strings, or a list of token-id lists; a prompt
+                may also be a dict as vLLM's TextPrompt / TokensPrompt: {"prompt": str}
+                or {"prompt_token_ids": [int, ...]} (one of the two, no other key).
             sampling_params: one for all prompts, one per prompt, or None (defaults).
                 `n > 1` runs n samples of the prompt (with seeds seed, seed+1, ... when a
                 seed is given); they share the prompt's full KV blocks (one engine
@@ -188,9 +190,13 @@ class LLM:
                 Whatever it raises (KeyboardInterrupt too), the requests of this call
                 are aborted first, so the LLM stays usable.
         """
-        if isinstance(prompts, str):
+        if isinstance(prompts, str | Mapping):
             prompts = [prompts]
-        prompts = list(prompts)
+        if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+            raise ValueError(
+                f"prompts: expected a string or a list of prompts, got {type(prompts).__name__}"
+            )
+        prompts = [_unwrap_prompt(i, p) for i, p in enumerate(prompts)]
         params_list = _broadcast_params(sampling_params, len(prompts))
         vocab = self.engine.model_config.vocab_size
         encoded: list[tuple[str | None, list[int]]] = []
@@ -324,6 +330,27 @@ def _load_tokenizer(path: Path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"tokenizer: {file} not found")
     return Tokenizer.from_file(str(file))
+
+
+def _unwrap_prompt(i: int, prompt):
+    """Prompt `i` as text or ids: vLLM's prompt dicts ({"prompt": str} or
+    {"prompt_token_ids": [...]}) unwrapped, anything else as given. ValueError naming the
+    prompt for a dict with neither key, both, or another key."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = set(prompt)
+    if keys not in ({"prompt"}, {"prompt_token_ids"}):
+        raise ValueError(
+            f"prompts[{i}]: a prompt dict has exactly one key, 'prompt' (a string) or "
+            f"'prompt_token_ids' (a list of ints), got {sorted(map(str, keys))}"
+        )
+    if "prompt" in keys:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(
+                f"prompts[{i}].prompt: expected a string, got {type(prompt['prompt']).__name__}"
+            )
+        return prompt["prompt"]
+    return _token_ids(i, prompt["prompt_token_ids"])
 
 
 def _token_ids(i: int, prompt) -> list[int]:
