@@ -100,6 +100,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxserve.frontend.client import JaxserveClient
 
+    if args.prompt == "-" and sys.stdin is None:  # started with stdin closed (<&-)
+        print("jaxserve generate: error: prompt: '-' reads stdin, which is closed", file=sys.stderr)
+        return 2
     prompt = stdin_prompt(sys.stdin.read()) if args.prompt == "-" else args.prompt
     params = {name: getattr(args, name) for name in _REQUEST_FLAGS}
     if args.n is not None:
@@ -154,11 +157,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def stdin_prompt(text: str) -> str:
-    """`text` (stdin, read in text mode: a CRLF is a LF already) less one trailing
-    newline: the one `echo` or an editor ends a file with, which no one means as part of
-    the prompt. Only one, unlike a shell's $(...), which takes all: a prompt may end on an
-    empty line on purpose."""
-    return text.removesuffix("\n")
+    """`text` (stdin) less one trailing newline, LF or CRLF: the one `echo` or an editor
+    ends a file with, which no one means as part of the prompt. Only one, unlike a
+    shell's $(...), which takes all: a prompt may end on an empty line on purpose.
+    (Python's stdin keeps a CR on Linux, so a CRLF file would leave one.)"""
+    return text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
 
 
 # gRPC's own words for a connection that failed, as opposed to a server's UNAVAILABLE

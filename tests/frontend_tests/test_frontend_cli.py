@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -64,10 +65,23 @@ def test_cli_generate_reports_bad_input(server):
     assert len(lines) == 1 and lines[0].startswith("jaxserve generate: INVALID_ARGUMENT: top_p:")
 
 
+def test_cli_generate_from_a_closed_stdin_is_one_line():
+    # Started with stdin closed (`<&-`): sys.stdin is None, which raised AttributeError.
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", "127.0.0.1:1", "-"],
+        capture_output=True, timeout=60, cwd=REPO_DIR, text=True, preexec_fn=lambda: os.close(0),
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "jaxserve generate: error: prompt: '-' reads stdin, which is closed"
+    ]
+
+
 def test_cli_generate_stdin_prompt_loses_one_trailing_newline(server, tok, vocab):
     """`echo "import " | jaxserve generate -` sends "import ", not "import \\n" (the
     newline echo adds); only that one goes: a second one is the prompt's."""
-    for stdin, prompt in (("import \n", "import "), ("import \n\n", "import \n")):
+    cases = (("import \n", "import "), ("import \n\n", "import \n"), ("import \r\n", "import "))
+    for stdin, prompt in cases:
         expected = tok.decode(_expected_ids(tok, vocab, prompt, 6))
         out = subprocess.run(
             [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
