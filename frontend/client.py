@@ -263,7 +263,8 @@ class JaxserveClient:
 
     Raises:
         ValueError: naming the option, for a file that cannot be read, a tls_cert
-            without tls_key (or the reverse), or a target port outside [1, 65535].
+            without tls_key (or the reverse), a target port outside [1, 65535], or an
+            http(s):// URL as the target (`server_address.grpc_target_error`).
     """
 
     def __init__(

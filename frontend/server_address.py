@@ -33,10 +33,33 @@ def port_error(address: str) -> str | None:
 
 
 def check(field: str, address: str) -> None:
-    """Raise ValueError("FIELD: port must be in [1, 65535], got N") for a port out of range."""
-    error = port_error(address)
+    """Raise ValueError("FIELD: ...") for a gRPC target `grpc_target_error` refuses (a
+    port out of range, an http(s):// URL)."""
+    error = grpc_target_error(address)
     if error is not None:
         raise ValueError(f"{field}: {error}")
+
+
+def grpc_target_error(address: str) -> str | None:
+    """What is wrong with `address` as a gRPC target: an http(s):// URL (as the HTTP API's
+    ready line prints it) is no gRPC target, and gRPC would say only "Misformatted domain
+    name". None for any other form."""
+    error = port_error(address)
+    if error is None and address.startswith(("http://", "https://")):
+        error = (
+            f"{address} is an HTTP URL; the gRPC API takes HOST:PORT with serve's --port "
+            "(e.g. 127.0.0.1:50051)"
+        )
+    return error
+
+
+def grpc_server_arg(text: str) -> str:
+    """argparse `type` of a gRPC tool's --server: as `server_arg`, and an http(s):// URL
+    is a usage error too (`grpc_target_error`)."""
+    error = grpc_target_error(text)
+    if error is not None:
+        raise argparse.ArgumentTypeError(error)
+    return text
 
 
 def server_arg(text: str) -> str:

@@ -45,7 +45,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--server",
-        type=server_address.server_arg,
+        type=server_address.grpc_server_arg,
         default=f"{ServerConfig().host}:{ServerConfig().port}",
         help="the server's gRPC host:port (default: %(default)s)",
     )

@@ -222,6 +222,16 @@ def test_a_body_that_is_not_json_text_is_named_as_such(body):
     assert info.value.param == "body" and str(info.value).startswith("body: not a JSON object")
 
 
+@pytest.mark.parametrize("body", [b"", b"  \n", b"\xef\xbb\xbf"])
+def test_an_empty_body_is_said_so(body):
+    # jiter said "EOF while parsing a value at line 1 column 0".
+    from jaxserve.frontend.http.protocol import CompletionRequest, FieldError, parse_body
+
+    with pytest.raises(FieldError) as info:
+        parse_body(CompletionRequest, body)
+    assert (info.value.param, str(info.value)) == ("body", "body: empty; send a JSON object")
+
+
 def _field_error(model, body: bytes):
     from jaxserve.frontend.http.protocol import FieldError, parse_body
 

@@ -335,6 +335,8 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
     call it "expected value at line 1 column 1"."""
     if body.startswith(_UTF8_BOM):
         body = body[len(_UTF8_BOM) :]
+    if not body.strip():  # jiter would say "EOF while parsing a value at line 1 column 0"
+        raise FieldError("body", "body: empty; send a JSON object")
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
