@@ -204,6 +204,13 @@ class LLM:
             text = p if isinstance(p, str) else None
             if text == "":  # as the server: even where the tokenizer would add a BOS token
                 raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
+            if text is not None:
+                try:  # a lone surrogate: the tokenizer's TypeError would name no prompt
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(
+                        f"prompts[{i}]: not valid Unicode text ({e.reason} at {e.start})"
+                    ) from None
             ids = encode_prompt(self.tokenizer, p) if text is not None else _token_ids(i, p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: the prompt is empty")
