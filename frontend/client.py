@@ -337,21 +337,32 @@ class JaxserveClient:
     def is_serving(self, *, timeout: float | None = 5.0) -> bool:
         """True if the health service says SERVING (False if unreachable). Raises
         NotGrpcServerError when the target is an HTTP/1 port: it never will be."""
+        return self._health_check(timeout)[0]
+
+    def _health_check(self, timeout: float | None) -> tuple[bool, str | None]:
+        """(SERVING?, why not: gRPC's status and details, or the health status)."""
         try:
             with self._naming_http1():
                 resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except NotGrpcServerError:
             raise
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as e:
+            return False, f"{e.code().name}: {e.details()}"
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return True, None
+        return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_until_serving(self, timeout: float) -> None:
-        """Block until the server is SERVING. Raises TimeoutError after `timeout` seconds."""
+        """Block until the server is SERVING. Raises TimeoutError after `timeout` seconds,
+        saying the last answer (e.g. "UNAVAILABLE: ... Connection refused": nothing
+        listens there; "NOT_SERVING": the engine is not ready)."""
         deadline = time.monotonic() + timeout
-        while not self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+        while True:
+            serving, why = self._health_check(max(0.1, min(2.0, deadline - time.monotonic())))
+            if serving:
+                return
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"server not SERVING within {timeout} s")
+                raise TimeoutError(f"server not SERVING within {timeout} s (last answer: {why})")
             time.sleep(0.2)
 
     @contextlib.contextmanager

@@ -289,3 +289,21 @@ def test_ctrl_c_in_a_client_command_is_exit_130_without_a_traceback():
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and out == "", err
+
+
+def test_wait_until_serving_on_a_closed_port_says_the_last_answer():
+    # It said only "server not SERVING within 1 s": nothing told a refused connection
+    # from an engine still starting.
+    import socket
+
+    from jaxserve.frontend.client import JaxserveClient
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with JaxserveClient(f"127.0.0.1:{port}") as client:
+        with pytest.raises(TimeoutError) as info:
+            client.wait_until_serving(1)
+    assert str(info.value).startswith(
+        "server not SERVING within 1 s (last answer: UNAVAILABLE: "
+    ), str(info.value)

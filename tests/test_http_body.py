@@ -421,6 +421,7 @@ def test_a_compressed_body_is_a_415_naming_its_content_encoding(encoding, refuse
     names it, before the body is read; a gzip body sent without the header is a 400
     that says it looks compressed, not only "byte b'\\x8b' is not UTF-8"."""
     import gzip
+    import zlib
 
     from jaxserve.frontend.http.protocol import CompletionRequest
 
@@ -443,6 +444,11 @@ def test_a_compressed_body_is_a_415_naming_its_content_encoding(encoding, refuse
     )
     param, message = _field_error(CompletionRequest, gzip.compress(plain))
     assert param == "body" and "starts with bytes 1f 8b, as gzip data does" in message
+    for level in (1, 6, 9):  # zlib's header byte differs by level: 78 01, 78 9c, 78 da
+        deflated = zlib.compress(plain, level)
+        param, message = _field_error(CompletionRequest, deflated)
+        assert param == "body"
+        assert f"starts with bytes 78 {deflated[1]:02x}, as zlib (deflate) data does" in message
 
 
 def test_a_utf8_byte_order_mark_is_skipped_as_python_json_skips_it():

@@ -308,6 +308,13 @@ def _why_not_json(body: bytes, why: str) -> str:
             "it starts with bytes 1f 8b, as gzip data does: compressed bodies are not "
             "supported; send plain JSON"
         )
+    if len(body) >= 2 and body[0] == 0x78 and (body[0] * 256 + body[1]) % 31 == 0:
+        # A zlib header (RFC 1950: CMF 0x78 = deflate with a 32 KiB window, FLG a check
+        # that makes CMF*256+FLG a multiple of 31): HTTP's "deflate" encoding.
+        return (
+            f"it starts with bytes 78 {body[1]:02x}, as zlib (deflate) data does: compressed "
+            "bodies are not supported; send plain JSON"
+        )
     match = _POSITION.search(why)
     where = match.group(0).removeprefix(" ") if match else "position unknown"
     try:
