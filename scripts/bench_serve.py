@@ -128,15 +128,10 @@ class Server(ServeProcess):
 
     def engine_counters(self) -> dict[str, float]:
         """The engine's step count and device seconds so far (`ENGINE_COUNTERS`), from the
-        server's metrics endpoint."""
-        from urllib.request import urlopen
+        server's metrics endpoint (`jaxserve diagnose`'s scrape)."""
+        from jaxserve.observability.metrics_window import scrape
 
-        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read()
-        values = {}
-        for line in text.decode().splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in ENGINE_COUNTERS.values():
-                values[name] = float(line.rsplit(" ", 1)[1])
+        values = scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
         return {k: values.get(name, 0.0) for k, name in ENGINE_COUNTERS.items()}
 
 
