@@ -33,6 +33,12 @@ device seconds above offline's for the same tokens are XLA's threads slowed by t
 processes on their cores; more steps are requests arriving one by one (each new prompt
 costs a prefill step, and a step with a prefill cannot run multi-step decode).
 
+--engine-cpus 0 pins the engine to those CPUs and everything else to the rest, on both
+paths (served: the engine process vs the frontend, the sidecar and this process's client;
+offline: this process while its LLM.generate runs), as vLLM's CPU backend advises
+(VLLM_CPU_OMP_THREADS_BIND): the engine on cores of its own, as on a host with more cores
+than the engine uses, so the stack and the client no longer take the engine's CPU.
+
 For a load of its own shape (datasets, request rate, latency percentiles, goodput) use
 `jaxserve bench` against a running server; this script's load levels run through it.
 
@@ -126,6 +132,19 @@ class Server(ServeProcess):
                 continue
         return used
 
+    def pin(self, engine_cpus: set[int], other_cpus: set[int]) -> None:
+        """Every thread of the engine process on engine_cpus, of the others on other_cpus."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        _pin(root.pid, other_cpus)
+        for child in root.children(recursive=True):
+            try:
+                is_engine = "detokenizer_process" not in " ".join(child.cmdline())
+                _pin(child.pid, engine_cpus if is_engine else other_cpus)
+            except psutil.NoSuchProcess:
+                continue
+
     def engine_counters(self) -> dict[str, float]:
         """The engine's step count and device seconds so far (`ENGINE_COUNTERS`), from the
         server's metrics endpoint (`jaxserve diagnose`'s scrape)."""
@@ -145,6 +164,16 @@ ENGINE_COUNTERS = {
 }
 # The processes whose CPU a served run reports (Server.cpu_seconds, and this one).
 CPU_ROLES = ("engine", "frontend", "detokenizer", "client")
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of pid on cpus: sched_setaffinity sets one thread (a thread started
+    later inherits its creator's), so each of /proc/PID/task."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            continue  # the thread ended meanwhile
 
 
 def _cpu(proc) -> float:
@@ -204,6 +233,20 @@ def _prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
 
+def _parse_pinning(ap, text: str | None) -> tuple[set[int], set[int]] | None:
+    """--engine-cpus -> (engine CPUs, the other CPUs this process may use), or None."""
+    if text is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    try:
+        engine = {int(c) for c in text.split(",")}
+    except ValueError:
+        ap.error(f"--engine-cpus: comma-separated CPU numbers, got {text!r}")
+    if not engine <= allowed or not allowed - engine:
+        ap.error(f"--engine-cpus: a proper subset of this process's CPUs {sorted(allowed)}")
+    return engine, allowed - engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -224,7 +267,13 @@ def main() -> None:
         help="serve --stream-interval values, comma-separated: one server each, all measured "
         "interleaved over gRPC (default: 1)",
     )
+    ap.add_argument(
+        "--engine-cpus",
+        help="CPUs (e.g. 0 or 0,1) for the engine on both paths; the frontend, sidecar and "
+        "client get the others (default: no pinning, all share every CPU)",
+    )
     args = ap.parse_args()
+    pinning = _parse_pinning(ap, args.engine_cpus)
     levels = [int(c) for c in args.concurrency.split(",")]
     repeats = args.repeats
     extra = ["--max-num-seqs", str(max(levels))]
@@ -248,6 +297,10 @@ def main() -> None:
     # Steady state only: the load starts once every step shape is compiled (a served
     # run during the background compile measured 0.66x at concurrency 1).
     result["background_compile_wait_s"] = max(s.wait_warm() for s in servers.values())
+    if pinning:
+        for srv in servers.values():
+            srv.pin(*pinning)
+        result["engine_cpus"], result["other_cpus"] = (sorted(c) for c in pinning)
     paths = {}
     for name, srv in servers.items():
         target = f"127.0.0.1:{srv.port}"
@@ -293,8 +346,12 @@ def main() -> None:
                 order = list(paths) if rep % 2 == 0 else list(paths)[::-1]
                 for name in order:
                     if name.startswith("offline"):
+                        if pinning:
+                            _pin(os.getpid(), pinning[0])  # this process is the engine now
                         runs[name].append(paths[name](_prompts(n), c))
                     else:
+                        if pinning:
+                            _pin(os.getpid(), pinning[1])  # this process is the client
                         load = paths[name](_prompts(n), c)
                         runs[name].append(_served_run(servers[name], load))
             texts = runs[next(iter(servers))][0][2]
