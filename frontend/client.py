@@ -42,6 +42,7 @@ from jaxserve.frontend import server_address
 from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.sampling_params import check_prompt_text
 
 # gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
 # --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
@@ -212,10 +213,7 @@ def build_generate_request(
     Raises ValueError (naming `prompt`) for a str prompt that is not valid UTF-8 text,
     e.g. bytes decoded with surrogateescape, as sys.stdin does with invalid bytes."""
     if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"prompt: not valid UTF-8 text ({e.reason} at {e.start})") from None
+        check_prompt_text("prompt", prompt)
     sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}))
     for name, value in (
         ("temperature", temperature),

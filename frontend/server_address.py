@@ -53,19 +53,21 @@ def grpc_target_error(address: str) -> str | None:
     return error
 
 
-def grpc_server_arg(text: str) -> str:
-    """argparse `type` of a gRPC tool's --server: as `server_arg`, and an http(s):// URL
-    is a usage error too (`grpc_target_error`)."""
-    error = grpc_target_error(text)
-    if error is not None:
-        raise argparse.ArgumentTypeError(error)
-    return text
-
-
+# Two argparse types on purpose: bench (its http backend) and diagnose (a metrics
+# endpoint) take a URL as --server, so only the gRPC tools (generate, profile) refuse one.
 def server_arg(text: str) -> str:
     """argparse `type` of --server: `text` unchanged; a port out of range is a usage
     error ("argument --server: port must be in [1, 65535], got N", exit 2)."""
-    error = port_error(text)
+    return _usage_checked(text, port_error(text))
+
+
+def grpc_server_arg(text: str) -> str:
+    """argparse `type` of a gRPC tool's --server: as `server_arg`, and an http(s):// URL
+    is a usage error too (`grpc_target_error`)."""
+    return _usage_checked(text, grpc_target_error(text))
+
+
+def _usage_checked(text: str, error: str | None) -> str:
     if error is not None:
         raise argparse.ArgumentTypeError(error)
     return text

@@ -63,6 +63,7 @@ from jaxserve.logs import (
 from jaxserve.observability.metrics import Metrics
 from jaxserve.serve_log import StatsLogger, config_block
 from jaxserve.socket_dirs import make_socket_dir, remove_dead_socket_dirs
+from jaxserve.start_log_hold import IF_SERVING
 
 logger = logging.getLogger("jaxserve")
 
@@ -159,7 +160,7 @@ def serve(
     if warning := insecure_bind_warning(
         server_config.host, options.tls is not None, options.api_key is not None
     ):
-        logger.warning("%s", warning)
+        logger.warning("%s", warning, extra=IF_SERVING)
     # Fail fast, before any child starts. A tokenizer.json or chat template that cannot
     # be loaded is a bad model file: exit code 2, as a bad config.json (the README).
     try:
@@ -174,7 +175,8 @@ def serve(
     if server_config.http_port is not None and chat_template is None:
         logger.warning(
             "the model has no chat template: /v1/chat/completions answers 400 "
-            "(--chat-template FILE gives one)"
+            "(--chat-template FILE gives one)",
+            extra=IF_SERVING,
         )
     # This process owns its registry: no `_created` series (a sample per counter and
     # histogram that dashboards do not use), as vLLM's server does.

@@ -43,7 +43,7 @@ from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.frontend.validation import split_samples
 from jaxserve.hub import resolve_model
 from jaxserve.ipc import EngineRequest, TokenOutput
-from jaxserve.sampling_params import SamplingParams, check_lengths
+from jaxserve.sampling_params import SamplingParams, check_lengths, check_prompt_text
 
 # vLLM spellings accepted as aliases of our config fields.
 _ALIASES = {
@@ -205,12 +205,7 @@ class LLM:
             if text == "":  # as the server: even where the tokenizer would add a BOS token
                 raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
             if text is not None:
-                try:  # a lone surrogate: the tokenizer's TypeError would name no prompt
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(
-                        f"prompts[{i}]: not valid Unicode text ({e.reason} at {e.start})"
-                    ) from None
+                check_prompt_text(f"prompts[{i}]", text, noun="Unicode")
             ids = encode_prompt(self.tokenizer, p) if text is not None else _token_ids(i, p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: the prompt is empty")

@@ -285,6 +285,21 @@ def check_lengths(prompt_len: int, max_model_len: int, max_tokens: int | None = 
         )
 
 
+def check_prompt_text(field: str, text: str, *, noun: str = "UTF-8") -> None:
+    """Raise ValueError naming `field` when the str `text` has no UTF-8 encoding: a lone
+    surrogate, as bytes decoded with surrogateescape (sys.stdin's invalid bytes) leave.
+    Shared by the gRPC client and the offline LLM, where the tokenizer's or protobuf's
+    own error for it would name no field.
+
+    `noun` words the message "{field}: not valid {noun} text ({reason} at {index})":
+    "UTF-8" where the text came from bytes, "Unicode" where a caller built the str.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: not valid {noun} text ({e.reason} at {e.start})") from None
+
+
 def _check_int(name: str, value: object) -> None:
     # bool is an Integral, but True is no count or id (SamplingParams(max_tokens=True)).
     if isinstance(value, bool) or not isinstance(value, Integral):

@@ -6,6 +6,9 @@ lines of the steps that went well before it. Lines below ERROR are held until th
 succeeds (`start_succeeded`), fails (`drop`: only the held warnings are printed, the cause after
 them) or `hold_s` seconds have passed (`let_go`: a long start still shows its progress).
 Warnings are held too, so that a process prints its lines in the order they were logged.
+A warning about what the running server will do (no chat template, an address open to
+anyone) is logged with `extra=IF_SERVING`: a failed start forgets it as an INFO line, so
+that it does not read as the failure's cause.
 
 Why hand over: each process held its own lines and printed them when it was ready, so
 the engine's block (it is ready first) came before the frontend's older lines. Now the
@@ -36,7 +39,12 @@ RELEASED_MARKER = "start-logs.released"
 HANDOVER_WAIT_S = 5.0
 _POLL_S = 0.02
 
-# One held line: (record.created in s since the epoch, levelno, the formatted text).
+# `logger.warning(..., extra=IF_SERVING)`: a warning that only a server that starts
+# needs (a failed start drops it with its INFO lines).
+IF_SERVING = {"jaxserve_if_serving": True}
+
+# One held line: (record.created in s since the epoch, the level a failed start weighs
+# it at (INFO for an IF_SERVING warning), the formatted text).
 Line = tuple[float, int, str]
 
 
@@ -111,7 +119,8 @@ class StartLogHold(logging.Handler):
                     (self._collect_dir / RELEASED_MARKER).touch()
 
     def _line(self, record: logging.LogRecord) -> Line:
-        return record.created, record.levelno, self._target.format(record)
+        level = logging.INFO if getattr(record, "jaxserve_if_serving", False) else record.levelno
+        return record.created, level, self._target.format(record)
 
     def _write(self, lines: list[Line]) -> None:
         if not lines:

@@ -81,7 +81,8 @@ class ServerProcess:
         self.ready = threading.Event()
         self.target = ""
         self.http_url = ""  # "http://127.0.0.1:PORT" when serving with --http-port
-        threading.Thread(target=self._read_logs, daemon=True).start()
+        self.reader = threading.Thread(target=self._read_logs, daemon=True)  # ends at EOF
+        self.reader.start()
         if not self.listening.wait(self.start_timeout_s):
             self.kill()
             raise AssertionError("server did not start listening:\n" + self.log())

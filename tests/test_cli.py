@@ -480,19 +480,20 @@ def test_a_server_port_out_of_range_is_a_usage_error(command, server, port, caps
     "server", ["127.0.0.1:65535", "[::1]:1", "h:50051", "http://h/v1", "unix:/tmp/s"]
 )
 def test_a_server_address_in_range_or_without_a_port_is_taken(command, server):
-    if command[0] == "generate" and server.startswith("http://"):
+    if command[0] in ("generate", "profile") and server.startswith("http://"):
         return  # a URL is no gRPC target: the next test
     assert build_parser().parse_args([*command, "--server", server]).server == server
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["profile", "--out", "d"]])
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000/v1", "https://h:50051"])
-def test_a_grpc_client_given_an_http_url_says_to_give_host_port(url, capsys):
+def test_a_grpc_client_given_an_http_url_says_to_give_host_port(command, url, capsys):
     # gRPC said only "Misformatted domain name" (and wait_until_serving timed out).
     from jaxserve.frontend.client import JaxserveClient
 
     words = f"{url} is an HTTP URL; the gRPC API takes HOST:PORT with serve's --port"
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["generate", "hi", "--server", url])
+        build_parser().parse_args([*command, "--server", url])
     assert e.value.code == 2
     assert f"error: argument --server: {words}" in capsys.readouterr().err
     with pytest.raises(ValueError, match=f"^target: {re.escape(words)}"):

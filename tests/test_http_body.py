@@ -1,5 +1,6 @@
 """frontend/http/responses.read_body: the body limit and a client that leaves mid-body;
-protocol.parse_body: what a body that is not a request is called."""
+protocol.parse_body: how the fields of a body that is not a request are named (what its
+bytes are read as: tests/test_http_body_text.py)."""
 
 import asyncio
 import json
@@ -184,54 +185,6 @@ def test_a_request_head_that_stops_coming_is_a_408(monkeypatch):
     assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        b'{"prompt": "\\ud800"}',  # a lone leading surrogate: no Unicode text
-        b'{"prompt": "a", "user": "\\udc00x"}',  # a lone trailing one
-        b'{"prompt": "a\xff"}',  # bytes that are not UTF-8
-        b'{"prompt": ',  # cut short
-    ],
-)
-def test_a_body_that_is_not_json_text_is_named_as_such(body):
-    """Bytes that are not JSON text in UTF-8 (a lone surrogate escape included) are a 400
-    on `body` that says so; "not a JSON object" (what they used to get) is kept for valid
-    JSON of another type."""
-    import json
-
-    from jaxserve.frontend.http.protocol import CompletionRequest, FieldError, parse_body
-
-    def strict_json(raw: bytes):
-        # Independent of pydantic: UTF-8, JSON, and every string encodable as UTF-8.
-        value = json.loads(raw.decode("utf-8"))
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-        return value
-
-    with pytest.raises((UnicodeError, ValueError)):
-        strict_json(body)
-    with pytest.raises(FieldError) as info:
-        parse_body(CompletionRequest, body)
-    assert info.value.param == "body"
-    assert str(info.value).startswith("body: not valid JSON in UTF-8 ("), str(info.value)
-    assert "line 1 column" in str(info.value)  # where the fault is
-
-    array = b'["\\ud83d\\ude00"]'  # valid JSON text (a surrogate pair), but not an object
-    assert strict_json(array) == ["\U0001f600"]
-    with pytest.raises(FieldError) as info:
-        parse_body(CompletionRequest, array)
-    assert info.value.param == "body" and str(info.value).startswith("body: not a JSON object")
-
-
-@pytest.mark.parametrize("body", [b"", b"  \n", b"\xef\xbb\xbf"])
-def test_an_empty_body_is_said_so(body):
-    # jiter said "EOF while parsing a value at line 1 column 0".
-    from jaxserve.frontend.http.protocol import CompletionRequest, FieldError, parse_body
-
-    with pytest.raises(FieldError) as info:
-        parse_body(CompletionRequest, body)
-    assert (info.value.param, str(info.value)) == ("body", "body: empty; send a JSON object")
-
-
 def _field_error(model, body: bytes):
     from jaxserve.frontend.http.protocol import FieldError, parse_body
 
@@ -294,23 +247,6 @@ def test_pydantic_errors_are_said_in_our_words(model, body, param, message):
 
     cls = ChatCompletionRequest if model == "chat" else CompletionRequest
     assert _field_error(cls, json.dumps(body).encode()) == (param, message)
-
-
-@pytest.mark.parametrize("body", [b'{"prompt": "\\ud800"}', b'{"prompt": "a", "user": "\\udc00x"}'])
-def test_a_lone_surrogate_escape_is_said_so(body):
-    """jiter calls "\\ud800" followed by a quote "unexpected end of hex escape": the 400
-    says what is wrong (a lone surrogate escape) and where."""
-    from jaxserve.frontend.http.protocol import CompletionRequest
-
-    param, message = _field_error(CompletionRequest, body)
-    assert param == "body"
-    assert message.startswith("body: not valid JSON in UTF-8 (a string holds a lone UTF-16 ")
-    assert "hex escape" not in message and "at line 1 column " in message
-    # A surrogate pair is a character; an escaped backslash before "ud800" is no escape.
-    from jaxserve.frontend.http.protocol import parse_body
-
-    assert parse_body(CompletionRequest, b'{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"
-    assert parse_body(CompletionRequest, b'{"prompt": "\\\\ud800"}').prompt == "\\ud800"
 
 
 @pytest.mark.parametrize(
@@ -449,19 +385,3 @@ def test_a_compressed_body_is_a_415_naming_its_content_encoding(encoding, refuse
         param, message = _field_error(CompletionRequest, deflated)
         assert param == "body"
         assert f"starts with bytes 78 {deflated[1]:02x}, as zlib (deflate) data does" in message
-
-
-def test_a_utf8_byte_order_mark_is_skipped_as_python_json_skips_it():
-    """vLLM's and SGLang's FastAPI parse a body with json.loads(bytes), which decodes a
-    leading UTF-8 BOM away (utf-8-sig): the same body is the same request here. A BOM
-    anywhere else is no whitespace in JSON and stays an error."""
-    from jaxserve.frontend.http.protocol import CompletionRequest, parse_body
-
-    bom = "\ufeff".encode()
-    body = bom + b'{"prompt": "a\\u00e9", "max_tokens": 3}'
-    expected = json.loads(body)  # Python's json: the FastAPI path
-    parsed = parse_body(CompletionRequest, body)
-    assert (parsed.prompt, parsed.max_tokens) == (expected["prompt"], expected["max_tokens"])
-    with pytest.raises(ValueError):
-        json.loads(b'{"prompt": ' + bom + b'"a"}')
-    assert _field_error(CompletionRequest, b'{"prompt": ' + bom + b'"a"}')[0] == "body"

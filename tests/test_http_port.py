@@ -183,6 +183,26 @@ def test_bad_field_names_the_exact_field(server, path, body, field, words):
     assert words in error["message"], error
 
 
+def test_a_bodys_bytes_are_read_as_vllm_reads_them(server):
+    """UTF-16 is read (json.loads(bytes) takes it, as vLLM's FastAPI does); a Latin-1
+    body is a 400 that names the charset its Content-Type gave, which is not read."""
+    text = '{"prompt": "caf\u00e9", "max_tokens": 2}'
+    answers = []
+    for body, charset in ((text.encode("utf-16"), "utf-16"), (text.encode("latin-1"), "latin-1")):
+        req = urllib.request.Request(server.http_url + "/v1/completions", data=body, method="POST")
+        req.add_header("Content-Type", f"application/json; charset={charset}")
+        req.add_header("Authorization", f"Bearer {KEY}")
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+                answers.append((r.status, json.loads(r.read())))
+        except urllib.error.HTTPError as e:
+            answers.append((e.code, json.loads(e.read())))
+    (status, utf16), (latin1_status, latin1) = answers
+    assert status == 200 and utf16["usage"]["completion_tokens"] == 2, utf16
+    assert latin1_status == 400 and latin1["error"]["param"] == "body", latin1
+    assert "charset=latin-1 is not read: JSON is UTF-8" in latin1["error"]["message"]
+
+
 def test_max_tokens_and_max_completion_tokens_of_one_value_are_taken(client):
     model = client.models.list().data[0].id
     both = {"max_tokens": 3, "max_completion_tokens": 3}

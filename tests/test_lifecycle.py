@@ -80,3 +80,19 @@ def test_child_death_ends_streams_and_exits_with_code_1(mock_model_dir, name, mo
         assert f"the {name} process (pid {victim}) died (signal SIGKILL)" in srv.log()
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_logs_shutting_down_once(mock_model_dir, sig):
+    """With --http-port, uvicorn's "Shutting down" followed the launcher's "shutting
+    down": a stop (Ctrl-C or SIGTERM) logs one such line."""
+    args = ("--engine-class", "mock_engine:MockEngineCore", "--http-port", "0")
+    srv = ServerProcess(mock_model_dir, extra_args=args).wait_ready()
+    try:
+        srv.proc.send_signal(sig)
+        assert srv.proc.wait(EXIT_DEADLINE_S) == 0, srv.log()
+        srv.reader.join(EXIT_DEADLINE_S)  # every line read
+        lines = [line for line in srv.log().splitlines() if "shutting down" in line.lower()]
+        assert len(lines) == 1 and lines[0].endswith("[frontend] shutting down"), srv.log()
+    finally:
+        srv.kill()

@@ -216,6 +216,28 @@ def test_a_held_warning_keeps_its_place_and_a_failed_start_prints_only_warnings(
         assert stream.getvalue().splitlines() == [f"[frontend] {m}" for m in [*expected, "after"]]
 
 
+def test_a_warning_about_the_running_server_is_forgotten_by_a_failed_start():
+    """`jaxserve serve --http-port` of a model without a chat template whose engine failed
+    printed "the model has no chat template" above the failure's cause, which read as its
+    reason: such a warning (extra=IF_SERVING) keeps its place in a start that succeeds,
+    and a failed one drops it with the INFO lines, keeping its other warnings."""
+    import io
+
+    from jaxserve.start_log_hold import IF_SERVING
+
+    for succeeded, expected in ((True, ["a", "no template", "warn"]), (False, ["warn"])):
+        stream = io.StringIO()
+        hold = _holder(stream, "frontend")
+        _log(hold, 1.0, "a")
+        record = logging.makeLogRecord(
+            {"msg": "no template", "levelno": logging.WARNING, "created": 2.0, **IF_SERVING}
+        )
+        hold.handle(record)
+        _log(hold, 3.0, "warn", logging.WARNING)
+        hold.let_go() if succeeded else hold.drop()
+        assert stream.getvalue().splitlines() == [f"[frontend] {m}" for m in expected]
+
+
 def test_the_frontend_prints_a_childs_held_lines_with_its_own_in_timestamp_order(tmp_path):
     """The engine, ready first, printed its held block before the frontend's older lines.
     Now it hands its lines over and the frontend prints all of them by timestamp; what

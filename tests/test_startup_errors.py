@@ -76,6 +76,16 @@ def test_unsupported_architecture_lists_the_supported(model_copy):
     assert all(name in line for name in SUPPORTED_ARCHITECTURES)
 
 
+def test_a_failed_start_with_http_port_ends_with_its_cause_alone(model_copy):
+    """The demo model has no chat template: with --http-port the frontend warns so, and
+    that warning came before the engine's cause, reading as the reason it failed."""
+    hf = json.loads((model_copy / "config.json").read_text())
+    hf["num_experts_per_tok"] = 9  # of 8 experts: the engine refuses it
+    (model_copy / "config.json").write_text(json.dumps(hf))
+    code, lines = serve(str(model_copy), "--http-port", "0", "--metrics-port", "0")
+    assert code == 2 and "num_experts_per_tok=9" in one_error_line(lines)
+
+
 def test_folder_without_weights(model_copy):
     (model_copy / "model.safetensors").unlink()
     code, lines = serve(str(model_copy))

@@ -204,8 +204,9 @@ class OpenAIApi:
 
     async def completions(self, request: Request):
         try:
-            check_json_content_type(request)
-            body = parse_body(CompletionRequest, await read_body(request, MAX_BODY_BYTES))
+            charset = check_json_content_type(request)
+            raw = await read_body(request, MAX_BODY_BYTES)
+            body = parse_body(CompletionRequest, raw, charset)
             log_unknown_fields(body, "completions")
             model = self._model(body.model)
             response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -220,8 +221,9 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request):
         try:
-            check_json_content_type(request)
-            body = parse_body(ChatCompletionRequest, await read_body(request, MAX_BODY_BYTES))
+            charset = check_json_content_type(request)
+            raw = await read_body(request, MAX_BODY_BYTES)
+            body = parse_body(ChatCompletionRequest, raw, charset)
             log_unknown_fields(body, "chat.completions")
             model = self._model(body.model)
             check_request_template(body)

@@ -22,8 +22,9 @@ A chat `chat_template` (vLLM's extra) is declared only to be refused, whatever i
 Every 400 names the exact field, with list indices (`prompt[1]`, `messages[0].content`,
 `stream_options.include_usage`), in the words of the shared rules (`_in_our_words`:
 "stop: at most 64 stop strings are supported, got 65", "max_tokens: must be an integer,
-got a string"), not pydantic's; "body" only when the bytes are not valid JSON in UTF-8
-(a lone surrogate escape such as "\ud800" included, said so), nested deeper than
+got a string"), not pydantic's; "body" only when the bytes are not valid JSON text (in
+UTF-8, or UTF-16/UTF-32 as `body_text` reads them; a lone surrogate escape such as
+"\ud800" included, said so), nested deeper than
 `JSON_MAX_DEPTH`, or not a JSON object. A
 completions `prompt` that fails its union type is named by `prompt_shape`, by hand: the
 union's errors name the branch that failed first, not the element at fault.
@@ -31,13 +32,12 @@ union's errors name the branch that failed first, not the element at fault.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from jaxserve import sampling_params
+from jaxserve.frontend.http import body_text
 
 # The gRPC request-message bound (server.MAX_RECEIVE_MESSAGE_BYTES): a prompt too long for
 # the model reaches the prompt-length check (400 naming prompt) instead of the body limit.
@@ -291,57 +291,19 @@ def _in_our_words(error: dict, param: str) -> str:
 # than a few levels.
 JSON_MAX_DEPTH = 201
 
-_POSITION = re.compile(r" at line \d+ column \d+$")
-_UTF8_BOM = b"\xef\xbb\xbf"
-_GZIP_MAGIC = b"\x1f\x8b"
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
-
-def _why_not_json(body: bytes, why: str) -> str:
-    """jiter's reason a body is not JSON text in UTF-8 (`why`, "... at line L column C"),
-    in words a client can act on where jiter's mislead: a lone UTF-16 surrogate escape
-    ("\\ud800" without its pair), which jiter reports as "unexpected end of hex escape"
-    or "lone leading surrogate", and bytes that are not UTF-8. Python's json, which takes
-    lone surrogates, tells them apart: only on this error path."""
-    if body.startswith(_GZIP_MAGIC):  # compressed, but without a Content-Encoding header
-        return (
-            "it starts with bytes 1f 8b, as gzip data does: compressed bodies are not "
-            "supported; send plain JSON"
-        )
-    if len(body) >= 2 and body[0] == 0x78 and (body[0] * 256 + body[1]) % 31 == 0:
-        # A zlib header (RFC 1950: CMF 0x78 = deflate with a 32 KiB window, FLG a check
-        # that makes CMF*256+FLG a multiple of 31): HTTP's "deflate" encoding.
-        return (
-            f"it starts with bytes 78 {body[1]:02x}, as zlib (deflate) data does: compressed "
-            "bodies are not supported; send plain JSON"
-        )
-    match = _POSITION.search(why)
-    where = match.group(0).removeprefix(" ") if match else "position unknown"
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return f"byte {body[e.start : e.start + 1]!r} is not UTF-8, {where}"
-    if _SURROGATE_ESCAPE.search(body):
-        try:
-            json.loads(text)
-        except ValueError:
-            return why
-        return (
-            "a string holds a lone UTF-16 surrogate escape such as \\ud800, half of a pair "
-            f"and no character: send the character itself or both halves; {where}"
-        )
-    return why
-
-
-def parse_body(model: type[BaseModel], body: bytes) -> Any:
+def parse_body(model: type[BaseModel], body: bytes, charset: str | None = None) -> Any:
     """The body as `model`. Raises FieldError naming the first bad field, by its path
     (`field_path`: "stream_options", "messages[0].role"); "body" only when the bytes are
     not valid JSON in UTF-8 (pydantic's position of the fault kept) or not a JSON object.
-    A leading UTF-8 byte-order mark is skipped, as vLLM's and SGLang's FastAPI read it
-    (Python's json.loads of bytes decodes as utf-8-sig) and RFC 8259 allows; jiter would
-    call it "expected value at line 1 column 1"."""
-    if body.startswith(_UTF8_BOM):
-        body = body[len(_UTF8_BOM) :]
+    The bytes are read as vLLM's and SGLang's FastAPI read them (`body_text.utf8`): UTF-8,
+    a leading byte-order mark skipped (jiter would call it "expected value at line 1
+    column 1"), or UTF-16 / UTF-32; `charset` (Content-Type's) is only named in the 400 of
+    a body that is not UTF-8."""
+    try:
+        body, encoding = body_text.utf8(body)
+    except ValueError as e:
+        raise FieldError("body", str(e)) from None
     if not body.strip():  # jiter would say "EOF while parsing a value at line 1 column 0"
         raise FieldError("body", "body: empty; send a JSON object")
     try:
@@ -367,8 +329,8 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
                         f"body: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels of "
                         f"arrays and objects, {where})",
                     ) from None
-                why = _why_not_json(body, why)
-                raise FieldError("body", f"body: not valid JSON in UTF-8 ({why})") from None
+                why = body_text.why_not_json(body, why, charset)
+                raise FieldError("body", f"body: not valid JSON in {encoding} ({why})") from None
             got = _json_kind(first["input"])
             raise FieldError("body", f"body: not a JSON object (got {got})") from None
         param = field_path(first["loc"])

@@ -49,15 +49,19 @@ def sse_event(obj) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-def check_json_content_type(request: Request) -> None:
+def check_json_content_type(request: Request) -> str | None:
     """Raise HttpError 400 unless the request says its body is JSON (`Content-Type:
     application/json`, parameters such as `; charset=utf-8` allowed), as vLLM's API server
     refuses any other media type, a missing header included (its validate_json_request:
     "Only 'application/json' is allowed", a 400 since it raises RequestValidationError);
     OpenAI's API answers 400 too. A form or text body is then not parsed as JSON by
-    accident: `curl -d` without `-H 'Content-Type: application/json'` sends a form."""
+    accident: `curl -d` without `-H 'Content-Type: application/json'` sends a form.
+
+    Returns the charset parameter (unquoted), or None: it is not read, only named when
+    the body is not UTF-8 (`body_text`)."""
     given = request.headers.get("content-type")
-    media_type = (given or "").split(";", 1)[0].strip().lower()
+    media_type, *params = (given or "").split(";")
+    media_type = media_type.strip().lower()
     if media_type != "application/json":
         got = f"got {given!r}" if given is not None else "got no Content-Type header"
         raise HttpError(
@@ -66,6 +70,11 @@ def check_json_content_type(request: Request) -> None:
             None,
             "unsupported_media_type",
         )
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"')
+    return None
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -13,7 +13,8 @@ that is not a number or given twice, is answered by uvicorn itself, before any A
 sees it: the app cannot answer it. `JsonErrorProtocol` makes that answer a 400 in the
 API's JSON error shape (`errors.error_body`) instead of uvicorn's plain text, and
 `MalformedRequestLog` turns uvicorn's WARNING per such request (a scanner sending garbage
-would flood the log) into a DEBUG line, with a WARNING at most once a minute counting them.
+would flood the log) into a DEBUG line, with a WARNING at most once a minute counting them;
+uvicorn's "Shutting down" is dropped (the launcher logs its own "shutting down").
 
 Open connections are capped (`MAX_HTTP_CONNECTIONS`), so that clients that open
 connections and never finish a request cannot use up the process's file descriptors,
@@ -202,6 +203,13 @@ class MalformedRequestLog(logging.Filter):
 _MALFORMED_LOG = MalformedRequestLog()
 
 
+def no_second_shutdown_line(record: logging.LogRecord) -> bool:
+    """A filter of the "uvicorn.error" logger: its "Shutting down" (in `stop`) followed the
+    launcher's own "shutting down" line on every SIGINT/SIGTERM; uvicorn's other lines
+    pass."""
+    return record.getMessage() != "Shutting down"
+
+
 class HttpServer:
     """One uvicorn server of `app`; `start` and `stop` run in the serving loop."""
 
@@ -220,8 +228,9 @@ class HttpServer:
             **(tls or {}),
         )
         uvicorn_log = logging.getLogger("uvicorn.error")
-        if _MALFORMED_LOG not in uvicorn_log.filters:
-            uvicorn_log.addFilter(_MALFORMED_LOG)
+        for log_filter in (_MALFORMED_LOG, no_second_shutdown_line):
+            if log_filter not in uvicorn_log.filters:
+                uvicorn_log.addFilter(log_filter)
         self._server: uvicorn.Server | None = None
         self._ticker: asyncio.Task | None = None
         self._sock: socket.socket | None = None

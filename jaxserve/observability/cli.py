@@ -58,7 +58,7 @@ def add_subparsers(sub) -> None:
         "--server",
         required=True,
         metavar="HOST:PORT",
-        type=server_address.server_arg,
+        type=server_address.grpc_server_arg,
         help="the gRPC address",
     )
     p.add_argument(
