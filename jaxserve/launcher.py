@@ -189,7 +189,11 @@ def serve(
     if server_config.metrics_port is not None:
         # Bound before any child starts: a busy port leaves nothing to clean up.
         tls_kwargs = options.tls.metrics_kwargs() if options.tls is not None else {}
-        metrics.serve(server_config.metrics_port, server_config.host, **tls_kwargs)
+        # The port bound replaces a 0 (a free one), so that the configuration logged
+        # at ready names the real /metrics address.
+        server_config.metrics_port = metrics.serve(
+            server_config.metrics_port, server_config.host, **tls_kwargs
+        )
     remove_dead_socket_dirs()
     socket_dir = make_socket_dir()
     collect_start_logs(socket_dir)  # the children's held start lines, printed in order

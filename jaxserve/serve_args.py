@@ -116,7 +116,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     srv.add_argument(
         "--metrics-port",
         type=PORT,
-        help="serve Prometheus /metrics on this port (default: off)",
+        help="serve Prometheus /metrics on this port; 0 picks a free one (default: off)",
     )
     srv.add_argument(
         "--http-port",

@@ -144,8 +144,8 @@ class ServerProcess:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for flags such as
-    --metrics-port that take no 0)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test that must know a
+    port before the server starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

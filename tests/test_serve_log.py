@@ -5,7 +5,9 @@ running server (mock engine)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
+import urllib.request
 
 import pytest
 
@@ -137,9 +139,12 @@ def test_a_running_server_logs_its_config_and_stats(mock_model_dir):
     model = mock_model_dir
     srv = ServerProcess(
         model,
-        extra_args=("--engine-class", "mock_engine:MockEngineCore", "--stats-log-interval", "0.2"),
+        extra_args=(
+            "--engine-class", "mock_engine:MockEngineCore", "--stats-log-interval", "0.2",
+            "--metrics-port", "0",
+        ),
         env={"JAXSERVE_MOCK_STEP_DELAY_S": "0.05"},
-    ).wait_ready()
+    ).wait_ready()  # fmt: skip
     try:
         with JaxserveClient(srv.target) as client:
             client.complete([5, 6], max_tokens=20)
@@ -149,6 +154,11 @@ def test_a_running_server_logs_its_config_and_stats(mock_model_dir):
         log = srv.log()
         assert "configuration:" in log and "KV cache" in log and "gRPC" in log
         assert "Running: 1 reqs" in log and "Running: 0 reqs" in log
+        # --metrics-port 0: the block names the port bound, and /metrics answers there.
+        url = re.search(r"metrics\s*:?\s*(http://\S+/metrics)", log).group(1)
+        assert not url.endswith(":0/metrics")
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert b"jaxserve_" in resp.read()
     finally:
         srv.terminate(15)
 

@@ -262,15 +262,17 @@ class Metrics:
         if delta > 0:
             counter.inc(delta)
 
-    def serve(self, port: int, addr: str = "127.0.0.1", **tls) -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1", **tls) -> int:
         """Expose /metrics over HTTP on addr:port (a daemon thread); over HTTPS with
         `tls` (certfile, keyfile, client_cafile, client_auth_required: the arguments of
         prometheus_client.start_http_server; `frontend.auth.TlsFiles.metrics_kwargs`).
+        Returns the port bound (port 0 picks a free one).
 
         Raises RuntimeError("metrics-port: cannot bind ADDR:PORT (...)") if the address
         cannot be bound (the port is busy, the address is not local).
         """
         try:
-            start_http_server(port, addr=addr, registry=self.registry, **tls)
+            server, _ = start_http_server(port, addr=addr, registry=self.registry, **tls)
         except OSError as e:
             raise RuntimeError(f"metrics-port: cannot bind {addr}:{port} ({e})") from e
+        return server.server_port
