@@ -332,17 +332,26 @@ def _ext_hook(code: int, data: bytes):
 
 
 def _revive(obj: Any):
-    """Turn [type_name, fields] pairs back into dataclasses (recursively): lists are
-    searched, nothing else (a dict that is not a pair's fields is left as it is)."""
+    """Turn [type_name, fields] pairs back into dataclasses (recursively), in place: lists
+    are searched, nothing else (a dict that is not a pair's fields is left as it is)."""
     if not isinstance(obj, list):
         return obj
-    if len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict):
-        cls = _TYPES.get(obj[0])
-        if cls is not None:
-            # Recurse only into lists: a call per field value (ints, strings) was most
-            # of the decoding time of a TextOutputs, and returns those values as they are.
-            return cls(**{k: _revive(v) if isinstance(v, list) else v for k, v in obj[1].items()})
-    return [_revive(x) if isinstance(x, list) else x for x in obj]
+    # In place and only into lists (msgpack's output is this call's alone): a call, a new
+    # list or dict per field value (ints, strings) was most of the decoding time of a
+    # message of many outputs, and gave those values back as they were.
+    if len(obj) == 2:
+        name, fields = obj
+        if type(name) is str and type(fields) is dict:
+            cls = _TYPES.get(name)
+            if cls is not None:
+                for key, value in fields.items():
+                    if type(value) is list:
+                        fields[key] = _revive(value)  # same keys: iterating stays valid
+                return cls(**fields)
+    for i, value in enumerate(obj):
+        if type(value) is list:
+            obj[i] = _revive(value)
+    return obj
 
 
 def encode(msg: Any) -> bytes:
