@@ -146,6 +146,7 @@ class Metrics:
             ["model", "finish_reason"], registry=r,
         )  # fmt: skip
         self._model = model
+        self._finished_by_reason: dict[str, Counter] = {}  # finish_reason -> its child
         self._rejected = Counter(
             "jaxserve_requests_rejected", "Requests refused by admission control, by limit",
             ["model", "limit"], registry=r,
@@ -219,7 +220,13 @@ class Metrics:
         self._abandoned.labels(model=self._model, reason=reason).inc()
 
     def request_finished(self, finish_reason: str) -> None:
-        self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
+        # The labelled child per reason, kept: `labels()` takes a lock and builds the
+        # label tuple on every call, once per finished request otherwise.
+        child = self._finished_by_reason.get(finish_reason)
+        if child is None:
+            child = self._finished.labels(model=self._model, finish_reason=finish_reason)
+            self._finished_by_reason[finish_reason] = child
+        child.inc()
 
     def update_from_engine(self, stats) -> None:
         """Apply one `ipc.EngineStats`: set the gauges, advance the counters by the change
