@@ -222,9 +222,14 @@ def run_detokenizer(
             if now - last_beat >= heartbeat_interval_s:
                 to_frontend.send(encode(Heartbeat("detokenizer", time.time())))
                 last_beat = now
-            if not pull.poll(max(1, int((last_beat + heartbeat_interval_s - now) * 1000))):
-                continue
-            frame = pull.recv()
+            # A frame already queued is taken at once: `poll` builds a Poller per call,
+            # a cost per frame that only a wait needs.
+            try:
+                frame = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if not pull.poll(max(1, int((last_beat + heartbeat_interval_s - now) * 1000))):
+                    continue
+                frame = pull.recv()
             try:
                 msg = decode(frame)
             except Exception as e:  # one bad frame must not end every stream

@@ -252,7 +252,7 @@ class AsyncEngineClient:
             return
         logger.error("stalled: %s", reason)
         for stream in list(self._requests.values()):
-            stream._queue.put_nowait(EngineDeadError(reason))
+            stream.fail(EngineDeadError(reason))
 
     @property
     def num_pending_aborts(self) -> int:
@@ -336,23 +336,39 @@ class AsyncEngineClient:
             raise EngineDeadError("the engine is not taking requests") from e
 
     async def _read_loop(self) -> None:
+        sock = self._from_sidecar
+        # The frames already queued are read with a plain non-blocking recv on the same
+        # socket: each awaited recv of zmq.asyncio builds a future and a recv event and
+        # polls the socket's events, while a frame that is ready makes the awaited recv
+        # return without yielding to the event loop anyway (so the order in which the
+        # streams see outputs is the same).
+        ready = zmq.Socket.shadow(sock.underlying)
         while True:
-            frame = await self._from_sidecar.recv()
-            # One bad message must not stop the loop: every open stream depends on it.
-            try:
-                msg = decode(frame)
-                if isinstance(msg, TextOutputs):
-                    for listener in self._outputs_listeners:
-                        listener(msg)
-                    self._dispatch(msg.outputs)
-                elif isinstance(msg, EngineStats):
-                    self._on_stats(msg)
-                elif isinstance(msg, Heartbeat):
-                    self.last_heartbeat[msg.source] = time.monotonic()
-                else:
-                    logger.warning("ignoring unexpected %s", type(msg).__name__)
-            except Exception:
-                logger.exception("dropping a message from the sidecar that failed to apply")
+            frame = await sock.recv()
+            while frame is not None:
+                self._apply(frame)
+                try:
+                    frame = ready.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    frame = None
+
+    def _apply(self, frame: bytes) -> None:
+        """Decode one frame from the sidecar and act on it."""
+        # One bad message must not stop the loop: every open stream depends on it.
+        try:
+            msg = decode(frame)
+            if isinstance(msg, TextOutputs):
+                for listener in self._outputs_listeners:
+                    listener(msg)
+                self._dispatch(msg.outputs)
+            elif isinstance(msg, EngineStats):
+                self._on_stats(msg)
+            elif isinstance(msg, Heartbeat):
+                self.last_heartbeat[msg.source] = time.monotonic()
+            else:
+                logger.warning("ignoring unexpected %s", type(msg).__name__)
+        except Exception:
+            logger.exception("dropping a message from the sidecar that failed to apply")
 
     def _dispatch(self, outputs: list[TextOutput]) -> None:
         for out in outputs:

@@ -7,6 +7,7 @@ engine client (engine_client.py) fans them out to it from the sidecar, and the
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import NamedTuple
 
 from jaxserve.ipc import TextOutput
@@ -36,7 +37,11 @@ class RequestStream:
         self._index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
         # engine id -> sample index, for the samples whose final output has not come yet.
         self._unfinished = dict(self._index)
-        self._queue: asyncio.Queue[SampleOutput | EngineDeadError] = asyncio.Queue()
+        # The queue: a deque and the one reader's wake-up future, not an asyncio.Queue,
+        # whose put_nowait/get_nowait/empty are several Python calls per item (maxsize,
+        # task accounting, putters) that a stream with one reader and no bound never needs.
+        self._items: deque[SampleOutput | EngineDeadError] = deque()
+        self._waiter: asyncio.Future | None = None
         self.released = asyncio.Event()  # set by AsyncEngineClient.release
 
     @property
@@ -52,23 +57,39 @@ class RequestStream:
         Returns True when it was the final output of the last unfinished sample."""
         if isinstance(item, EngineDeadError):
             self._unfinished.clear()
-            self._queue.put_nowait(item)
+            self.fail(item)
             return False
         if item.finish_reason is not None:
             self._unfinished.pop(item.request_id)
-        self._queue.put_nowait(SampleOutput(self._index[item.request_id], item))
+        self._append(SampleOutput(self._index[item.request_id], item))
         return item.finish_reason is not None and not self._unfinished
+
+    def fail(self, error: EngineDeadError) -> None:
+        """Queue `error` behind the outputs queued so far, leaving the unfinished samples
+        as they are (a stall: `release` still aborts them)."""
+        self._append(error)
+
+    def _append(self, item: SampleOutput | EngineDeadError) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def next_batch(self) -> list[SampleOutput]:
         """Wait for the next output, then take every output already queued with it (so a
         slow client gets fewer, larger deltas). Raises EngineDeadError if the engine died."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
         for i, item in enumerate(items):
             if isinstance(item, EngineDeadError):
                 if i == 0:
                     raise item
-                self._queue.put_nowait(item)  # deliver what came before it first
+                self._items.append(item)  # deliver what came before it first
                 return items[:i]  # type: ignore[return-value]
         return items  # type: ignore[return-value]

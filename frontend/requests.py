@@ -81,6 +81,9 @@ class SampleFailedError(RuntimeError):
 def by_sample(outputs: list[SampleOutput]) -> list[tuple[int, list[TextOutput]]]:
     """Outputs grouped by sample index (a stream mixes its samples), each group in
     arrival order, the groups in order of their first output."""
+    if len(outputs) == 1:  # the common case (one stream message), without the dict
+        index, out = outputs[0]
+        return [(index, [out])]
     by_index: dict[int, list[TextOutput]] = {}
     for index, out in outputs:
         by_index.setdefault(index, []).append(out)

@@ -77,16 +77,22 @@ def _token_logprob(token_id: int, logprob: float, top) -> pb.TokenLogprob:
     )
 
 
-def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool):
-    """One GenerateResponse from consecutive outputs of one request (deltas concatenated)."""
-    resp = pb.GenerateResponse(request_id=request_id, text="".join(o.text for o in outputs))
+def _response(request_id: str, outputs: list[TextOutput], return_token_ids: bool, index: int):
+    """One GenerateResponse of sample `index` from consecutive outputs of one request
+    (deltas concatenated)."""
+    # One output per response is the common case (a stream message per engine step): its
+    # text as it is, no join; and the log-prob loops only where there are log-probs.
+    text = outputs[0].text if len(outputs) == 1 else "".join(o.text for o in outputs)
+    resp = pb.GenerateResponse(request_id=request_id, text=text, index=index)
     for out in outputs:
         if return_token_ids:
             resp.token_ids.extend(out.token_ids)
-        for token_id, (logprob, top) in zip(out.token_ids, out.logprobs or (), strict=False):
-            resp.logprobs.append(_token_logprob(token_id, logprob, top))
-        for token_id, logprob, top in out.prompt_logprobs or ():
-            resp.prompt_logprobs.append(_token_logprob(token_id, logprob, top))
+        if out.logprobs:
+            for token_id, (logprob, top) in zip(out.token_ids, out.logprobs, strict=False):
+                resp.logprobs.append(_token_logprob(token_id, logprob, top))
+        if out.prompt_logprobs:
+            for token_id, logprob, top in out.prompt_logprobs:
+                resp.prompt_logprobs.append(_token_logprob(token_id, logprob, top))
     last = outputs[-1]
     if last.finish_reason is not None:
         resp.finish_reason = last.finish_reason
@@ -140,8 +146,9 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             try:
                 async for groups in batches:
                     for index, sample_outputs in groups:
-                        resp = _response(request_id, sample_outputs, request.return_token_ids)
-                        resp.index = index
+                        resp = _response(
+                            request_id, sample_outputs, request.return_token_ids, index
+                        )
                         if (
                             resp.finish_reason
                             or resp.text

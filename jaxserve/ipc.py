@@ -300,7 +300,16 @@ _TYPES = {
 }
 
 
+# Field names of each message type, in declaration order (the order `dataclasses.fields`
+# gives): looked up once here, not per message. `dataclasses.fields` rebuilds a tuple and
+# filters pseudo-fields on every call, which made it most of `_default`'s time.
+_FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()}
+
+
 def _default(obj: Any):
+    names = _FIELD_NAMES.get(type(obj))
+    if names is not None:  # a message dataclass: the common case, checked first
+        return [type(obj).__name__, {name: getattr(obj, name) for name in names}]
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         header = msgpack.packb([arr.dtype.str, list(arr.shape)])
@@ -323,17 +332,25 @@ def _ext_hook(code: int, data: bytes):
 
 
 def _revive(obj: Any):
-    """Turn [type_name, fields] pairs back into dataclasses (recursively)."""
-    if isinstance(obj, list):
-        if (
-            len(obj) == 2
-            and isinstance(obj[0], str)
-            and obj[0] in _TYPES
-            and isinstance(obj[1], dict)
-        ):
-            cls = _TYPES[obj[0]]
-            return cls(**{k: _revive(v) for k, v in obj[1].items()})
-        return [_revive(x) for x in obj]
+    """Turn [type_name, fields] pairs back into dataclasses (recursively), in place: lists
+    are searched, nothing else (a dict that is not a pair's fields is left as it is)."""
+    if not isinstance(obj, list):
+        return obj
+    # In place and only into lists (msgpack's output is this call's alone): a call, a new
+    # list or dict per field value (ints, strings) was most of the decoding time of a
+    # message of many outputs, and gave those values back as they were.
+    if len(obj) == 2:
+        name, fields = obj
+        if type(name) is str and type(fields) is dict:
+            cls = _TYPES.get(name)
+            if cls is not None:
+                for key, value in fields.items():
+                    if type(value) is list:
+                        fields[key] = _revive(value)  # same keys: iterating stays valid
+                return cls(**fields)
+    for i, value in enumerate(obj):
+        if type(value) is list:
+            obj[i] = _revive(value)
     return obj
 
 

@@ -186,3 +186,52 @@ def test_dense_model_exports_no_expert_metrics():
     metrics.update_from_engine(_stats(num_steps=3))
     text = generate_latest(metrics.registry).decode()
     assert "jaxserve_expert" not in text
+
+
+def _histogram_samples(hist) -> dict[str, float]:
+    """A Histogram child's exported samples, {"_bucket{le=...}" | "_count" | "_sum": v}
+    (not `_created`, a time)."""
+    out = {}
+    for sample in hist._child_samples():
+        if sample.name == "_created":
+            continue
+        le = sample.labels.get("le")
+        out[f"{sample.name}{{le={le}}}" if le else sample.name] = sample.value
+    return out
+
+
+@pytest.mark.parametrize(
+    "observations",
+    [
+        [(0.003, 1)],
+        [(0.003, 16), (0.0001, 4), (0.001, 3)],  # 0.001: on a bound (le is inclusive)
+        [(0.02, 5), (7.5, 2), (500.0, 3), (-0.5, 2), (0.0, 1)],  # past the last bound
+        [(0.05, 0), (float("nan"), 3), (0.2, 64)],
+    ],
+)
+def test_observe_repeated_exports_what_observe_n_times_does(observations):
+    """observe_repeated(h, v, n) leaves every bucket and the count as n `observe(v)`
+    calls of prometheus_client do, and the sum equal up to float rounding."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from jaxserve.observability.metrics import observe_repeated
+    from jaxserve.observability.stats import LATENCY_BUCKETS_S
+
+    def child():
+        return Histogram(
+            "h_seconds", "test", ["model"], buckets=LATENCY_BUCKETS_S,
+            registry=CollectorRegistry(),
+        ).labels(model=MODEL)  # fmt: skip
+
+    one_by_one, batched = child(), child()
+    for value, n in observations:
+        for _ in range(n):
+            one_by_one.observe(value)
+        observe_repeated(batched, value, n)
+    want, got = _histogram_samples(one_by_one), _histogram_samples(batched)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if key == "_sum":
+            assert got[key] == pytest.approx(value, rel=1e-12, nan_ok=True)
+        else:
+            assert got[key] == value, key

@@ -84,10 +84,13 @@ class GrpcBackend:
                 req, timeout=self.timeout_s, metadata=self._metadata
             ):
                 now = time.perf_counter() - out.start
-                if resp.token_ids or resp.text:
+                # Each field read of a protobuf message builds a new Python object (a
+                # repeated field's container, a str): read each once.
+                token_ids, delta = resp.token_ids, resp.text
+                if token_ids or delta:
                     out.chunk_times.append(now)
-                    out.chunk_tokens.append(len(resp.token_ids))
-                    text.append(resp.text)
+                    out.chunk_tokens.append(len(token_ids))
+                    text.append(delta)
                 if resp.finish_reason:
                     out.prompt_len, out.output_len = resp.prompt_tokens, resp.completion_tokens
         except grpc.aio.AioRpcError as e:

@@ -17,7 +17,6 @@ server cannot be reached or failed the warm-up or every request (one line, no ta
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -313,7 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )  # fmt: skip
 
     try:
-        result = asyncio.run(go())
+        result = client.run_in_loop(go())
     except RuntimeError as e:
         return _error(str(e), 1)
     finally:

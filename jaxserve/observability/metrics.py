@@ -62,6 +62,7 @@ No JAX here.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -83,6 +84,28 @@ _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 EXPERT_BALANCEDNESS = "jaxserve_expert_balancedness"
 EXPERT_BALANCEDNESS_MEAN = "jaxserve_expert_balancedness_mean"
 EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
+
+
+def observe_repeated(histogram, value: float, n: int) -> None:
+    """Observe `value` n times into a prometheus_client Histogram (a labelled child):
+    the same bucket counts and count as n `observe(value)` calls, and a sum larger by
+    value * n (equal to n additions up to float rounding).
+
+    Why: the frontend observes one inter-token latency per output token, all tokens of
+    one stream message with the same gap; `observe` takes two locks and scans the bucket
+    bounds in Python per call, and prometheus_client has no observe(value, n). Here it is
+    one bisect (C) and two locked increments per message. Uses the Histogram child's
+    `_upper_bounds`, `_buckets` and `_sum`, as `observe` itself does (prometheus_client
+    0.x; tests/test_metrics.py checks the result against `observe` called n times).
+    """
+    if n <= 0:
+        return
+    if value != value:  # NaN: `observe` adds it to the sum and to no bucket
+        histogram._sum.inc(value)
+        return
+    bucket = bisect.bisect_left(histogram._upper_bounds, value)  # first bound >= value
+    histogram._sum.inc(value * n)
+    histogram._buckets[bucket].inc(n)
 
 
 class Metrics:
@@ -123,6 +146,7 @@ class Metrics:
             ["model", "finish_reason"], registry=r,
         )  # fmt: skip
         self._model = model
+        self._finished_by_reason: dict[str, Counter] = {}  # finish_reason -> its child
         self._rejected = Counter(
             "jaxserve_requests_rejected", "Requests refused by admission control, by limit",
             ["model", "limit"], registry=r,
@@ -182,8 +206,12 @@ class Metrics:
             "jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries over prompt tokens",
             ["model"], registry=r,
         ).labels(**labels)  # fmt: skip
-        # Expert-load metrics: registered by the first stats of an MoE model.
+        # Expert-load metrics: registered by the first stats of an MoE model, as the
+        # labelled children (per-layer gauge by layer, mean gauge, routed-token counter):
+        # `labels()` builds and validates a label tuple under a lock on each call, every
+        # stats message for every MoE layer otherwise.
         self._expert_metrics: tuple[Gauge, Gauge, Counter] | None = None
+        self._expert_layer_gauges: dict[int, Gauge] = {}
 
     def request_rejected(self, limit: str) -> None:
         self._rejected.labels(model=self._model, limit=limit).inc()
@@ -192,7 +220,13 @@ class Metrics:
         self._abandoned.labels(model=self._model, reason=reason).inc()
 
     def request_finished(self, finish_reason: str) -> None:
-        self._finished.labels(model=self._model, finish_reason=finish_reason).inc()
+        # The labelled child per reason, kept: `labels()` takes a lock and builds the
+        # label tuple on every call, once per finished request otherwise.
+        child = self._finished_by_reason.get(finish_reason)
+        if child is None:
+            child = self._finished.labels(model=self._model, finish_reason=finish_reason)
+            self._finished_by_reason[finish_reason] = child
+        child.inc()
 
     def update_from_engine(self, stats) -> None:
         """Apply one `ipc.EngineStats`: set the gauges, advance the counters by the change
@@ -243,16 +277,22 @@ class Metrics:
                     ["model"], registry=r,
                 ),
             )  # fmt: skip
+            per_layer, mean, routed = self._expert_metrics
+            self._expert_metrics = (
+                per_layer, mean.labels(model=self._model), routed.labels(model=self._model)
+            )  # fmt: skip
         per_layer, mean, routed = self._expert_metrics
+        gauges = self._expert_layer_gauges
         values = stats.expert_balancedness
         for layer, value in zip(stats.expert_layers, values, strict=True):
-            per_layer.labels(model=self._model, layer=str(layer)).set(float(value))
+            gauge = gauges.get(layer)
+            if gauge is None:
+                gauge = gauges[layer] = per_layer.labels(model=self._model, layer=str(layer))
+            gauge.set(float(value))
         if values:
-            mean.labels(model=self._model).set(sum(values) / len(values))
+            mean.set(sum(values) / len(values))
         self._advance_engine_counter(
-            EXPERT_ROUTED_TOKENS,
-            float(stats.expert_routed_tokens),
-            routed.labels(model=self._model),
+            EXPERT_ROUTED_TOKENS, float(stats.expert_routed_tokens), routed
         )
 
     def _advance_engine_counter(self, key: str, total: float, counter) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from jaxserve.ipc import TextOutput
-from jaxserve.observability.metrics import Metrics
+from jaxserve.observability.metrics import Metrics, observe_repeated
 
 
 class RequestTiming:
@@ -25,16 +25,18 @@ class RequestTiming:
     def observe(self, outputs: list[TextOutput]) -> None:
         """Record one batch of consecutive outputs of the sample (the last may be final)."""
         now = time.perf_counter()
-        n_tokens = sum(len(o.token_ids) for o in outputs)
+        if len(outputs) == 1:  # the common case, without the generator
+            n_tokens = len(outputs[0].token_ids)
+        else:
+            n_tokens = sum(len(o.token_ids) for o in outputs)
         self.num_tokens += n_tokens
         if n_tokens:
             if self._first is None:
                 self._first = now
                 self._m.ttft.observe(now - self._start)
             elif self._last is not None:
-                gap = (now - self._last) / n_tokens
-                for _ in range(n_tokens):
-                    self._m.itl.observe(gap)
+                # n_tokens inter-token latencies of the same gap, in one observation.
+                observe_repeated(self._m.itl, (now - self._last) / n_tokens, n_tokens)
             self._last = now
         last = outputs[-1]
         if last.finish_reason is not None:
