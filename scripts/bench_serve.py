@@ -49,6 +49,7 @@ request produces exactly --max-tokens tokens on both paths.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -185,9 +186,7 @@ def _served_run(srv: Server, load):
     seconds in the run, the client's ("client": this process) among them."""
     before, client = srv.cpu_seconds(), time.process_time()
     counters = srv.engine_counters()
-    from jaxserve.benchmark.client import run_in_loop  # the driver's loop (uvloop)
-
-    result = run_in_loop(load)
+    result = asyncio.run(load)
     client = time.process_time() - client
     cpu = {k: v - before[k] for k, v in srv.cpu_seconds().items()}
     time.sleep(0.1)  # the engine's stats of its last step reach the frontend

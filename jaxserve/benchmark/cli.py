@@ -17,6 +17,7 @@ server cannot be reached or failed the warm-up or every request (one line, no ta
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -312,7 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )  # fmt: skip
 
     try:
-        result = client.run_in_loop(go())
+        result = asyncio.run(go())
     except RuntimeError as e:
         return _error(str(e), 1)
     finally:

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import uvloop
 
 from jaxserve.benchmark.backends import RequestResult, Sampling
 from jaxserve.benchmark.datasets import BenchRequest, Session
@@ -41,15 +40,6 @@ class BenchRun:
     outputs: list[RequestResult]
     duration: float
     t0: float
-
-
-def run_in_loop(coro):
-    """Run `coro` (a load: `run`) to completion on a new uvloop event loop and return its
-    result, as asyncio.run would. uvloop's loop (C) costs the client less CPU per stream
-    message than asyncio's (Python handles, selector and callbacks), and the client
-    shares the machine's cores with the server it measures; the frontend runs on it too.
-    """
-    return uvloop.run(coro)
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
