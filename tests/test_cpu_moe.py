@@ -49,7 +49,7 @@ def test_kernel_builds_where_a_compiler_is():
         (17, 2, 6, 16, 8, "random"),
         (9, 4, 4, 32, 16, "one expert"),  # 36 rows of one expert: 9 blocks of 4
         (5, 2, 8, 16, 8, "all empty"),
-        # From 8 rows per expert (AVX-512 builds): register tiles, blocks of 4 to 8 rows
+        # From 8 rows per expert (AVX-512 or AVX2 builds): register tiles, blocks of 4 to 8 rows
         # and widths that are not a multiple of 16 (masked lanes).
         (40, 4, 8, 40, 24, "random"),
         (90, 3, 5, 48, 20, "random"),

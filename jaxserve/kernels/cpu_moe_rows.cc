@@ -8,7 +8,7 @@
 // accumulator rows that stay in L1. (Column tiles with the accumulators in registers,
 // reading the weights with a stride, measured 3-4x slower there; 8-row blocks tied
 // with 4.) An expert with kTileMinRows rows or more runs register tiles instead
-// (cpu_tile_matmul.h, AVX-512 builds): its rows in units of up to kUnitRows, each unit
+// (cpu_tile_matmul.h, AVX-512 or AVX2 builds): its rows in units of up to kUnitRows, each unit
 // streaming the expert's matrices once, 16 columns at a time for all its rows.
 // Work units (expert, row block) are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h).
@@ -28,8 +28,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kRows = 4;  // rows per block of the row-streaming path
-// Rows of an expert from which it runs register tiles (0: never, without AVX-512), and
-// the most rows of one such work unit.
+// Rows of an expert from which it runs register tiles (0: never, without AVX-512 or AVX2),
+// and the most rows of one such work unit.
 constexpr int kTileMinRows = JAXSERVE_HAVE_TILES ? 8 : 0;
 constexpr int kUnitRows = 64;
 static_assert(kTileMinRows == 0 || kTileMinRows > kRows, "a unit's size names its path");
