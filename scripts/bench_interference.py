@@ -60,7 +60,7 @@ def parse_co_runners(text: str) -> list[tuple[str, float, int]]:
     """ "alu:0.3:0,mem:1:19" -> [("alu", 0.3, 0), ("mem", 1.0, 19)]. Raises ValueError
     naming the bad entry."""
     out = []
-    for entry in filter(None, text.split(",")):
+    for entry in text.split(","):
         try:
             kind, duty, nice = entry.split(":")
             duty_f, nice_i = float(duty), int(nice)
@@ -72,17 +72,36 @@ def parse_co_runners(text: str) -> list[tuple[str, float, int]]:
     return out
 
 
+def _at_least(kind, low):
+    """An argparse type: a `kind` number >= low (a clean usage error otherwise)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", help="HF model folder (default: the bundled demo model)")
-    ap.add_argument("--concurrency", type=int, default=64, help="requests per wave")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=8.0, help="length of each run")
-    ap.add_argument("--co-runners", default="alu:0.3:0,mem:0.3:0,alu:1:19,mem:1:19")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default="bench_results/interference.json")
+    ap.add_argument("--concurrency", type=_at_least(int, 1), default=64, help="requests per wave")
+    ap.add_argument("--max-tokens", type=_at_least(int, 1), default=64, help="per request")
+    ap.add_argument("--seconds", type=_at_least(float, 0.1), default=8.0, help="length of each run")
+    ap.add_argument(
+        "--co-runners",
+        default="alu:0.3:0,mem:0.3:0,alu:1:19,mem:1:19",
+        help="KIND:DUTY:NICE,...: KIND alu or mem, DUTY in (0, 1], NICE 0-19",
+    )
+    ap.add_argument("--repeats", type=_at_least(int, 1), default=2, help="rounds (medians)")
+    ap.add_argument("--out", default="bench_results/interference.json", help="JSON written")
     args = ap.parse_args()
     try:
         co_runners = parse_co_runners(args.co_runners)

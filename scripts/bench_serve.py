@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -242,8 +244,10 @@ def _parse_pinning(ap, text: str | None) -> tuple[set[int], set[int]] | None:
         engine = {int(c) for c in text.split(",")}
     except ValueError:
         ap.error(f"--engine-cpus: comma-separated CPU numbers, got {text!r}")
-    if not engine <= allowed or not allowed - engine:
-        ap.error(f"--engine-cpus: a proper subset of this process's CPUs {sorted(allowed)}")
+    if not engine <= allowed:
+        ap.error(f"--engine-cpus {text}: not among this process's CPUs {sorted(allowed)}")
+    if not allowed - engine:
+        ap.error(f"--engine-cpus {text}: every CPU; leave one for the frontend and client")
     return engine, allowed - engine
 
 
@@ -281,7 +285,10 @@ def main() -> None:
     rows, result = [], {"machine": machine, "load_before": os.getloadavg()}
 
     # Start-up: cold (empty compilation cache) then warm (the same cache, filled).
-    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+    cache = args.cache_dir
+    if cache is None:  # a new one, removed at exit (runs left 5 MB folders in /tmp)
+        cache = tempfile.mkdtemp(prefix="jaxserve-bench-cache-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     if not args.skip_cold_start:
         srv = Server(args.model, cache, extra)
         result["startup_cold_s"] = srv.time_to_first_token()
