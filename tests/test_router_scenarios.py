@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 from router_helpers import replica_infos, wait_replicas
@@ -158,9 +157,12 @@ def test_a_stream_of_cache_misses_is_spread_over_replicas(idle):
         )
         for _ in range(8)
     ]  # fmt: skip
-    for t in threads:
+    for sent, t in enumerate(threads, start=1):
         t.start()
-        time.sleep(0.05)
+        # The next request goes once the router counts this one, so that each sees the
+        # load of all before it (a fixed 50 ms gap lost that race on a loaded CI
+        # machine: two requests saw the same counts, [3, 5]).
+        wait_replicas(idle, lambda rs, n=sent: sum(r.router_requests for r in rs) >= n, timeout=60)
     for t in threads:
         t.join(RPC_TIMEOUT_S)
     after = _decisions(idle)
