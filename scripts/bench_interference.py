@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxserve.flag_types import POSITIVE, positive_float
+
 # The co-runner: kind, duty (fraction of each 6 ms period spent busy), nice.
 CO_RUNNER = """
 import os, sys, time
@@ -72,19 +74,12 @@ def parse_co_runners(text: str) -> list[tuple[str, float, int]]:
     return out
 
 
-def _at_least(kind, low):
-    """An argparse type: a `kind` number >= low (a clean usage error otherwise)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value >= low:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
-
-    return parse
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0.1 (flag_types.positive_float)."""
+    value = positive_float(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"must be >= 0.1, got {text}")
+    return value
 
 
 def main() -> None:
@@ -92,15 +87,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", help="HF model folder (default: the bundled demo model)")
-    ap.add_argument("--concurrency", type=_at_least(int, 1), default=64, help="requests per wave")
-    ap.add_argument("--max-tokens", type=_at_least(int, 1), default=64, help="per request")
-    ap.add_argument("--seconds", type=_at_least(float, 0.1), default=8.0, help="length of each run")
+    ap.add_argument("--concurrency", type=POSITIVE, default=64, help="requests per wave")
+    ap.add_argument("--max-tokens", type=POSITIVE, default=64, help="per request")
+    ap.add_argument("--seconds", type=_seconds, default=8.0, help="length of each run")
     ap.add_argument(
         "--co-runners",
         default="alu:0.3:0,mem:0.3:0,alu:1:19,mem:1:19",
         help="KIND:DUTY:NICE,...: KIND alu or mem, DUTY in (0, 1], NICE 0-19",
     )
-    ap.add_argument("--repeats", type=_at_least(int, 1), default=2, help="rounds (medians)")
+    ap.add_argument("--repeats", type=POSITIVE, default=2, help="rounds (medians)")
     ap.add_argument("--out", default="bench_results/interference.json", help="JSON written")
     args = ap.parse_args()
     try:

@@ -127,9 +127,7 @@ class Server(ServeProcess):
         used = {"frontend": _cpu(root), "engine": 0.0, "detokenizer": 0.0}
         for child in root.children(recursive=True):
             try:
-                cmd = " ".join(child.cmdline())
-                role = "detokenizer" if "detokenizer_process" in cmd else "engine"
-                used[role] += _cpu(child)
+                used[_role(child)] += _cpu(child)
             except psutil.NoSuchProcess:
                 continue
         return used
@@ -142,8 +140,7 @@ class Server(ServeProcess):
         _pin(root.pid, other_cpus)
         for child in root.children(recursive=True):
             try:
-                is_engine = "detokenizer_process" not in " ".join(child.cmdline())
-                _pin(child.pid, engine_cpus if is_engine else other_cpus)
+                _pin(child.pid, engine_cpus if _role(child) == "engine" else other_cpus)
             except psutil.NoSuchProcess:
                 continue
 
@@ -166,6 +163,11 @@ ENGINE_COUNTERS = {
 }
 # The processes whose CPU a served run reports (Server.cpu_seconds, and this one).
 CPU_ROLES = ("engine", "frontend", "detokenizer", "client")
+
+
+def _role(child) -> str:
+    """A server child process's role: "detokenizer" (the sidecar) or "engine"."""
+    return "detokenizer" if "detokenizer_process" in " ".join(child.cmdline()) else "engine"
 
 
 def _pin(pid: int, cpus: set[int]) -> None:

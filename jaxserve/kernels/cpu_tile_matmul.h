@@ -37,9 +37,10 @@
 
 // AVX2 + FMA builds (most laptops, AMD Zen 2/3) get the same tiles on 8-lane registers:
 // a row's 16 columns are two ymm accumulators, so a tile has 6 rows (12 accumulators, two
-// weight vectors and a broadcast: 15 of the 16 ymm registers). Without them a
-// qwen3moe batch-128 step ran the row-streaming path at 32% of the matmul ceiling
-// (compare_hf.py on an AVX2-only EPYC VM), against 60% with tiles on AVX-512.
+// weight vectors and a broadcast: 15 of the 16 ymm registers). Without them (and
+// `cpu_moe.has_tiles()` false) a qwen3moe batch-128 step left its experts to XLA's path,
+// at 32% of the matmul ceiling (compare_hf.py on an AVX2-only EPYC VM), against 60%
+// with tiles on AVX-512.
 #if defined(__AVX512F__)
 #define JAXSERVE_HAVE_TILES 1
 #define JAXSERVE_TILES_AVX2 0
