@@ -160,24 +160,36 @@ def compare_model(name: str, model: str, cfg: dict, args, gguf: str | None) -> l
 
 
 HEADER = (
-    f"{'model':<9} {'batch':>5} {'jaxserve tok/s':>14} {'HF tok/s':>9} {'ratio':>6} "
+    f"{'model':<9} {'batch':>5} {'jaxserve tok/s':>14} {'spread':>6} {'HF tok/s':>9} {'ratio':>6} "
     f"{'agree':>6} {'jax MFU':>8} {'HF MFU':>7} {'ceiling GF/s':>12} {'load':>5}"
 )
 # jaxserve / llama.cpp and the share of greedy tokens where llama.cpp agrees with jaxserve.
-LLAMA_HEADER = f" {'llama.cpp tok/s':>15} {'jax/llama':>9} {'agree':>6} {'llama MFU':>9}"
+LLAMA_HEADER = (
+    f" {'llama.cpp tok/s':>15} {'spread':>6} {'jax/llama':>9} {'agree':>6} {'llama MFU':>9}"
+)
+
+
+def spread(runs: list[float]) -> float:
+    """(max - min) / median of one side's tok/s over the repetitions: how far apart its
+    runs were, beside the median it is quoted by (on a shared 2-core VM the same build's
+    runs of one row measured up to 60% apart, on the demo model at batch 1, so a ratio
+    within the spreads is no result)."""
+    return (max(runs) - min(runs)) / statistics.median(runs)
 
 
 def print_row(r: dict) -> None:
     extra = ""
     if "llama_tok_s" in r:
         extra += (
-            f" {r['llama_tok_s']:>15.1f} {r['jaxserve_vs_llama']:>9.2f} "
+            f" {r['llama_tok_s']:>15.1f} {100 * spread(r['llama_runs']):>5.0f}% "
+            f"{r['jaxserve_vs_llama']:>9.2f} "
             f"{100 * r['llama_agreement']:>5.1f}% {100 * r['llama_mfu']:>8.1f}%"
         )
     if "baseline_tok_s" in r:
         extra += f"  baseline {r['baseline_tok_s']:.1f} tok/s (x{r['speedup_vs_baseline']:.2f})"
     print(
-        f"{r['model']:<9} {r['batch']:>5} {r['jaxserve_tok_s']:>14.1f} {r['hf_tok_s']:>9.1f} "
+        f"{r['model']:<9} {r['batch']:>5} {r['jaxserve_tok_s']:>14.1f} "
+        f"{100 * spread(r['jaxserve_runs']):>5.0f}% {r['hf_tok_s']:>9.1f} "
         f"{r['ratio']:>6.2f} {100 * r['agreement']:>5.1f}% {100 * r['jaxserve_mfu']:>7.1f}% "
         f"{100 * r['hf_mfu']:>6.1f}% {r['ceiling_gflop_s']:>12.1f} {r['load_avg']:>5.2f}{extra}",
         flush=True,

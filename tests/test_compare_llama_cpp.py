@@ -82,3 +82,21 @@ def test_an_importable_llama_cpp_without_converter_skips_the_column(monkeypatch)
         compare_hf.llama_python("/venv/bin/python", None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert compare_hf.llama_python(None, None) == (None, None)
+
+
+def test_compare_hf_rows_print_each_sides_spread_of_runs(capsys):
+    """A row shows how far apart each side's repetitions were ((max - min) / median), so
+    that a ratio inside the noise reads as such."""
+    import compare_hf
+
+    row = dict(
+        model="demo", batch=8, jaxserve_tok_s=100.0, hf_tok_s=50.0, ratio=2.0, agreement=1.0,
+        jaxserve_mfu=0.1, hf_mfu=0.05, ceiling_gflop_s=100.0, load_avg=1.0,
+        jaxserve_runs=[90.0, 100.0, 130.0], hf_runs=[50.0, 50.0, 50.0],
+        llama_tok_s=80.0, jaxserve_vs_llama=1.25, llama_agreement=1.0, llama_mfu=0.08,
+        llama_runs=[80.0, 60.0, 84.0],
+    )  # fmt: skip
+    compare_hf.print_row(row)
+    cells = capsys.readouterr().out.split()
+    assert cells[3] == "40%"  # jaxserve: (130 - 90) / 100
+    assert cells[cells.index("80.0") + 1] == "30%"  # llama.cpp: (84 - 60) / 80
