@@ -118,3 +118,30 @@ def test_moe_calibration_stops_at_the_first_count_the_replicated_path_loses(monk
     got = ep_calibration.measure_replicated_max_tokens(Mesh(), sorted(timings), 8, 8, 4, 2)
     assert got == ep_calibration.replicated_threshold(timings) == 16
     assert timed == [8, 16, 32]
+
+
+def test_first_runs_on_padding_leave_every_kv_block_of_a_request_as_it_was(tiny_engine):
+    """`ModelRunner.run_once` (what `WarmUp.start` runs on the shapes it compiles) runs
+    every shape on all-padding inputs: it may touch the null block (block 0), never a
+    block a request can hold. Checked on a cache filled with random values, restored after."""
+    import jax
+    import numpy as np
+
+    runner = tiny_engine.runner
+    assert tiny_engine.warmup.first_run_s > 0  # the offline engine ran its shapes at start
+    saved = runner.kv_cache
+    rng = np.random.default_rng(0)
+    filled = [
+        tuple(jax.device_put(rng.standard_normal(a.shape, np.float32), a.sharding) for a in kv)
+        for kv in saved
+    ]
+    expected = [tuple(np.asarray(a)[1:] for a in kv) for kv in filled]
+    runner.kv_cache = filled
+    try:
+        assert runner.run_once(runner.buckets()) > 0
+        for layer, kv in enumerate(runner.kv_cache):
+            for a, want in zip(kv, expected[layer], strict=True):
+                np.testing.assert_array_equal(np.asarray(a)[1:], want)
+    finally:
+        runner.kv_cache = saved
+    assert_idle(tiny_engine)

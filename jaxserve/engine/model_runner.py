@@ -324,6 +324,28 @@ class ModelRunner:
         """
         return InFlightStep(sched, x, self.run_buffers(x.shape, x.buffers))
 
+    def run_once(self, shapes: list[StepShape]) -> float:
+        """Run each of `shapes` (compiled) once on all-padding inputs, before any request;
+        returns the seconds taken.
+
+        An executable's first run on the CPU costs 11-29 ms more than its later ones (the
+        one-time set-up of its fused kernels' runtimes; demo model, 2-core EPYC VM:
+        scripts/bench_first_run.py, e.g. the 32-token prefill 18.3 vs 1.8 ms, the 8-row
+        8-step decode 14.1 vs 2.6 ms, 408 ms for all 19 shapes), which the first request
+        of each shape would otherwise wait for; vLLM's warm-up runs its captured shapes
+        likewise. Padding writes
+        nowhere (PAD_SLOT) and reads only the null block, so the KV cache keeps its
+        contents; nothing is recorded (expert load, counters).
+
+        Raises:
+            RuntimeError: a shape was not compiled.
+        """
+        start = time.perf_counter()
+        for shape in shapes:
+            out = self.run_buffers(shape, self.builder.empty(shape).buffers)
+            jax.block_until_ready(out.token_ids)
+        return time.perf_counter() - start
+
     def run_buffers(self, shape: StepShape, buffers: tuple[np.ndarray, ...]) -> StepOutput:
         """Queue the executable of `shape` on packed host buffers (what `dispatch` runs;
         a multi-process follower calls it with the leader's buffers). The KV cache is

@@ -22,7 +22,12 @@ full step of T and the multi-step decode calls of the row buckets up to T's rows
 The warm-up compilations are counted apart (`CompileCounter.warming_up`), so the
 engine's `num_compilations` stays 0 while the background tiers compile.
 
-Must not: run steps, or compile shapes outside the runner's `buckets()`.
+The shapes compiled by `start` also run once there, on padding (`ModelRunner.run_once`:
+an executable's first run costs more than later ones); with one process only, since on
+several every process must run the same steps. The background tiers do not (a run needs
+the KV cache, which the serving loop owns meanwhile): their first runs are live steps.
+
+Must not: run steps with requests, or compile shapes outside the runner's `buckets()`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import logging
 import os
 import threading
 import time
+
+import jax
 
 from jaxserve.engine.compile_counter import CompileCounter
 from jaxserve.engine.model_runner import ModelRunner
@@ -87,8 +94,8 @@ class WarmUp:
     Attributes:
         ready_tokens: the largest token bucket whose tier (and every smaller) is compiled.
         done: set once every shape is compiled (or the background failed: `error`).
-        compile_time_s: seconds `start` took; background_time_s: seconds of the
-            background thread (None until it ends).
+        compile_time_s: seconds `start` took (its first runs included: first_run_s);
+            background_time_s: seconds of the background thread (None until it ends).
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class WarmUp:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.compile_time_s = 0.0
+        self.first_run_s = 0.0
         self.background_time_s: float | None = None
         self._applied: tuple[int, int, int] | None = None
         self._thread: threading.Thread | None = None
@@ -133,6 +141,8 @@ class WarmUp:
             f"compiling the first {len(shapes)} of {self.num_shapes} step shapes"
         )  # fmt: skip
         self.runner.compiler.compile_shapes(shapes, self.max_workers, what)
+        if jax.process_count() == 1:
+            self.first_run_s = self.runner.run_once(shapes)
         self.ready_tokens = first[-1][0]
         self.compile_time_s = time.perf_counter() - start
         if len(first) == len(self.tiers):
