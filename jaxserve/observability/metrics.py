@@ -68,6 +68,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.observability.engine_metrics import (
     ENGINE_COUNTERS,
     ENGINE_GAUGES,
@@ -316,5 +317,7 @@ class Metrics:
         try:
             server, _ = start_http_server(port, addr=addr, registry=self.registry, **tls)
         except OSError as e:
-            raise RuntimeError(f"metrics-port: cannot bind {addr}:{port} ({e})") from e
+            raise RuntimeError(
+                f"metrics-port: cannot bind {join_host_port(addr, port)} ({e})"
+            ) from e
         return server.server_port
