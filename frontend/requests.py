@@ -161,17 +161,18 @@ class Generation:
             self.release()
 
     def release(self, abandoned: str | None = None) -> None:
-        """End the request: samples not finished count once as aborts, the engine aborts
-        them, and the client id is free again. Idempotent. abandoned: why unfinished
-        samples were left (`jaxserve_requests_abandoned_total`'s reason), when not the
-        client's cancel or deadline: "refused" for the prompts started before their
-        API call was refused."""
+        """End the request: samples not finished count once each as aborts (in
+        `jaxserve_request_success_total` and `jaxserve_requests_abandoned_total`), the
+        engine aborts them, and the client id is free again. Idempotent. abandoned: why
+        unfinished samples were left (the latter's reason), when not the client's cancel
+        or deadline: "refused" for the prompts started before their API call was refused."""
         if self._released:
             return
         self._released = True
         if self._pending:
             late = self._deadline is not None and time.time() >= self._deadline
-            self._metrics.request_abandoned(abandoned or ("deadline" if late else "cancelled"))
+            reason = abandoned or ("deadline" if late else "cancelled")
+            self._metrics.request_abandoned(reason, len(self._pending))
         for index in self._pending:
             self._timings[index].cancelled(self.prompt_tokens)
         self._pending.clear()

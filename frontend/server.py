@@ -50,6 +50,7 @@ from jaxserve.frontend.requests import (
     RequestValidationError,
     SampleFailedError,
 )
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.ipc import TextOutput
 from jaxserve.observability import profile_rpc
 from jaxserve.observability.loop_lag import watch_loop_lag
@@ -303,9 +304,7 @@ class FrontendServer:
         await self.set_serving(False)
         tls = self._options.tls
         try:
-            # An IPv6 literal ("::1") needs brackets in a gRPC address.
-            literal6 = ":" in host and not host.startswith("[")
-            address = f"[{host}]:{port}" if literal6 else f"{host}:{port}"
+            address = join_host_port(host, port)  # gRPC takes an IPv6 literal in brackets
             if tls is not None:
                 bound = self._server.add_secure_port(address, tls.grpc_credentials())
             else:
@@ -313,7 +312,7 @@ class FrontendServer:
         except RuntimeError:  # grpc.aio raises "Failed to bind to address ..."
             bound = 0
         if bound == 0:
-            raise RuntimeError(f"port: cannot bind {host}:{port} ({_bind_error(host, port)})")
+            raise RuntimeError(f"port: cannot bind {address} ({_bind_error(host, port)})")
         await self._server.start()
         if self._metrics is not None and self._loop_lag is None:
             self._loop_lag = asyncio.create_task(

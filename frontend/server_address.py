@@ -5,6 +5,7 @@ a server on 34463).
 
     port_error("127.0.0.1:99999")  # "port must be in [1, 65535], got 99999"
     server_arg("[::1]:50051")      # argparse type: the text, or a usage error
+    join_host_port("::1", 50051)   # "[::1]:50051": how the server prints its addresses
 
 Forms checked: HOST:PORT, [IPV6]:PORT, and a URL (scheme://HOST:PORT/...) as bench's
 http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) and a
@@ -17,6 +18,13 @@ import argparse
 import re
 
 _HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")
+
+
+def join_host_port(host: str, port: int) -> str:
+    """HOST:PORT as a URL or a gRPC target writes it: an IPv6 literal in brackets
+    ("::1" or "[::1]" -> "[::1]:50051"), any other host as given ("127.0.0.1:50051")."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
 def port_error(address: str) -> str | None:

@@ -50,6 +50,7 @@ from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.liveness import watch_liveness
 from jaxserve.frontend.options import FrontendOptions
 from jaxserve.frontend.server import FrontendServer
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
 from jaxserve.logs import (
@@ -301,11 +302,13 @@ async def _run_frontend(
         port = await server.start(server_config.host, server_config.port)
         if server_config.http_port is not None:
             http_port = await server.start_http(server_config.host, server_config.http_port)
-            logger.info("HTTP (OpenAI API) listening on %s:%d", server_config.host, http_port)
+            http_address = join_host_port(server_config.host, http_port)
+            logger.info("HTTP (OpenAI API) listening on %s", http_address)
             # With --tls-cert the HTTP port speaks HTTPS only.
             scheme = "https" if options.tls is not None else "http"
-            http = f", OpenAI HTTP API on {scheme}://{_host_port(server_config.host, http_port)}/v1"
-        logger.info("gRPC listening on %s:%d; waiting for the engine", server_config.host, port)
+            http = f", OpenAI HTTP API on {scheme}://{http_address}/v1"
+        grpc_address = join_host_port(server_config.host, port)
+        logger.info("gRPC listening on %s; waiting for the engine", grpc_address)
         await asyncio.wait({ready, watch, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and not watch.done():
             stats = ready.result()
@@ -317,9 +320,9 @@ async def _run_frontend(
                 )
             logger.info(
                 # num_blocks_total is the usable count: the engine's null block is not in it.
-                "jaxserve ready: serving %s on %s:%d (gRPC)%s (max_model_len %d, %d usable "
+                "jaxserve ready: serving %s on %s (gRPC)%s (max_model_len %d, %d usable "
                 "KV blocks of %d tokens)",
-                stats.model, server_config.host, port, http,
+                stats.model, grpc_address, http,
                 stats.max_model_len, stats.num_blocks_total, stats.block_size,
             )  # fmt: skip
             about = "" if replicas is None else replica_launch.describe(replicas, router_options)
@@ -360,12 +363,6 @@ async def _run_frontend(
         if listener is not None:
             await listener.close()
         await engine.close()
-
-
-def _host_port(host: str, port: int) -> str:
-    """host:port for a URL (an IPv6 literal in brackets)."""
-    bare = host.strip("[]")
-    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
 async def _child_died(server: FrontendServer, reason: str, stopping: asyncio.Task) -> None:

@@ -8,21 +8,20 @@
 It runs an `EngineCore` in this process and detokenizes with the same
 `IncrementalDetokenizer` as the server's sidecar, so stop strings and text agree with
 what a gRPC or HTTP client receives. It shares the frontend's request rules where they
-apply offline: text prompts are tokenized by `frontend.tokenizer.encode_prompt`,
-parameters checked by `SamplingParams.validate`, and n > 1 is fanned out into engine
-requests by `frontend.validation.split_samples` (seeds seed + i, prompt log-probs on
-sample 0 only). Unlike the servers, a prompt + max_tokens beyond max_model_len is not an
-error offline (as in vLLM's LLM): generation stops at the model length ("length").
+apply offline: text prompts are tokenized by `frontend.tokenizer.encode_prompt` and
+parameters checked by `SamplingParams.validate` (llm_inputs.py), and n > 1 is fanned out
+into engine requests by `frontend.validation.split_samples` (seeds seed + i, prompt
+log-probs on sample 0 only). As on the servers, a prompt + max_tokens beyond
+max_model_len is a ValueError (`check_lengths`; tests/test_rule_agreement.py runs each
+rule on both).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +38,11 @@ from jaxserve.config import (
 )
 from jaxserve.engine.core import EngineCore
 from jaxserve.frontend.detokenizer import IncrementalDetokenizer
-from jaxserve.frontend.tokenizer import encode_prompt
 from jaxserve.frontend.validation import split_samples
 from jaxserve.hub import resolve_model
 from jaxserve.ipc import EngineRequest, TokenOutput
-from jaxserve.sampling_params import SamplingParams, check_lengths, check_prompt_text
+from jaxserve.llm_inputs import prepare_inputs
+from jaxserve.sampling_params import SamplingParams
 
 # vLLM spellings accepted as aliases of our config fields.
 _ALIASES = {
@@ -190,34 +189,13 @@ class LLM:
                 Whatever it raises (KeyboardInterrupt too), the requests of this call
                 are aborted first, so the LLM stays usable.
         """
-        if isinstance(prompts, str | Mapping):
-            prompts = [prompts]
-        if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
-            raise ValueError(
-                f"prompts: expected a string or a list of prompts, got {type(prompts).__name__}"
-            )
-        prompts = [_unwrap_prompt(i, p) for i, p in enumerate(prompts)]
-        params_list = _broadcast_params(sampling_params, len(prompts))
-        vocab = self.engine.model_config.vocab_size
-        encoded: list[tuple[str | None, list[int]]] = []
-        for i, p in enumerate(prompts):
-            text = p if isinstance(p, str) else None
-            if text == "":  # as the server: even where the tokenizer would add a BOS token
-                raise ValueError(f"prompts[{i}]: the prompt text must not be empty")
-            if text is not None:
-                check_prompt_text(f"prompts[{i}]", text, noun="Unicode")
-            ids = encode_prompt(self.tokenizer, p) if text is not None else _token_ids(i, p)
-            if not ids:
-                raise ValueError(f"prompts[{i}]: the prompt is empty")
-            encoded.append((text, ids))
-        for params in params_list:
-            params.validate(vocab)
-        # The server's length rules: prompt + max_tokens within max_model_len.
-        for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):
-            try:
-                check_lengths(len(ids), self.engine.max_model_len, params.max_tokens)
-            except ValueError as e:
-                raise ValueError(f"{e} (prompts[{i}])") from None
+        encoded, params_list = prepare_inputs(
+            prompts,
+            sampling_params,
+            self.tokenizer,
+            self.engine.model_config.vocab_size,
+            self.engine.max_model_len,
+        )
 
         samples: dict[str, _Sample] = {}
         try:
@@ -332,55 +310,6 @@ def _load_tokenizer(path: Path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"tokenizer: {file} not found")
     return Tokenizer.from_file(str(file))
-
-
-def _unwrap_prompt(i: int, prompt):
-    """Prompt `i` as text or ids: vLLM's prompt dicts ({"prompt": str} or
-    {"prompt_token_ids": [...]}) unwrapped, anything else as given. ValueError naming the
-    prompt for a dict with neither key, both, or another key."""
-    if not isinstance(prompt, Mapping):
-        return prompt
-    keys = set(prompt)
-    if keys not in ({"prompt"}, {"prompt_token_ids"}):
-        raise ValueError(
-            f"prompts[{i}]: a prompt dict has exactly one key, 'prompt' (a string) or "
-            f"'prompt_token_ids' (a list of ints), got {sorted(map(str, keys))}"
-        )
-    if "prompt" in keys:
-        if not isinstance(prompt["prompt"], str):
-            raise ValueError(
-                f"prompts[{i}].prompt: expected a string, got {type(prompt['prompt']).__name__}"
-            )
-        return prompt["prompt"]
-    return _token_ids(i, prompt["prompt_token_ids"])
-
-
-def _token_ids(i: int, prompt) -> list[int]:
-    """Prompt `i` given as token ids; ValueError naming it ("prompts[i]") when it is no
-    list of ints (None, a number, a dict) or an element is no int (bool and float too:
-    int() would turn 1.5 or True into an id silently)."""
-    if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
-        raise ValueError(
-            f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}"
-        )
-    ids = list(prompt)
-    for j, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, Integral):
-            raise ValueError(f"prompts[{i}][{j}]: a token id must be an integer, got {t!r}")
-    return [int(t) for t in ids]
-
-
-def _broadcast_params(
-    sampling_params: SamplingParams | SequenceOf[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams() for _ in range(n)]
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
-    return params
 
 
 def _collect(

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.config import cache_root
+from jaxserve.frontend.server_address import join_host_port
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -183,10 +184,10 @@ def check_bind(flag: str, host: str, port: int) -> None:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
     except OSError as e:
-        shown = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+        shown = join_host_port(host, port)
         if e.errno == errno.EADDRINUSE:
             raise ValueError(
-                f"{flag}: cannot bind {host}:{port} ({e}); another process listens there: "
+                f"{flag}: cannot bind {shown} ({e}); another process listens there: "
                 f"stop it or choose another --{flag}"
             ) from None
         raise ValueError(

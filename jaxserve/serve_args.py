@@ -1,7 +1,7 @@
 """The flags of `jaxserve serve`: ours, with vLLM's names beside them where the meaning
 is the same (`--tensor-parallel-size`, `--max-model-len`, `--gpu-memory-utilization`,
 ...), and the positional MODEL of `vllm serve MODEL`. Every help text says its default
-(tests/test_cli.py checks it).
+(tests/test_cli_usage.py checks it).
 
 `add_serve_arguments` declares them, grouped as `--help` shows them; their value types
 are flag_types.py's, the configs they make serve_config.py's. No JAX here.

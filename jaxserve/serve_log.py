@@ -24,6 +24,7 @@ import logging
 import time
 
 from jaxserve.config import EngineConfig, EplbConfig, ServerConfig
+from jaxserve.frontend.server_address import join_host_port
 
 logger = logging.getLogger("jaxserve.stats")
 
@@ -132,10 +133,9 @@ def config_block(
     http_port: the HTTP (OpenAI) API's bound port; None: no --http-port.
     """
     sc, cc, mesh, eplb = engine.scheduler, engine.cache, engine.mesh, engine.eplb
-    host = f"[{server.host}]" if ":" in server.host else server.host
     scheme = "https" if tls else "http"
     metrics = (
-        f"{scheme}://{host}:{server.metrics_port}/metrics"
+        f"{scheme}://{join_host_port(server.host, server.metrics_port)}/metrics"
         if server.metrics_port is not None
         else "off (--metrics-port)"
     )
@@ -166,8 +166,12 @@ def config_block(
             "token(s)",
         ),
         ("EPLB", _eplb(eplb, mesh.size)),
-        ("gRPC", f"{host}:{grpc_port}"),
-        *([("HTTP API", f"{scheme}://{host}:{http_port}/v1")] if http_port is not None else []),
+        ("gRPC", join_host_port(server.host, grpc_port)),
+        *(
+            [("HTTP API", f"{scheme}://{join_host_port(server.host, http_port)}/v1")]
+            if http_port is not None
+            else []
+        ),
         ("metrics", metrics),
         ("compilation cache", engine.compilation_cache_dir or "off"),
     ]

@@ -40,6 +40,20 @@ def test_kwargs_are_template_variables_and_override_named_fields():
     assert _prompt(chat_template_kwargs={"add_generation_prompt": False}) == "user:hi;"
 
 
+def test_continue_final_message_alone_says_to_unset_add_generation_prompt():
+    """add_generation_prompt defaults to true (as vLLM), so continue_final_message alone
+    is a 400; its message names both fields and the value to send, and sending that
+    renders the last message open."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    with pytest.raises(FieldError) as e:
+        _prompt(messages=chat, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
+    assert str(e.value).startswith("continue_final_message: ")
+    assert "add_generation_prompt: false" in str(e.value)
+    fixed = _prompt(messages=chat, continue_final_message=True, add_generation_prompt=False)
+    assert fixed == "user:hi;assistant:Hel"
+
+
 def test_messages_in_kwargs_is_a_field_error():
     with pytest.raises(FieldError, match="^chat_template_kwargs: 'messages' is reserved") as e:
         _prompt(chat_template_kwargs={"messages": []})

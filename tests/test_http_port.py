@@ -151,6 +151,9 @@ BAD = [
      "differs from max_completion_tokens: 8"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 8},
      "max_completion_tokens", "differs from max_tokens: 4"),
+    # Given alone, the limit's errors name it (the shared rule's words, its name).
+    ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 0},
+     "max_completion_tokens", "must be >= 1, got 0"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
      "top_logprobs", "21"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": []}, "stream_options",
@@ -210,6 +213,18 @@ def test_max_tokens_and_max_completion_tokens_of_one_value_are_taken(client):
     assert got.usage.completion_tokens == 3
     got = client.chat.completions.create(model=model, messages=CHAT, extra_body=both)
     assert got.usage.completion_tokens == 3
+
+
+def test_max_completion_tokens_alone_binds_on_both_endpoints(client):
+    """OpenAI's newer name is honoured by /v1/completions too (vLLM's completions ignore
+    it and generate their default 16): a client that sends it gets that many tokens."""
+    model = client.models.list().data[0].id
+    for limit in (3, 5):  # neither is the default
+        alone = {"max_completion_tokens": limit}
+        got = client.completions.create(model=model, prompt="a", extra_body=alone)
+        assert got.usage.completion_tokens == limit
+        got = client.chat.completions.create(model=model, messages=CHAT, extra_body=alone)
+        assert got.usage.completion_tokens == limit
 
 
 def test_a_long_request_template_is_refused_and_the_servers_is_used(server, client):

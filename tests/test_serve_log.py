@@ -80,6 +80,19 @@ def test_config_block_names_what_the_engine_settled_on():
     assert "https://[::1]:9090/metrics" in block
 
 
+@pytest.mark.parametrize(
+    "host,want",
+    [("::1", "[::1]:80"), ("[::1]", "[::1]:80"), ("::", "[::]:80"),
+     ("127.0.0.1", "127.0.0.1:80"), ("localhost", "localhost:80")],
+)  # fmt: skip
+def test_host_port_brackets_ipv6_literals_only(host, want):
+    """The one HOST:PORT of the log lines and the config block (an IPv6 literal's colons
+    would run into the port's: "::1:80")."""
+    from jaxserve.frontend.server_address import join_host_port
+
+    assert join_host_port(host, 80) == want
+
+
 def test_config_block_names_the_stream_interval_and_the_http_api():
     """The block listed neither --stream-interval nor the --http-port API address."""
     from jaxserve.config import SchedulerConfig

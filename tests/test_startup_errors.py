@@ -216,13 +216,18 @@ def test_ipv6_host_serves(mock_model_dir):
         env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
     )  # fmt: skip
     try:
-        port = None
+        port, lines = None, []
         for line in proc.stderr:
-            if "gRPC listening on ::1:" in line:
-                port = int(line.split("::1:")[1].split(";")[0])
+            lines.append(line)
+            if "gRPC listening on [::1]:" in line:
+                port = int(line.split("[::1]:")[1].split(";")[0])
             if "jaxserve ready" in line:
                 break
         assert port, "no listening line"
+        # Every line that prints the address brackets it, as the config block does (the
+        # listening and ready lines printed "::1:PORT").
+        assert f" on [::1]:{port} (gRPC)" in lines[-1], lines[-1]
+        assert not [x for x in lines if "::1:" in x and "[::1]:" not in x], lines
         with JaxserveClient(f"[::1]:{port}") as client:
             assert client.complete([5, 6], max_tokens=2)[0].completion_tokens == 2
     finally:

@@ -78,6 +78,14 @@ logger = logging.getLogger("jaxserve.frontend.http")
 _CHAT_ALIASES = {"prompt": "messages", "prompt.token_ids": "messages", "logprobs": "top_logprobs"}
 
 
+def _limit_alias(body) -> dict[str, str]:
+    """The shared rules' `max_tokens` named `max_completion_tokens` in a 400 when the body
+    gave the limit by that name (either endpoint reads it first)."""
+    if body.max_completion_tokens is not None:
+        return {"max_tokens": "max_completion_tokens"}
+    return {}
+
+
 def _version() -> str:
     try:
         return metadata.version("jaxserve")
@@ -211,7 +219,7 @@ class OpenAIApi:
             model = self._model(body.model)
             response_id = f"cmpl-{uuid.uuid4().hex}"
             messages = completion_requests(body, response_id, self._requests.limits())
-            generations = await self._start(messages, {})
+            generations = await self._start(messages, _limit_alias(body))
         except (FieldError, HttpError, EngineUnavailableError) as e:
             return _start_error(e).response()
         writer = ResponseWriter(
@@ -245,10 +253,7 @@ class OpenAIApi:
                 self._requests.tokenizer,
                 self._requests.limits(),
             )
-            aliases = dict(_CHAT_ALIASES)
-            if body.max_completion_tokens is not None:
-                aliases["max_tokens"] = "max_completion_tokens"
-            generations = await self._start([message], aliases)
+            generations = await self._start([message], {**_CHAT_ALIASES, **_limit_alias(body)})
         except (FieldError, HttpError, EngineUnavailableError) as e:
             return _start_error(e).response()
         writer = ResponseWriter(

@@ -191,8 +191,12 @@ class ChatTemplate:
         final = None
         if continue_final_message:
             if add_generation_prompt:
+                # add_generation_prompt defaults to true (as in vLLM), so a request that
+                # sets only continue_final_message lands here: say what to send.
                 raise ChatTemplateError(
-                    "continue_final_message: cannot be combined with add_generation_prompt"
+                    "continue_final_message: cannot be combined with add_generation_prompt, "
+                    "which is true unless set: send add_generation_prompt: false with "
+                    "continue_final_message: true"
                 )
             final = chat[-1].get("content")
             if not isinstance(final, str):

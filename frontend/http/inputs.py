@@ -148,10 +148,22 @@ def _max_tokens(
     request.max_tokens = value
 
 
+def _set_max_tokens(body, request: pb.GenerateRequest, limits: ModelLimits) -> bool:
+    """`max_completion_tokens`, else `max_tokens`, onto `request` (either endpoint: after
+    `_check_one_max_tokens` they agree when both are given). False when neither is."""
+    if body.max_completion_tokens is not None:
+        _max_tokens("max_completion_tokens", body.max_completion_tokens, request, limits)
+    elif body.max_tokens is not None:
+        _max_tokens("max_tokens", body.max_tokens, request, limits)
+    else:
+        return False
+    return True
+
+
 def _check_one_max_tokens(first: str, max_tokens, second: str, max_completion_tokens) -> None:
     """`max_tokens` and `max_completion_tokens` (OpenAI's newer name; vLLM's chat reads
-    it first, its completions ignore it) are one limit: both given with different values
-    is a 400 naming both, not one of them silently winning."""
+    it first, its completions ignore it, here both endpoints take it) are one limit: both
+    given with different values is a 400 naming both, not one of them silently winning."""
     if max_tokens is None or max_completion_tokens is None or max_tokens == max_completion_tokens:
         return
     values = {"max_tokens": max_tokens, "max_completion_tokens": max_completion_tokens}
@@ -182,9 +194,10 @@ def completion_requests(
         raise FieldError("n", f"n: n x prompts must be at most {MAX_N}, got {n} x {len(prompts)}")
     template = pb.GenerateRequest()
     _sampling(body, template, limits)
-    extra = (body.model_extra or {}).get("max_completion_tokens")
-    _check_one_max_tokens("max_tokens", body.max_tokens, "max_completion_tokens", extra)
-    _max_tokens("max_tokens", body.max_tokens, template, limits)
+    _check_one_max_tokens(
+        "max_tokens", body.max_tokens, "max_completion_tokens", body.max_completion_tokens
+    )
+    _set_max_tokens(body, template, limits)
     _check_int("logprobs", body.logprobs, accepted=f"in [0, {MAX_LOGPROBS}]")
     if body.logprobs is not None:
         template.logprobs = body.logprobs
@@ -357,10 +370,6 @@ def chat_request(
     if not ids:
         raise FieldError("messages", "messages: the chat renders to no tokens")
     request.token_ids.ids.extend(ids)
-    if body.max_completion_tokens is not None:
-        _max_tokens("max_completion_tokens", body.max_completion_tokens, request, limits)
-    elif body.max_tokens is not None:
-        _max_tokens("max_tokens", body.max_tokens, request, limits)
-    else:
+    if not _set_max_tokens(body, request, limits):
         request.max_tokens = max(1, limits.max_model_len - len(ids))
     return request

@@ -67,6 +67,7 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None  # OpenAI's newer name of max_tokens
     temperature: float | None = None
     top_p: float | None = None
     n: Int | None = None
@@ -111,7 +112,6 @@ class ChatCompletionRequest(_SamplingFields):
     a message (name, tool_calls, tool_call_id, ...) reaches the chat template as is."""
 
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None

@@ -39,6 +39,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from jaxserve.frontend.http.errors import error_body
 from jaxserve.frontend.http.responses import BODY_READ_TIMEOUT_S
+from jaxserve.frontend.server_address import join_host_port
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -60,14 +61,14 @@ def bind(host: str, port: int) -> socket.socket:
         )[0]
         sock = socket.socket(family, type_, proto)
     except OSError as e:
-        raise RuntimeError(f"http-port: cannot bind {host}:{port} ({e})") from None
+        raise RuntimeError(f"http-port: cannot bind {join_host_port(host, port)} ({e})") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(2048)
     except OSError as e:
         sock.close()
-        raise RuntimeError(f"http-port: cannot bind {host}:{port} ({e})") from None
+        raise RuntimeError(f"http-port: cannot bind {join_host_port(host, port)} ({e})") from None
     sock.setblocking(False)
     return sock
 

@@ -140,12 +140,13 @@ def _error(message: str, status: int = 2) -> int:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    """Raises ValueError naming the first bad flag."""
-    if args.plot:  # before the run, not after it
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot: needs matplotlib (pip install 'jaxserve[bench]')")
+    """Raises ValueError naming the first bad flag. An optional package a flag needs is
+    checked here, before any output (the progress bar) and any request: not at the run
+    (aiohttp: the HTTP backend) or after it (matplotlib: the plot)."""
+    if args.backend == "http":
+        _check_installed("--backend http", "aiohttp")
+    if args.plot:
+        _check_installed("--plot", "matplotlib")
         check_writable("--plot", args.plot)
     if args.out:
         check_writable("--out", args.out)
@@ -167,6 +168,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness: must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+
+
+def _check_installed(flag: str, module: str) -> None:
+    """Raises ValueError("FLAG: needs MODULE (pip install ...)") when `module` cannot be
+    found (the `bench` extra installs every optional package of `jaxserve bench`)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{flag}: needs {module} (pip install 'jaxserve[bench]')")
 
 
 _ASK = object()  # _tokenizer_dir: ask the server for its model

@@ -68,6 +68,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.observability.engine_metrics import (
     ENGINE_COUNTERS,
     ENGINE_GAUGES,
@@ -153,8 +154,9 @@ class Metrics:
         )  # fmt: skip
         self._abandoned = Counter(
             "jaxserve_requests_abandoned",
-            "Requests whose client left before the end (reason: cancelled or deadline); "
-            "the engine aborts them",
+            "Samples (n per request, as jaxserve_request_success counts them) whose client "
+            "left before their end (reason: cancelled, deadline or refused); the engine "
+            "aborts them, and each is a finish_reason=\"abort\" of jaxserve_request_success",
             ["model", "reason"], registry=r,
         )  # fmt: skip
         self.running = Gauge(
@@ -216,8 +218,9 @@ class Metrics:
     def request_rejected(self, limit: str) -> None:
         self._rejected.labels(model=self._model, limit=limit).inc()
 
-    def request_abandoned(self, reason: str) -> None:
-        self._abandoned.labels(model=self._model, reason=reason).inc()
+    def request_abandoned(self, reason: str, samples: int = 1) -> None:
+        """`samples` unfinished samples of one request, left for `reason`."""
+        self._abandoned.labels(model=self._model, reason=reason).inc(samples)
 
     def request_finished(self, finish_reason: str) -> None:
         # The labelled child per reason, kept: `labels()` takes a lock and builds the
@@ -314,5 +317,7 @@ class Metrics:
         try:
             server, _ = start_http_server(port, addr=addr, registry=self.registry, **tls)
         except OSError as e:
-            raise RuntimeError(f"metrics-port: cannot bind {addr}:{port} ({e})") from e
+            raise RuntimeError(
+                f"metrics-port: cannot bind {join_host_port(addr, port)} ({e})"
+            ) from e
         return server.server_port

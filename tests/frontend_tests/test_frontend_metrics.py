@@ -71,7 +71,7 @@ def test_metrics_endpoint_counts_what_the_client_saw(metrics_server, model_dir):
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_metrics_count_a_cancelled_request_once_as_abort(metrics_server, model_dir, n):
+def test_metrics_count_a_cancelled_requests_samples_once_as_aborts(metrics_server, model_dir, n):
     port = metrics_server.metrics_port
     model = f'model="{model_dir.name}"'
     abort_key = f'jaxserve_request_success_total{{finish_reason="abort",{model}}}'
@@ -96,6 +96,8 @@ def test_metrics_count_a_cancelled_request_once_as_abort(metrics_server, model_d
         return _increase(before, after, key)
 
     assert increase(abort_key) == n
+    # Counted as samples, as request_success counts them (it was 1 for any n).
+    assert increase(f'jaxserve_requests_abandoned_total{{{model},reason="cancelled"}}') == n
     assert increase(f'jaxserve_request_success_total{{finish_reason="length",{model}}}') == 0
     assert increase(f"jaxserve_e2e_request_latency_seconds_count{{{model}}}") == n
     assert increase(f"jaxserve_prompt_tokens_total{{{model}}}") == n * len(prompt)

@@ -1,0 +1,122 @@
+"""The client tools' flags (generate, bench, diagnose, profile), checked while parsing:
+a time that is not a positive number, a request int the proto cannot hold, NaN where a
+negative is refused, a --server port out of range, an HTTP URL given to a gRPC tool; each
+a usage error naming the flag, exit 2 (and `JaxserveClient` refuses the same targets)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxserve.cli import build_parser
+
+_GENERATE = ["generate", "hi"]
+_PROFILE = ["profile", "--server", "h:1", "--out", "d"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [(_GENERATE, "--timeout", "-1"), (_GENERATE, "--timeout", "0"),
+     (_GENERATE, "--timeout", "nan"), (_GENERATE, "--timeout", "inf"),
+     (_PROFILE, "--seconds", "-5"), (_PROFILE, "--seconds", "nan")],
+)  # fmt: skip
+def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, value, capsys):
+    """`generate --timeout -1` used to be sent as a deadline already past (exit 1 with
+    DEADLINE_EXCEEDED): a bad setting, refused while parsing, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, flag, value])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"error: argument {flag}: must be a finite number > 0" in lines[0]
+    assert getattr(build_parser().parse_args([*command, flag, "1.5"]), flag[2:]) == 1.5
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "bounds"),
+    [("--seed", "99999999999999999999999", "[-9223372036854775808, 9223372036854775807]"),
+     ("--seed", "-9223372036854775809", "[-9223372036854775808, 9223372036854775807]"),
+     ("--max-tokens", "2147483648", "[-2147483648, 2147483647]"),
+     ("--top-k", "-2147483649", "[-2147483648, 2147483647]"),
+     ("-n", "99999999999", "[-2147483648, 2147483647]")],
+)  # fmt: skip
+def test_a_generate_int_the_request_cannot_hold_names_the_flag_and_range(
+    flag, value, bounds, capsys
+):
+    """`generate --seed 99999999999999999999999` used to say protobuf's "Value out of
+    range: ..." without the flag: a usage error naming the flag and the field's range."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*_GENERATE, flag, value])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"argument {flag}" in lines[0] and f"must be within {bounds}, got {value}" in lines[0]
+    assert build_parser().parse_args([*_GENERATE, "--seed", "-5"]).seed == -5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*_GENERATE, "--seed", "x"])
+    assert "invalid int value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [(["--temperature", "nan"], "--temperature: must be >= 0, got nan"),
+     (["--warmup-timeout", "nan"], "--warmup-timeout: must be >= 0, got nan")],
+)  # fmt: skip
+def test_bench_refuses_nan_where_it_refuses_negatives(argv, cause):
+    from jaxserve.benchmark.cli import _check_flags
+
+    with pytest.raises(ValueError, match=f"^{cause}$"):
+        _check_flags(build_parser().parse_args(["bench", *argv]))
+
+
+_SERVER_COMMANDS = [["generate", "hi"], ["bench"], ["diagnose"], ["profile", "--out", "d"]]
+
+
+@pytest.mark.parametrize("command", _SERVER_COMMANDS)
+@pytest.mark.parametrize(
+    ("server", "port"),
+    [("127.0.0.1:99999", 99999), ("127.0.0.1:0", 0), ("[::1]:65536", 65536),
+     ("http://h:70000/v1", 70000)],
+)  # fmt: skip
+def test_a_server_port_out_of_range_is_a_usage_error(command, server, port, capsys):
+    """`generate --server 127.0.0.1:99999` used to reach gRPC, which takes the port modulo
+    65536 (a server on 34463 would answer): refused while parsing, in every client tool."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--server", server])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"error: argument --server: port must be in [1, 65535], got {port}" in lines[0]
+
+
+@pytest.mark.parametrize("command", _SERVER_COMMANDS)
+@pytest.mark.parametrize(
+    "server", ["127.0.0.1:65535", "[::1]:1", "h:50051", "http://h/v1", "unix:/tmp/s"]
+)
+def test_a_server_address_in_range_or_without_a_port_is_taken(command, server):
+    if command[0] in ("generate", "profile") and server.startswith("http://"):
+        return  # a URL is no gRPC target: the next test
+    assert build_parser().parse_args([*command, "--server", server]).server == server
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["profile", "--out", "d"]])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/v1", "https://h:50051"])
+def test_a_grpc_client_given_an_http_url_says_to_give_host_port(command, url, capsys):
+    # gRPC said only "Misformatted domain name" (and wait_until_serving timed out).
+    from jaxserve.frontend.client import JaxserveClient
+
+    words = f"{url} is an HTTP URL; the gRPC API takes HOST:PORT with serve's --port"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--server", url])
+    assert e.value.code == 2
+    assert f"error: argument --server: {words}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"^target: {re.escape(words)}"):
+        JaxserveClient(url)
+
+
+def test_the_client_refuses_a_target_port_out_of_range():
+    from jaxserve.frontend.client import JaxserveClient
+
+    with pytest.raises(ValueError, match=r"^target: port must be in \[1, 65535\], got 99999$"):
+        JaxserveClient("127.0.0.1:99999")
+    JaxserveClient("127.0.0.1:65535").close()
