@@ -90,6 +90,13 @@ def test_background_compile_serves_under_the_compiled_budget(
         sc.max_num_seqs,
     )
     assert engine.scheduler.num_decode_steps == sc.num_decode_steps
+    # The idle engine loop runs each background-compiled shape once, one per call.
+    ran, before_s = 0, warmup.first_run_s
+    while engine.idle_work():
+        ran += 1
+    background = len(runner.buckets()) - len(warmup_tiers(runner)[0][1])
+    assert ran == background - 1 and warmup.first_run_s > before_s
+    assert not engine.idle_work()
     again = run_engine(engine, reqs[:3])
     for rid, _, _ in reqs[:3]:
         assert again[rid].tokens == want[rid].tokens, rid

@@ -174,6 +174,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._rejected) or self._inflight is not None or self.scheduler.has_unfinished()
 
+    def idle_work(self) -> bool:
+        """While idle (no work): one first run of a background-compiled shape
+        (`WarmUp.run_next_first`). Returns whether more are pending."""
+        return not self.has_work() and self.warmup.run_next_first()
+
     def close(self) -> None:
         """Release the executor (the multi-process leader stops its followers; idempotent)."""
         self.executor.close()

@@ -101,7 +101,8 @@ class EngineLoop:
 
     core: an object with EngineCore's interface (add_request, abort_requests, has_work,
         step, stats; optionally request_counts, which lets a step whose stats are not
-        due skip building them).
+        due skip building them, and idle_work, called while it has no work, one short
+        piece a call, returning whether more is pending).
     stream_interval: tokens a running request's output message carries at least
         (`engine.stream_interval`); 1 publishes every step's outputs as they are.
     """
@@ -151,9 +152,11 @@ class EngineLoop:
             if not self._core.has_work():
                 self._flush_kv_events()
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
+                idle_work = getattr(self._core, "idle_work", None)
+                more = idle_work() if idle_work is not None else False
                 waited = time.perf_counter()
                 timeout = self._control.poll_timeout_ms(time.time(), time.monotonic())
-                self._poller.poll(min(_IDLE_POLL_MS, timeout))
+                self._poller.poll(0 if more else min(_IDLE_POLL_MS, timeout))
                 self._wait_s += time.perf_counter() - waited
                 TIMELINE.span("poll (idle)", waited)
             t = TIMELINE.now()

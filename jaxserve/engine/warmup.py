@@ -24,8 +24,10 @@ engine's `num_compilations` stays 0 while the background tiers compile.
 
 The shapes compiled by `start` also run once there, on padding (`ModelRunner.run_once`:
 an executable's first run costs more than later ones); with one process only, since on
-several every process must run the same steps. The background tiers do not (a run needs
-the KV cache, which the serving loop owns meanwhile): their first runs are live steps.
+several every process must run the same steps. A background tier's shapes cannot run in
+the background thread (a run needs the KV cache, which the serving loop owns), so they
+queue for `run_next_first`, which the engine loop calls while it has no requests: one
+shape a call, so that a request arriving meanwhile waits for one run at most.
 
 Must not: run steps with requests, or compile shapes outside the runner's `buckets()`.
 """
@@ -36,6 +38,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 
 import jax
 
@@ -94,7 +97,8 @@ class WarmUp:
     Attributes:
         ready_tokens: the largest token bucket whose tier (and every smaller) is compiled.
         done: set once every shape is compiled (or the background failed: `error`).
-        compile_time_s: seconds `start` took (its first runs included: first_run_s);
+        compile_time_s: seconds `start` took (its first runs included); first_run_s:
+            seconds of first runs so far (start's and `run_next_first`'s);
             background_time_s: seconds of the background thread (None until it ends).
     """
 
@@ -118,6 +122,9 @@ class WarmUp:
         self.error: BaseException | None = None
         self.compile_time_s = 0.0
         self.first_run_s = 0.0
+        # Background-compiled shapes not run yet, in compile order (the background thread
+        # appends, the engine loop pops: deque's append and popleft are thread-safe).
+        self._first_runs: deque[StepShape] = deque()
         self.background_time_s: float | None = None
         self._applied: tuple[int, int, int] | None = None
         self._thread: threading.Thread | None = None
@@ -175,6 +182,8 @@ class WarmUp:
             with CompileCounter.warming_up():
                 for t, shapes in rest:
                     self.runner.compiler.compile_shapes(shapes, workers, progress=progress)
+                    if jax.process_count() == 1:
+                        self._first_runs.extend(shapes)
                     self.ready_tokens = t
         except BaseException as e:  # noqa: BLE001 - serving goes on with the ready tiers
             self.error = e
@@ -191,6 +200,14 @@ class WarmUp:
                 self.num_shapes, progress_total, self.background_time_s, *self._targets[:2],
             )  # fmt: skip
         self.done.set()
+
+    def run_next_first(self) -> bool:
+        """Run the next background-compiled shape that has not run yet, once on padding
+        (`ModelRunner.run_once`); call only while no step with requests is in flight or
+        due. Returns whether more such shapes are ready to run."""
+        if self._first_runs:
+            self.first_run_s += self.runner.run_once([self._first_runs.popleft()])
+        return bool(self._first_runs)
 
     def pending_shapes(self) -> int:
         """Step shapes not compiled yet (0 once warm-up is done, or when it failed: the
