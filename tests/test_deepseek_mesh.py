@@ -11,6 +11,8 @@ import random
 import numpy as np
 import pytest
 from engine_helpers import greedy, hf_greedy, random_prompts, run_engine
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import CacheConfig, EngineConfig, EplbConfig, MeshConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
@@ -79,8 +81,11 @@ def reference(ds_mesh_dir):
 def test_mesh_greedy_equals_single_device(ds_mesh_dir, reference, dp, tp):
     engine = EngineCore(_config(ds_mesh_dir[0], dp, tp))
     k, v = engine.runner.kv_cache[0]
-    # The latent cache: blocks over dp, the one latent "head" replicated over tp.
-    assert k.sharding.spec[:3] == ("dp", None, None)
+    # The latent cache: blocks over dp, the one latent "head" replicated over tp. (Compared
+    # as placements: the cache is a step's output by now, the warm-up's first runs, whose
+    # spec XLA may spell otherwise, e.g. () for ("dp", ...) when dp is 1.)
+    want = NamedSharding(engine.runner.mesh, P("dp", *[None] * (k.ndim - 1)))
+    assert k.sharding.is_equivalent_to(want, k.ndim)
     assert _tokens(engine) == reference
     assert engine.num_compilations == 0
 
