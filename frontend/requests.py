@@ -227,7 +227,8 @@ class RequestPath:
 
         Raises RequestValidationError naming the field (validation.build_engine_request,
         or a request_id already running), EngineUnavailableError (starting, stalled or
-        dead), AdmissionError naming the admission limit it would pass. group: the
+        dead), AdmissionError naming the admission limit it would pass (counted in
+        `jaxserve_requests_rejected_total` by its limit; the other errors are not). group: the
         admission group of the API call's requests, when it sends several (HTTP prompt
         lists; `frontend.admission`).
         """
@@ -236,9 +237,10 @@ class RequestPath:
         request_id = request.request_id or uuid.uuid4().hex
         engine = self.engine
         size = request.ByteSize()
-        ticket = self.admission.reserve(size, group)
+        ticket = None
         admitted = False
         try:
+            ticket = self.admission.reserve(size, group)
             # A client that cancelled a request and reuses its id at once may get here
             # before that call's cleanup ran: give it a moment to release the id.
             if engine.is_running(request_id):
@@ -261,8 +263,13 @@ class RequestPath:
             except EngineDeadError as e:
                 raise EngineUnavailableError(f"engine unavailable: {e}") from None
             admitted = True
+        except AdmissionError as e:
+            # Counted here, where both protocols pass: once per refused call (an HTTP
+            # call's later prompts are not tried after the refused one).
+            self.metrics.request_rejected(e.limit)
+            raise
         finally:
-            if not admitted:
+            if not admitted and ticket is not None:
                 ticket.release()  # refused: nothing stays reserved
         return Generation(
             engine, stream, engine_request.prompt_token_ids, self.metrics, start,

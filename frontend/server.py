@@ -291,7 +291,8 @@ class FrontendServer:
         if self._options.api_key:
             app = ApiKeyMiddleware(app, self._options.api_key)
         tls = self._options.tls.uvicorn_kwargs() if self._options.tls is not None else None
-        http = HttpServer(app, tls)
+        metrics = self._requests.metrics
+        http = HttpServer(app, tls, on_busy=lambda: metrics.request_rejected("http_connections"))
         bound = await http.start(host, port)
         self._http = http
         return bound

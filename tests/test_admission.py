@@ -104,6 +104,50 @@ def test_past_max_pending_requests_is_resource_exhausted_at_once(server, stub):
     wait_idle(stub)
 
 
+def _rejected(server) -> dict[str, float]:
+    """jaxserve_requests_rejected_total by its limit label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    out: dict[str, float] = {}
+    for line in text.read().decode().splitlines():
+        if line.startswith("jaxserve_requests_rejected_total{"):
+            limit = line.split('limit="', 1)[1].split('"', 1)[0]
+            out[limit] = out.get(limit, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_each_refused_request_counts_once_in_requests_rejected_by_its_limit(server, stub):
+    """gRPC RESOURCE_EXHAUSTED and HTTP 429 each add exactly 1 to
+    jaxserve_requests_rejected_total{limit="requests"}; a bad request (INVALID_ARGUMENT,
+    HTTP 400) under the same load adds nothing: it is not refused by admission."""
+    wait_idle(stub)
+    before = _rejected(server)
+    streams = _open_streams(stub, [[80, i] for i in range(3)])
+    try:
+        over = generate_request([81], 5, sampling=pb.SamplingParams(n=2))
+        assert status_of(lambda: stub.Generate(over, timeout=30))[0] == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        after_grpc = _rejected(server)
+        status, body = _post_completion(server, {"prompt": [81], "max_tokens": 5, "n": 2})
+        assert status == 429, body
+        after_http = _rejected(server)
+        bad = generate_request([81], 0)  # max_tokens 0: a bad field, checked after bytes
+        assert status_of(lambda: stub.Generate(bad, timeout=30))[0] == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+        status, body = _post_completion(server, {"prompt": [81], "max_tokens": 0})
+        assert status == 400, body
+    finally:
+        for s in streams:
+            s.cancel()
+    wait_idle(stub)
+    after_bad = _rejected(server)
+    assert after_grpc.get("requests", 0) - before.get("requests", 0) == 1
+    assert after_http.get("requests", 0) - after_grpc.get("requests", 0) == 1
+    assert after_bad == after_http
+    assert set(after_bad) <= {"requests", "queued_prompt_tokens", "bytes"}
+
+
 def _post_completion(server, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{server.http_port}/v1/completions", data=json.dumps(body).encode(),
@@ -157,11 +201,13 @@ def test_past_max_inflight_request_bytes_is_resource_exhausted(server, stub):
     assert 2000 < big.ByteSize() < 4000
     first = stub.Generate(big, timeout=60)
     next(first)
+    before = _rejected(server).get("bytes", 0)
     try:
         other = generate_request([301] * 1000, 3)
         code, details = status_of(lambda: stub.Generate(other, timeout=30))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-inflight-request-bytes" in details
+        assert _rejected(server).get("bytes", 0) - before == 1
     finally:
         first.cancel()
     wait_idle(stub)

@@ -76,12 +76,12 @@ def test_a_body_that_stops_coming_is_a_408_at_the_deadline(monkeypatch):
     )
 
 
-def _serve(app, run):
-    """Start an HttpServer of `app` on a free port, await run(port), stop it."""
+def _serve(app, run, on_busy=None):
+    """Start an HttpServer of `app` (and `on_busy`) on a free port, await run(port), stop it."""
     from jaxserve.frontend.http import server as http_server
 
     async def go():
-        srv = http_server.HttpServer(app)
+        srv = http_server.HttpServer(app, on_busy=on_busy)
         port = await srv.start("127.0.0.1", 0)
         try:
             return await run(port)
@@ -134,14 +134,17 @@ def test_idle_connections_past_the_cap_make_room(monkeypatch):
             first.close()
             second.close()
 
-    answer, closed, still_open = _serve(_ok, run)
+    refused = []
+    answer, closed, still_open = _serve(_ok, run, on_busy=lambda: refused.append(1))
     assert answer.startswith(b"HTTP/1.1 200"), answer
     assert closed == b"" and still_open
+    assert refused == []  # closing an idle connection refuses no request
 
 
 def test_busy_connections_past_the_cap_get_a_json_503(monkeypatch):
     """When every connection under the cap has a request in progress, the next one is
-    answered 503 in the API's error shape and closed."""
+    answered 503 in the API's error shape and closed, and counted once by on_busy
+    (`jaxserve_requests_rejected_total{limit="http_connections"}` in a server)."""
     import threading
 
     from jaxserve.frontend.http import server as http_server
@@ -162,7 +165,9 @@ def test_busy_connections_past_the_cap_get_a_json_503(monkeypatch):
             release.set()
             await asyncio.gather(*busy)
 
-    answer = _serve(slow, run)
+    refused = []
+    answer = _serve(slow, run, on_busy=lambda: refused.append(1))
+    assert refused == [1]
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503") and b"content-type: application/json" in head
     error = json.loads(body)["error"]

@@ -235,3 +235,17 @@ def test_observe_repeated_exports_what_observe_n_times_does(observations):
             assert got[key] == pytest.approx(value, rel=1e-12, nan_ok=True)
         else:
             assert got[key] == value, key
+
+
+def test_requests_rejected_counts_by_limit_and_keeps_its_labels_bounded():
+    metrics = Metrics(model=MODEL)
+    metrics.request_rejected("requests")
+    metrics.request_rejected("requests")
+    metrics.request_rejected("http_connections")
+    name = "jaxserve_requests_rejected_total"
+    get = metrics.registry.get_sample_value
+    assert get(name, {"model": MODEL, "limit": "requests"}) == 2
+    assert get(name, {"model": MODEL, "limit": "http_connections"}) == 1
+    assert get(name, {"model": MODEL, "limit": "bytes"}) is None
+    with pytest.raises(ValueError, match="limit: 'max_tokens'"):
+        metrics.request_rejected("max_tokens")

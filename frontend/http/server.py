@@ -21,7 +21,9 @@ connections and never finish a request cannot use up the process's file descript
 which the gRPC port and the metrics share. A connection past the cap takes the place of
 the connection idle the longest (no request in progress: never sent one, or kept alive
 after its response), which is closed; only when every connection has a request in
-progress is the new one answered 503 (JSON, `server_busy`) and closed. So idle sockets,
+progress is the new one answered 503 (JSON, `server_busy`) and closed (and counted:
+`HttpServer`'s on_busy, `jaxserve_requests_rejected_total{limit="http_connections"}` in
+`jaxserve serve`). So idle sockets,
 however many, cannot lock clients out (uvicorn's own cap, `limit_concurrency`, answers
 the newcomer with a plain-text 503 and a WARNING each: 4096 idle sockets held the API).
 """
@@ -33,6 +35,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -90,6 +93,8 @@ class JsonErrorProtocol(AutoHTTPProtocol):
     # loop.time() since when the connection has had no request in progress; None while
     # one is (from its first bytes to its response's end).
     idle_since: float | None = None
+    # Called for each connection refused with 503 at the cap (`HttpServer`'s on_busy).
+    on_busy: Callable[[], None] | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -104,6 +109,8 @@ class JsonErrorProtocol(AutoHTTPProtocol):
             _CAP_LOG.note("closed the longest idle HTTP connection for a new one")
             return
         _CAP_LOG.note("refused an HTTP connection with 503: every one has a request")
+        if self.on_busy is not None:
+            self.on_busy()
         self._send_json_error(503, "Service Unavailable", BUSY_MESSAGE, "server_busy")
 
     _head_timer: asyncio.TimerHandle | None = None
@@ -214,8 +221,18 @@ def no_second_shutdown_line(record: logging.LogRecord) -> bool:
 class HttpServer:
     """One uvicorn server of `app`; `start` and `stop` run in the serving loop."""
 
-    def __init__(self, app, tls: dict | None = None) -> None:
-        """tls: uvicorn's ssl_* options (`frontend.auth.TlsFiles.uvicorn_kwargs`), or None."""
+    def __init__(
+        self, app, tls: dict | None = None, on_busy: Callable[[], None] | None = None
+    ) -> None:
+        """tls: uvicorn's ssl_* options (`frontend.auth.TlsFiles.uvicorn_kwargs`), or None.
+        on_busy: called once for each connection refused with 503 at the connection cap
+        (module docstring), or None."""
+        protocol = JsonErrorProtocol
+        if on_busy is not None:
+            # uvicorn builds each connection's protocol from a class: this server's own
+            # subclass carries the hook (a staticmethod, so that it is not bound).
+            hook = {"on_busy": staticmethod(on_busy)}
+            protocol = type("JsonErrorProtocol", (JsonErrorProtocol,), hook)
         self._config = uvicorn.Config(
             app,
             log_config=None,
@@ -225,7 +242,7 @@ class HttpServer:
             timeout_keep_alive=30,
             # The connection cap is JsonErrorProtocol's (module docstring), not uvicorn's.
             limit_concurrency=None,
-            http=JsonErrorProtocol,
+            http=protocol,
             **(tls or {}),
         )
         uvicorn_log = logging.getLogger("uvicorn.error")

@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.builder import CompileCounter, build_engine
+from jaxserve.engine.core_stats import engine_counters, engine_stats
 from jaxserve.engine.executor import Executor
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner
 from jaxserve.engine.request import Request
@@ -40,12 +40,7 @@ from jaxserve.engine.step_inputs import StepInputs
 from jaxserve.engine.validation import error_output, validate_request
 from jaxserve.ipc import EngineRequest, EngineStats, TokenOutput
 from jaxserve.observability.profile import TIMELINE
-from jaxserve.observability.stats import (
-    LATENCY_BUCKETS_S,
-    EngineCounters,
-    EngineHistograms,
-    Histogram,
-)
+from jaxserve.observability.stats import LATENCY_BUCKETS_S, EngineCounters, Histogram
 from jaxserve.observability.step_cost import StepCostModel, StepMeter
 
 logger = logging.getLogger(__name__)
@@ -71,9 +66,9 @@ class EngineCore:
     two steps, after draining the step in flight (`eplb.controller`). With ep = 1 it is
     disabled with a warning; with several processes the engine refuses to start.
 
-    Counters for the metrics layer: `counters()` (an `EngineCounters`), in `stats()`.
-    The expert load of MoE models is `runner.expert_load` (an
-    `eplb.recorder.ExpertLoadRecorder`), summarized in `stats()`.
+    Counters for the metrics layer: `counters()` (an `EngineCounters`), in `stats()`
+    (both built by `engine.core_stats`). The expert load of MoE models is
+    `runner.expert_load` (an `eplb.recorder.ExpertLoadRecorder`), summarized in `stats()`.
     """
 
     def __init__(
@@ -331,82 +326,14 @@ class EngineCore:
         return self.scheduler.num_running, self.scheduler.num_waiting
 
     def stats(self) -> EngineStats:
-        """Engine facts and gauges. Free blocks include cached blocks no request holds."""
-        s, bms = self.scheduler, self.block_managers
-        return EngineStats(
-            model=self.config.served_model_name or Path(self.config.model).name,
-            max_model_len=self.max_model_len,
-            block_size=s.bm.block_size,
-            num_blocks_total=sum(bm.num_usable_blocks for bm in bms),
-            num_blocks_free=sum(bm.num_free_blocks for bm in bms),
-            vocab_size=self.model_config.vocab_size,
-            kv_bytes_per_token=self.runner.kv_bytes_per_token,
-            kv_layout=self.runner.kv_layout.label,
-            async_scheduling=self.async_scheduling,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            ready=True,
-            counters=self.counters(),
-            histograms=EngineHistograms(list(self.queue_time.counts), self.queue_time.sum),
-            **self.expert_load_stats(),
-        )
-
-    def expert_load_stats(self) -> dict:
-        """The `EngineStats` expert-load fields: per MoE layer (decoder-layer index) the
-        balancedness over the EP ranks in the recorder's window, and the routed tokens
-        since start-up; {} for a model without MoE layers."""
-        recorder = self.runner.expert_load
-        if recorder is None:
-            return {}
-        return {
-            "expert_layers": list(self.runner.moe_layers),
-            "expert_balancedness": recorder.balancedness().tolist(),
-            "expert_routed_tokens": recorder.total_routed_tokens(),
-        }
+        """Engine facts and gauges (`core_stats.engine_stats`). Free blocks include cached
+        blocks no request holds."""
+        return engine_stats(self)
 
     def counters(self) -> EngineCounters:
-        """Monotonic counters and last-step timings, for the metrics layer."""
-        s, ex, eplb = self.scheduler, self.executor, self.eplb
-        return EngineCounters(
-            num_steps=self.num_steps,
-            num_preemptions=s.num_preemptions,
-            prefix_cache_queries=s.num_prefix_queries,
-            prefix_cache_hits=s.num_prefix_hits,
-            prefill_tokens=s.num_prefill_tokens_computed,
-            decode_tokens=s.num_decode_tokens_computed,
-            host_time_s=self.host_time_s,
-            device_time_s=self.device_time_s,
-            coordination_time_s=ex.coordination_time_s,
-            num_compilations=self.num_compilations,
-            eplb_rebalances=0 if eplb is None else eplb.num_rebalances,
-            eplb_rebalance_s=0.0 if eplb is None else eplb.rebalance_time_s,
-            last_host_s=self.last_host_s,
-            last_device_s=self.last_device_s,
-            last_coordination_s=ex.last_coordination_s,
-            step_agreement_s=ex.step_agreement_s,
-            coordination_bytes=ex.coordination_bytes,
-            warmup_pending_shapes=self.warmup.pending_shapes(),
-            **self.layer_counters(),
-        )
-
-    def layer_counters(self) -> dict:
-        """The `EngineCounters` fields of the layer metrics (per-step tokens and cost,
-        MBU / MFU, the KV high-water mark); see `observability.stats`."""
-        m = self.step_meter
-        return dict(
-            kv_blocks_used_max=self.kv_blocks_used_max,
-            step_time_s=m.step_time_s,
-            model_bytes=m.model_bytes,
-            model_flops=m.model_flops,
-            last_mbu=m.last_mbu,
-            last_mfu=m.last_mfu,
-            peak_bandwidth=m.peak_bytes_per_s,
-            peak_flops=m.peak_flops_per_s,
-            prefill_steps=m.prefill_steps,
-            decode_steps=m.decode_steps,
-            last_prefill_tokens=m.last_prefill_tokens,
-            last_decode_tokens=m.last_decode_tokens,
-        )
+        """Monotonic counters and last-step timings, for the metrics layer
+        (`core_stats.engine_counters`)."""
+        return engine_counters(self)
 
 
 def _mark_errors(outputs: list[TokenOutput], errors: dict[str, str]) -> None:

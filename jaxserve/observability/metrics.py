@@ -85,6 +85,9 @@ _LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 EXPERT_BALANCEDNESS = "jaxserve_expert_balancedness"
 EXPERT_BALANCEDNESS_MEAN = "jaxserve_expert_balancedness_mean"
 EXPERT_ROUTED_TOKENS = "jaxserve_expert_routed_tokens"
+# The `limit` label values of jaxserve_requests_rejected_total: the admission limits
+# (`frontend.admission.AdmissionError.limit`) and the HTTP connection cap.
+REJECTED_LIMITS = ("requests", "queued_prompt_tokens", "bytes", "http_connections")
 
 
 def observe_repeated(histogram, value: float, n: int) -> None:
@@ -149,7 +152,11 @@ class Metrics:
         self._model = model
         self._finished_by_reason: dict[str, Counter] = {}  # finish_reason -> its child
         self._rejected = Counter(
-            "jaxserve_requests_rejected", "Requests refused by admission control, by limit",
+            "jaxserve_requests_rejected",
+            "Requests refused by admission control before the engine (gRPC "
+            "RESOURCE_EXHAUSTED, HTTP 429; HTTP 503 server_busy at the connection cap), by "
+            "limit: requests, queued_prompt_tokens, bytes or http_connections; a bad "
+            "request (INVALID_ARGUMENT, HTTP 400) is not counted",
             ["model", "limit"], registry=r,
         )  # fmt: skip
         self._abandoned = Counter(
@@ -216,6 +223,12 @@ class Metrics:
         self._expert_layer_gauges: dict[int, Gauge] = {}
 
     def request_rejected(self, limit: str) -> None:
+        """One request (one API call) refused by admission control. limit: one of
+        `REJECTED_LIMITS` (`AdmissionError.limit`, or "http_connections" for the HTTP
+        connection cap, `frontend.http.server`). Raises ValueError for another value (the
+        label set stays bounded)."""
+        if limit not in REJECTED_LIMITS:
+            raise ValueError(f"limit: {limit!r} is not one of {REJECTED_LIMITS}")
         self._rejected.labels(model=self._model, limit=limit).inc()
 
     def request_abandoned(self, reason: str, samples: int = 1) -> None:
