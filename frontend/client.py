@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,9 +40,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.frontend import server_address
 from jaxserve.frontend.client_auth import ClientAuth
+from jaxserve.frontend.generate_request import build_generate_request
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.sampling_params import check_prompt_text
 
 # gRPC's words when an HTTP/1 server answered: one with a status line (uvicorn, serve's
 # --http-port), or http.server's bare error page (prometheus_client, --metrics-port).
@@ -182,73 +182,6 @@ def _delta(resp: pb.GenerateResponse) -> GenerateDelta:
         logprobs=_logprobs(resp.logprobs),
         prompt_logprobs=_logprobs(resp.prompt_logprobs),
     )
-
-
-def build_generate_request(
-    prompt: str | Sequence[int],
-    *,
-    request_id: str | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: Mapping[int, float] | None = None,
-    n: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    skip_special_tokens: bool | None = None,
-    return_token_ids: bool = False,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-) -> pb.GenerateRequest:
-    """The GenerateRequest for these arguments; None leaves a field unset (server default,
-    see jaxserve.proto). A str prompt is text; a sequence of ints is token ids.
-
-    Raises ValueError (naming `prompt`) for a str prompt that is not valid UTF-8 text,
-    e.g. bytes decoded with surrogateescape, as sys.stdin does with invalid bytes."""
-    if isinstance(prompt, str):
-        check_prompt_text("prompt", prompt)
-    sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}))
-    for name, value in (
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-        ("min_p", min_p),
-        ("seed", seed),
-        ("repetition_penalty", repetition_penalty),
-        ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty),
-        ("n", n),
-    ):
-        if value is not None:
-            setattr(sampling, name, value)
-    req = pb.GenerateRequest(
-        request_id=request_id or "",
-        sampling=sampling,
-        stop=list(stop),
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-        return_token_ids=return_token_ids,
-    )
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(int(t) for t in prompt)
-    for name, value in (
-        ("max_tokens", max_tokens),
-        ("skip_special_tokens", skip_special_tokens),
-        ("logprobs", logprobs),
-        ("prompt_logprobs", prompt_logprobs),
-    ):
-        if value is not None:
-            setattr(req, name, value)
-    return req
 
 
 class JaxserveClient:
