@@ -20,6 +20,10 @@ import re
 _HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")
 
 
+# An IPv6 literal and a port without the brackets ("::1:50051"), which gRPC cannot split.
+_BARE_IPV6_PORT = re.compile(r"^[0-9A-Fa-f.]*:[0-9A-Fa-f.:]*:[0-9]+$")
+
+
 def join_host_port(host: str, port: int) -> str:
     """HOST:PORT as a URL or a gRPC target writes it: an IPv6 literal in brackets
     ("::1" or "[::1]" -> "[::1]:50051"), any other host as given ("127.0.0.1:50051")."""
@@ -50,14 +54,17 @@ def check(field: str, address: str) -> None:
 
 def grpc_target_error(address: str) -> str | None:
     """What is wrong with `address` as a gRPC target: an http(s):// URL (as the HTTP API's
-    ready line prints it) is no gRPC target, and gRPC would say only "Misformatted domain
-    name". None for any other form."""
+    ready line prints it) is no gRPC target, nor is an IPv6 literal without brackets
+    (::1:50051), and gRPC would say only "Misformatted domain name". None for any other
+    form."""
     error = port_error(address)
     if error is None and address.startswith(("http://", "https://")):
         error = (
             f"{address} is an HTTP URL; the gRPC API takes HOST:PORT with serve's --port "
             "(e.g. 127.0.0.1:50051)"
         )
+    elif error is None and _BARE_IPV6_PORT.match(address):
+        error = f"an IPv6 host goes in brackets before the port ([::1]:50051), got {address}"
     return error
 
 

@@ -51,7 +51,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-tokens",
-        type=int_within(*INT32),
+        type=int_within(1, INT32[1]),
         help=f"most tokens to generate (default: the server's, {DEFAULT_MAX_TOKENS}, cut to "
         "the room the prompt leaves)",
     )
@@ -69,7 +69,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "-n",
         "--n",
-        type=int_within(*INT32),
+        type=int_within(1, INT32[1]),
         help="samples of the prompt, printed one by one (default: 1)",
     )
     g.add_argument(

@@ -36,9 +36,11 @@ def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, valu
     ("flag", "value", "bounds"),
     [("--seed", "99999999999999999999999", "[-9223372036854775808, 9223372036854775807]"),
      ("--seed", "-9223372036854775809", "[-9223372036854775808, 9223372036854775807]"),
-     ("--max-tokens", "2147483648", "[-2147483648, 2147483647]"),
+     ("--max-tokens", "2147483648", "[1, 2147483647]"),
+     ("--max-tokens", "0", "[1, 2147483647]"),
      ("--top-k", "-2147483649", "[-2147483648, 2147483647]"),
-     ("-n", "99999999999", "[-2147483648, 2147483647]")],
+     ("-n", "99999999999", "[1, 2147483647]"),
+     ("-n", "-1", "[1, 2147483647]")],
 )  # fmt: skip
 def test_a_generate_int_the_request_cannot_hold_names_the_flag_and_range(
     flag, value, bounds, capsys
@@ -120,3 +122,14 @@ def test_the_client_refuses_a_target_port_out_of_range():
     with pytest.raises(ValueError, match=r"^target: port must be in \[1, 65535\], got 99999$"):
         JaxserveClient("127.0.0.1:99999")
     JaxserveClient("127.0.0.1:65535").close()
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["profile", "--out", "d"]])
+@pytest.mark.parametrize("server", ["::1:50941", "fe80::1:50051"])
+def test_a_grpc_client_given_ipv6_without_brackets_is_told_to_bracket_it(command, server, capsys):
+    # gRPC said only "Misformatted domain name" (session 18's fresh-user trial).
+    words = f"an IPv6 host goes in brackets before the port ([::1]:50051), got {server}"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--server", server])
+    assert f"error: argument --server: {words}" in capsys.readouterr().err
+    assert build_parser().parse_args([*command, "--server", f"[{server[:-6]}]:50051"])

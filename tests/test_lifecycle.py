@@ -96,3 +96,22 @@ def test_a_stop_logs_shutting_down_once(mock_model_dir, sig):
         assert len(lines) == 1 and lines[0].endswith("[frontend] shutting down"), srv.log()
     finally:
         srv.kill()
+
+
+def test_uvicorns_ctrl_c_hint_is_not_logged():
+    """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)" offered a key
+    the launcher handles itself (its streams get their final event): dropped; its other
+    lines pass (session 18's fresh-user trial)."""
+    import logging
+
+    from jaxserve.frontend.http.server import no_second_shutdown_line
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, message, (), None)
+
+    assert not no_second_shutdown_line(
+        record("Waiting for connections to close. (CTRL+C to force quit)")
+    )
+    assert not no_second_shutdown_line(record("Shutting down"))
+    assert no_second_shutdown_line(record("Waiting for application startup."))
+    assert no_second_shutdown_line(record("Started server process [%d]"))

@@ -213,9 +213,12 @@ _MALFORMED_LOG = MalformedRequestLog()
 
 def no_second_shutdown_line(record: logging.LogRecord) -> bool:
     """A filter of the "uvicorn.error" logger: its "Shutting down" (in `stop`) followed the
-    launcher's own "shutting down" line on every SIGINT/SIGTERM; uvicorn's other lines
+    launcher's own "shutting down" line on every SIGINT/SIGTERM, and its "Waiting for
+    connections to close. (CTRL+C to force quit)" offered a key the launcher handles
+    itself (open streams get their final error event, then close); uvicorn's other lines
     pass."""
-    return record.getMessage() != "Shutting down"
+    message = record.getMessage()
+    return message != "Shutting down" and not message.startswith("Waiting for connections")
 
 
 class HttpServer:
