@@ -171,6 +171,16 @@ BAD = [
      "float32"),
     ("/v1/completions", {"prompt": "a", "stop": ["x" * 257]}, "stop[0]", "257 characters"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", ""]}, "stop[1]", "non-empty"),
+    # Token ids too, whatever is wrong with them (a range error said "stop_token_ids" and
+    # "logit_bias" where a type error named the index or key: session 18's trial).
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [3, -5]}, "stop_token_ids[1]",
+     "-5"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [99999]}, "stop_token_ids[0]",
+     "99999"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"999999": 1}}, "logit_bias.999999",
+     "999999"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias.x",
+     "not a token id"),
 ]  # fmt: skip
 
 

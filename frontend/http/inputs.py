@@ -65,18 +65,10 @@ def _check_int(
 
 
 def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
-    """Token ids that fit the proto's int32; any other id is outside the vocabulary, and
-    is reported with the shared rule's words."""
-    for t in ids:
-        if not 0 <= t <= INT32_MAX:
-            raise FieldError(name, token_id_error(name, t, limits.vocab_size))
-    return ids
-
-
-def _prompt_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
-    """A prompt's token ids, each in the vocabulary; a bad one is named by its JSON path
-    in the body (`prompt[2]`, `prompt[1][1]`), as the body's type errors name it, not by
-    the gRPC field the shared rules name (`prompt.token_ids`)."""
+    """Token ids of a list field (a prompt, `stop_token_ids`), each in the vocabulary; a bad
+    one is named by its JSON path in the body (`prompt[2]`, `prompt[1][1]`,
+    `stop_token_ids[0]`), as the body's type errors name it, not by the gRPC field the
+    shared rules name (`prompt.token_ids`)."""
     for j, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
             path = f"{name}[{j}]"
@@ -106,13 +98,13 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
         if len(body.logit_bias) > MAX_LOGIT_BIAS:  # before a loop over a hostile map
             raise FieldError("logit_bias", logit_bias_count_error(len(body.logit_bias)))
         for key, bias in body.logit_bias.items():
+            path = f"logit_bias.{key}"  # as the body's type errors name a bad bias
             try:
                 token_id = int(key)
             except ValueError:
-                raise FieldError(
-                    "logit_bias", f"logit_bias: key {key!r} is not a token id"
-                ) from None
-            _token_ids("logit_bias", [token_id], limits)
+                raise FieldError(path, f"{path}: key {key!r} is not a token id") from None
+            if not 0 <= token_id < limits.vocab_size:
+                raise FieldError(path, token_id_error(path, token_id, limits.vocab_size))
             s.logit_bias[token_id] = bias
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
@@ -210,7 +202,7 @@ def completion_requests(
             request.text = p
         else:
             name = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
-            request.token_ids.ids.extend(_prompt_ids(name, p, limits))
+            request.token_ids.ids.extend(_token_ids(name, p, limits))
         out.append(request)
     return out
 
