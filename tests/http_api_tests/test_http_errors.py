@@ -46,10 +46,10 @@ BAD = [
     ("n", dict(n=129), dict(n=129)),
     ("logprobs", dict(logprobs=21), dict(logprobs=21)),
     ("stop[0]", dict(stop=[""]), dict(stop=[""])),
-    ("logit_bias", dict(logit_bias={"100000": 1.0}), None),
-    ("logit_bias", dict(logit_bias={"abc": 1.0}), None),
-    ("stop_token_ids", dict(extra_body={"stop_token_ids": [10**6]}), None),
-    # Named by its JSON path in the body (gRPC says "prompt.token_ids").
+    # Named by its JSON path in the body (gRPC says "prompt.token_ids", "logit_bias").
+    ("logit_bias.100000", dict(logit_bias={"100000": 1.0}), None),
+    ("logit_bias.abc", dict(logit_bias={"abc": 1.0}), None),
+    ("stop_token_ids[0]", dict(extra_body={"stop_token_ids": [10**6]}), None),
     ("prompt[2]", dict(prompt=[1, 2, 10**6]), None),
     ("temperature", dict(extra_body={"temperature": "hot"}), None),
     ("echo", dict(echo=True), None),
