@@ -186,3 +186,18 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def wait_idle(client, timeout: float = 30.0, rpc_timeout: float = 120.0):
+    """`client.server_info()` (a JaxserveClient) once no request runs or waits and every
+    KV block is free; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info(timeout=rpc_timeout)
+        if (
+            info.num_running == info.num_waiting == 0
+            and info.kv_blocks_free == info.kv_blocks_total
+        ):
+            return info
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
+        time.sleep(0.05)

@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from server_harness import DEMO_ENGINE, ServerProcess, alive, serve_flags
+from server_harness import DEMO_ENGINE, ServerProcess, alive, serve_flags, wait_idle
 
 from jaxserve import SamplingParams
 from jaxserve.config import DEMO_MODEL_DIR
@@ -79,19 +79,6 @@ def client(server):
         yield c
 
 
-def _wait_idle(client: JaxserveClient, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.server_info(timeout=RPC_TIMEOUT_S)
-        if (
-            info.num_running == info.num_waiting == 0
-            and info.kv_blocks_free == info.kv_blocks_total
-        ):
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.05)
-
-
 def test_concurrent_streams_equal_offline_generate(client, offline):
     assert len(offline) == len(PROMPTS) + 1
     results: dict[int, list] = {}
@@ -141,7 +128,7 @@ def test_prompt_logprobs_equal_offline(client, llm):
 
 
 def test_abort_and_client_cancel_return_kv_blocks(client):
-    idle = _wait_idle(client)
+    idle = wait_idle(client)
     # Abort RPC mid-stream.
     stream = client.generate(
         "import ",
@@ -159,7 +146,7 @@ def test_abort_and_client_cancel_return_kv_blocks(client):
         if delta.finish_reason:
             break
     assert got[-1].finish_reason == "abort"
-    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    assert wait_idle(client).kv_blocks_free == idle.kv_blocks_free
     # Client cancel: leave the stream after a few deltas.
     stream = client.generate(
         "def ", max_tokens=400, temperature=0, ignore_eos=True, timeout=RPC_TIMEOUT_S
@@ -168,7 +155,7 @@ def test_abort_and_client_cancel_return_kv_blocks(client):
         if n == 3:
             break
     stream.close()
-    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    assert wait_idle(client).kv_blocks_free == idle.kv_blocks_free
 
 
 def test_n_samples_equal_offline_generate(client, llm):
@@ -198,7 +185,7 @@ def test_n_samples_equal_offline_generate(client, llm):
 
 
 def test_abort_and_cancel_of_n_samples_return_kv_blocks(client):
-    idle = _wait_idle(client)
+    idle = wait_idle(client)
     common = dict(max_tokens=400, temperature=0, ignore_eos=True, n=4, timeout=RPC_TIMEOUT_S)
     # Abort RPC with the request's id: every sample ends with "abort".
     stream = client.generate("import ", request_id="abort-group", **common)
@@ -209,14 +196,14 @@ def test_abort_and_cancel_of_n_samples_return_kv_blocks(client):
         if delta.finish_reason:
             finals[delta.index] = delta.finish_reason
     assert finals == dict.fromkeys(range(4), "abort")
-    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    assert wait_idle(client).kv_blocks_free == idle.kv_blocks_free
     # Client cancel: leave the stream after a few deltas.
     stream = client.generate("def ", **common)
     for n, _ in enumerate(stream):
         if n == 3:
             break
     stream.close()
-    assert _wait_idle(client).kv_blocks_free == idle.kv_blocks_free
+    assert wait_idle(client).kv_blocks_free == idle.kv_blocks_free
 
 
 BAD_INPUTS = [
@@ -268,7 +255,7 @@ def test_server_info_counts_prefix_cache_lookups_and_hits(client):
     """A prompt sent twice: the first is looked up and misses, the second finds every
     full block of the first's but the block holding its last token (which is computed
     to sample from), as the engine's prefix-cache rule says."""
-    info = _wait_idle(client)
+    info = wait_idle(client)
     bs = info.block_size
     prompt = [(7 * i) % 90 + 5 for i in range(3 * bs + 5)]  # token ids, 3 full blocks + 5
     before = client.server_info(timeout=RPC_TIMEOUT_S)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -55,21 +54,6 @@ def sse_lines(url: str, body: dict):
     with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
         assert r.status == 200
         yield (line.decode().rstrip("\n") for line in r if line.strip())
-
-
-def wait_idle(grpc_client, timeout: float = 30.0):
-    """The server's info once no request runs or waits and every KV block is free;
-    AssertionError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = grpc_client.server_info(timeout=TIMEOUT_S)
-        if (
-            info.num_running == info.num_waiting == 0
-            and info.kv_blocks_free == info.kv_blocks_total
-        ):
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.05)
 
 
 def mock_server(model, start_delay_s: float = 0.0, extra=()) -> ServerProcess:

@@ -9,8 +9,9 @@ import socket
 import time
 
 import pytest
+from server_harness import wait_idle
 
-from http_api_tests.helpers import CHAT, TIMEOUT_S, http_request, wait_idle
+from http_api_tests.helpers import CHAT, TIMEOUT_S, http_request
 
 pytestmark = pytest.mark.slow
 
