@@ -161,7 +161,7 @@ def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():
 
 def test_a_token_id_outside_the_vocabulary_has_one_wording_everywhere():
     """Every place that checks a token id against the vocabulary (the shared rule, the
-    gRPC prompt check, the HTTP API's int32 check, the engine's sampler packing) says it
+    gRPC prompt check, the HTTP API's own check, the engine's sampler packing) says it
     in the same words; they used to be "outside [0, V)" in some and "outside the
     vocabulary [0, V)" in others."""
     import json
@@ -199,8 +199,9 @@ def test_a_token_id_outside_the_vocabulary_has_one_wording_everywhere():
                 grpc_prompt, "r", None, ModelLimits(max_model_len=64, vocab_size=VOCAB)
             )
         ),
-        ("stop_token_ids", big): error(lambda: http(stop_token_ids=[big])),
-        ("logit_bias", -1): error(lambda: http(logit_bias={"-1": 1.0})),
+        # The HTTP API names the id by its JSON path in the body.
+        ("stop_token_ids[0]", big): error(lambda: http(stop_token_ids=[big])),
+        ("logit_bias.-1", -1): error(lambda: http(logit_bias={"-1": 1.0})),
     }
     tails = set()
     for (field, token_id), message in messages.items():
