@@ -9,6 +9,7 @@ the HTTP API and OpenAI's), never split into characters.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -51,28 +52,25 @@ def build_generate_request(
             its field's protobuf range (e.g. max_tokens=2**31); the message names it.
     """
     req = pb.GenerateRequest()
-    _set(req, "request_id", request_id or "")
+    with _named("request_id"):
+        req.request_id = request_id or ""
     if isinstance(prompt, str):
         check_prompt_text("prompt", prompt)
         req.text = prompt
     else:
         ids = _int_list("prompt", prompt, "str text or a sequence of int token ids")
-        _extend(req.token_ids.ids, "prompt", ids)
+        with _named("prompt"):
+            req.token_ids.ids.extend(ids)
     sampling = req.sampling
     sampling.SetInParent()  # present, as before, even with every field unset
-    for name, value in (
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-        ("min_p", min_p),
-        ("seed", seed),
-        ("repetition_penalty", repetition_penalty),
-        ("presence_penalty", presence_penalty),
-        ("frequency_penalty", frequency_penalty),
-        ("n", n),
-    ):
-        if value is not None:
-            _set(sampling, name, value)
+    _set_given(
+        sampling,
+        dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, n=n,
+        ),
+    )  # fmt: skip
     if logit_bias:
         if not isinstance(logit_bias, Mapping):
             raise TypeError(
@@ -80,23 +78,24 @@ def build_generate_request(
             )
         for token, bias in logit_bias.items():
             key = _index(f"logit_bias key {token!r}", token)
-            _set_item(sampling.logit_bias, key, bias, f"logit_bias[{key}]")
+            with _named(f"logit_bias[{key}]"):
+                sampling.logit_bias[key] = bias
     for i, text in enumerate([stop] if isinstance(stop, str) else _sequence("stop", stop)):
         if not isinstance(text, str):
             raise TypeError(f"stop[{i}]: expected a str, got {_kind(text)}")
         check_prompt_text(f"stop[{i}]", text)
         req.stop.append(text)
-    _extend(req.stop_token_ids, "stop_token_ids", _int_list("stop_token_ids", stop_token_ids))
-    for name, value in (
-        ("ignore_eos", ignore_eos),
-        ("return_token_ids", return_token_ids),
-        ("max_tokens", max_tokens),
-        ("skip_special_tokens", skip_special_tokens),
-        ("logprobs", logprobs),
-        ("prompt_logprobs", prompt_logprobs),
-    ):
-        if value is not None:
-            _set(req, name, value)
+    stop_ids = _int_list("stop_token_ids", stop_token_ids)
+    with _named("stop_token_ids"):
+        req.stop_token_ids.extend(stop_ids)
+    _set_given(
+        req,
+        dict(
+            ignore_eos=ignore_eos, return_token_ids=return_token_ids, max_tokens=max_tokens,
+            skip_special_tokens=skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        ),
+    )  # fmt: skip
     return req
 
 
@@ -104,32 +103,24 @@ def _kind(value) -> str:
     return type(value).__name__
 
 
-def _named(name: str, e: Exception) -> Exception:
-    """e's type with a message that starts with the argument's name."""
-    return (
-        type(e)(f"{name}: {e}") if not isinstance(e, UnicodeError) else ValueError(f"{name}: {e}")
-    )
-
-
-def _set(message, name: str, value) -> None:
+@contextlib.contextmanager
+def _named(name: str):
+    """Re-raise a TypeError or ValueError from protobuf (a wrong type, a number outside the
+    field's range, a str it cannot encode) with a message that starts with `name`."""
     try:
-        setattr(message, name, value)
+        yield
+    except UnicodeError as e:  # its subclasses take no plain message
+        raise ValueError(f"{name}: {e}") from None
     except (TypeError, ValueError) as e:
-        raise _named(name, e) from None
+        raise type(e)(f"{name}: {e}") from None
 
 
-def _set_item(mapping, key, value, name: str) -> None:
-    try:
-        mapping[key] = value
-    except (TypeError, ValueError) as e:
-        raise _named(name, e) from None
-
-
-def _extend(field, name: str, values: list[int]) -> None:
-    try:
-        field.extend(values)
-    except (TypeError, ValueError) as e:
-        raise _named(name, e) from None
+def _set_given(message, fields: dict) -> None:
+    """Set each field of `fields` that is not None on `message` (None leaves it unset)."""
+    for name, value in fields.items():
+        if value is not None:
+            with _named(name):
+                setattr(message, name, value)
 
 
 def _sequence(name: str, value, expected: str = "a sequence") -> Iterable:

@@ -70,10 +70,14 @@ def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
     `stop_token_ids[0]`), as the body's type errors name it, not by the gRPC field the
     shared rules name (`prompt.token_ids`)."""
     for j, t in enumerate(ids):
-        if not 0 <= t < limits.vocab_size:
-            path = f"{name}[{j}]"
-            raise FieldError(path, token_id_error(path, t, limits.vocab_size))
+        _check_token_id(f"{name}[{j}]", t, limits)
     return ids
+
+
+def _check_token_id(path: str, token_id: int, limits: ModelLimits) -> None:
+    """FieldError(path) in the shared rule's words for an id outside the vocabulary."""
+    if not 0 <= token_id < limits.vocab_size:
+        raise FieldError(path, token_id_error(path, token_id, limits.vocab_size))
 
 
 def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
@@ -103,8 +107,7 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
                 token_id = int(key)
             except ValueError:
                 raise FieldError(path, f"{path}: key {key!r} is not a token id") from None
-            if not 0 <= token_id < limits.vocab_size:
-                raise FieldError(path, token_id_error(path, token_id, limits.vocab_size))
+            _check_token_id(path, token_id, limits)
             s.logit_bias[token_id] = bias
     if body.stop is not None:
         request.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)

@@ -23,9 +23,9 @@ the connection idle the longest (no request in progress: never sent one, or kept
 after its response), which is closed; only when every connection has a request in
 progress is the new one answered 503 (JSON, `server_busy`) and closed (and counted:
 `HttpServer`'s on_busy, `jaxserve_requests_rejected_total{limit="http_connections"}` in
-`jaxserve serve`). So idle sockets,
-however many, cannot lock clients out (uvicorn's own cap, `limit_concurrency`, answers
-the newcomer with a plain-text 503 and a WARNING each: 4096 idle sockets held the API).
+`jaxserve serve`). So idle sockets, however many, cannot lock clients out (uvicorn's
+own cap, `limit_concurrency`, answers the newcomer with a plain-text 503 and a WARNING
+each: 4096 idle sockets held the API).
 """
 
 from __future__ import annotations

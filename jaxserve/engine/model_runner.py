@@ -333,9 +333,8 @@ class ModelRunner:
         scripts/bench_first_run.py, e.g. the 32-token prefill 18.3 vs 1.8 ms, the 8-row
         8-step decode 14.1 vs 2.6 ms, 408 ms for all 19 shapes), which the first request
         of each shape would otherwise wait for; vLLM's warm-up runs its captured shapes
-        likewise. Padding writes
-        nowhere (PAD_SLOT) and reads only the null block, so the KV cache keeps its
-        contents; nothing is recorded (expert load, counters).
+        likewise. Padding writes nowhere (PAD_SLOT) and reads only the null block, so the
+        KV cache keeps its contents; nothing is recorded (expert load, counters).
 
         Raises:
             RuntimeError: a shape was not compiled.

@@ -122,6 +122,8 @@ class WarmUp:
         self.error: BaseException | None = None
         self.compile_time_s = 0.0
         self.first_run_s = 0.0
+        # First runs only with one process: on several, every process must run the same steps.
+        self._first_runs_here = jax.process_count() == 1
         # Background-compiled shapes not run yet, in compile order (the background thread
         # appends, the engine loop pops: deque's append and popleft are thread-safe).
         self._first_runs: deque[StepShape] = deque()
@@ -148,7 +150,7 @@ class WarmUp:
             f"compiling the first {len(shapes)} of {self.num_shapes} step shapes"
         )  # fmt: skip
         self.runner.compiler.compile_shapes(shapes, self.max_workers, what)
-        if jax.process_count() == 1:
+        if self._first_runs_here:
             self.first_run_s = self.runner.run_once(shapes)
         self.ready_tokens = first[-1][0]
         self.compile_time_s = time.perf_counter() - start
@@ -182,7 +184,7 @@ class WarmUp:
             with CompileCounter.warming_up():
                 for t, shapes in rest:
                     self.runner.compiler.compile_shapes(shapes, workers, progress=progress)
-                    if jax.process_count() == 1:
+                    if self._first_runs_here:
                         self._first_runs.extend(shapes)
                     self.ready_tokens = t
         except BaseException as e:  # noqa: BLE001 - serving goes on with the ready tiers
