@@ -186,7 +186,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
-        help="the same as --no-enable-prefix-caching",
+        help="the same as --no-enable-prefix-caching (default: off: prefix caching on)",
     )
 
     sc = s.add_argument_group("scheduler")

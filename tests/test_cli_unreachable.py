@@ -79,8 +79,11 @@ def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():
     assert "--http-port" in lines[0], lines[0]
 
 
-def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up():
-    address = f"127.0.0.1:{free_port()}"
+# An IPv6 frontend is named in brackets, as serve prints its addresses (the lines said
+# "::1:PORT", which no flag takes).
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up(host):
+    address = f"{host}:{free_port()}"
     cmd = [
         sys.executable, "-m", "jaxserve.cli", "engine", str(DEMO_MODEL_DIR),
         "--frontend", address, "--handshake-timeout-s", "4",

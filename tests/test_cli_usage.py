@@ -41,13 +41,17 @@ def test_python_dash_m_jaxserve_is_the_command():
 
 
 def test_every_serve_flag_says_its_default():
+    """Each flag's help as `--help` prints it (%(default)s expanded) holds "(default:",
+    boolean flags and aliases included (--no-prefix-caching said only "the same as
+    --no-enable-prefix-caching"), as the README says."""
+    parser = _serve_parser()
+    formatter = parser._get_formatter()
     missing = [
         "/".join(a.option_strings) or a.dest
-        for a in _serve_parser()._actions
+        for a in parser._actions
         if a.help != argparse.SUPPRESS
         and not isinstance(a, argparse._HelpAction)
-        and a.dest != "enable_prefix_caching"  # --no-prefix-caching: "the same as" the other
-        and "default" not in (a.help or "")
+        and "(default:" not in (formatter._expand_help(a) if a.help else "")
     ]
     assert not missing
 

@@ -154,6 +154,12 @@ BAD = [
     # Given alone, the limit's errors name it (the shared rule's words, its name).
     ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 0},
      "max_completion_tokens", "must be >= 1, got 0"),
+    # ... throughout the message, not only at its start (it said "+ max_tokens (1000000)").
+    ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 10**6},
+     "max_completion_tokens", "+ max_completion_tokens (1000000) exceeds max_model_len"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": None,
+     "max_completion_tokens": 10**6}, "max_completion_tokens",
+     "+ max_completion_tokens (1000000) exceeds max_model_len"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
      "top_logprobs", "21"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": []}, "stream_options",

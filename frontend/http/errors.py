@@ -9,6 +9,8 @@ it died, 500 anything else (logged with its traceback here, never sent to the cl
 
 from __future__ import annotations
 
+import re
+
 from starlette.responses import JSONResponse
 
 _TYPES = {
@@ -58,12 +60,16 @@ def bad_field(message: str, aliases: dict[str, str] | None = None) -> HttpError:
     """A 400 from a validation message "field: ...": param is the field, renamed by
     `aliases` where the HTTP body spells it differently (chat: prompt -> messages,
     logprobs -> top_logprobs; prompt -> prompt[i] in a list of prompts), and the message
-    then starts with the HTTP name too."""
+    then names the field by its HTTP name throughout ("max_completion_tokens: prompt (36
+    tokens) + max_completion_tokens (5000) exceeds ...", not "+ max_tokens (5000)")."""
     field = message.split(":", 1)[0] if ":" in message else None
     if field is not None and " " in field:
         field = None
     if field is not None and aliases and field in aliases:
-        message = aliases[field] + message[len(field) :]
+        # The name as a whole word only: not "prompt" of "prompt_logprobs",
+        # "prompt.token_ids" or "prompt[0]".
+        word = re.compile(rf"(?<![\w.]){re.escape(field)}(?![\w\[]|\.\w)")
+        message = aliases[field] + word.sub(lambda _: aliases[field], message[len(field) :])
         field = aliases[field]
     return HttpError(400, message, field)
 

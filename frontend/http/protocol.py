@@ -34,7 +34,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from jaxserve import sampling_params
 from jaxserve.frontend.http import body_text
@@ -51,7 +61,31 @@ MAX_TOOLS = 256
 MAX_TOOL_CALLS = 256
 MAX_NESTED_LIST = 4096
 
-Int = StrictInt  # no "3" -> 3 or 2.0 -> 2: a JSON number that is not an integer is a 400
+# Up to 2**53 a float holds every integer exactly (float64's 53-bit significand).
+_MAX_EXACT_FLOAT = 2**53
+
+
+def _is_integral_float(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_EXACT_FLOAT
+
+
+def _integral(value: float) -> int:
+    """A JSON number written with a fraction or an exponent that is an integer (8.0, 1e3)
+    as that int. Raises pydantic's int_from_float error otherwise (8.5, 1e30: past 2**53
+    a float is no exact integer)."""
+    if _is_integral_float(value):
+        return int(value)
+    raise PydanticCustomError("int_from_float", "Input should be a valid integer")
+
+
+# An integer field takes a JSON integer and an integral float (8.0 -> 8, as vLLM's lax
+# pydantic models do); 8.5 is a 400 naming the field. Unlike vLLM, "8" and true are refused
+# too (a string or a boolean is no number; OpenAI's API refuses a string). A JSON integer
+# takes the first branch, checked in Rust: a long prompt of token ids calls no Python.
+Int = Annotated[
+    StrictInt | Annotated[StrictFloat, AfterValidator(_integral)],
+    Field(union_mode="left_to_right"),
+]
 
 
 class StreamOptions(BaseModel):
@@ -140,7 +174,8 @@ def _json_kind(value: Any) -> str:
 
 
 def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Whether `Int` takes `value` (an int, or an integral float; no bool)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or _is_integral_float(value)
 
 
 def prompt_shape(prompt: Any) -> str:

@@ -18,6 +18,8 @@ import selectors
 import socket
 import time
 
+from jaxserve.frontend.server_address import join_host_port
+
 logger = logging.getLogger(__name__)
 
 # A write to a follower that is gone raises (EPIPE) rather than signalling the process.
@@ -44,7 +46,7 @@ def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.s
         except OSError as e:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"step channel: no leader at {host}:{port} after {timeout_s} s"
+                    f"step channel: no leader at {join_host_port(host, port)} after {timeout_s} s"
                 ) from e
             time.sleep(0.05)
             continue

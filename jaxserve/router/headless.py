@@ -40,6 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from jaxserve.config import EngineConfig
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.ipc import (
     PROTOCOL_VERSION,
     ReplicaHello,
@@ -85,6 +86,7 @@ def run_headless(
     HeadlessError (one line, with its exit code) when refused, unanswered, or when a
     child or the frontend is gone."""
     host, port = frontend
+    address = join_host_port(host, port)  # [::1]:P in every line, as serve prints it
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -104,18 +106,18 @@ def run_headless(
         name = f"{socket.gethostname()} pid {os.getpid()}"
         dealer.send(encode(ReplicaHello(PROTOCOL_VERSION, model_identity(engine_config), name)))
         logger.info(
-            "joining the frontend at %s:%d as %s: waiting up to %g s (--handshake-timeout-s) "
-            "for its answer", host, port, name, handshake_timeout_s,
+            "joining the frontend at %s as %s: waiting up to %g s (--handshake-timeout-s) "
+            "for its answer", address, name, handshake_timeout_s,
         )  # fmt: skip
-        welcome = _await_welcome(dealer, monitor, host, port, handshake_timeout_s, stop)
+        welcome = _await_welcome(dealer, monitor, address, handshake_timeout_s, stop)
         if welcome is None:
             return 0
         k = welcome.replica
         children += _spawn_replica(
             engine_config, host, welcome.ports, folder, k, engine_class, log_level
         )
-        logger.info("joined the frontend at %s:%d as replica %d", host, port, k)
-        return _supervise(dealer, monitor, children, host, port, stop)
+        logger.info("joined the frontend at %s as replica %d", address, k)
+        return _supervise(dealer, monitor, children, address, stop)
     finally:
         _stop_children(children)
         shutil.rmtree(folder, ignore_errors=True)
@@ -124,11 +126,11 @@ def run_headless(
         ctx.term()
 
 
-def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelcome | None:
+def _await_welcome(dealer, monitor, address, timeout_s, stop) -> ReplicaWelcome | None:
     """The frontend's answer to the hello; None after a signal. Logs a warning the first
     time the connection is refused (nothing listens there yet) and a line when it is
     made. Raises HeadlessError when refused, or with no answer within timeout_s (the
-    line says whether anything listened at host:port)."""
+    line says whether anything listened at `address`, HOST:PORT)."""
     deadline = time.monotonic() + timeout_s
     connected = refused = False
     poller = zmq.Poller()
@@ -138,14 +140,14 @@ def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelco
         left = deadline - time.monotonic()
         if left <= 0:
             if connected:
-                why = f"{host}:{port} accepted the connection but sent no answer"
+                why = f"{address} accepted the connection but sent no answer"
             elif refused:
-                why = f"nothing listens at {host}:{port} (every connection attempt failed)"
+                why = f"nothing listens at {address} (every connection attempt failed)"
             else:
-                why = f"no connection to {host}:{port} was made (is the address reachable?)"
+                why = f"no connection to {address} was made (is the address reachable?)"
             raise HeadlessError(
                 f"frontend: no answer within {timeout_s:g} s (--handshake-timeout-s): {why}; "
-                f"is `jaxserve serve --replica-listen {host}:{port}` running there?",
+                f"is `jaxserve serve --replica-listen {address}` running there?",
                 EXIT_LOST,
             )
         ready = dict(poller.poll(int(min(left, 0.2) * 1000)))
@@ -153,22 +155,22 @@ def _await_welcome(dealer, monitor, host, port, timeout_s, stop) -> ReplicaWelco
             event = parse_monitor_message(monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
                 connected = True
-                logger.info("connected to %s:%d; waiting for the frontend's answer", host, port)
+                logger.info("connected to %s; waiting for the frontend's answer", address)
             elif event == zmq.EVENT_DISCONNECTED:
                 connected = False
             elif event == zmq.EVENT_CONNECT_RETRIED and not connected and not refused:
                 refused = True
                 logger.warning(
-                    "nothing listens at %s:%d yet (the connection failed): retrying until "
-                    "`jaxserve serve --replica-listen %s:%d` answers, for up to %g s",
-                    host, port, host, port, timeout_s,
+                    "nothing listens at %s yet (the connection failed): retrying until "
+                    "`jaxserve serve --replica-listen %s` answers, for up to %g s",
+                    address, address, timeout_s,
                 )  # fmt: skip
         if dealer not in ready:
             continue
         msg = decode(dealer.recv())
         if isinstance(msg, ReplicaRefused):
             raise HeadlessError(
-                f"the frontend at {host}:{port} refused this replica: {msg.reason}", EXIT_REFUSED
+                f"the frontend at {address} refused this replica: {msg.reason}", EXIT_REFUSED
             )
         if isinstance(msg, ReplicaWelcome):
             return msg
@@ -200,7 +202,7 @@ def _spawn_replica(config, host, ports, folder, k, engine_class, log_level) -> l
     ]
 
 
-def _supervise(dealer, monitor, children, host, port, stop) -> int:
+def _supervise(dealer, monitor, children, address, stop) -> int:
     while True:
         if stop:
             dealer.send(encode(ReplicaLeft(f"stopped ({stop[0]})")))
@@ -211,7 +213,7 @@ def _supervise(dealer, monitor, children, host, port, stop) -> int:
         if monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                raise HeadlessError(f"the frontend at {host}:{port} went away", EXIT_LOST)
+                raise HeadlessError(f"the frontend at {address} went away", EXIT_LOST)
         if dealer.poll(int(CHILD_POLL_INTERVAL_S * 1000)) and not stop:
             msg = decode(dealer.recv())
             if isinstance(msg, ReplicaLeft):
@@ -221,7 +223,7 @@ def _supervise(dealer, monitor, children, host, port, stop) -> int:
                     _check_children(dealer, children)
                     time.sleep(CHILD_POLL_INTERVAL_S)
                 raise HeadlessError(
-                    f"the frontend at {host}:{port} dropped this replica: {msg.reason}",
+                    f"the frontend at {address} dropped this replica: {msg.reason}",
                     EXIT_LOST,
                 )
 

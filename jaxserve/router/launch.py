@@ -21,6 +21,7 @@ import time
 import zmq
 
 from jaxserve.config import EngineConfig
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.ipc import IpcAddresses
 from jaxserve.launcher import CHILD_POLL_INTERVAL_S, CHILD_TERM_TIMEOUT_S, _Child, _spawn
 from jaxserve.router.metrics import RouterMetrics
@@ -113,7 +114,7 @@ def describe(replicas, router_options) -> str:
         for r in replicas.replicas
     )
     listen = router_options.replica_listen
-    remote = f"; remote ones join at {listen[0]}:{listen[1]}" if listen is not None else ""
+    remote = f"; remote ones join at {join_host_port(*listen)}" if listen is not None else ""
     return f"{len(replicas.replicas)} ({each}), router policy {router_options.policy_name}{remote}"
 
 
@@ -131,7 +132,9 @@ async def start_listener(replicas, engine_config, router_options):
         await listener.start()
     except zmq.ZMQError as e:
         await listener.close()
-        raise RuntimeError(f"replica-listen: cannot bind {host}:{port} ({e})") from None
+        raise RuntimeError(
+            f"replica-listen: cannot bind {join_host_port(host, port)} ({e})"
+        ) from None
     return listener
 
 

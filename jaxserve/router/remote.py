@@ -42,6 +42,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from jaxserve.frontend.liveness import CHECK_INTERVAL_S
+from jaxserve.frontend.server_address import join_host_port
 from jaxserve.ipc import (
     PROTOCOL_VERSION,
     IpcAddresses,
@@ -122,7 +123,9 @@ class RemoteReplicaListener:
             asyncio.create_task(self._serve(), name="replica-listener"),
             asyncio.create_task(self._tell_dropped(), name="replica-dropped"),
         ]
-        logger.info("accepting remote engine replicas on tcp://%s:%d", self.host, self.port)
+        logger.info(
+            "accepting remote engine replicas on tcp://%s", join_host_port(self.host, self.port)
+        )
 
     async def close(self) -> None:
         tasks = self._tasks + list(self._monitors.values())

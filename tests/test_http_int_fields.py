@@ -1,0 +1,79 @@
+"""The HTTP API's integer fields (protocol.Int) take a JSON number that is an integer
+however written (8.0, 8e0: vLLM's lax pydantic models take it) as that int; 8.5, a
+float past 2**53, a string and a boolean are 400s naming the field."""
+
+import json
+
+import pytest
+
+from jaxserve.frontend.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    parse_body,
+)
+
+CHAT = [{"role": "user", "content": "hi"}]
+# (model, body without the field, the field): every field declared Int, either endpoint.
+FIELDS = [
+    (CompletionRequest, {"prompt": "a"}, "max_tokens"),
+    (CompletionRequest, {"prompt": "a"}, "max_completion_tokens"),
+    (CompletionRequest, {"prompt": "a"}, "n"),
+    (CompletionRequest, {"prompt": "a"}, "seed"),
+    (CompletionRequest, {"prompt": "a"}, "top_k"),
+    (CompletionRequest, {"prompt": "a"}, "logprobs"),
+    (ChatCompletionRequest, {"messages": CHAT}, "max_tokens"),
+    (ChatCompletionRequest, {"messages": CHAT}, "top_logprobs"),
+]
+
+
+def _parse(model, body: dict):
+    return parse_body(model, json.dumps(body).encode())
+
+
+def _refused(model, body: dict) -> tuple[str | None, str]:
+    with pytest.raises(FieldError) as info:
+        _parse(model, body)
+    return info.value.param, str(info.value)
+
+
+@pytest.mark.parametrize(
+    "model,base,field", FIELDS, ids=[f"{m.__name__}.{f}" for m, _, f in FIELDS]
+)
+def test_an_integral_float_is_the_int_and_others_are_refused_by_name(model, base, field):
+    for written in ("8.0", "8e0", "0.8e1"):
+        raw = json.dumps(base)[:-1] + f', "{field}": {written}}}'
+        got = getattr(parse_body(model, raw.encode()), field)
+        assert got == 8 and type(got) is int, (written, got)
+    assert _refused(model, {**base, field: 8.5}) == (
+        field, f"{field}: must be an integer, got a number (8.5)"
+    )  # fmt: skip
+    assert _refused(model, {**base, field: 1e30}) == (
+        field, f"{field}: must be an integer, got a number (1e+30)"
+    )  # fmt: skip
+    assert _refused(model, {**base, field: True}) == (
+        field, f"{field}: must be an integer, got a boolean (true)"
+    )  # fmt: skip
+    assert _refused(model, {**base, field: "8"}) == (
+        field, f"{field}: must be an integer, got a string"
+    )  # fmt: skip
+
+
+def test_token_ids_written_as_integral_floats_are_ids():
+    got = _parse(CompletionRequest, {"prompt": [5.0, 6], "stop_token_ids": [2.0, 3]})
+    assert got.prompt == [5, 6] and got.stop_token_ids == [2, 3]
+    assert all(type(t) is int for t in got.prompt + got.stop_token_ids)
+    assert _parse(CompletionRequest, {"prompt": [[5], [6.0, 7.0]]}).prompt == [[5], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": [5.0, 6.5]}, "prompt[1]"),
+        ({"prompt": [[5.0], [6, True]]}, "prompt[1][1]"),
+        ({"prompt": "a", "stop_token_ids": [2.0, 3.5]}, "stop_token_ids[1]"),
+    ],
+)
+def test_a_token_id_that_is_no_integer_is_named_by_its_index(body, param):
+    got, message = _refused(CompletionRequest, body)
+    assert got == param and message.startswith(f"{param}: "), message
