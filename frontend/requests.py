@@ -13,14 +13,19 @@ A `Generation` is one running client request (its n samples). Iterating it yield
 outputs grouped by sample; leaving the iteration in any way (the last final output, a
 client that went away, an error) releases it: unfinished samples are aborted in the engine
 (their KV blocks return) and count as finished with reason "abort" in the metrics.
+A client that leaves more than `max_stream_buffer_bytes` of output unread (request_stream.py)
+has its request aborted at once, whether its handler runs or waits on the transport: the
+iteration then raises `StreamOverflowError` (gRPC RESOURCE_EXHAUSTED, HTTP a last error
+event), and the unfinished samples count as abandoned with reason "slow_client".
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from tokenizers import Tokenizer
 
@@ -32,7 +37,14 @@ from jaxserve.frontend.admission import (
 )
 from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
-from jaxserve.frontend.request_stream import EngineDeadError, RequestStream, SampleOutput
+from jaxserve.frontend.request_stream import (
+    DEFAULT_MAX_STREAM_BUFFER_BYTES,
+    EngineDeadError,
+    RequestStream,
+    SampleOutput,
+    StreamOverflowError,
+    token_bytes,
+)
 from jaxserve.frontend.validation import (
     ModelLimits,
     RequestValidationError,
@@ -52,6 +64,8 @@ REQUEST_ID_REUSE_GRACE_S = 0.5
 # ones go to a thread so that a huge prompt cannot stall every other stream.
 INLINE_TOKENIZE_MAX_BYTES = 8192
 
+logger = logging.getLogger("jaxserve.frontend")
+
 __all__ = [
     "AdmissionError",
     "AdmissionGroup",
@@ -60,6 +74,7 @@ __all__ = [
     "RequestPath",
     "RequestValidationError",
     "SampleFailedError",
+    "StreamOverflowError",
 ]
 
 
@@ -95,6 +110,9 @@ class Generation:
 
     request_id: the client's id. num_samples: n. prompt_tokens: the prompt's length.
     prompt_token_ids: the prompt as the engine got it ([P] int32 numpy array).
+    max_unsent_bytes / bytes_per_token: the stream's bound (`RequestStream.bound`).
+    on_overflow: called (no arguments) after the request was aborted past that bound,
+    while the handler may still wait on its transport (HTTP closes the connection there).
     """
 
     def __init__(
@@ -106,6 +124,8 @@ class Generation:
         start: float,
         ticket: Ticket | None = None,
         deadline: float | None = None,
+        max_unsent_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
+        bytes_per_token: int = token_bytes(None),
     ) -> None:
         self._engine = engine
         self._stream = stream
@@ -117,6 +137,10 @@ class Generation:
         self._timings = [RequestTiming(metrics, start) for _ in range(stream.num_samples)]
         self._pending = set(range(stream.num_samples))  # samples whose final is not out yet
         self._released = False
+        self._past_bound = False  # the stream passed its bound (`_overflowed`)
+        self._max_unsent_bytes = max_unsent_bytes
+        self.on_overflow: Callable[[], None] | None = None
+        stream.bound(max_unsent_bytes, bytes_per_token, self._overflowed)
 
     @property
     def request_id(self) -> str:
@@ -131,11 +155,14 @@ class Generation:
         until every sample has sent its final output; then release the request.
 
         Raises EngineUnavailableError if the engine died, SampleFailedError if the engine
-        ended a sample with an error (the request is released either way). Closing the
-        iterator early (a client that left) releases the request too.
+        ended a sample with an error, StreamOverflowError past the stream's bound (the
+        request is released either way). Closing the iterator early (a client that left)
+        releases the request too.
         """
         try:
-            while self._pending:
+            # Past the bound, _pending is cleared at once; the stream still holds the
+            # StreamOverflowError for the handler.
+            while self._pending or self._past_bound:
                 try:
                     outputs = await self._stream.next_batch()
                 except EngineDeadError as e:
@@ -180,6 +207,18 @@ class Generation:
         if self._ticket is not None:
             self._ticket.release()
 
+    def _overflowed(self, unsent: int) -> None:
+        """The stream passed its bound (its queue is dropped already): abort the request."""
+        logger.warning(
+            "request %s aborted: its client left about %d bytes of output unread, past "
+            "--max-stream-buffer-bytes %d",
+            self.request_id, unsent, self._max_unsent_bytes,
+        )  # fmt: skip
+        self._past_bound = True
+        self.release(abandoned="slow_client")
+        if self.on_overflow is not None:
+            self.on_overflow()
+
 
 class RequestPath:
     """Validation, tokenization and sending of requests, for every protocol of the
@@ -191,11 +230,15 @@ class RequestPath:
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
         admission: AdmissionController | None = None,
+        max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
     ) -> None:
+        """max_stream_buffer_bytes: the estimated bytes of output each stream may hold
+        for its client (`Generation`)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
         self.admission = admission or AdmissionController()
+        self.max_stream_buffer_bytes = max_stream_buffer_bytes
 
     def check_ready(self) -> None:
         """Raises EngineUnavailableError unless the engine is ready and alive."""
@@ -273,5 +316,6 @@ class RequestPath:
                 ticket.release()  # refused: nothing stays reserved
         return Generation(
             engine, stream, engine_request.prompt_token_ids, self.metrics, start,
-            ticket=ticket, deadline=deadline,
+            ticket=ticket, deadline=deadline, max_unsent_bytes=self.max_stream_buffer_bytes,
+            bytes_per_token=token_bytes(engine_request.sampling.get("logprobs")),
         )  # fmt: skip

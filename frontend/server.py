@@ -12,6 +12,11 @@ than `MAX_RECEIVE_MESSAGE_BYTES` or past an admission limit (frontend/admission.
 DEADLINE_EXCEEDED, UNAUTHENTICATED without the API key (frontend/auth.py), INTERNAL when
 the sidecar could not detokenize an output. A client that cancels aborts its request
 (every sample) in the engine, and the metrics count it as finished with reason "abort".
+A client that leaves more than --max-stream-buffer-bytes of output unread has its request
+aborted at once (frontend/requests.py); its call ends with RESOURCE_EXHAUSTED naming the
+limit once gRPC's flow control lets the message being written go (the client reads
+again), else when the client leaves or its deadline passes (gRPC sends a status behind
+the messages written before it).
 Health and reflection are registered with the same never-raising deserializers
 (frontend/lenient_services.py).
 
@@ -49,6 +54,7 @@ from jaxserve.frontend.requests import (
     RequestPath,
     RequestValidationError,
     SampleFailedError,
+    StreamOverflowError,
 )
 from jaxserve.frontend.server_address import join_host_port
 from jaxserve.ipc import TextOutput
@@ -163,6 +169,8 @@ class JaxserveServicer(pb_grpc.JaxserveServicer):
             except SampleFailedError as e:
                 code = grpc.StatusCode.INTERNAL if e.internal else grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(e))
+            except StreamOverflowError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -247,7 +255,10 @@ class FrontendServer:
         # After a burst of large requests, freed memory goes back to the OS.
         self.trimmer = memory.Trimmer()
         admission = AdmissionController(options.admission, on_drained=self.trimmer.request)
-        self._requests = RequestPath(engine, tokenizer, metrics, admission=admission)
+        self._requests = RequestPath(
+            engine, tokenizer, metrics, admission=admission,
+            max_stream_buffer_bytes=options.max_stream_buffer_bytes,
+        )  # fmt: skip
         self._chat_template = chat_template
         self._http = None
         # Application-layer metrics: detokenizer lag per output batch, event-loop lag

@@ -175,8 +175,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _frontend_options(args: argparse.Namespace):
-    """FrontendOptions from the admission, stall, TLS and API-key flags. Raises
-    ValueError naming the flag."""
+    """FrontendOptions from the admission, stall, stream-buffer, TLS and API-key flags.
+    Raises ValueError naming the flag."""
     from jaxserve.frontend.admission import AdmissionLimits
     from jaxserve.frontend.auth import TlsFiles, resolve_api_key
     from jaxserve.frontend.options import FrontendOptions
@@ -200,6 +200,7 @@ def _frontend_options(args: argparse.Namespace):
         stall_timeout_s=args.stall_timeout_s,
         tls=tls,
         api_key=resolve_api_key(args.api_key, args.api_key_file),
+        max_stream_buffer_bytes=args.max_stream_buffer_bytes,
     )
 
 
@@ -211,6 +212,7 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
         DEFAULT_MAX_REQUESTS,
     )
     from jaxserve.frontend.liveness import DEFAULT_STALL_TIMEOUT_S
+    from jaxserve.frontend.request_stream import DEFAULT_MAX_STREAM_BUFFER_BYTES
 
     # Groups of their own, as serve_args' are, so that --help shows them by topic.
     adm = s.add_argument_group("admission control and stall detection")
@@ -226,6 +228,11 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
     adm.add_argument(
         "--max-inflight-request-bytes", type=POSITIVE, default=DEFAULT_MAX_REQUEST_BYTES,
         help="most bytes of open requests held at once (default: %(default)s)",
+    )  # fmt: skip
+    adm.add_argument(
+        "--max-stream-buffer-bytes", type=POSITIVE, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
+        help="most output (estimated bytes) a stream holds unread by its client; past it the "
+        "request is aborted (default: %(default)s)",
     )  # fmt: skip
     adm.add_argument(
         "--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,

@@ -153,9 +153,10 @@ def serve(
     options = frontend_options or FrontendOptions()
     logger.info(
         "admission limits: %d requests, %d queued prompt tokens, %d request bytes; "
-        "stall timeout %g s; TLS %s; API key %s",
+        "%d unread output bytes a stream; stall timeout %g s; TLS %s; API key %s",
         options.admission.max_requests, options.admission.max_queued_prompt_tokens,
-        options.admission.max_request_bytes, options.stall_timeout_s,
+        options.admission.max_request_bytes, options.max_stream_buffer_bytes,
+        options.stall_timeout_s,
         "on" if options.tls else "off", "on" if options.api_key else "off",
     )  # fmt: skip
     if warning := insecure_bind_warning(

@@ -1,6 +1,6 @@
-"""`jaxserve serve --help` shows every flag under a topic: the admission, stall, TLS and
-API-key flags in groups of their own, not among the general options (where only --help
-is left)."""
+"""`jaxserve serve --help` shows every flag under a topic: the admission, stream-buffer,
+stall, TLS and API-key flags in groups of their own, not among the general options (where
+only --help is left)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_frontend_flags_have_groups_of_their_own():
     assert sections["options"] == ["-h"]
     assert sections["admission control and stall detection"] == [
         "--max-pending-requests", "--max-queued-prompt-tokens",
-        "--max-inflight-request-bytes", "--stall-timeout-s",
+        "--max-inflight-request-bytes", "--max-stream-buffer-bytes", "--stall-timeout-s",
     ]  # fmt: skip
     assert sections["TLS"] == ["--tls-cert", "--tls-key", "--tls-client-ca"]
     assert sections["API key"] == ["--api-key", "--api-key-file"]

@@ -1,5 +1,6 @@
 """`RequestStream`: outputs come out in arrival order, everything queued at once in one
-batch; the engine's death ends the stream after the outputs that came before it."""
+batch; the engine's death ends the stream after the outputs that came before it; past its
+bound, what is queued is dropped for one StreamOverflowError."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import asyncio
 
 import pytest
 
-from jaxserve.frontend.request_stream import EngineDeadError, RequestStream
+from jaxserve.frontend.request_stream import (
+    OUTPUT_BYTES,
+    EngineDeadError,
+    RequestStream,
+    StreamOverflowError,
+    token_bytes,
+)
 from jaxserve.ipc import TextOutput
 
 
@@ -77,3 +84,30 @@ def test_a_cancelled_reader_leaves_the_stream_usable():
         return await asyncio.wait_for(stream.next_batch(), 1.0)
 
     assert [o.text for _, o in asyncio.run(go())] == ["x"]
+
+
+def test_token_bytes_grow_with_the_top_logprobs():
+    assert token_bytes(None) == 48
+    assert token_bytes(0) == 48 + 248
+    assert token_bytes(20) == 48 + 248 + 20 * 136
+
+
+def test_past_its_bound_the_queue_is_dropped_for_one_overflow_error():
+    async def go():
+        stream = RequestStream("r", ["a", "b"])
+        seen = []
+        # Two outputs of 3 tokens at 100 bytes a token fit (2 x 700 bytes); a third not.
+        stream.bound(2 * (OUTPUT_BYTES + 300), 100, seen.append)
+        assert not stream.put(TextOutput("a", "x", [1, 2, 3]))
+        taken = await stream.next_batch()  # taken: no longer counted
+        assert not stream.put(TextOutput("a", "y", [1, 2, 3]))
+        assert not stream.put(TextOutput("b", "z", [1, 2, 3]))
+        assert seen == []
+        assert stream.put(TextOutput("b", "w", [1]))  # the stream takes no more
+        with pytest.raises(StreamOverflowError, match="more than 1400 bytes"):
+            await stream.next_batch()
+        return taken, seen
+
+    taken, seen = asyncio.run(go())
+    assert [o.text for _, o in taken] == ["x"]
+    assert seen == [3 * OUTPUT_BYTES + 700]  # y, z and w: what was dropped

@@ -15,7 +15,10 @@ through `RequestPath.start`, the same validation and engine path as a gRPC Gener
 outputs become OpenAI JSON (outputs.py). A client that closes its connection cancels its
 request in the engine (responses.py). Errors are OpenAI's shape (errors.py); an error
 after a stream started is sent as a last `data: {"error": ...}` event before
-`data: [DONE]`.
+`data: [DONE]`. A streaming client that leaves more than --max-stream-buffer-bytes of
+output unread has its request aborted (frontend/requests.py), gets that error event (429,
+code `stream_buffer_full`) if it reads again within `responses.CUT_GRACE_S`, else its
+connection is closed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from jaxserve.frontend.http.chat_template import ChatTemplate
-from jaxserve.frontend.http.errors import HttpError, bad_field, error_body, unavailable
+from jaxserve.frontend.http.errors import (
+    HttpError,
+    bad_field,
+    error_body,
+    stream_buffer_full,
+    unavailable,
+)
 from jaxserve.frontend.http.inputs import (
     chat_request,
     check_request_template,
@@ -69,6 +78,7 @@ from jaxserve.frontend.requests import (
     RequestPath,
     RequestValidationError,
     SampleFailedError,
+    StreamOverflowError,
 )
 from jaxserve.ipc import TextOutput
 
@@ -97,23 +107,25 @@ async def _merged(
     generations: list[Generation], n: int
 ) -> AsyncIterator[tuple[int, list[TextOutput]]]:
     """(choice index, outputs) of every generation as they come; generation i's sample j
-    is choice i * n + j. Closing it releases every generation."""
+    is choice i * n + j. Closing it releases every generation. A generation's outputs are
+    taken from its stream only as fast as the caller takes them (one batch each at most
+    waits here), so that the stream's bound (--max-stream-buffer-bytes) holds."""
     if len(generations) == 1:
         async with contextlib.aclosing(generations[0].batches()) as batches:
             async for groups in batches:
                 for item in groups:
                     yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(generations))
 
     async def pump(i: int, generation: Generation) -> None:
         try:
             async with contextlib.aclosing(generation.batches()) as batches:
                 async for groups in batches:
-                    queue.put_nowait((i, groups))
-            queue.put_nowait((i, None))
+                    await queue.put((i, groups))
+            await queue.put((i, None))
         except Exception as e:  # delivered to the reader, which raises it
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
     try:
@@ -310,7 +322,10 @@ class OpenAIApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(generations, n, writer, prompt_tokens, include_usage)
-            return EventStreamResponse(events, release)
+            response = EventStreamResponse(events, release)
+            for g in generations:  # past the stream's bound: the connection is cut
+                g.on_overflow = response.cut
+            return response
 
         async def compute() -> dict:
             choices = [Choice(i) for i in range(n * len(generations))]
@@ -321,6 +336,8 @@ class OpenAIApi:
                 raise unavailable(str(e)) from None
             except SampleFailedError as e:
                 raise HttpError(400, str(e)) from None
+            except StreamOverflowError as e:
+                raise stream_buffer_full(str(e)) from None
             return writer.response(choices, prompt_tokens)
 
         return DeferredJSONResponse(compute, release)
@@ -352,6 +369,8 @@ class OpenAIApi:
             yield sse_event(unavailable(str(e)).body())
         except SampleFailedError as e:
             yield sse_event(error_body(400, str(e)))
+        except StreamOverflowError as e:
+            yield sse_event(stream_buffer_full(str(e)).body())
         yield DONE
 
 

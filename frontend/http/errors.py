@@ -3,8 +3,9 @@
 Statuses: 400 a bad field (param names it; the message is the shared validation's text,
 the same as gRPC's INVALID_ARGUMENT), 404 an unknown model or path, 405 a wrong method,
 413 a body over `protocol.MAX_BODY_BYTES`, 415 a compressed body (Content-Encoding),
-429 past an admission limit (the message names it), 503 while the engine starts or after
-it died, 500 anything else (logged with its traceback here, never sent to the client).
+429 past an admission limit (the message names it) or a stream's output buffer
+(`stream_buffer_full`), 503 while the engine starts or after it died, 500 anything else
+(logged with its traceback here, never sent to the client).
 """
 
 from __future__ import annotations
@@ -76,3 +77,8 @@ def bad_field(message: str, aliases: dict[str, str] | None = None) -> HttpError:
 
 def unavailable(message: str) -> HttpError:
     return HttpError(503, message, None, "engine_unavailable")
+
+
+def stream_buffer_full(message: str) -> HttpError:
+    """A request aborted past --max-stream-buffer-bytes (`requests.StreamOverflowError`)."""
+    return HttpError(429, message, None, "stream_buffer_full")

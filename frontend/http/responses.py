@@ -11,6 +11,12 @@ ASGI servers of spec 2.4, uvicorn among them, and notices only at its next send.
 
 Server-sent events are written as OpenAI writes them: `data: <json>\\n\\n` per chunk and
 `data: [DONE]\\n\\n` at the end.
+
+A stream whose request was aborted because its client does not read (`cut`: past
+--max-stream-buffer-bytes) has `CUT_GRACE_S` to write its last error event; a writer
+still held by the transport's flow control then has its connection aborted (through the
+`ABORT_CONNECTION` scope extension that `http.server.JsonErrorProtocol` provides), which
+drops what the transport holds and ends the response without an error from uvicorn.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 # 1 MB/s takes half of it.
 BODY_READ_TIMEOUT_S = 60.0
 DONE = b"data: [DONE]\n\n"
+# Seconds a cut stream's writer has to send its last event before its connection is aborted.
+CUT_GRACE_S = 1.0
+# The scope["extensions"] key of the connection's abort (a callable, no arguments).
+ABORT_CONNECTION = "jaxserve.abort_connection"
 
 
 def dumps(obj) -> bytes:
@@ -173,9 +183,31 @@ class EventStreamResponse:
     ) -> None:
         self._events = events
         self._on_close = on_close
+        self._abort_connection: Callable[[], None] | None = None
+        self._cut_timer: asyncio.TimerHandle | None = None
+        self._done = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _until_disconnect(self._stream(send), receive, self._on_close)
+        self._abort_connection = scope.get("extensions", {}).get(ABORT_CONNECTION)
+        try:
+            await _until_disconnect(self._stream(send), receive, self._on_close)
+        finally:
+            self._done = True
+            if self._cut_timer is not None:
+                self._cut_timer.cancel()
+
+    def cut(self) -> None:
+        """The request was aborted while its client does not read (module docstring):
+        abort the connection in CUT_GRACE_S unless the response has ended by then.
+        Idempotent."""
+        if not self._done and self._cut_timer is None:
+            loop = asyncio.get_running_loop()
+            self._cut_timer = loop.call_later(CUT_GRACE_S, self._abort_if_open)
+
+    def _abort_if_open(self) -> None:
+        if not self._done and self._abort_connection is not None:
+            logger.debug("aborting the connection of a stream whose client does not read")
+            self._abort_connection()
 
     async def _stream(self, send: Send) -> None:
         async with contextlib.aclosing(self._events) as events:

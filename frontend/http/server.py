@@ -31,9 +31,11 @@ each: 4096 idle sockets held the API).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -41,7 +43,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from jaxserve.frontend.http.errors import error_body
-from jaxserve.frontend.http.responses import BODY_READ_TIMEOUT_S
+from jaxserve.frontend.http.responses import ABORT_CONNECTION, BODY_READ_TIMEOUT_S
 from jaxserve.frontend.server_address import join_host_port
 
 logger = logging.getLogger("jaxserve.frontend.http")
@@ -123,7 +125,20 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        # The request's way to drop its connection at once (`responses.EventStreamResponse
+        # .cut`): close() would wait for a client that does not read to take the buffer.
+        self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.reset
         super().on_headers_complete()
+
+    def reset(self) -> None:
+        """Drop the connection now with a TCP reset, what the kernel and the transport
+        hold for it unsent included (as nginx's reset_timedout_connection): a plain close
+        would leave the socket sending that to a client that does not read."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:

@@ -162,7 +162,8 @@ class Metrics:
         self._abandoned = Counter(
             "jaxserve_requests_abandoned",
             "Samples (n per request, as jaxserve_request_success counts them) whose client "
-            "left before their end (reason: cancelled, deadline or refused); the engine "
+            "left before their end (reason: cancelled, deadline, refused, or slow_client: "
+            "past --max-stream-buffer-bytes of output unread); the engine "
             "aborts them, and each is a finish_reason=\"abort\" of jaxserve_request_success",
             ["model", "reason"], registry=r,
         )  # fmt: skip
