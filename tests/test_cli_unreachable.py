@@ -79,9 +79,8 @@ def test_bench_http_against_a_port_that_does_not_speak_http_is_one_line():
     assert "--http-port" in lines[0], lines[0]
 
 
-# An IPv6 frontend is named in brackets, as serve prints its addresses (the lines said
-# "::1:PORT", which no flag takes).
-@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+# A host name is taken as an address is (an IPv6 one is refused: the test below).
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up(host):
     address = f"{host}:{free_port()}"
     cmd = [
@@ -123,6 +122,24 @@ def test_engine_max_model_len_above_the_models_limit_is_one_line():
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and "max-model-len: " in lines[0], r.stderr
     assert lines[0].startswith("jaxserve engine: error: "), lines[0]
+
+
+# engine's short --handshake-timeout-s: without the refusal it ends in seconds, not 60.
+@pytest.mark.parametrize(
+    "command, flag, more",
+    [("engine", "frontend", ["--handshake-timeout-s", "3"]), ("serve", "replica-listen", [])],
+)
+def test_an_ipv6_replica_address_is_refused_by_name_on_both_sides(command, flag, more):
+    """The remote replicas' ZeroMQ sockets are IPv4 only. serve --replica-listen refused
+    an IPv6 address; engine --frontend took one and retried until --handshake-timeout-s
+    (exit 1), though nothing could ever answer there. Both now refuse it with the same
+    line naming their flag, exit 2, before anything starts."""
+    r = _jaxserve(command, str(DEMO_MODEL_DIR), f"--{flag}", f"[::1]:{free_port()}", *more)
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        f"jaxserve {command}: error: {flag}: IPv6 addresses (::1) are not supported yet; "
+        "give an IPv4 address or a host name"
+    ], r.stderr
 
 
 def test_bench_plot_without_matplotlib_fails_before_the_run():

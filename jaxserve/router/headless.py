@@ -243,6 +243,7 @@ def cmd_engine(args) -> int:
     from jaxserve.hub import resolve_model  # noqa: PLC0415
     from jaxserve.logs import configure_logging  # noqa: PLC0415
     from jaxserve.router.cli_args import host_port  # noqa: PLC0415
+    from jaxserve.router.options import refuse_ipv6  # noqa: PLC0415
     from jaxserve.serve_config import engine_config, model_argument  # noqa: PLC0415
 
     configure_logging(args.log_level, "headless")
@@ -250,6 +251,7 @@ def cmd_engine(args) -> int:
         logger.warning("ignored by jaxserve engine (the frontend's): %s", ", ".join(ignored))
     try:
         frontend = host_port("frontend", args.frontend)
+        refuse_ipv6("frontend", frontend[0])  # never answered: serve refuses to listen there
         config = engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, before the engine process starts (exit code 2).
         preflight.check_engine_settings(config, check_model=args.engine_class is None)
@@ -321,7 +323,7 @@ def add_subparser(sub) -> None:
     _FRONTEND_DESTS[:] = _hide_frontend_flags(e)
     e.add_argument(
         "--frontend", required=True, metavar="HOST:PORT",
-        help="the frontend's --replica-listen address",
+        help="the frontend's --replica-listen address (an IPv4 address or a host name)",
     )  # fmt: skip
     e.add_argument(
         "--handshake-timeout-s", type=float, default=60.0, metavar="S",

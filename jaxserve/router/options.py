@@ -21,6 +21,20 @@ DECODE_WEIGHT = 0.0
 SHARE_LIMIT = 1.1
 
 
+def refuse_ipv6(flag: str, host: str) -> None:
+    """Raises ValueError naming `flag` when `host` is an IPv6 literal ("::1", brackets
+    already stripped): the ZeroMQ sockets between a frontend and its remote replicas
+    (`router.remote`, `router.headless`) set no zmq.IPV6 and write tcp://HOST:PORT
+    unbracketed, so such an address is never bound or connected. A host name passes,
+    whatever it resolves to. Both ends of that connection check with this: serve's
+    --replica-listen and engine's --frontend."""
+    if ":" in host:
+        raise ValueError(
+            f"{flag}: IPv6 addresses ({host}) are not supported yet; give an IPv4 address "
+            "or a host name"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
     """replicas: engine replicas on this host (>= 1; 0 with replica_listen: a frontend
@@ -78,11 +92,7 @@ class RouterOptions:
             host, port = self.replica_listen
             if not 0 <= port < 65536:
                 raise ValueError(f"replica-listen: port must be in [0, 65535], got {port}")
-            if ":" in host:
-                raise ValueError(
-                    f"replica-listen: IPv6 addresses ({host}) are not supported yet; give an "
-                    "IPv4 address or a host name"
-                )
+            refuse_ipv6("replica-listen", host)
             if not is_loopback(host) and not self.allow_remote:
                 raise ValueError(
                     f"replica-listen: {host} is not a loopback address, so engines on other "
