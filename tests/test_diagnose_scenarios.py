@@ -36,9 +36,11 @@ from jaxserve.observability.diagnose import scrape
 pytestmark = pytest.mark.slow
 
 WINDOW_S = 6.0
-# The small server's engine: 2 running requests, a KV pool of 9 usable blocks of 16.
+# The small server's engine: 2 running requests, a KV pool of 9 usable blocks of 16, one
+# token bucket (16: the fewest step shapes to compile before the scenarios start; longer
+# prompts are chunked).
 _SMALL = (
-    "--max-num-batched-tokens", "64", "--max-num-seqs", "2", "--num-blocks", "10",
+    "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--num-blocks", "10",
     "--block-size", "16", "--max-model-len", "144",
 )  # fmt: skip
 
