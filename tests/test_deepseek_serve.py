@@ -15,7 +15,7 @@ from tests.deepseek_utils import write_deepseek_folder
 pytestmark = pytest.mark.slow
 
 FLAGS = (
-    "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "64",
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64",
     "--num-blocks", "64", "--block-size", "8",
 )  # fmt: skip
 RPC_TIMEOUT_S = 120

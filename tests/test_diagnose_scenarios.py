@@ -35,10 +35,12 @@ from jaxserve.observability.diagnose import scrape
 
 pytestmark = pytest.mark.slow
 
-WINDOW_S = 8.0
-# The small server's engine: 2 running requests, a KV pool of 9 usable blocks of 16.
+WINDOW_S = 6.0
+# The small server's engine: 2 running requests, a KV pool of 9 usable blocks of 16, one
+# token bucket (16: the fewest step shapes to compile before the scenarios start; longer
+# prompts are chunked).
 _SMALL = (
-    "--max-num-batched-tokens", "64", "--max-num-seqs", "2", "--num-blocks", "10",
+    "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--num-blocks", "10",
     "--block-size", "16", "--max-model-len", "144",
 )  # fmt: skip
 
@@ -205,10 +207,10 @@ def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
     """4 emulated devices (dp=2, tp=2), one EP rank each (2 of the 8 experts per rank),
     EPLB off; prompts of one repeated token id send every prefill token to the same top-2 experts,
     so at most 2 of the 4 ranks get load: balancedness <= 0.5. Two slots for the two
-    requests and a 32-token step budget (each prefill step is 32 tokens of that one id):
-    fewer step shapes to compile than 4 slots and 64 tokens."""
+    requests and a 16-token step budget (each prefill step is 16 tokens of that one id):
+    one token bucket, the fewest step shapes to compile (and MoE sizes to calibrate)."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4)}
-    flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "32")
+    flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16")
     srv, metrics = _serve(*flags, env=env)
     try:
         prompt = [7] * 48  # token ids

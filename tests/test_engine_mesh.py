@@ -14,7 +14,13 @@ import random
 import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
-from sharding_utils import MESH_BLOCK_SIZE, MESH_MAX_LEN, MESH_MAX_NUM_SEQS, mesh_engine_config
+from sharding_utils import (
+    MESH_BLOCK_SIZE,
+    MESH_MAX_BATCHED_TOKENS,
+    MESH_MAX_LEN,
+    MESH_MAX_NUM_SEQS,
+    mesh_engine_config,
+)
 
 from jaxserve.config import MeshConfig
 from jaxserve.engine.core import EngineCore
@@ -91,7 +97,7 @@ def llm_2x2(mesh_model_dir):
         model=str(mesh_model_dir),
         mesh="dp=2,tp=2",
         max_num_seqs=MESH_MAX_NUM_SEQS,
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=MESH_MAX_BATCHED_TOKENS,
         block_size=MESH_BLOCK_SIZE,
         num_blocks=1 + MESH_MAX_NUM_SEQS * MESH_MAX_LEN // MESH_BLOCK_SIZE,
     )

@@ -53,7 +53,7 @@ def _config(
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + MAX_NUM_SEQS * MAX_LEN // 4),
         scheduler=SchedulerConfig(
             max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=32,
+            max_num_batched_tokens=16,
             num_decode_steps=4,
             async_scheduling=async_scheduling,
         ),

@@ -54,9 +54,11 @@ def _logits(model, backend: str) -> np.ndarray:
 )
 def test_model_logits_through_kernels_match_reference(tmp_path, caplog, backend):
     # Shapes the kernels take: head_dim 64, hidden and expert widths multiples of 128.
+    # One (MoE) layer runs every kernel once per step; a second layer ran the same
+    # kernels again at the same shapes, doubling the interpreter's time (about 25 s).
     config = tiny_qwen3_moe_config(
         hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05,
     )  # fmt: skip
     write_hf_checkpoint(config, tmp_path)
     model, _ = load_model(tmp_path, dtype=jnp.bfloat16)

@@ -156,13 +156,19 @@ def test_runner_holds_experts_per_expert_when_asked_within_the_cap(
 
 def test_sliced_engine_greedy_equals_hf(tiny_engine_config, hf_model, monkeypatch):
     """An engine holding its experts per expert (its deepest path: async scheduling,
-    4-step decode calls, chunked prefill) generates transformers' greedy tokens."""
+    4-step decode calls, chunked prefill) generates transformers' greedy tokens. One
+    token bucket (T = 16: the longer prompts are chunked) compiles 5 step shapes instead
+    of the session config's 9, for the same paths."""
+    import dataclasses
+
     from engine_helpers import greedy, hf_greedy, run_engine
 
     from jaxserve.engine.core import EngineCore
 
     monkeypatch.setenv(dispatch.MOE_ENV_VAR, dispatch.MOE_SLICED)
-    engine = EngineCore(tiny_engine_config)
+    sc = dataclasses.replace(tiny_engine_config.scheduler, max_num_batched_tokens=16)
+    engine = EngineCore(dataclasses.replace(tiny_engine_config, scheduler=sc))
+    assert engine.runner.token_buckets == (16,)
     assert isinstance(engine.runner.expert_weights()[0][0], ExpertSlices)
     rng = np.random.default_rng(12)
     vocab = engine.model_config.vocab_size

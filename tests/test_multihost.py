@@ -359,7 +359,7 @@ def test_step_channel_rejects_a_duplicate_process_id():
 SERVE_MESH = "dp=4,tp=2"
 SERVE_ENGINE = {
     "max_num_seqs": 4,
-    "max_num_batched_tokens": 32,
+    "max_num_batched_tokens": 16,
     "max_model_len": 64,
     "num_blocks": 32,
 }

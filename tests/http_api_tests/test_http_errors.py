@@ -57,15 +57,22 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def long_want(llm):
+    """The offline LLM's text of the LONG stream (greedy: the same for every case below)."""
+    (want,) = llm.generate(
+        [LONG["prompt"]], SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    )
+    return want
+
+
 @pytest.mark.parametrize(
     "field,kwargs,grpc_kwargs", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)]
 )
 def test_bad_field_is_400_beside_a_running_stream(
-    client, grpc_client, llm, model_name, field, kwargs, grpc_kwargs
+    client, grpc_client, long_want, model_name, field, kwargs, grpc_kwargs
 ):
-    (want,) = llm.generate(
-        [LONG["prompt"]], SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
-    )
+    want = long_want
     running = threading.Event()
     result = {}
 
