@@ -17,37 +17,22 @@ as a module of its own (it must import against this tree's other modules).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from module_at_ref import load_module_at_ref  # noqa: E402  (beside this script)
 
 
 def load_baseline(ref: str):
-    src = subprocess.run(
-        ["git", "show", f"{ref}:jaxserve/engine/step_inputs.py"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp(prefix="pack_ab_")) / "baseline_step_inputs.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("baseline_step_inputs", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_module_at_ref(ref, "jaxserve/engine/step_inputs.py", "baseline_step_inputs")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     old = baseline.InputBuilder(
         new.token_buckets, new.max_num_seqs, new.max_model_len, new.block_size,
         new.vocab_size, new.decode_steps,
+        # as ModelRunner builds its own: small batches run more steps a call on the CPU
+        scale_small_decodes=True,
     )  # fmt: skip
     times: dict[int, dict[str, list[float]]] = {b: {"baseline": [], "this": []} for b in batches}
     current = [0]

@@ -13,31 +13,16 @@ module of its own (it must import against this tree's other modules).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from module_at_ref import ROOT, load_module_at_ref  # noqa: E402  (beside this script)
 
 
 def load_baseline(ref: str):
-    src = subprocess.run(
-        ["git", "show", f"{ref}:frontend/http/protocol.py"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("baseline_protocol", f.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic resolves the (string) annotations there
-    spec.loader.exec_module(module)
-    os.unlink(f.name)
-    return module
+    return load_module_at_ref(ref, "frontend/http/protocol.py", "baseline_protocol")
 
 
 def main() -> None:
