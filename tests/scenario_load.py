@@ -1,20 +1,13 @@
 """Load generators of the diagnosis scenario tests (tests/test_diagnose_scenarios.py):
-bursts of gRPC requests from threads, and a free TCP port for --metrics-port."""
+bursts of gRPC requests from threads."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 from jaxserve.frontend.client import JaxserveClient
 
 RPC_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def burst(target: str, prompts: list[str], max_tokens: int, **params) -> list[int]:

@@ -6,6 +6,7 @@ Shared by the mock-engine frontend tests and the end-to-end tests on the demo mo
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -143,27 +144,49 @@ class ServerProcess:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a test that must know a
-    port before the server starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's local port (Linux's
+    ip_local_port_range; 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def free_port_range() -> int:
-    """A port on 127.0.0.1 with the next two free too, a moment ago (a multi-process
-    run's coordinator port; its step channel uses port + 1 and + 2)."""
-    for _ in range(50):
-        port = free_port()
+# Ports free_port_range has handed out in this run: never twice (a test may pick several
+# before any is bound).
+_GIVEN: set[int] = set()
+
+
+def free_port_range(n: int = 3) -> int:
+    """A port on 127.0.0.1 with the next n - 1 free too, a moment ago, that no earlier call
+    gave (a multi-process run's coordinator port: its step channel binds port + 1 and + 2).
+
+    Picked below the kernel's ephemeral range: a server binds its port seconds after the
+    test picks it (a multi-process run's step channel, after compiling: ~40 s), and a port
+    of that range can meanwhile become any connection's local port; a CI run lost
+    test_multihost's server so ("Address already in use" on port + 1) while other
+    processes on the machine made thousands of connections."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, max(low - n, 10_001))
+        if any(p in _GIVEN for p in range(port, port + n)):
+            continue
         try:
-            for offset in (1, 2):
+            for p in range(port, port + n):
                 with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + offset))
-            return port
+                    s.bind(("127.0.0.1", p))
         except OSError:
             continue
-    raise RuntimeError("no free port range")
+        _GIVEN.update(range(port, port + n))
+        return port
+    raise RuntimeError(f"no {n} free ports in a row below {low}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a test that must know a
+    port before the server starts (see free_port_range)."""
+    return free_port_range(1)
 
 
 def child_pids(pid: int) -> list[int]:

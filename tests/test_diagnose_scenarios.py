@@ -26,8 +26,8 @@ import sys
 import time
 
 import pytest
-from scenario_load import Background, burst, free_port
-from server_harness import REPO_DIR, ServerProcess, cpu_xla_flags
+from scenario_load import Background, burst
+from server_harness import REPO_DIR, ServerProcess, cpu_xla_flags, free_port
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.detokenizer_process import DELAY_ENV
