@@ -142,6 +142,22 @@ def test_an_ipv6_replica_address_is_refused_by_name_on_both_sides(command, flag,
     ], r.stderr
 
 
+@pytest.mark.parametrize(
+    "command, flag, more",
+    [("engine", "frontend", ["--handshake-timeout-s", "3"]), ("serve", "replica-listen", [])],
+)
+@pytest.mark.parametrize("port", ["0", "70000"])
+def test_a_port_outside_the_tcp_range_is_refused_by_name(command, flag, more, port):
+    """engine --frontend 127.0.0.1:70000 (or :0) retried "nothing listens" until
+    --handshake-timeout-s, though no TCP port is 0 or past 65535; both flags now refuse it
+    in one line, exit 2."""
+    r = _jaxserve(command, str(DEMO_MODEL_DIR), f"--{flag}", f"127.0.0.1:{port}", *more)
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        f"jaxserve {command}: error: {flag}: port must be within [1, 65535], got '127.0.0.1:{port}'"
+    ], r.stderr
+
+
 def test_bench_plot_without_matplotlib_fails_before_the_run():
     """--plot needs the bench extra's matplotlib: without it the command stops at once
     with the flag named (exit 2), not after a whole run (the server here is dead, so a

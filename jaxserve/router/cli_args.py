@@ -85,11 +85,14 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def host_port(flag: str, text: str) -> tuple[str, int]:
-    """(host, port) of "HOST:PORT" ("[::1]:PORT" for IPv6). Raises ValueError naming flag."""
+    """(host, port) of "HOST:PORT" ("[::1]:PORT" for IPv6), PORT within [1, 65535].
+    Raises ValueError naming flag."""
     host, sep, port = text.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"{flag}: expected HOST:PORT, got {text!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{flag}: port must be within [1, 65535], got {text!r}")
     return host, int(port)
 
 
