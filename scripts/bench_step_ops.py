@@ -6,9 +6,11 @@ the largest batch, max_model_len 256), warm it, then generate `--max-tokens` gre
 tokens for `batch` fresh random prompts under `jax.profiler` (host tracer only, Python
 tracer off) and sum the trace's events by name (the perfetto JSON the profiler writes:
 on the CPU every XLA thunk is one event named after its HLO op or fusion). Prints the
-top `--top` names with their share of the traced wall time and their count, with
-`uptime`; writes bench_results/step_ops.json. Nested events (a while loop and the ops
-inside it) both count, so shares can add up past 100%.
+top `--top` names with their share of the traced wall time and their count (nested
+events, a while loop and the ops inside it, both count, so shares can add up past 100%),
+then the time by call kind (multi-step decode or not) and op kind (the C++ kernels,
+XLA's dots, the other XLA ops; `breakdown`), with `uptime`; writes
+bench_results/step_ops.json.
 
     python scripts/bench_step_ops.py [--model qwen3moe|demo] [--batches 1,128]
         [--max-tokens 32] [--top 25]
@@ -17,6 +19,7 @@ inside it) both count, so shares can add up past 100%.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -65,6 +68,7 @@ def profile_batch(llm, batch: int, args) -> dict:
         wall = time.perf_counter() - start
         jax.profiler.stop_trace()
         events = _events(Path(tmp))
+    by_call = breakdown(events, wall)
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for e in events:
@@ -80,7 +84,49 @@ def profile_batch(llm, batch: int, args) -> dict:
         share = total[name] / wall
         print(f"{name[:60]:<60} {1e3 * total[name]:>9.1f} {share:>6.1%} {count[name]:>7}")
         rows.append(dict(name=name, seconds=total[name], share=share, count=count[name]))
-    return dict(batch=batch, tok_s=tokens / wall, wall_s=wall, top=rows)
+    print(f"\n{'call kind':<22} {'op kind':<28} {'ms':>9} {'share':>6}")
+    for (kind, cat), seconds in by_call.items():
+        print(f"{kind:<22} {cat:<28} {1e3 * seconds:>9.1f} {seconds / wall:>6.1%}")
+    by_call_rows = [dict(call=k, ops=c, seconds=v) for (k, c), v in by_call.items()]
+    return dict(batch=batch, tok_s=tokens / wall, wall_s=wall, top=rows, by_call=by_call_rows)
+
+
+def _op_kind(name: str) -> str:
+    if name.startswith("ffi_call"):
+        return "C++ kernels (ffi_call)"
+    if name.startswith("ynn_fusion"):
+        return "XLA dots (ynn_fusion)"
+    return "other XLA ops"
+
+
+def breakdown(events: list[dict], wall: float) -> dict[tuple[str, str], float]:
+    """Seconds by (call kind, op kind): each XLA op event goes to the device call whose
+    "wait for completion" event spans it; a call is "multi-step decode" if it runs a while
+    loop (the multi-step decode family), else "prefill / single step". ("calls", "wall")
+    is the calls' own time and ("host", "between calls") the traced wall outside them.
+    Ops that overlap (XLA runs independent ones side by side) each count in full."""
+    calls = sorted(
+        (e for e in events if e.get("name") == "ThunkExecutor::Execute (wait for completion)"),
+        key=lambda e: e["ts"],
+    )
+    starts = [c["ts"] for c in calls]
+    ops: dict[int, list[dict]] = defaultdict(list)
+    for e in events:  # while and cond events wrap ops counted on their own
+        if e.get("ph") != "X" or not (e.get("args") or {}).get("hlo_op"):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] <= calls[i]["ts"] + calls[i]["dur"]:
+            ops[i].append(e)
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    for i, call in enumerate(calls):
+        loop = any(o["name"].startswith("while") for o in ops[i])
+        kind = "multi-step decode" if loop else "prefill / single step"
+        out[(kind, "calls' wall")] += call["dur"] * 1e-6
+        for o in ops[i]:
+            if not o["name"].startswith(("while", "cond")):
+                out[(kind, _op_kind(o["name"]))] += o["dur"] * 1e-6
+    out[("host", "between calls")] = wall - sum(c["dur"] * 1e-6 for c in calls)
+    return dict(sorted(out.items()))
 
 
 def main(argv: list[str] | None = None) -> None:
