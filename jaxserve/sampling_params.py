@@ -165,9 +165,11 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}")
         self._validate_logit_bias(vocab_size)
         if vocab_size is not None:
-            for t in self.stop_token_ids:
+            # Named by index and by key (stop_token_ids[0], logit_bias.5), as the HTTP API
+            # names them by their JSON path.
+            for i, t in enumerate(self.stop_token_ids):
                 if not 0 <= t < vocab_size:
-                    raise ValueError(token_id_error("stop_token_ids", t, vocab_size))
+                    raise ValueError(token_id_error(f"stop_token_ids[{i}]", t, vocab_size))
 
     def _validate_types(self) -> None:
         """Integers where the sampler indexes or counts with them, numbers where it
@@ -221,7 +223,7 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id)
             if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise ValueError(token_id_error("logit_bias", token_id, vocab_size))
+                raise ValueError(token_id_error(f"logit_bias.{token_id}", token_id, vocab_size))
             # A value is named by its key (logit_bias.5), as the HTTP API's body path.
             name = f"logit_bias.{token_id}"
             if not isinstance(bias, Real):

@@ -155,7 +155,7 @@ def test_top_k_0_is_disabled_as_in_vllm():
 def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():
     assert SamplingParams(stop="\n").stop == ["\n"]
     params = SamplingParams(stop_token_ids=[10**6])  # no vocabulary known yet
-    with pytest.raises(ValueError, match="^stop_token_ids: token id 1000000 outside"):
+    with pytest.raises(ValueError, match=r"^stop_token_ids\[0\]: token id 1000000 outside"):
         params.validate(VOCAB)
 
 
@@ -185,10 +185,11 @@ def test_a_token_id_outside_the_vocabulary_has_one_wording_everywhere():
     md = sampling_metadata.prepare_sampling_metadata([], 1, VOCAB, 0)
     big = 2**31  # past the proto's int32: refused by the HTTP API itself
     messages = {
-        ("stop_token_ids", VOCAB): error(
-            lambda: SamplingParams(stop_token_ids=[VOCAB]).validate(VOCAB)
+        # Named by index and key, as the HTTP API's JSON paths (gRPC said only the field).
+        ("stop_token_ids[1]", VOCAB): error(
+            lambda: SamplingParams(stop_token_ids=[1, VOCAB]).validate(VOCAB)
         ),
-        ("logit_bias", VOCAB): error(
+        (f"logit_bias.{VOCAB}", VOCAB): error(
             lambda: SamplingParams(logit_bias={VOCAB: 1.0}).validate(VOCAB)
         ),
         ("logit_bias", VOCAB + 1): error(

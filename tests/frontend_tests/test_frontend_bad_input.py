@@ -42,7 +42,7 @@ BAD_REQUESTS = [
     ("top_k below -1", dict(prompt="hi", top_k=-2), "top_k"),
     ("token id at vocab size", dict(prompt=[1, "VOCAB"]), "prompt.token_ids"),
     ("negative token id", dict(prompt=[1, -1]), "prompt.token_ids"),
-    ("stop token outside vocab", dict(prompt="hi", stop_token_ids=["VOCAB"]), "stop_token_ids"),
+    ("stop token outside vocab", dict(prompt="hi", stop_token_ids=["VOCAB"]), "stop_token_ids[0]"),
     ("empty stop string", dict(prompt="hi", stop=["ok", ""]), "stop[1]"),
     ("n 0", dict(prompt="hi", n=0), "n"),
     ("n negative", dict(prompt="hi", n=-1), "n"),
