@@ -17,8 +17,8 @@ request in the engine (responses.py). Errors are OpenAI's shape (errors.py); an 
 after a stream started is sent as a last `data: {"error": ...}` event before
 `data: [DONE]`. A streaming client that leaves more than --max-stream-buffer-bytes of
 output unread has its request aborted (frontend/requests.py), gets that error event (429,
-code `stream_buffer_full`) if it reads again within `responses.CUT_GRACE_S`, else its
-connection is closed.
+code `stream_buffer_full`) if it reads again within `responses.CUT_GRACE_S`, after which
+its connection is reset either way.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Server-sent events are written as OpenAI writes them: `data: <json>\\n\\n` per c
 `data: [DONE]\\n\\n` at the end.
 
 A stream whose request was aborted because its client does not read (`cut`: past
---max-stream-buffer-bytes) has `CUT_GRACE_S` to write its last error event; a writer
-still held by the transport's flow control then has its connection aborted (through the
+--max-stream-buffer-bytes) has `CUT_GRACE_S` to write its last error event; then its
+connection is aborted, ended or not (`EventStreamResponse.cut`; through the
 `ABORT_CONNECTION` scope extension that `http.server.JsonErrorProtocol` provides), which
 drops what the transport holds and ends the response without an error from uvicorn.
 """
@@ -185,27 +185,24 @@ class EventStreamResponse:
         self._on_close = on_close
         self._abort_connection: Callable[[], None] | None = None
         self._cut_timer: asyncio.TimerHandle | None = None
-        self._done = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._abort_connection = scope.get("extensions", {}).get(ABORT_CONNECTION)
-        try:
-            await _until_disconnect(self._stream(send), receive, self._on_close)
-        finally:
-            self._done = True
-            if self._cut_timer is not None:
-                self._cut_timer.cancel()
+        await _until_disconnect(self._stream(send), receive, self._on_close)
 
     def cut(self) -> None:
         """The request was aborted while its client does not read (module docstring):
-        abort the connection in CUT_GRACE_S unless the response has ended by then.
-        Idempotent."""
-        if not self._done and self._cut_timer is None:
+        abort the connection in CUT_GRACE_S, whether or not the response has ended by
+        then. An ended one may still sit unsent in the transport's and the kernel's
+        buffers: when the abort came while the writer was slow rather than held by flow
+        control (a busy CPU), its last events fitted there and the response ended, and
+        the connection stayed open with them (a CI run saw it). Idempotent."""
+        if self._cut_timer is None:
             loop = asyncio.get_running_loop()
-            self._cut_timer = loop.call_later(CUT_GRACE_S, self._abort_if_open)
+            self._cut_timer = loop.call_later(CUT_GRACE_S, self._abort)
 
-    def _abort_if_open(self) -> None:
-        if not self._done and self._abort_connection is not None:
+    def _abort(self) -> None:
+        if self._abort_connection is not None:
             logger.debug("aborting the connection of a stream whose client does not read")
             self._abort_connection()
 
