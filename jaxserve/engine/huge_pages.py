@@ -80,5 +80,7 @@ def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
             continue
         if madvise(start, end - start, _MADV_COLLAPSE) == 0:
             done += end - start
+        else:  # EAGAIN/ENOMEM: no free huge page now (fragmented memory); khugepaged may later
+            log.debug("huge pages: MADV_COLLAPSE refused (%s)", os.strerror(ctypes.get_errno()))
     log.debug("huge pages: %.1f MiB of weights and KV cache", done / 2**20)
     return done
