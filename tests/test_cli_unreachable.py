@@ -158,6 +158,30 @@ def test_a_port_outside_the_tcp_range_is_refused_by_name(command, flag, more, po
     ], r.stderr
 
 
+# engine's --handshake-timeout-s: without the refusal it would end in 20 s, exit 1.
+@pytest.mark.parametrize(
+    "command, flag, more",
+    [
+        ("engine", "frontend", ["--handshake-timeout-s", "20"]),
+        ("serve", "replica-listen", []),
+        ("serve", "replica-listen", ["--allow-remote"]),
+    ],
+)
+def test_a_host_that_does_not_resolve_is_refused_by_name(command, flag, more):
+    """engine --frontend nosuchhost.invalid:5555 said "nothing listens" and retried until
+    --handshake-timeout-s; serve --replica-listen asked for --allow-remote, and with it
+    blamed --host (exit 1). A name under .invalid never resolves (RFC 6761): both flags
+    now say so in one line naming themselves, exit 2, before anything starts."""
+    r = _jaxserve(command, str(DEMO_MODEL_DIR), f"--{flag}", "nosuchhost.invalid:5555", *more)
+    assert r.returncode == 2, r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(
+        f"jaxserve {command}: error: {flag}: host nosuchhost.invalid does not resolve ("
+    ), lines[0]
+    assert lines[0].endswith("); give an IPv4 address or a host name that resolves to one")
+
+
 def test_bench_plot_without_matplotlib_fails_before_the_run():
     """--plot needs the bench extra's matplotlib: without it the command stops at once
     with the flag named (exit 2), not after a whole run (the server here is dead, so a

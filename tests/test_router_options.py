@@ -56,6 +56,18 @@ def test_bad_values_name_the_flag(argv, flag):
         _parse(*argv)
 
 
+def test_replica_listen_host_must_resolve():
+    """A name that does not resolve is named as such, before the loopback rule asks for
+    --allow-remote (which could not help); names that resolve pass on to that rule."""
+    for more in ((), ("--allow-remote",)):
+        with pytest.raises(ValueError) as e:
+            _parse("--replica-listen", "nosuchhost.invalid:7000", *more)
+        assert str(e.value).startswith("replica-listen: host nosuchhost.invalid does not resolve")
+    assert _parse("--replica-listen", "localhost:7000").replica_listen == ("localhost", 7000)
+    with pytest.raises(ValueError, match=r"replica-listen: IPv6 addresses \(::1\)"):
+        _parse("--replica-listen", "[::1]:7000")  # IPv6's own words, not "does not resolve"
+
+
 def test_each_replica_gets_a_disjoint_device_slice(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     opts = RouterOptions(replicas=3, devices_per_replica=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.router import options
-from jaxserve.router.options import RouterOptions
+from jaxserve.router.options import RouterOptions, refuse_ipv6, refuse_unresolved
 from jaxserve.router.policy import POLICIES
 
 # The help group of the flags below; every one of them is the frontend's.
@@ -97,10 +97,15 @@ def host_port(flag: str, text: str) -> tuple[str, int]:
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
-    """RouterOptions from the flags. Raises ValueError naming the flag."""
+    """RouterOptions from the flags. Raises ValueError naming the flag, --replica-listen's
+    host among them when it does not resolve (`options.refuse_unresolved`)."""
     listen = args.replica_listen
+    if listen is not None:
+        listen = host_port("replica-listen", listen)
+        refuse_ipv6("replica-listen", listen[0])  # first: its own words, not "does not resolve"
+        refuse_unresolved("replica-listen", listen[0])
     return RouterOptions(
-        replica_listen=None if listen is None else host_port("replica-listen", listen),
+        replica_listen=listen,
         allow_remote=args.allow_remote,
         replicas=args.replicas,
         devices_per_replica=args.devices_per_replica,

@@ -243,7 +243,7 @@ def cmd_engine(args) -> int:
     from jaxserve.hub import resolve_model  # noqa: PLC0415
     from jaxserve.logs import configure_logging  # noqa: PLC0415
     from jaxserve.router.cli_args import host_port  # noqa: PLC0415
-    from jaxserve.router.options import refuse_ipv6  # noqa: PLC0415
+    from jaxserve.router.options import refuse_ipv6, refuse_unresolved  # noqa: PLC0415
     from jaxserve.serve_config import engine_config, model_argument  # noqa: PLC0415
 
     configure_logging(args.log_level, "headless")
@@ -252,6 +252,7 @@ def cmd_engine(args) -> int:
     try:
         frontend = host_port("frontend", args.frontend)
         refuse_ipv6("frontend", frontend[0])  # never answered: serve refuses to listen there
+        refuse_unresolved("frontend", frontend[0])  # nothing could ever answer there either
         config = engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, before the engine process starts (exit code 2).
         preflight.check_engine_settings(config, check_model=args.engine_class is None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 
 from jaxserve.frontend.auth import is_loopback
@@ -33,6 +34,22 @@ def refuse_ipv6(flag: str, host: str) -> None:
             f"{flag}: IPv6 addresses ({host}) are not supported yet; give an IPv4 address "
             "or a host name"
         )
+
+
+def refuse_unresolved(flag: str, host: str) -> None:
+    """Raises ValueError naming `flag` when `host` (an IPv4 address or a host name) has
+    no IPv4 address: the ZeroMQ sockets between a frontend and its remote replicas are
+    IPv4 only (`refuse_ipv6`), and a name that does not resolve can never be bound or
+    answer. Without this, engine --frontend retried "nothing listens" until
+    --handshake-timeout-s, and serve --replica-listen asked for --allow-remote. Asks the
+    system's resolver (DNS, /etc/hosts): a flag check at start-up, not in RouterOptions."""
+    try:
+        socket.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(
+            f"{flag}: host {host} does not resolve ({e.strerror}); give an IPv4 address or "
+            "a host name that resolves to one"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
