@@ -154,6 +154,10 @@ BAD = [
     # Given alone, the limit's errors name it (the shared rule's words, its name).
     ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 0},
      "max_completion_tokens", "must be >= 1, got 0"),
+    # An integral float past 2**53 gets the count's range, not "must be an integer, got
+    # a number (1e+16)" (test_a_huge_max_tokens_names_the_limit for max_tokens).
+    ("/v1/completions", {"prompt": "a", "n": 1e16}, "n",
+     "n: must be in [1, 128], got 10000000000000000"),
     # ... throughout the message, not only at its start (it said "+ max_tokens (1000000)").
     ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 10**6},
      "max_completion_tokens", "+ max_completion_tokens (1000000) exceeds max_model_len"),
@@ -200,6 +204,25 @@ def test_bad_field_names_the_exact_field(server, path, body, field, words):
     assert error["param"] == field, error
     assert error["message"].startswith(f"{field}: "), error
     assert words in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_huge_max_tokens_names_the_limit(server, path, field):
+    """max_tokens: 1e16 (an integer, written as a float past 2**53) was "must be an
+    integer, got a number (1e+16)" (fresh-user trial); now the range and the model length
+    it comes from, as for 10**16 written out."""
+    status, _, models = _get(server.http_url + "/v1/models", KEY)
+    max_model_len = json.loads(models)["data"][0]["max_model_len"]
+    first = {"prompt": "a"} if path == "/v1/completions" else {"messages": CHAT}
+    for written in (1e16, 10**16):
+        status, answer = _post(server, path, {**first, "max_tokens": None, field: written})
+        assert status == 400, answer
+        assert answer["error"]["param"] == field
+        assert answer["error"]["message"] == (
+            f"{field}: must be within [1, {max_model_len - 1}] (prompt + {field} <= "
+            f"max_model_len {max_model_len}), got 10000000000000000"
+        )
 
 
 def test_a_bodys_bytes_are_read_as_vllm_reads_them(server):

@@ -78,12 +78,28 @@ def _integral(value: float) -> int:
     raise PydanticCustomError("int_from_float", "Input should be a valid integer")
 
 
+def _whole(value: float) -> int:
+    """An integral float, past 2**53 too, as the integer it holds exactly (1e16 ->
+    10**16). Raises pydantic's int_from_float error for 8.5, inf and nan."""
+    if value.is_integer():
+        return int(value)
+    raise PydanticCustomError("int_from_float", "Input should be a valid integer")
+
+
 # An integer field takes a JSON integer and an integral float (8.0 -> 8, as vLLM's lax
 # pydantic models do); 8.5 is a 400 naming the field. Unlike vLLM, "8" and true are refused
 # too (a string or a boolean is no number; OpenAI's API refuses a string). A JSON integer
 # takes the first branch, checked in Rust: a long prompt of token ids calls no Python.
 Int = Annotated[
     StrictInt | Annotated[StrictFloat, AfterValidator(_integral)],
+    Field(union_mode="left_to_right"),
+]
+# A count bounded far below 2**53 (max_tokens, n, top_k, logprobs): any integral float is
+# the integer it holds, so that 1e16 gets the field's range error naming its limit
+# ("max_tokens: must be within [1, 1023] ..., got 10000000000000000"), not "must be an
+# integer". Int's exactness matters only where such a value is valid: seed (int64).
+Count = Annotated[
+    StrictInt | Annotated[StrictFloat, AfterValidator(_whole)],
     Field(union_mode="left_to_right"),
 ]
 
@@ -100,11 +116,11 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None  # OpenAI's newer name of max_tokens
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None  # OpenAI's newer name of max_tokens
     temperature: float | None = None
     top_p: float | None = None
-    n: Int | None = None
+    n: Count | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: Int | None = None
     presence_penalty: float | None = None
@@ -114,7 +130,7 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields.
-    top_k: Int | None = None
+    top_k: Count | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: StrictBool = False
@@ -135,7 +151,7 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Int], Field(min_length=1)]
         | Annotated[list[Annotated[list[Int], Field(min_length=1)]], Field(max_length=MAX_PROMPTS)]
     )
-    logprobs: Int | None = None  # top-N alternatives per token
+    logprobs: Count | None = None  # top-N alternatives per token
     echo: StrictBool = False  # only False is supported
     suffix: str | None = None  # only None is supported
 
@@ -147,7 +163,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
     logprobs: StrictBool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Count | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"} is supported
     # vLLM's chat extras.
