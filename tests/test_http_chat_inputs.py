@@ -153,6 +153,29 @@ def test_other_ints_past_int32_get_the_shared_rules_words(name, rule_field, refu
     assert str(e.value) == want
 
 
+@pytest.mark.parametrize(
+    ("message", "words"),
+    [
+        ({"content": "hi"}, "is required"),
+        ({"role": None, "content": "hi"}, "must be a string, got null"),
+        ({"role": 5, "content": "hi"}, "must be a string, got a number (5)"),
+        ({"role": ["user"], "content": "hi"}, "must be a string, got a list"),
+        ({"role": "", "content": "hi"}, "must not be empty"),
+    ],
+)
+def test_a_bad_role_is_named_with_what_is_wrong(message, words):
+    """A message without a role said "messages[1].role: must be a string" (fresh-user
+    trial); a missing role is now "is required", as a missing content is, and a wrong
+    one says what came."""
+    with pytest.raises(FieldError) as e:
+        _prompt(messages=[{"role": "user", "content": "hi"}, message])
+    assert e.value.param == "messages[1].role"
+    assert str(e.value) == f"messages[1].role: {words}"
+    with pytest.raises(FieldError) as e:  # the content's words, for comparison
+        _prompt(messages=[{"role": "user"}])
+    assert str(e.value) == "messages[0].content: is required"
+
+
 CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 

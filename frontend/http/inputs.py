@@ -25,6 +25,7 @@ from jaxserve.frontend.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
+    json_kind,
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.validation import MAX_N, ModelLimits, max_prompt_chars
@@ -259,15 +260,27 @@ def check_nested_lists(value: Any, path: str, limit: int = MAX_NESTED_LIST) -> N
             stack.extend((v, f"{where}[{j}]") for j, v in enumerate(node))
 
 
+def _check_role(index: int, message: dict[str, Any]) -> None:
+    """Raises FieldError naming messages[index].role unless it is a non-empty string, in
+    the words of the other fields: missing, "is required" (as a missing content); else
+    what it must be and what came ("must be a string, got a number (5)")."""
+    name = f"messages[{index}].role"
+    if "role" not in message:
+        raise FieldError(name, f"{name}: is required")
+    role = message["role"]
+    if not isinstance(role, str):
+        raise FieldError(name, f"{name}: must be a string, got {json_kind(role)}")
+    if not role:
+        raise FieldError(name, f"{name}: must not be empty")
+
+
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template gets them: each has a string role and a string
     (or null) content; every other key is passed on unchanged, within the list limits
     (`MAX_TOOL_CALLS`, `MAX_NESTED_LIST`)."""
     out = []
     for i, message in enumerate(body.messages):
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise FieldError(f"messages[{i}].role", f"messages[{i}].role: must be a string")
+        _check_role(i, message)
         if "content" not in message and "tool_calls" not in message:
             raise FieldError(f"messages[{i}].content", f"messages[{i}].content: is required")
         calls = message.get("tool_calls")

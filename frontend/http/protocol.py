@@ -174,7 +174,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Any = None
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """How JSON calls `value`'s type, with the value for a scalar ("a number (1e+30)")."""
     if value is None:
         return "null"
@@ -211,7 +211,7 @@ def prompt_shape(prompt: Any) -> str:
         raise FieldError(
             "prompt",
             "prompt: must be a string, a list of strings, a list of token ids or a list "
-            f"of token-id lists, got {_json_kind(prompt)}",
+            f"of token-id lists, got {json_kind(prompt)}",
         )
     if not prompt:
         raise FieldError("prompt", "prompt: must not be empty")
@@ -222,14 +222,14 @@ def prompt_shape(prompt: Any) -> str:
                 raise FieldError(
                     f"prompt[{i}]",
                     f"prompt[{i}]: must be a token id (an integer) like prompt[0], got "
-                    f"{_json_kind(t)}",
+                    f"{json_kind(t)}",
                 )
         return "ids"
     if not isinstance(first, str | list):
         raise FieldError(
             "prompt[0]",
             "prompt[0]: must be a string, a token id (an integer) or a list of token ids, "
-            f"got {_json_kind(first)}",
+            f"got {json_kind(first)}",
         )
     if len(prompt) > MAX_PROMPTS:
         raise FieldError(
@@ -240,14 +240,14 @@ def prompt_shape(prompt: Any) -> str:
             if not isinstance(p, str):
                 raise FieldError(
                     f"prompt[{i}]",
-                    f"prompt[{i}]: must be a string like prompt[0], got {_json_kind(p)}",
+                    f"prompt[{i}]: must be a string like prompt[0], got {json_kind(p)}",
                 )
         return "texts"
     for i, ids in enumerate(prompt):
         name = f"prompt[{i}]"
         if not isinstance(ids, list):
             raise FieldError(
-                name, f"{name}: must be a list of token ids like prompt[0], got {_json_kind(ids)}"
+                name, f"{name}: must be a list of token ids like prompt[0], got {json_kind(ids)}"
             )
         if not ids:
             raise FieldError(name, f"{name}: must not be empty (a prompt of no tokens)")
@@ -255,7 +255,7 @@ def prompt_shape(prompt: Any) -> str:
             if not _is_token_id(t):
                 raise FieldError(
                     f"{name}[{j}]",
-                    f"{name}[{j}]: must be a token id (an integer), got {_json_kind(t)}",
+                    f"{name}[{j}]: must be a token id (an integer), got {json_kind(t)}",
                 )
     return "id_lists"
 
@@ -319,7 +319,7 @@ def _in_our_words(error: dict, param: str) -> str:
     string"), in the words of the shared rules where they have the same check."""
     kind, ctx = error["type"], error.get("ctx") or {}
     if kind in _NOT_AN_OBJECT:
-        return f"{param}: must be a JSON object, got {_json_kind(error['input'])}"
+        return f"{param}: must be a JSON object, got {json_kind(error['input'])}"
     if kind == "missing":
         return f"{param}: required, missing from the body"
     if kind == "too_long" and "max_length" in ctx:
@@ -332,7 +332,7 @@ def _in_our_words(error: dict, param: str) -> str:
         return f"{param}: must not be empty"
     if kind in _EXPECTED:
         expected = _UNION_KINDS.get(param, _EXPECTED[kind])
-        return f"{param}: must be {expected}, got {_json_kind(error['input'])}"
+        return f"{param}: must be {expected}, got {json_kind(error['input'])}"
     return f"{param}: {error['msg']}"
 
 
@@ -382,7 +382,7 @@ def parse_body(model: type[BaseModel], body: bytes, charset: str | None = None) 
                     ) from None
                 why = body_text.why_not_json(body, why, charset)
                 raise FieldError("body", f"body: not valid JSON in {encoding} ({why})") from None
-            got = _json_kind(first["input"])
+            got = json_kind(first["input"])
             raise FieldError("body", f"body: not a JSON object (got {got})") from None
         param = field_path(first["loc"])
         raise FieldError(param, _in_our_words(first, param)) from None
