@@ -127,7 +127,8 @@ def test_a_request_uvicorn_cannot_parse_gets_the_json_error_shape_and_no_warning
 ):
     """A bad Content-Length is refused by uvicorn's HTTP parser before the app sees the
     request: the 400 is JSON in the API's error shape (it was uvicorn's plain text), and
-    uvicorn's WARNING per request is a DEBUG line, with one counting WARNING a minute."""
+    uvicorn's WARNING per request is a DEBUG line, with a counting WARNING: the first at
+    once, the rest within a minute (test_a_counted_warning_...) or, here, at stop."""
     import socket
 
     from jaxserve.frontend.http import server as http_server
@@ -164,7 +165,42 @@ def test_a_request_uvicorn_cannot_parse_gets_the_json_error_shape_and_no_warning
         assert error["message"].startswith("request: not a valid HTTP/1.1 request"), error
         assert error["type"] == "invalid_request_error"
         assert error["code"] == "invalid_http_request"
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "refused 1 malformed HTTP request" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w.split(" malformed")[0] for w in warnings] == ["refused 1", "refused 2"], warnings
     refused = [r for r in caplog.records if r.getMessage().startswith("refused a malformed")]
     assert len(refused) == 3 and all(r.levelno == logging.DEBUG for r in refused)
+
+
+def test_a_counted_warning_reports_a_burst_within_its_interval_without_another_event(caplog):
+    """The first event is a WARNING at once; those after it in the interval are counted in
+    one WARNING when the interval ends, whether or not another event comes (the count
+    used to wait for the next event: a burst of malformed requests was reported only
+    when the next one came, hours later or never); flush says what is left, now."""
+    import time
+
+    from jaxserve.frontend.http.server import CountedWarning
+
+    interval_s = 0.3
+    counted = CountedWarning("%d things happened", interval_s=interval_s)
+
+    def said() -> list[str]:
+        records = caplog.records
+        return [r.getMessage().split(";")[0] for r in records if r.levelno >= logging.WARNING]
+
+    with caplog.at_level(logging.DEBUG, logger="jaxserve.frontend.http"):
+        start = time.monotonic()
+        for _ in range(4):
+            counted.note("a thing")
+        assert said() == ["1 things happened"]  # at once; the other 3 wait for the interval
+        while len(said()) < 2 and time.monotonic() - start < 10:
+            time.sleep(0.02)
+        assert said() == ["1 things happened", "3 things happened"]
+        assert time.monotonic() - start >= interval_s * 0.9  # not before the interval ends
+        counted.note("a thing")  # within the new interval: counted, not said yet
+        assert len(said()) == 2
+        counted.flush()
+        counted.flush()  # nothing left: no line
+        time.sleep(2 * interval_s)  # the flushed timer does not fire
+        assert said() == ["1 things happened", "3 things happened", "1 things happened"]
+    debug = [r for r in caplog.records if r.getMessage() == "a thing"]
+    assert len(debug) == 5 and all(r.levelno == logging.DEBUG for r in debug)

@@ -13,8 +13,10 @@ that is not a number or given twice, is answered by uvicorn itself, before any A
 sees it: the app cannot answer it. `JsonErrorProtocol` makes that answer a 400 in the
 API's JSON error shape (`errors.error_body`) instead of uvicorn's plain text, and
 `MalformedRequestLog` turns uvicorn's WARNING per such request (a scanner sending garbage
-would flood the log) into a DEBUG line, with a WARNING at most once a minute counting them;
-uvicorn's "Shutting down" is dropped (the launcher logs its own "shutting down").
+would flood the log) into a DEBUG line, with a WARNING counting them: the first at once,
+then those since, at most once a minute and within a minute (`CountedWarning`), and any
+left at `HttpServer.stop`; uvicorn's "Shutting down" is dropped (the launcher logs its
+own "shutting down").
 
 Open connections are capped (`MAX_HTTP_CONNECTIONS`), so that clients that open
 connections and never finish a request cannot use up the process's file descriptors,
@@ -36,6 +38,7 @@ import json
 import logging
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -181,22 +184,51 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
 
 class CountedWarning:
-    """A WARNING of jaxserve.frontend.http at most every `MALFORMED_WARNING_INTERVAL_S`
-    (the first at once), counting the events noted since the last (`template`'s %d);
-    each event is a DEBUG line."""
+    """A WARNING of jaxserve.frontend.http counting the events noted (`template`'s %d):
+    the first event's at once, then one for those noted since, `interval_s` after the
+    last WARNING (a timer thread: it used to wait for the next event, which might come
+    hours later or never, so that a burst's count went unreported), and any count left at
+    `flush`. Each event is a DEBUG line. Thread-safe: events come from the serving loop,
+    the summary from the timer."""
 
-    def __init__(self, template: str) -> None:
+    def __init__(self, template: str, interval_s: float = MALFORMED_WARNING_INTERVAL_S) -> None:
         self._template = template + "; at most one such line a minute, each at --log-level debug"
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
         self._count = 0
-        self._last = -float("inf")
+        self._last = -float("inf")  # time.monotonic() of the last WARNING
+        self._timer: threading.Timer | None = None
 
     def note(self, event: str) -> None:
         logger.debug(event)
-        self._count += 1
-        now = time.monotonic()
-        if now - self._last >= MALFORMED_WARNING_INTERVAL_S:
-            logger.warning(self._template, self._count)
-            self._count, self._last = 0, now
+        with self._lock:
+            self._count += 1
+            wait = self._last + self._interval_s - time.monotonic()
+            if wait > 0:  # counted now, said when the interval ends
+                if self._timer is None:
+                    self._timer = threading.Timer(wait, self.flush)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            count = self._take()
+        logger.warning(self._template, count)
+
+    def flush(self) -> None:
+        """The WARNING of the events not yet counted in one, now (none: no line)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()  # a no-op from the timer's own thread
+                self._timer = None
+            count = self._take()
+        if count:
+            logger.warning(self._template, count)
+
+    def _take(self) -> int:
+        """The count not yet said, reset as said now (under the lock)."""
+        count, self._count = self._count, 0
+        if count:
+            self._last = time.monotonic()
+        return count
 
 
 _CAP_LOG = CountedWarning(
@@ -221,6 +253,9 @@ class MalformedRequestLog(logging.Filter):
             return True
         self._warning.note("refused a malformed HTTP request with 400")
         return False
+
+    def flush(self) -> None:
+        self._warning.flush()
 
 
 _MALFORMED_LOG = MalformedRequestLog()
@@ -291,6 +326,8 @@ class HttpServer:
         if server is None:
             return
         self._server = None
+        for counted in (_MALFORMED_LOG, _CAP_LOG):  # what the next interval would say
+            counted.flush()
         server.should_exit = True
         if self._ticker is not None:
             await asyncio.gather(self._ticker, return_exceptions=True)
