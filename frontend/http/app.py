@@ -12,7 +12,8 @@
 
 Each body is parsed (protocol.py), translated into `GenerateRequest`s (inputs.py) and sent
 through `RequestPath.start`, the same validation and engine path as a gRPC Generate;
-outputs become OpenAI JSON (outputs.py). A client that closes its connection cancels its
+outputs become OpenAI JSON (outputs.py), a whole body or an event stream
+(generation_response.py). A client that closes its connection cancels its
 request in the engine (responses.py). Errors are OpenAI's shape (errors.py); an error
 after a stream started is sent as a last `data: {"error": ...}` event before
 `data: [DONE]`. A streaming client that leaves more than --max-stream-buffer-bytes of
@@ -24,11 +25,9 @@ its connection is reset either way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from importlib import metadata
 
 from prometheus_client import make_asgi_app
@@ -43,9 +42,9 @@ from jaxserve.frontend.http.errors import (
     HttpError,
     bad_field,
     error_body,
-    stream_buffer_full,
     unavailable,
 )
+from jaxserve.frontend.http.generation_response import respond
 from jaxserve.frontend.http.inputs import (
     chat_request,
     check_request_template,
@@ -53,7 +52,7 @@ from jaxserve.frontend.http.inputs import (
     log_unknown_fields,
     prompt_aliases,
 )
-from jaxserve.frontend.http.outputs import Choice, ResponseWriter, TokenTexts
+from jaxserve.frontend.http.outputs import ResponseWriter, TokenTexts
 from jaxserve.frontend.http.protocol import (
     MAX_BODY_BYTES,
     ChatCompletionRequest,
@@ -62,12 +61,8 @@ from jaxserve.frontend.http.protocol import (
     parse_body,
 )
 from jaxserve.frontend.http.responses import (
-    DONE,
-    DeferredJSONResponse,
-    EventStreamResponse,
     check_json_content_type,
     read_body,
-    sse_event,
 )
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.requests import (
@@ -77,10 +72,7 @@ from jaxserve.frontend.requests import (
     Generation,
     RequestPath,
     RequestValidationError,
-    SampleFailedError,
-    StreamOverflowError,
 )
-from jaxserve.ipc import TextOutput
 
 logger = logging.getLogger("jaxserve.frontend.http")
 
@@ -101,49 +93,6 @@ def _version() -> str:
         return metadata.version("jaxserve")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-async def _merged(
-    generations: list[Generation], n: int
-) -> AsyncIterator[tuple[int, list[TextOutput]]]:
-    """(choice index, outputs) of every generation as they come; generation i's sample j
-    is choice i * n + j. Closing it releases every generation. A generation's outputs are
-    taken from its stream only as fast as the caller takes them (one batch each at most
-    waits here), so that the stream's bound (--max-stream-buffer-bytes) holds."""
-    if len(generations) == 1:
-        async with contextlib.aclosing(generations[0].batches()) as batches:
-            async for groups in batches:
-                for item in groups:
-                    yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(generations))
-
-    async def pump(i: int, generation: Generation) -> None:
-        try:
-            async with contextlib.aclosing(generation.batches()) as batches:
-                async for groups in batches:
-                    await queue.put((i, groups))
-            await queue.put((i, None))
-        except Exception as e:  # delivered to the reader, which raises it
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                for sample, outputs in item:
-                    yield i * n + sample, outputs
-    finally:
-        for t in tasks:
-            t.cancel()
-        for g in generations:
-            g.release()
 
 
 class OpenAIApi:
@@ -237,7 +186,7 @@ class OpenAIApi:
         writer = ResponseWriter(
             response_id, model, chat=False, logprobs=body.logprobs is not None, texts=self._texts
         )
-        return self._respond(body, generations, writer)
+        return respond(body, generations, writer)
 
     async def chat_completions(self, request: Request):
         try:
@@ -271,7 +220,7 @@ class OpenAIApi:
         writer = ResponseWriter(
             response_id, model, chat=True, logprobs=body.logprobs, texts=self._texts
         )
-        return self._respond(body, generations, writer)
+        return respond(body, generations, writer)
 
     # ----- the shared part
 
@@ -310,68 +259,6 @@ class OpenAIApi:
                 raise HttpError(429, str(e), None, "overloaded") from None
             raise
         return generations
-
-    def _respond(self, body, generations: list[Generation], writer: ResponseWriter):
-        n = generations[0].num_samples
-        prompt_tokens = sum(g.prompt_tokens for g in generations)
-
-        def release() -> None:
-            for g in generations:
-                g.release()
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(generations, n, writer, prompt_tokens, include_usage)
-            response = EventStreamResponse(events, release)
-            for g in generations:  # past the stream's bound: the connection is cut
-                g.on_overflow = response.cut
-            return response
-
-        async def compute() -> dict:
-            choices = [Choice(i) for i in range(n * len(generations))]
-            try:
-                async for index, outputs in _merged(generations, n):
-                    choices[index].add(outputs, keep=writer.logprobs)
-            except EngineUnavailableError as e:
-                raise unavailable(str(e)) from None
-            except SampleFailedError as e:
-                raise HttpError(400, str(e)) from None
-            except StreamOverflowError as e:
-                raise stream_buffer_full(str(e)) from None
-            return writer.response(choices, prompt_tokens)
-
-        return DeferredJSONResponse(compute, release)
-
-    async def _events(
-        self,
-        generations: list[Generation],
-        n: int,
-        writer: ResponseWriter,
-        prompt_tokens: int,
-        include_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        started: set[int] = set()
-        tokens: dict[int, int] = {}
-        try:
-            async for index, outputs in _merged(generations, n):
-                event = writer.event(index, outputs, index not in started, include_usage)
-                started.add(index)
-                last = outputs[-1]
-                if last.finish_reason is not None:
-                    tokens[index] = last.completion_tokens
-                else:
-                    tokens[index] = tokens.get(index, 0) + sum(len(o.token_ids) for o in outputs)
-                if event is not None:
-                    yield event
-            if include_usage:
-                yield sse_event(writer.usage_chunk(prompt_tokens, sum(tokens.values())))
-        except EngineUnavailableError as e:
-            yield sse_event(unavailable(str(e)).body())
-        except SampleFailedError as e:
-            yield sse_event(error_body(400, str(e)))
-        except StreamOverflowError as e:
-            yield sse_event(stream_buffer_full(str(e)).body())
-        yield DONE
 
 
 class _AsgiEndpoint:
