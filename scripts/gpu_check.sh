@@ -2,7 +2,7 @@
 # The kernels' one prepared GPU check (issue 5), for a single call on a lent H200:
 #
 #   1. versions and device;
-#   2. the tests marked `gpu` (tests/test_kernels.py, tests/test_kernel_model.py,
+#   2. the tests marked `gpu` (tests/test_kernels_gpu.py, tests/test_kernel_model.py,
 #      tests/test_ep_dispatch_gpu.py);
 #   3. engine: scripts/gpu_engine_check.py, the whole offline engine on the GPU against
 #      greedy tokens recorded on the CPU (GPU_CHECK_ENGINE_REF, default
@@ -141,7 +141,7 @@ fi
 want tests && stage "pytest -m gpu" "$OUT/pytest.log" "$TEST_S" \
     env PYTHONPATH="/tmp/site_engine:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rA "${TIMEOUT_ARGS[@]}" -p no:cacheprovider \
     --continue-on-collection-errors \
-    tests/test_kernels.py tests/test_kernel_model.py tests/test_ep_dispatch_gpu.py
+    tests/test_kernels_gpu.py tests/test_kernel_model.py tests/test_ep_dispatch_gpu.py
 
 # --- 2. the engine against CPU-recorded greedy tokens, and tok/s -------------------------
 # shellcheck disable=SC2206 # GPU_CHECK_ENGINE_ARGS is a list of arguments
