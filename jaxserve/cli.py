@@ -105,6 +105,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "frontend", hold_start=True)
     try:
         dist = distributed.from_arguments(args)
+        if dist is not None:
+            distributed.check_coordinator_host(dist)
     except ValueError as e:
         return _fail(e, 2)
     if dist is not None and not dist.is_leader:

@@ -327,6 +327,23 @@ def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy)
     assert "process 0 (the leader) failed to start: port: cannot bind" in line
 
 
+@pytest.mark.parametrize("process_id", ["0", "1"])
+def test_a_coordinator_that_does_not_resolve_is_a_bad_setting(process_id):
+    """--coordinator-address nosuchhost.invalid:P (.invalid never resolves, RFC 6761):
+    a follower waited out jax.distributed.initialize's 300 s for it; now every process
+    refuses it in one line naming the address, exit 2, before anything starts."""
+    code, lines = serve(
+        str(DEMO_MODEL_DIR), "--num-processes", "2", "--process-id", process_id,
+        "--coordinator-address", "nosuchhost.invalid:1234", timeout=60,
+    )  # fmt: skip
+    assert code == 2
+    line = one_error_line(lines)
+    assert line.startswith(
+        "jaxserve serve: error: distributed: coordinator address nosuchhost.invalid:1234: "
+        "host nosuchhost.invalid does not resolve ("
+    ), line
+
+
 def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     """Process 0's engine fails after jax.distributed.initialize (its checkpoint lacks a
     tensor; the follower's is whole): the follower, already in the run's start-up, ends

@@ -35,6 +35,7 @@ import argparse
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -147,6 +148,22 @@ def resolve(
             f"{HEARTBEAT_TIMEOUT_ENV}), got {heartbeat_timeout_s}"
         )
     return DistributedConfig(address, count, index, heartbeat_timeout_s)
+
+
+def check_coordinator_host(config: DistributedConfig) -> None:
+    """Raises ValueError naming the coordinator address when its host does not resolve
+    (the system's resolver: DNS, /etc/hosts). Every process connects to it (process 0
+    binds it too), and jax.distributed.initialize would wait out its whole timeout (300 s)
+    for a name that never resolves. A check at start-up, not in `resolve` (which reads
+    settings only)."""
+    try:
+        socket.getaddrinfo(config.coordinator_host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(
+            f"distributed: coordinator address {config.coordinator_address}: host "
+            f"{config.coordinator_host} does not resolve ({e.strerror}); give process 0's "
+            "address (--coordinator-address or JAX_COORDINATOR_ADDRESS)"
+        ) from None
 
 
 # JAX's SlurmCluster default coordinator port.
