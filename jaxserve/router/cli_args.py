@@ -74,8 +74,8 @@ def add_router_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--replica-listen", metavar="HOST:PORT",
         help="accept headless engine replicas (`jaxserve engine --frontend HOST:PORT` on "
-        "other hosts) here, beside the --replicas local ones; port 0 picks a free one "
-        "(default: none)",
+        "other hosts) here, beside the --replicas local ones; PORT in [1, 65535], the "
+        "one the engines are given (default: none)",
     )  # fmt: skip
     g.add_argument(
         "--allow-remote", action="store_true",
