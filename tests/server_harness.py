@@ -48,6 +48,16 @@ def cpu_xla_flags(num_devices: int) -> str:
     return f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE_XLA_FLAGS}"
 
 
+def ep_test_threshold(dp: int, max_num_seqs: int) -> int:
+    """`--ep-replicated-max-tokens` (MeshConfig.ep_replicated_max_tokens) of the test
+    engines on a mesh: dp * max_num_seqs, the largest decode step (every rank's rows),
+    so decode steps take the replicated-token MoE path and steps of a token bucket (16
+    or more per rank, above max_num_seqs) the all_to_all path: both paths run, the same
+    ones every run, and start-up skips timing them (`sharding.ep_calibration`, a few
+    seconds per engine on 2 cores). The calibration's own tests measure."""
+    return dp * max_num_seqs
+
+
 def serve_flags(settings: dict) -> tuple[str, ...]:
     """`jaxserve serve` flags for `LLM` keyword settings: {"max_num_seqs": 16} ->
     ("--max-num-seqs", "16")."""

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
+from server_harness import ep_test_threshold
 from sharding_utils import (
     MESH_BLOCK_SIZE,
     MESH_MAX_BATCHED_TOKENS,
@@ -96,6 +97,7 @@ def llm_2x2(mesh_model_dir):
     return LLM(
         model=str(mesh_model_dir),
         mesh="dp=2,tp=2",
+        ep_replicated_max_tokens=ep_test_threshold(2, MESH_MAX_NUM_SEQS),
         max_num_seqs=MESH_MAX_NUM_SEQS,
         max_num_batched_tokens=MESH_MAX_BATCHED_TOKENS,
         block_size=MESH_BLOCK_SIZE,
@@ -109,7 +111,7 @@ def test_llm_accepts_mesh_string_and_config(llm_2x2, reference):
     assert build_engine_config("m", mesh=MeshConfig(4, 2)).mesh == MeshConfig(4, 2)
     with pytest.raises(ValueError, match="mesh"):
         build_engine_config("m", mesh="dp=two")
-    assert llm_2x2.engine.config.mesh == MeshConfig(2, 2)
+    assert llm_2x2.engine.config.mesh == MeshConfig(2, 2, ep_test_threshold(2, MESH_MAX_NUM_SEQS))
     assert _tokens(llm_2x2.engine) == reference
 
 
