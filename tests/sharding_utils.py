@@ -59,8 +59,8 @@ MESH_MAX_BATCHED_TOKENS = 16
 def mesh_engine_config(model_dir, dp: int, tp: int):
     """The EngineConfig of the mesh-engine tests on a (dp, tp) mesh (1, 1: one device):
     multi-step decode (4 steps), MESH_MAX_BATCHED_TOKENS budget, async scheduling (on: the default
-    of an accelerator; the CPU's default is off), a fixed MoE path threshold
-    (`server_harness.ep_test_threshold`: decode replicated, prefill all_to_all)."""
+    of an accelerator; the CPU's default is off), the replicated-token MoE path for every
+    step, given (`server_harness.ep_test_threshold`), not measured."""
     from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
 
     return EngineConfig(
@@ -75,7 +75,9 @@ def mesh_engine_config(model_dir, dp: int, tp: int):
             num_decode_steps=4,
             async_scheduling=True,
         ),
-        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, MESH_MAX_NUM_SEQS)),
+        mesh=MeshConfig(
+            dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, MESH_MAX_BATCHED_TOKENS)
+        ),
     )
 
 

@@ -54,7 +54,7 @@ def _config(model_dir, dp: int, tp: int, eplb: EplbConfig | None = None) -> Engi
         scheduler=SchedulerConfig(
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=16, num_decode_steps=1
         ),
-        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, MAX_NUM_SEQS)),
+        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         eplb=eplb or EplbConfig(),
     )
 

@@ -212,7 +212,7 @@ def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
     start-up timing of the paths)."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4)}
     flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16")
-    flags += ("--ep-replicated-max-tokens", str(ep_test_threshold(2, 2)))
+    flags += ("--ep-replicated-max-tokens", str(ep_test_threshold(2, 16)))
     srv, metrics = _serve(*flags, env=env)
     try:
         prompt = [7] * 48  # token ids

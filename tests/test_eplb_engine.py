@@ -58,7 +58,7 @@ def _config(
             num_decode_steps=4,
             async_scheduling=async_scheduling,
         ),
-        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, MAX_NUM_SEQS)),
+        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         eplb=eplb,
     )
 

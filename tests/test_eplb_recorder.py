@@ -259,7 +259,7 @@ def _mesh_engine(model_dir, dp: int, tp: int):
             scheduler=SchedulerConfig(
                 max_num_seqs=4, max_num_batched_tokens=16, num_decode_steps=1
             ),
-            mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 4)),
+            mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         )
     )
 

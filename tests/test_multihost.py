@@ -393,7 +393,8 @@ def two_process_serve(tmp_path_factory):
         "JAX_NUM_PROCESSES": "2",
     }
     flags = ["--mesh", SERVE_MESH]
-    flags += ["--ep-replicated-max-tokens", str(ep_test_threshold(4, SERVE_ENGINE["max_num_seqs"]))]
+    threshold = ep_test_threshold(4, SERVE_ENGINE["max_num_batched_tokens"])
+    flags += ["--ep-replicated-max-tokens", str(threshold)]
     for name, value in SERVE_ENGINE.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     log_path = tmp_path_factory.mktemp("follower") / "process_1.log"

@@ -343,7 +343,7 @@ def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     coordinator = f"127.0.0.1:{free_port()}"
     flags = ["--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
              "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning",
-             "--ep-replicated-max-tokens", str(ep_test_threshold(2, 2))]  # fmt: skip
+             "--ep-replicated-max-tokens", str(ep_test_threshold(2, 16))]  # fmt: skip
     env = {
         **os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": cpu_xla_flags(2),
