@@ -147,10 +147,30 @@ def resolve_async_scheduling(value: bool | None, platform: str) -> bool:
 
 @dataclass(slots=True)
 class MeshConfig:
-    """Device mesh: dp (attention data parallel) x tp (tensor parallel); ep = dp * tp."""
+    """Device mesh: dp (attention data parallel) x tp (tensor parallel); ep = dp * tp.
+
+    ep_replicated_max_tokens: MoE steps of at most this many tokens (the whole flat batch
+        over all dp ranks) take the replicated-token path, larger ones the all_to_all
+        path (`sharding.parallel.MeshParallelism`); 0 sends every step to all_to_all.
+        None (the default) measures it at start-up on the engine's own mesh and step
+        sizes (`sharding.ep_calibration`): two compilations and timings per step size,
+        and a choice that follows the timing noise. Given, start-up skips the measurement
+        and every run takes the same paths (with several processes, give each the same
+        value, as every engine flag). Unused on one device and for dense models.
+    """
 
     dp: int = 1
     tp: int = 1
+    ep_replicated_max_tokens: int | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field (and its flag) of an out-of-range value."""
+        threshold = self.ep_replicated_max_tokens
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
+            raise ValueError(
+                "mesh.ep_replicated_max_tokens (--ep-replicated-max-tokens): must be an "
+                f"integer >= 0 tokens, or None to measure it at start-up, got {threshold!r}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> MeshConfig:

@@ -132,11 +132,12 @@ class LLM:
             compilation_cache_dir), its
             cache fields (block_size, num_blocks, memory_fraction, enable_prefix_caching),
             scheduler fields (max_num_seqs, max_num_batched_tokens, max_model_len,
-            enable_chunked_prefill) and mesh fields (dp, tp), or mesh="dp=D,tp=T" (or a
-            MeshConfig); EPLB with vLLM's names (enable_eplb, num_redundant_experts,
-            eplb_window_size, eplb_step_interval; also eplb_min_improvement), or
-            eplb=EplbConfig(...); out-of-range EPLB values raise ValueError. vLLM's
-            gpu_memory_utilization / tensor_parallel_size / data_parallel_size also work.
+            enable_chunked_prefill) and mesh fields (dp, tp, ep_replicated_max_tokens), or
+            mesh="dp=D,tp=T" (or a MeshConfig); EPLB with vLLM's names (enable_eplb,
+            num_redundant_experts, eplb_window_size, eplb_step_interval; also
+            eplb_min_improvement), or eplb=EplbConfig(...); out-of-range EPLB and mesh
+            values raise ValueError. vLLM's gpu_memory_utilization / tensor_parallel_size /
+            data_parallel_size also work.
 
     Raises:
         TypeError: an unknown keyword argument (named).
@@ -287,10 +288,14 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
             setattr(eplb, _EPLB_KWARGS[name], value)
             continue
         if name == "mesh":  # "dp=2,tp=4" or a MeshConfig
-            mesh = MeshConfig.parse(value) if isinstance(value, str) else value
-            if not isinstance(mesh, MeshConfig):
+            if isinstance(value, str):
+                # The text names dp and tp only: ep_replicated_max_tokens given beside it stays.
+                parsed = MeshConfig.parse(value)
+                sections["mesh"].dp, sections["mesh"].tp = parsed.dp, parsed.tp
+                continue
+            if not isinstance(value, MeshConfig):
                 raise TypeError(f"mesh: expected 'dp=D,tp=T' or a MeshConfig, got {value!r}")
-            sections["mesh"] = mesh
+            sections["mesh"] = value
             continue
         if name in names:
             top[name] = value
@@ -302,6 +307,7 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
         else:
             raise TypeError(f"LLM: unknown engine argument {key!r}")
     eplb.validate()
+    sections["mesh"].validate()
     return EngineConfig(**top, **sections, eplb=eplb)
 
 

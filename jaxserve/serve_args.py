@@ -257,6 +257,15 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="accepted for vLLM compatibility: here MoE experts are always expert parallel "
         "over all dp*tp devices (default: on, cannot be turned off)",
     )
+    par.add_argument(
+        "--ep-replicated-max-tokens",
+        type=int_at_least(0),
+        metavar="N",
+        help="MoE steps of at most N tokens (all dp ranks together) take the "
+        "replicated-token path, larger ones all_to_all; 0: always all_to_all. Given, "
+        "start-up skips timing both paths and every run picks the same ones (default: "
+        "measured at start-up on the mesh)",
+    )
     _add_eplb_arguments(s.add_argument_group("EPLB (expert-parallel load balancing)"))
 
     comp = s.add_argument_group("compilation")

@@ -37,6 +37,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                 " give one of them"
             )
         setattr(mesh, field, value)
+    mesh.ep_replicated_max_tokens = args.ep_replicated_max_tokens
     return mesh
 
 

@@ -48,6 +48,21 @@ def cpu_xla_flags(num_devices: int) -> str:
     return f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE_XLA_FLAGS}"
 
 
+def ep_test_threshold(dp: int, tokens_per_rank: int) -> int:
+    """`--ep-replicated-max-tokens` (MeshConfig.ep_replicated_max_tokens) of a test engine
+    on a dp x tp mesh: MoE steps of up to tokens_per_rank tokens on each rank take the
+    replicated-token path, larger ones all_to_all. Start-up then skips timing both paths
+    at each step size (`sharding.ep_calibration`: two compilations per size).
+
+    With the engine's max_num_batched_tokens every step is replicated: what the
+    calibration chose at every step size of every test engine on the 2-core test
+    machine (dp x 4, dp x 16; 3 of 3 tries each), so these engines run as they did.
+    With max_num_seqs (below the 16-token bucket) decode steps are replicated and
+    token-bucket steps all_to_all: test_engine_mesh's `llm_2x2` runs both paths. The
+    calibration's own tests (test_sharding, test_warmup) still measure."""
+    return dp * tokens_per_rank
+
+
 def serve_flags(settings: dict) -> tuple[str, ...]:
     """`jaxserve serve` flags for `LLM` keyword settings: {"max_num_seqs": 16} ->
     ("--max-num-seqs", "16")."""

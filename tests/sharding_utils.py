@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from model_utils import StepRequest, build_step, tiny_qwen3_moe_config
+from server_harness import ep_test_threshold
 
 from jaxserve.models.base import AttentionMetadata, allocate_kv_cache
 from jaxserve.sharding.rules import batch_sharding, kv_cache_sharding, replicated
@@ -58,7 +59,8 @@ MESH_MAX_BATCHED_TOKENS = 16
 def mesh_engine_config(model_dir, dp: int, tp: int):
     """The EngineConfig of the mesh-engine tests on a (dp, tp) mesh (1, 1: one device):
     multi-step decode (4 steps), MESH_MAX_BATCHED_TOKENS budget, async scheduling (on: the default
-    of an accelerator; the CPU's default is off)."""
+    of an accelerator; the CPU's default is off), the replicated-token MoE path for every
+    step, given (`server_harness.ep_test_threshold`), not measured."""
     from jaxserve.config import CacheConfig, EngineConfig, MeshConfig, SchedulerConfig
 
     return EngineConfig(
@@ -73,7 +75,9 @@ def mesh_engine_config(model_dir, dp: int, tp: int):
             num_decode_steps=4,
             async_scheduling=True,
         ),
-        mesh=MeshConfig(dp, tp),
+        mesh=MeshConfig(
+            dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, MESH_MAX_BATCHED_TOKENS)
+        ),
     )
 
 

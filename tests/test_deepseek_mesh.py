@@ -13,6 +13,7 @@ import pytest
 from engine_helpers import greedy, hf_greedy, random_prompts, run_engine
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from server_harness import ep_test_threshold
 
 from jaxserve.config import CacheConfig, EngineConfig, EplbConfig, MeshConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
@@ -53,7 +54,7 @@ def _config(model_dir, dp: int, tp: int, eplb: EplbConfig | None = None) -> Engi
         scheduler=SchedulerConfig(
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=16, num_decode_steps=1
         ),
-        mesh=MeshConfig(dp, tp),
+        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         eplb=eplb or EplbConfig(),
     )
 

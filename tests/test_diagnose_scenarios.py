@@ -27,7 +27,7 @@ import time
 
 import pytest
 from scenario_load import Background, burst
-from server_harness import REPO_DIR, ServerProcess, cpu_xla_flags, free_port
+from server_harness import REPO_DIR, ServerProcess, cpu_xla_flags, ep_test_threshold, free_port
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.detokenizer_process import DELAY_ENV
@@ -208,9 +208,11 @@ def test_skewed_expert_load_on_an_ep_mesh_is_parallelism():
     EPLB off; prompts of one repeated token id send every prefill token to the same top-2 experts,
     so at most 2 of the 4 ranks get load: balancedness <= 0.5. Two slots for the two
     requests and a 16-token step budget (each prefill step is 16 tokens of that one id):
-    one token bucket, the fewest step shapes to compile (and MoE sizes to calibrate)."""
+    one token bucket, the fewest step shapes to compile; the MoE path threshold given (no
+    start-up timing of the paths)."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(4)}
     flags = ("--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16")
+    flags += ("--ep-replicated-max-tokens", str(ep_test_threshold(2, 16)))
     srv, metrics = _serve(*flags, env=env)
     try:
         prompt = [7] * 48  # token ids

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 from engine_helpers import greedy, random_prompts, run_engine
+from server_harness import ep_test_threshold
 from sharding_utils import (
     MESH_BLOCK_SIZE,
     MESH_MAX_BATCHED_TOKENS,
@@ -90,12 +91,15 @@ def test_mesh_greedy_equals_single_device(mesh_engine, reference, dp, tp):
 
 @pytest.fixture(scope="module")
 def llm_2x2(mesh_model_dir):
-    """The Python API's `LLM` on a mesh string; its engine serves the 2x2 tests below."""
+    """The Python API's `LLM` on a mesh string; its engine serves the 2x2 tests below.
+    Its decode steps take the replicated-token MoE path and its token-bucket steps the
+    all_to_all path (the session's mesh engines run every step replicated)."""
     from jaxserve.llm import LLM
 
     return LLM(
         model=str(mesh_model_dir),
         mesh="dp=2,tp=2",
+        ep_replicated_max_tokens=ep_test_threshold(2, MESH_MAX_NUM_SEQS),
         max_num_seqs=MESH_MAX_NUM_SEQS,
         max_num_batched_tokens=MESH_MAX_BATCHED_TOKENS,
         block_size=MESH_BLOCK_SIZE,
@@ -109,8 +113,17 @@ def test_llm_accepts_mesh_string_and_config(llm_2x2, reference):
     assert build_engine_config("m", mesh=MeshConfig(4, 2)).mesh == MeshConfig(4, 2)
     with pytest.raises(ValueError, match="mesh"):
         build_engine_config("m", mesh="dp=two")
-    assert llm_2x2.engine.config.mesh == MeshConfig(2, 2)
+    threshold = ep_test_threshold(2, MESH_MAX_NUM_SEQS)
+    assert llm_2x2.engine.config.mesh == MeshConfig(2, 2, threshold)
     assert _tokens(llm_2x2.engine) == reference
+    # Both MoE paths were compiled into its steps (each choice is logged once, when traced):
+    # decode steps of up to 2 x 4 rows replicated, the 2 x 16-token steps all_to_all.
+    from jaxserve.sharding import moe_ep, parallel
+
+    mine = (threshold, 2, 2)  # (replicated_max_tokens, dp, tp) of this engine's model
+    taken = {(n, path) for n, path, *rest in parallel._logged_paths if tuple(rest) == mine}
+    assert (2 * MESH_MAX_BATCHED_TOKENS, moe_ep.ALL_TO_ALL) in taken
+    assert {path for _, path in taken} == {moe_ep.REPLICATED, moe_ep.ALL_TO_ALL}
 
 
 @pytest.fixture(scope="module")

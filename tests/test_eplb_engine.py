@@ -22,6 +22,7 @@ import pytest
 from engine_helpers import greedy, random_prompts, run_engine
 from model_utils import write_hf_checkpoint
 from prometheus_client import generate_latest
+from server_harness import ep_test_threshold
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.config import CacheConfig, EngineConfig, EplbConfig, MeshConfig, SchedulerConfig
@@ -57,7 +58,7 @@ def _config(
             num_decode_steps=4,
             async_scheduling=async_scheduling,
         ),
-        mesh=MeshConfig(dp, tp),
+        mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         eplb=eplb,
     )
 

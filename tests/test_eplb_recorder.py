@@ -20,6 +20,7 @@ from conftest import TINY_DECODE_STEPS, swap_scheduler
 from engine_helpers import greedy, random_prompts, run_engine
 from flax import nnx
 from model_utils import StepRequest, build_step, write_hf_checkpoint
+from server_harness import ep_test_threshold
 from sharding_utils import mesh_qwen3_moe_config
 
 from jaxserve.eplb.recorder import ExpertLoadRecorder
@@ -258,7 +259,7 @@ def _mesh_engine(model_dir, dp: int, tp: int):
             scheduler=SchedulerConfig(
                 max_num_seqs=4, max_num_batched_tokens=16, num_decode_steps=1
             ),
-            mesh=MeshConfig(dp, tp),
+            mesh=MeshConfig(dp, tp, ep_replicated_max_tokens=ep_test_threshold(dp, 16)),
         )
     )
 

@@ -23,7 +23,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from server_harness import ServerProcess, alive, child_pids, cpu_xla_flags, free_port_range
+from server_harness import (
+    ServerProcess,
+    alive,
+    child_pids,
+    cpu_xla_flags,
+    ep_test_threshold,
+    free_port_range,
+)
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
@@ -386,6 +393,8 @@ def two_process_serve(tmp_path_factory):
         "JAX_NUM_PROCESSES": "2",
     }
     flags = ["--mesh", SERVE_MESH]
+    threshold = ep_test_threshold(4, SERVE_ENGINE["max_num_batched_tokens"])
+    flags += ["--ep-replicated-max-tokens", str(threshold)]
     for name, value in SERVE_ENGINE.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     log_path = tmp_path_factory.mktemp("follower") / "process_1.log"

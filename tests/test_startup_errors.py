@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_harness import cpu_xla_flags, free_port
+from server_harness import cpu_xla_flags, ep_test_threshold, free_port
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.models.config import SUPPORTED_ARCHITECTURES
@@ -359,7 +359,8 @@ def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     save_file(tensors, str(weights), metadata={"format": "pt"})
     coordinator = f"127.0.0.1:{free_port()}"
     flags = ["--mesh", "dp=2,tp=2", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-             "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning"]  # fmt: skip
+             "--max-model-len", "32", "--num-blocks", "8", "--log-level", "warning",
+             "--ep-replicated-max-tokens", str(ep_test_threshold(2, 16))]  # fmt: skip
     env = {
         **os.environ, "PYTHONPATH": str(TESTS_DIR), "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": cpu_xla_flags(2),

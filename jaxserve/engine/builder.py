@@ -251,15 +251,18 @@ def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
     """(model, model config, mesh): the model on config.mesh. On one device (1 x 1) the
     plain model (`models.loader.load_model`: nothing to shard, no expert parallelism to
     calibrate); else sharded (`sharding.load`), with the MoE replicated-token threshold
-    measured at the engine's step sizes (dp x each token bucket).
+    config.mesh.ep_replicated_max_tokens, or when that is None measured at the engine's
+    step sizes (dp x each token bucket).
 
     Raises:
         MeshError (a ValueError): the mesh cannot be built or cannot hold the model.
+        ValueError: an out-of-range config.mesh field (named: `MeshConfig.validate`).
     """
     from jaxserve.sharding.ep_calibration import measure_replicated_max_tokens  # noqa: PLC0415
     from jaxserve.sharding.load import load_sharded_model  # noqa: PLC0415
     from jaxserve.sharding.mesh import build_mesh_from_config, check_model_fits  # noqa: PLC0415
 
+    config.mesh.validate()
     mesh = build_mesh_from_config(config.mesh)
     if mesh.size == 1:
         model, mc = load_model(config.model, dtype)
@@ -277,7 +280,16 @@ def _load_on_mesh(config: EngineConfig, dtype: jnp.dtype):
         mc, mesh, num_physical_experts=mc.num_experts + redundant if redundant else None
     )
     threshold = 0
-    if mc.num_experts > 0:
+    if mc.num_experts > 0 and config.mesh.ep_replicated_max_tokens is not None:
+        threshold = config.mesh.ep_replicated_max_tokens
+        logger.info(
+            "MoE on dp=%d,tp=%d: replicated-token path for steps of <= %d tokens, all_to_all "
+            "above (given by --ep-replicated-max-tokens, not measured)",
+            config.mesh.dp,
+            config.mesh.tp,
+            threshold,
+        )
+    elif mc.num_experts > 0:
         sc = config.scheduler
         buckets = pow2_buckets(MIN_TOKEN_BUCKET, sc.max_num_batched_tokens)
         buckets += pow2_buckets(MIN_DECODE_ROWS, sc.max_num_seqs)
