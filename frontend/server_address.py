@@ -6,6 +6,7 @@ a server on 34463).
     port_error("127.0.0.1:99999")  # "port must be in [1, 65535], got 99999"
     server_arg("[::1]:50051")      # argparse type: the text, or a usage error
     join_host_port("::1", 50051)   # "[::1]:50051": how the server prints its addresses
+    wait_until_resolves("frontend", "jaxserve-0.jaxserve", 60.0)  # a peer's name, at start
 
 Forms checked: HOST:PORT, [IPV6]:PORT, and a URL (scheme://HOST:PORT/...) as bench's
 http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) and a
@@ -15,7 +16,12 @@ host without a port pass unchanged: gRPC and urllib name their own errors.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
+import socket
+import time
+
+logger = logging.getLogger(__name__)
 
 _HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")
 
@@ -86,3 +92,39 @@ def _usage_checked(text: str, error: str | None) -> str:
     if error is not None:
         raise argparse.ArgumentTypeError(error)
     return text
+
+
+def wait_until_resolves(what: str, host: str, timeout_s: float, family: int = 0) -> None:
+    """Return once `host` resolves (the system's resolver: DNS, /etc/hosts; `family`
+    0 any, socket.AF_INET IPv4 only), trying once a second for up to `timeout_s`.
+
+    For a peer's name given at start-up (engine --frontend, the coordinator address): a
+    name that never resolves would otherwise be retried as "nothing listens" until some
+    other timeout, while a name that resolves only once its host starts (a Kubernetes
+    pod's, behind a headless Service) must be waited for. The first failure logs one
+    WARNING naming `what` and the host.
+
+    Raises ValueError naming `what` once `timeout_s` has passed without an address.
+    """
+    deadline = time.monotonic() + timeout_s
+    warned = False
+    while True:
+        try:
+            socket.getaddrinfo(host, None, family=family, type=socket.SOCK_STREAM)
+            return
+        except socket.gaierror as e:
+            error = e.strerror
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(
+                f"{what}: host {host} does not resolve ({error}) after {timeout_s:g} s; give "
+                "an address or a host name that resolves"
+                + (" to an IPv4 address" if family == socket.AF_INET else "")
+            )
+        if not warned:
+            logger.warning(
+                "%s: host %s does not resolve yet (%s); trying again for up to %g s",
+                what, host, error, timeout_s,
+            )  # fmt: skip
+            warned = True
+        time.sleep(min(1.0, left))

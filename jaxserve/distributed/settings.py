@@ -35,9 +35,10 @@ import argparse
 import logging
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from jaxserve.frontend.server_address import wait_until_resolves
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ STEP_CHANNEL_PORT_OFFSET = 1
 # thread (it runs in C++, so neither the GIL nor a long compilation delays it).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 HEARTBEAT_TIMEOUT_ENV = "JAXSERVE_HEARTBEAT_TIMEOUT_S"
+
+# Seconds jax.distributed.initialize waits for every process to join (JAX's default), and
+# as long for the coordinator's host name to resolve.
+INIT_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,19 +155,23 @@ def resolve(
     return DistributedConfig(address, count, index, heartbeat_timeout_s)
 
 
-def check_coordinator_host(config: DistributedConfig) -> None:
-    """Raises ValueError naming the coordinator address when its host does not resolve
-    (the system's resolver: DNS, /etc/hosts). Every process connects to it (process 0
-    binds it too), and jax.distributed.initialize would wait out its whole timeout (300 s)
-    for a name that never resolves. A check at start-up, not in `resolve` (which reads
-    settings only)."""
+def check_coordinator_host(config: DistributedConfig, timeout_s: float = INIT_TIMEOUT_S) -> None:
+    """Wait (`server_address.wait_until_resolves`, one WARNING at once) until the
+    coordinator address's host resolves: every process connects to it (process 0 binds
+    it too). A pod's name behind a Kubernetes headless Service resolves only once that
+    pod runs, so a name is waited for, up to `timeout_s` (as long as
+    jax.distributed.initialize would wait for the processes to join), not refused at
+    once; a follower used to wait out initialize's timeout with no word of why.
+
+    Raises ValueError naming the coordinator address when it still does not resolve.
+    """
     try:
-        socket.getaddrinfo(config.coordinator_host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
+        wait_until_resolves("distributed", config.coordinator_host, timeout_s)
+    except ValueError as e:
         raise ValueError(
-            f"distributed: coordinator address {config.coordinator_address}: host "
-            f"{config.coordinator_host} does not resolve ({e.strerror}); give process 0's "
-            "address (--coordinator-address or JAX_COORDINATOR_ADDRESS)"
+            f"distributed: coordinator address {config.coordinator_address}: "
+            f"{str(e).removeprefix('distributed: ')} (--coordinator-address or "
+            "JAX_COORDINATOR_ADDRESS: process 0's address)"
         ) from None
 
 
@@ -191,7 +200,7 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def initialize(config: DistributedConfig | None, timeout_s: int = 300) -> None:
+def initialize(config: DistributedConfig | None, timeout_s: int = INIT_TIMEOUT_S) -> None:
     """`jax.distributed.initialize` for `config` (nothing for None). Call it before any
     other JAX call; every process of the run must call it.
 

@@ -40,7 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from jaxserve.config import EngineConfig
-from jaxserve.frontend.server_address import join_host_port
+from jaxserve.frontend.server_address import join_host_port, wait_until_resolves
 from jaxserve.ipc import (
     PROTOCOL_VERSION,
     ReplicaHello,
@@ -243,7 +243,7 @@ def cmd_engine(args) -> int:
     from jaxserve.hub import resolve_model  # noqa: PLC0415
     from jaxserve.logs import configure_logging  # noqa: PLC0415
     from jaxserve.router.cli_args import host_port  # noqa: PLC0415
-    from jaxserve.router.options import refuse_ipv6, refuse_unresolved  # noqa: PLC0415
+    from jaxserve.router.options import refuse_ipv6  # noqa: PLC0415
     from jaxserve.serve_config import engine_config, model_argument  # noqa: PLC0415
 
     configure_logging(args.log_level, "headless")
@@ -252,12 +252,15 @@ def cmd_engine(args) -> int:
     try:
         frontend = host_port("frontend", args.frontend)
         refuse_ipv6("frontend", frontend[0])  # never answered: serve refuses to listen there
-        refuse_unresolved("frontend", frontend[0])  # nothing could ever answer there either
+        if not args.handshake_timeout_s > 0:
+            raise ValueError(f"handshake-timeout-s: must be > 0, got {args.handshake_timeout_s}")
+        # A name that never resolves is said as such, not retried as "nothing listens";
+        # one that resolves once its host starts (a pod's) is waited for, as a frontend
+        # that does not listen yet is.
+        wait_until_resolves("frontend", frontend[0], args.handshake_timeout_s, socket.AF_INET)
         config = engine_config(args, model=resolve_model(model_argument(args)))
         # Mistakes that need no device, before the engine process starts (exit code 2).
         preflight.check_engine_settings(config, check_model=args.engine_class is None)
-        if not args.handshake_timeout_s > 0:
-            raise ValueError(f"handshake-timeout-s: must be > 0, got {args.handshake_timeout_s}")
     except (ValueError, OSError) as e:
         print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
         return 2

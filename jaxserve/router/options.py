@@ -38,11 +38,11 @@ def refuse_ipv6(flag: str, host: str) -> None:
 
 def refuse_unresolved(flag: str, host: str) -> None:
     """Raises ValueError naming `flag` when `host` (an IPv4 address or a host name) has
-    no IPv4 address: the ZeroMQ sockets between a frontend and its remote replicas are
-    IPv4 only (`refuse_ipv6`), and a name that does not resolve can never be bound or
-    answer. Without this, engine --frontend retried "nothing listens" until
-    --handshake-timeout-s, and serve --replica-listen asked for --allow-remote. Asks the
-    system's resolver (DNS, /etc/hosts): a flag check at start-up, not in RouterOptions."""
+    no IPv4 address: --replica-listen binds it on this host, so a name that does not
+    resolve now never will (the ZeroMQ sockets are IPv4 only, `refuse_ipv6`); without
+    this, serve asked for --allow-remote. Asks the system's resolver (DNS, /etc/hosts):
+    a flag check at start-up, not in RouterOptions. (engine --frontend names a peer,
+    whose name may resolve later: `server_address.wait_until_resolves`.)"""
     try:
         socket.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
