@@ -107,6 +107,25 @@ def make_batch(rng, requests, *, num_tokens, block_size, num_blocks, max_blocks)
     return jnp.asarray(positions, jnp.int32), metadata
 
 
+def attention_batch(rng, requests, *, num_tokens, heads, kv_heads, head_dim, block_size,
+                    num_blocks, max_blocks):  # fmt: skip
+    """(q, k_cache, v_cache, positions, metadata): `make_batch`'s batch with random
+    bfloat16 queries [num_tokens, heads, head_dim] and caches [num_blocks, block_size,
+    kv_heads, head_dim]."""
+    positions, metadata = make_batch(
+        rng,
+        requests,
+        num_tokens=num_tokens,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_blocks=max_blocks,
+    )
+    q = bf16(rng, (num_tokens, heads, head_dim))
+    k_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
+    v_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
+    return q, k_cache, v_cache, positions, metadata
+
+
 def attention_oracle(q, k_cache, v_cache, positions, metadata, scale, window=None):
     """NumPy float64, token by token: keys 0..pos (and < seq_len, inside the window) of
     the token's request, gathered slot by slot through its block table."""

@@ -20,6 +20,7 @@ import pytest
 from conftest_gpu import skip_without_gpu  # noqa: F401 -- fixture used via pytestmark
 from kernel_oracles import (
     assert_close,
+    attention_batch,
     attention_oracle,
     bf16,
     gmm_oracle,
@@ -210,17 +211,10 @@ def test_paged_attention_kernel_matches_oracle(interpret, name):
     num_heads, num_kv_heads, requests, num_tokens, window, block_size = ATTENTION_CASES[name]
     rng = np.random.default_rng(4)
     head_dim, num_blocks, max_blocks = 64, 64, 17
-    positions, metadata = make_batch(
-        rng,
-        requests,
-        num_tokens=num_tokens,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_blocks=max_blocks,
-    )
-    q = bf16(rng, (num_tokens, num_heads, head_dim))
-    k_cache = bf16(rng, (num_blocks, block_size, num_kv_heads, head_dim))
-    v_cache = bf16(rng, (num_blocks, block_size, num_kv_heads, head_dim))
+    q, k_cache, v_cache, positions, metadata = attention_batch(
+        rng, requests, num_tokens=num_tokens, heads=num_heads, kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
+    )  # fmt: skip
     scale = head_dim**-0.5
     config = AttentionConfig(block_kv=64, num_stages=2)
     attention = jitted(

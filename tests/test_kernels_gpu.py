@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest_gpu import skip_without_gpu  # noqa: F401 -- fixture used via pytestmark
-from kernel_oracles import QWEN3_30B, assert_close, bf16, f64, kernel_writing_nothing, make_batch
+from kernel_oracles import (
+    QWEN3_30B,
+    assert_close,
+    attention_batch,
+    bf16,
+    f64,
+    kernel_writing_nothing,
+)
 
 from jaxserve.kernels import grouped_matmul, paged_attention
 from jaxserve.kernels.paged_attention_ref import paged_attention_ref
@@ -118,18 +125,10 @@ def full_size_attention_inputs(rng, requests, num_tokens, max_blocks):
     size 16) over `requests` (query_len, seq_len), blocks in random order."""
     heads, kv_heads, head_dim, block_size = 32, 4, 128, 16
     num_blocks = sum(-(-n // block_size) for _, n in requests) + 1
-    positions, metadata = make_batch(
-        rng,
-        requests,
-        num_tokens=num_tokens,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_blocks=max_blocks,
-    )
-    q = bf16(rng, (num_tokens, heads, head_dim))
-    k_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
-    v_cache = bf16(rng, (num_blocks, block_size, kv_heads, head_dim))
-    return q, k_cache, v_cache, positions, metadata
+    return attention_batch(
+        rng, requests, num_tokens=num_tokens, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
+    )  # fmt: skip
 
 
 def check_attention_on_gpu(inputs, scale, **options):
