@@ -32,10 +32,23 @@ constexpr int kRows = 4;  // rows per block of the row-streaming path
 // and the most rows of one such work unit.
 constexpr int kTileMinRows = JAXSERVE_HAVE_TILES ? 8 : 0;
 constexpr int kUnitRows = 64;
-static_assert(kTileMinRows == 0 || kTileMinRows > kRows, "a unit's size names its path");
+// Multiply-adds of a call below which it runs on the calling thread alone: waking a pool
+// thread costs more than it saves (the demo model's decode at batch 8: 16 copies).
+constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 
-// Whether an expert with `rows` rows (or a work unit of that many) runs register tiles.
-inline bool Tiled(int64_t rows) { return kTileMinRows > 0 && rows >= kTileMinRows; }
+// Floats of one expert matrix ([H, I]) up to which its experts run register tiles at
+// any row count: such a matrix (256 KiB) stays in L2 between steps, where the tiles' reads
+// down a 16-column panel cost nothing, and the row path's accumulators in memory lose
+// (demo model, 2 rows an expert at batch 8). Larger ones come from memory, where the
+// tiles' strided reads lose to the row path's sequential ones below kTileMinRows.
+constexpr int64_t kSmallExpertFloats = int64_t{64} << 10;
+
+// Whether an expert with `rows` rows (or a work unit of that many) of hidden x inter
+// matrices runs register tiles.
+inline bool Tiled(int64_t rows, int64_t hidden, int64_t inter) {
+  return kTileMinRows > 0 && rows > 0 &&
+         (rows >= kTileMinRows || hidden * inter <= kSmallExpertFloats);
+}
 
 // out[r][0:n] = sum_k a[r][k] * w[k][0:n] for r < R; w is [K, n] row-major.
 template <int R>
@@ -115,7 +128,7 @@ void RunUnit(const Problem& p, int64_t u) {
   const int rows = p.unit_rows[u];
   const int32_t* copy = p.copies.data() + p.unit_start[u];
 #if JAXSERVE_HAVE_TILES
-  if (Tiled(rows)) return RunTileUnit(p, e, rows, copy);
+  if (Tiled(rows, h, i)) return RunTileUnit(p, e, rows, copy);
 #endif
   const float* a[kRows];
   float* out[kRows];
@@ -153,7 +166,7 @@ void PlanUnits(Problem& p, const int32_t* id, int64_t n, int64_t num_experts) {
   for (int64_t e = 0; e < num_experts; ++e) {
     const int32_t rows = count[e + 1] - count[e];
     int32_t step = kRows;
-    if (Tiled(rows)) {  // as few units as kUnitRows allows, each of kTileMinRows rows or more
+    if (Tiled(rows, p.hidden, p.inter)) {  // as few units as kUnitRows allows
       const int32_t units = (rows + kUnitRows - 1) / kUnitRows;
       step = (rows + units - 1) / units;
     }
@@ -189,6 +202,10 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
   PlanUnits(p, ids.typed_data(), n, num_experts);
   const int64_t units = static_cast<int64_t>(p.unit_expert.size());
+  if (static_cast<int64_t>(p.copies.size()) * 3 * p.hidden * p.inter < kMinParallelWork) {
+    for (int64_t u = 0; u < units; ++u) RunUnit(p, u);
+    return ffi::Error::Success();
+  }
   jaxserve::ShareUnits(pool, units, [state](int64_t u) { RunUnit(*state, u); });
   return ffi::Error::Success();
 }

@@ -329,7 +329,7 @@ int main(int argc, char** argv) {
         auto work = [state, rows_state, next, units, base] {
           for (int64_t u; (u = next->fetch_add(1)) < units;) {
             const Problem& q = *state;
-            if (!base && Tiled(q.unit_rows[u]))
+            if (!base && Tiled(q.unit_rows[u], q.hidden, q.inter))
               RunTileUnitVariant(q, q.unit_expert[u], q.unit_rows[u],
                                  q.copies.data() + q.unit_start[u]);
             else
