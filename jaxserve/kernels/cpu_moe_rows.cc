@@ -7,11 +7,12 @@
 // a block streams the expert's matrices once, row by row (sequential reads), into
 // accumulator rows that stay in L1. (Column tiles with the accumulators in registers,
 // reading the weights with a stride, measured 3-4x slower there; 8-row blocks tied
-// with 4.) An expert with kTileMinRows rows or more runs register tiles instead
-// (cpu_tile_matmul.h, AVX-512 or AVX2 builds): its rows in units of up to kUnitRows, each unit
-// streaming the expert's matrices once, 16 columns at a time for all its rows.
-// Work units (expert, row block) are shared with XLA's intra-op thread pool
-// (cpu_work_sharing.h).
+// with 4.) An expert with kTileMinRows rows or more, or with small matrices
+// (kSmallExpertFloats), runs register tiles instead (cpu_tile_matmul.h, AVX-512 or AVX2
+// builds): its rows in units of up to kUnitRows, each unit streaming the expert's
+// matrices once, 16 columns at a time for all its rows. Work units (expert, row block)
+// are shared with XLA's intra-op thread pool (cpu_work_sharing.h), unless the call is
+// under kMinParallelWork.
 
 #include <algorithm>
 #include <cmath>
