@@ -61,8 +61,8 @@ def check(field: str, address: str) -> None:
 def grpc_target_error(address: str) -> str | None:
     """What is wrong with `address` as a gRPC target: an http(s):// URL (as the HTTP API's
     ready line prints it) is no gRPC target, nor is an IPv6 literal without brackets
-    (::1:50051), and gRPC would say only "Misformatted domain name". None for any other
-    form."""
+    (::1:50051), and gRPC would say only "Misformatted domain name"; a host without a port
+    ("localhost"), which gRPC would dial on port 443. None for any other form."""
     error = port_error(address)
     if error is None and address.startswith(("http://", "https://")):
         error = (
@@ -71,6 +71,11 @@ def grpc_target_error(address: str) -> str | None:
         )
     elif error is None and _BARE_IPV6_PORT.match(address):
         error = f"an IPv6 host goes in brackets before the port ([::1]:50051), got {address}"
+    elif error is None and ":" not in address:  # gRPC would dial port 443
+        error = (
+            f"{address} has no port; the gRPC API takes HOST:PORT with serve's --port "
+            f"(e.g. {address or '127.0.0.1'}:50051)"
+        )
     return error
 
 

@@ -116,6 +116,20 @@ def test_a_grpc_client_given_an_http_url_says_to_give_host_port(command, url, ca
         JaxserveClient(url)
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["profile", "--out", "d"]])
+def test_a_grpc_client_given_a_host_without_a_port_says_to_give_one(command, capsys):
+    # gRPC dialled localhost:443 and the error named 443 (session 20's fresh-user trial).
+    from jaxserve.frontend.client import JaxserveClient
+
+    words = "localhost has no port; the gRPC API takes HOST:PORT with serve's --port"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--server", "localhost"])
+    assert e.value.code == 2
+    assert f"error: argument --server: {words} (e.g. localhost:50051)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"^target: {re.escape(words)}"):
+        JaxserveClient("localhost")
+
+
 def test_the_client_refuses_a_target_port_out_of_range():
     from jaxserve.frontend.client import JaxserveClient
 
