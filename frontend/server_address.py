@@ -9,8 +9,9 @@ a server on 34463).
     wait_until_resolves("frontend", "jaxserve-0.jaxserve", 60.0)  # a peer's name, at start
 
 Forms checked: HOST:PORT, [IPV6]:PORT, and a URL (scheme://HOST:PORT/...) as bench's
-http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) and a
-host without a port pass unchanged: gRPC and urllib name their own errors.
+http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) pass
+unchanged, as does a host without a port for the URL-taking tools; the gRPC ones refuse
+it (`grpc_target_error`: gRPC would dial port 443).
 """
 
 from __future__ import annotations
