@@ -43,4 +43,6 @@ while time.time() < deadline:
 sys.exit("server did not become ready within 600 s")
 PY
 
+# The prompt, then its completion on the same line, apart from the server's log above.
+printf '\n>>> %s' "$prompt"
 "$venv/bin/jaxserve" generate --server "127.0.0.1:$port" --max-tokens 48 --temperature 0 "$prompt"
