@@ -54,6 +54,12 @@ HIGHEST_PORT_OFFSET = 3
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 HEARTBEAT_TIMEOUT_ENV = "JAXSERVE_HEARTBEAT_TIMEOUT_S"
 
+# The environment variables that `resolve` reads for a run's place (the heartbeat's aside).
+RUN_VARIABLES = (
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+    "SLURM_PROCID", "SLURM_STEP_NODELIST", "JOB_COMPLETION_INDEX",
+)  # fmt: skip
+
 # Seconds jax.distributed.initialize waits for every process to join (JAX's default), and
 # as long for the coordinator's host name to resolve.
 INIT_TIMEOUT_S = 300
