@@ -6,6 +6,7 @@ one), exit 2, before any process starts."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -143,3 +144,36 @@ def test_a_compilation_cache_dir_that_cannot_be_one_is_refused_at_start(command,
     prefix = f"jaxserve {command[0]}: error: compilation-cache-dir: "
     assert len(lines) == 1 and lines[0].startswith(prefix), out.stderr
     assert "--compilation-cache-dir" in lines[0] and str(where) in lines[0]
+
+
+_RUN = {"coordinator-address": "127.0.0.1:7000", "num-processes": "2", "process-id": "1"}
+_RUN_FLAGS = [a for k, v in _RUN.items() for a in (f"--{k}", v)]
+_RUN_ENV = {f"JAX_{k.upper().replace('-', '_')}": v for k, v in _RUN.items()}
+
+
+@pytest.mark.parametrize(
+    "flags, env, named",
+    [
+        (_RUN_FLAGS, {}, "--coordinator-address, --num-processes, --process-id"),
+        ([], _RUN_ENV, "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
+        ([], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:7000"}, "JAX_COORDINATOR_ADDRESS"),
+    ],
+)
+def test_engine_refuses_a_multi_process_run(flags, env, named):
+    """A headless replica is one process. The flags were accepted and never reached its
+    engine process (a single-process replica joined); the variables did, and its engine
+    hung in jax.distributed.initialize. Both are now one line naming them, exit 2,
+    before the frontend is asked (nothing listens at --frontend: without the refusal
+    this ends after --handshake-timeout-s, exit 1)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve", "engine", "--frontend", "127.0.0.1:9",
+         "--handshake-timeout-s", "1", *flags],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in _RUN_ENV} | env,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        f"jaxserve engine: error: multi-process settings ({named}): a headless replica is "
+        "one process; a multi-process engine runs as `jaxserve serve` on every host with "
+        "these settings (README: Parallelism and multi-host)"
+    ], out.stderr

@@ -34,6 +34,7 @@ from server_harness import (
 
 from jaxserve import distributed
 from jaxserve.config import DEMO_MODEL_DIR
+from jaxserve.distributed import start_status
 from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
 from jaxserve.distributed.step_message import STOP
 
@@ -186,6 +187,15 @@ def test_distributed_settings_from_flags_and_environment():
         resolve("h:1", 2, 2, env={})
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):
         resolve(env={"JAX_NUM_PROCESSES": "two"})
+    # A port outside [1, 65532] (the run takes the coordinator's port and the 3 above it)
+    # is named at once; JAX took it and aborted after its 5-minute join wait.
+    for bad in ("localhost:0", "localhost:65536", "localhost:99999", "h:65533"):
+        with pytest.raises(ValueError, match=r"port \d+ is not in \[1, 65532\] \(--coordinator"):
+            resolve(bad, 2, 1, env={})
+        with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS"):
+            resolve(env={**env, "JAX_COORDINATOR_ADDRESS": bad})
+    assert resolve("h:65532", 2, 1, env={}).coordinator_port == 65532
+    assert distributed.settings.HIGHEST_PORT_OFFSET == start_status.START_STATUS_PORT_OFFSET
     assert distributed.first_slurm_host("node7,node8") == "node7"
     assert resolve(env=env).heartbeat_timeout_s == distributed.DEFAULT_HEARTBEAT_TIMEOUT_S
     assert resolve(env={**env, "JAXSERVE_HEARTBEAT_TIMEOUT_S": "7"}).heartbeat_timeout_s == 7
@@ -214,6 +224,7 @@ _CHANNEL_END = """
 import logging, sys, time
 from jaxserve.distributed import DistributedConfig
 from jaxserve.distributed.processes import exit_on_lost_peer
+from jaxserve.distributed import start_status
 from jaxserve.distributed.step_channel import StepPublisher, StepSubscriber
 logging.basicConfig(level="INFO")
 port, role = int(sys.argv[1]), sys.argv[2]

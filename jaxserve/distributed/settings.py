@@ -44,12 +44,21 @@ logger = logging.getLogger(__name__)
 
 # The step channel listens beside the coordinator: its port is the coordinator's + this.
 STEP_CHANNEL_PORT_OFFSET = 1
+# The highest port above the coordinator's that a run takes: the step channel's + 1 and
+# + 2, the failed leader's notice on + 3 (`start_status.START_STATUS_PORT_OFFSET`).
+HIGHEST_PORT_OFFSET = 3
 
 # Seconds without a heartbeat after which JAX declares a process dead. Short enough that a
 # lost host ends the run in well under a minute; long enough for a busy host's heartbeat
 # thread (it runs in C++, so neither the GIL nor a long compilation delays it).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 HEARTBEAT_TIMEOUT_ENV = "JAXSERVE_HEARTBEAT_TIMEOUT_S"
+
+# The environment variables that `resolve` reads for a run's place (the heartbeat's aside).
+RUN_VARIABLES = (
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+    "SLURM_PROCID", "SLURM_STEP_NODELIST", "JOB_COMPLETION_INDEX",
+)  # fmt: skip
 
 # Seconds jax.distributed.initialize waits for every process to join (JAX's default), and
 # as long for the coordinator's host name to resolve.
@@ -109,7 +118,8 @@ def resolve(
         then `DEFAULT_HEARTBEAT_TIMEOUT_S`.
 
     Raises:
-        ValueError: a partial or inconsistent setting (names the flag or variable).
+        ValueError: a partial or inconsistent setting, or a coordinator port outside
+            [1, 65535 - HIGHEST_PORT_OFFSET] (names the flag or variable).
     """
     env = os.environ if env is None else env
     address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
@@ -143,6 +153,14 @@ def resolve(
         raise ValueError(f"distributed: process id {index} is not in [0, {count})")
     if not re.fullmatch(r".+:\d+", address):
         raise ValueError(f"distributed: coordinator address {address!r} is not host:port")
+    port, top = int(address.rpartition(":")[2]), 65535 - HIGHEST_PORT_OFFSET
+    if not 1 <= port <= top:
+        # JAX takes any number and fails only after its 5-minute join wait, with an abort.
+        raise ValueError(
+            f"distributed: coordinator address {address!r}: port {port} is not in "
+            f"[1, {top}] (--coordinator-address or JAX_COORDINATOR_ADDRESS; the run also "
+            f"takes the {HIGHEST_PORT_OFFSET} ports above it)"
+        )
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = _int_env(env, HEARTBEAT_TIMEOUT_ENV)
     if heartbeat_timeout_s is None:

@@ -11,6 +11,11 @@ exactly the two children a local replica of `serve --replicas N` has
 the two processes' private ipc:// sockets). The frontend tokenizes and routes; this
 host's sidecar detokenizes, so it needs the same model folder (tokenizer included).
 
+A replica is one process: serve's multi-process flags (--coordinator-address ...), or a
+multi-process run set in the environment (JAX_NUM_PROCESSES ...), are refused at start
+with one line naming them, exit 2 (a multi-process engine is `jaxserve serve` on each
+host).
+
 It supervises its children and the handshake connection:
 - refused (another protocol version or model): one line naming the field, exit 2;
 - no answer from the frontend within --handshake-timeout-s (default 60 s): one line,
@@ -39,6 +44,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.frontend.server_address import join_host_port, wait_until_resolves
 from jaxserve.ipc import (
@@ -250,6 +256,7 @@ def cmd_engine(args) -> int:
     if ignored := _frontend_flags_given(args):
         logger.warning("ignored by jaxserve engine (the frontend's): %s", ", ".join(ignored))
     try:
+        _refuse_multi_process(args)
         frontend = host_port("frontend", args.frontend)
         refuse_ipv6("frontend", frontend[0])  # never answered: serve refuses to listen there
         if not args.handshake_timeout_s > 0:
@@ -272,6 +279,28 @@ def cmd_engine(args) -> int:
     except HeadlessError as e:
         print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
         return e.code
+
+
+def _refuse_multi_process(args) -> None:
+    """Raise ValueError (one line naming them) when serve's multi-process flags are given,
+    or the environment places this host in a multi-process run (`distributed.from_arguments`;
+    a partial setting too). A headless replica is one process: the flags never reached
+    its engine process (a single-process replica joined), and the variables did (its
+    engine waited in jax.distributed.initialize for peers that never come)."""
+    dests = ("coordinator_address", "num_processes", "process_id")
+    named = ["--" + d.replace("_", "-") for d in dests if getattr(args, d) is not None]
+    try:
+        run = distributed.from_arguments(args) is not None
+    except ValueError:
+        run = True  # partial: the engine process would fail on it, or wait
+    if not (named or run):
+        return
+    named += [v for v in distributed.settings.RUN_VARIABLES if os.environ.get(v)]
+    raise ValueError(
+        f"multi-process settings ({', '.join(named)}): a headless replica is one process; "
+        "a multi-process engine runs as `jaxserve serve` on every host with these "
+        "settings (README: Parallelism and multi-host)"
+    )
 
 
 # The serve flags outside the router's group that only the frontend reads (the
