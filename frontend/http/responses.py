@@ -169,8 +169,21 @@ async def _until_disconnect(
         if on_close is not None:
             on_close()
     if task.done() and not task.cancelled() and (e := task.exception()) is not None:
-        if not isinstance(e, OSError):  # a send to a client that is gone
+        if _client_gone(e):
+            logger.debug("response not sent: the client is gone (%s)", e)
+        else:
             logger.error("response failed", exc_info=e)
+
+
+def _client_gone(error: BaseException) -> bool:
+    """Whether `error` is a send to a client that closed its connection: an OSError
+    (uvicorn's ClientDisconnected is one), or uvloop's RuntimeError "unable to perform
+    operation on <TCPTransport closed=True ...>" when the transport closed under a
+    response of a pipelined request (a client that sent several requests on one
+    connection and closed it before reading their answers)."""
+    return isinstance(error, OSError) or (
+        isinstance(error, RuntimeError) and "closed=True" in str(error)
+    )
 
 
 class EventStreamResponse:
