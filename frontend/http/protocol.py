@@ -102,6 +102,10 @@ Count = Annotated[
     StrictInt | Annotated[StrictFloat, AfterValidator(_whole)],
     Field(union_mode="left_to_right"),
 ]
+# A number field (temperature, top_p, a logit_bias value, ...) takes a JSON number, an
+# integer too (1 -> 1.0); "0.5" and true are refused as the integer fields refuse them
+# (pydantic's lax float would parse the string, " 0 " included).
+Float = StrictFloat
 
 
 class StreamOptions(BaseModel):
@@ -118,21 +122,21 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None  # OpenAI's newer name of max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     n: Count | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: Int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None  # accepted and ignored
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields.
     top_k: Count | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool | None = None
     stop_token_ids: Annotated[list[Int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
