@@ -253,6 +253,20 @@ def test_raise_exception_is_a_messages_error(hf_tokenizer):
         ChatTemplate(LLAMA2_STYLE, special_tokens(TOKENIZER_CONFIG)).render(bad)
 
 
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("{% for i in range(10**9) %}{{ i }}{% endfor %}", "OverflowError: Range too big"),
+        ("{{ messages | length // 0 }}", "ZeroDivisionError: "),
+    ],
+)
+def test_any_error_the_template_raises_is_a_messages_error(source, error):
+    """Not only Jinja's own errors: the sandbox's OverflowError, Python's arithmetic."""
+    with pytest.raises(ChatTemplateError) as info:
+        ChatTemplate(source).render(CHATS["user"])
+    assert str(info.value).startswith(f"messages: the chat template failed: {error}")
+
+
 def test_the_sandbox_refuses_unsafe_attributes():
     import jinja2.exceptions
 

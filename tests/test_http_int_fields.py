@@ -2,7 +2,9 @@
 however written (8.0, 8e0: vLLM's lax pydantic models take it) as that int; 8.5, a
 float past 2**53, a string and a boolean are 400s naming the field. A count
 (protocol.Count: max_tokens, n, ...) takes a float past 2**53 as the integer it holds,
-for its range check to refuse by its limit."""
+for its range check to refuse by its limit. The number fields (protocol.Float:
+temperature, a logit_bias value, ...) take any JSON number and refuse a string and a
+boolean the same way."""
 
 import json
 from decimal import Decimal
@@ -85,3 +87,47 @@ def test_token_ids_written_as_integral_floats_are_ids():
 def test_a_token_id_that_is_no_integer_is_named_by_its_index(body, param):
     got, message = _refused(CompletionRequest, body)
     assert got == param and message.startswith(f"{param}: "), message
+
+
+# (model, body without the field, the field): every field declared Float, either endpoint.
+FLOAT_FIELDS = [
+    (model, base, field)
+    for model, base in (
+        (CompletionRequest, {"prompt": "a"}),
+        (ChatCompletionRequest, {"messages": CHAT}),
+    )
+    for field in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "model,base,field", FLOAT_FIELDS, ids=[f"{m.__name__}.{f}" for m, _, f in FLOAT_FIELDS]
+)
+def test_a_number_field_takes_numbers_and_refuses_strings_by_name(model, base, field):
+    for written, want in (("0.5", 0.5), ("0", 0.0), ("5e-1", 0.5)):
+        raw = json.dumps(base)[:-1] + f', "{field}": {written}}}'
+        assert getattr(parse_body(model, raw.encode()), field) == want, written
+    for sent in ("0", " 0 ", "0.5", "nan"):
+        assert _refused(model, {**base, field: sent}) == (
+            field, f"{field}: must be a number, got a string"
+        )  # fmt: skip
+    assert _refused(model, {**base, field: False}) == (
+        field, f"{field}: must be a number, got a boolean (false)"
+    )  # fmt: skip
+
+
+def test_a_logit_bias_value_that_is_no_number_is_named_by_its_key():
+    got = _parse(CompletionRequest, {"prompt": "a", "logit_bias": {"5": 1, "6": -0.5}})
+    assert got.logit_bias == {"5": 1.0, "6": -0.5}
+    for sent, kind in (("1", "a string"), (" 1 ", "a string"), (True, "a boolean (true)")):
+        body = {"prompt": "a", "logit_bias": {"5": 1.0, "7": sent}}
+        assert _refused(CompletionRequest, body) == (
+            "logit_bias.7", f"logit_bias.7: must be a number, got {kind}"
+        )  # fmt: skip

@@ -1,6 +1,7 @@
 """logit_bias has one rule on every path (gRPC, the OpenAI HTTP API, the offline
 SamplingParams): at most MAX_LOGIT_BIAS entries, each value in [-100, 100] as OpenAI's
-API requires, with the same message naming the field."""
+API requires, with the same message naming the field. Over HTTP a key is a string of
+ASCII digits (the JSON object's keys are strings; the other paths take ints)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from jaxserve.config import DEMO_MODEL_DIR
 from jaxserve.frontend.http.inputs import completion_requests
-from jaxserve.frontend.http.protocol import CompletionRequest, parse_body
+from jaxserve.frontend.http.protocol import CompletionRequest, FieldError, parse_body
 from jaxserve.frontend.proto import jaxserve_pb2 as pb
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.frontend.validation import ModelLimits, build_engine_request
@@ -69,3 +70,22 @@ def test_grpc_http_and_offline_agree(bias, error):
     assert _grpc(bias) == error
     assert _http(bias) == error
     assert _offline(bias) == error
+
+
+def _http_keys(bias: dict[str, float]) -> dict[int, float]:
+    """The token ids an HTTP body's logit_bias (string keys) becomes."""
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 4, "logit_bias": bias}
+    parsed = parse_body(CompletionRequest, json.dumps(body).encode())
+    (request,) = completion_requests(parsed, "r", LIMITS)
+    return dict(request.sampling.logit_bias)
+
+
+def test_http_keys_are_ascii_digits_only():
+    assert _http_keys({"0": 1.0, "10": -2.0, "007": 3.0}) == {0: 1.0, 10: -2.0, 7: 3.0}
+    for key in (" 1", "1 ", "+1", "-1", "1_0", "\uff11", "\u0661", "1.0", "0x1", "", "9" * 5000):
+        with pytest.raises(FieldError) as info:
+            _http_keys({"5": 1.0, key: 1.0})
+        assert info.value.param == f"logit_bias.{key}", key
+        assert (
+            str(info.value) == f"logit_bias.{key}: key {key!r} is not a token id (digits 0-9 only)"
+        )

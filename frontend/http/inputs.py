@@ -81,6 +81,19 @@ def _check_token_id(path: str, token_id: int, limits: ModelLimits) -> None:
         raise FieldError(path, token_id_error(path, token_id, limits.vocab_size))
 
 
+def _token_id_key(path: str, key: str) -> int:
+    """A logit_bias key as its token id. Only ASCII digits are one ("10", "007"): int()
+    would also take " 1", "+1", "1_0" (10) and full-width "１", none of which a client
+    means as a token id. Raises FieldError(path) for any other key, "-1" too (no token id
+    is negative), and for digits too many for int() (past the vocabulary anyway)."""
+    if key.isascii() and key.isdigit():
+        try:
+            return int(key)
+        except ValueError:  # more than sys.get_int_max_str_digits() digits
+            pass
+    raise FieldError(path, f"{path}: key {key!r} is not a token id (digits 0-9 only)")
+
+
 def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
     """The sampling fields both endpoints share, onto `request` (unset stays unset)."""
     s = request.sampling
@@ -104,10 +117,7 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
             raise FieldError("logit_bias", logit_bias_count_error(len(body.logit_bias)))
         for key, bias in body.logit_bias.items():
             path = f"logit_bias.{key}"  # as the body's type errors name a bad bias
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise FieldError(path, f"{path}: key {key!r} is not a token id") from None
+            token_id = _token_id_key(path, key)
             _check_token_id(path, token_id, limits)
             s.logit_bias[token_id] = bias
     if body.stop is not None:
