@@ -82,10 +82,14 @@ def _http_keys(bias: dict[str, float]) -> dict[int, float]:
 
 def test_http_keys_are_ascii_digits_only():
     assert _http_keys({"0": 1.0, "10": -2.0, "007": 3.0}) == {0: 1.0, 10: -2.0, 7: 3.0}
-    for key in (" 1", "1 ", "+1", "-1", "1_0", "\uff11", "\u0661", "1.0", "0x1", "", "9" * 5000):
+    for key in (" 1", "1 ", "+1", "1_0", "\uff11", "\u0661", "1.0", "0x1", "", "-", "9" * 5000):
         with pytest.raises(FieldError) as info:
             _http_keys({"5": 1.0, key: 1.0})
         assert info.value.param == f"logit_bias.{key}", key
         assert (
             str(info.value) == f"logit_bias.{key}: key {key!r} is not a token id (digits 0-9 only)"
         )
+    # "-1" is an id, out of range: worded by the range check, as over gRPC and offline.
+    with pytest.raises(FieldError) as info:
+        _http_keys({"-1": 1.0})
+    assert str(info.value).startswith("logit_bias.-1: token id -1 "), info.value

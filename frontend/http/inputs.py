@@ -82,11 +82,14 @@ def _check_token_id(path: str, token_id: int, limits: ModelLimits) -> None:
 
 
 def _token_id_key(path: str, key: str) -> int:
-    """A logit_bias key as its token id. Only ASCII digits are one ("10", "007"): int()
-    would also take " 1", "+1", "1_0" (10) and full-width "１", none of which a client
-    means as a token id. Raises FieldError(path) for any other key, "-1" too (no token id
-    is negative), and for digits too many for int() (past the vocabulary anyway)."""
-    if key.isascii() and key.isdigit():
+    """A logit_bias key as its token id. Only ASCII digits, with an optional "-", make one
+    ("10", "007", "-1"): int() would also take " 1", "+1", "1_0" (10) and full-width "１",
+    none of which a client means as a token id. A negative id is returned for the range
+    check, which words it as gRPC and offline do ("token id -1 is outside ...").
+    Raises FieldError(path) for any other key, and for digits too many for int() (past
+    the vocabulary anyway)."""
+    digits = key.removeprefix("-")
+    if digits.isascii() and digits.isdigit():
         try:
             return int(key)
         except ValueError:  # more than sys.get_int_max_str_digits() digits
