@@ -222,10 +222,10 @@ class SamplingParams:
             raise ValueError(logit_bias_count_error(len(self.logit_bias)))
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id)
-            if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise ValueError(token_id_error(f"logit_bias.{token_id}", token_id, vocab_size))
-            # A value is named by its key (logit_bias.5), as the HTTP API's body path.
+            # Named by its key (logit_bias.5), as the HTTP API's body path.
             name = f"logit_bias.{token_id}"
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise ValueError(token_id_error(name, token_id, vocab_size))
             if not isinstance(bias, Real):
                 raise ValueError(f"{name}: the bias of token {token_id} is not a number")
             _check_float32(name, bias, f"the bias of token {token_id}")

@@ -69,20 +69,20 @@ def _is_integral_float(value: Any) -> bool:
     return isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_EXACT_FLOAT
 
 
-def _integral(value: float) -> int:
-    """A JSON number written with a fraction or an exponent that is an integer (8.0, 1e3)
-    as that int. Raises pydantic's int_from_float error otherwise (8.5, 1e30: past 2**53
-    a float is no exact integer)."""
-    if _is_integral_float(value):
-        return int(value)
-    raise PydanticCustomError("int_from_float", "Input should be a valid integer")
-
-
 def _whole(value: float) -> int:
     """An integral float, past 2**53 too, as the integer it holds exactly (1e16 ->
     10**16). Raises pydantic's int_from_float error for 8.5, inf and nan."""
     if value.is_integer():
         return int(value)
+    raise PydanticCustomError("int_from_float", "Input should be a valid integer")
+
+
+def _integral(value: float) -> int:
+    """A JSON number written with a fraction or an exponent that is an integer (8.0, 1e3)
+    as that int (`_whole`), within 2**53. Raises pydantic's int_from_float error
+    otherwise (8.5, 1e30: past 2**53 a float is no exact integer)."""
+    if abs(value) <= _MAX_EXACT_FLOAT:
+        return _whole(value)
     raise PydanticCustomError("int_from_float", "Input should be a valid integer")
 
 
