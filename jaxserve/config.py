@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # The demo model ships inside the package so `jaxserve serve` with no --model serves it.
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -30,12 +33,16 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
     """The engine dtype for `--dtype`: `dtype` itself, or for "auto" the checkpoint's
-    (`config.json` "dtype", transformers 5.x, or "torch_dtype", 4.x) when it is one of
-    `DTYPES`, else float32. Unlike vLLM's auto, a float32 checkpoint stays float32 (the
-    CPU, where this project tests, has no fast half precision). A missing or unreadable
-    config.json gives float32 here: the model's own checks report it.
+    (`config.json` "dtype", transformers 5.x, or "torch_dtype", 4.x; a "torch." prefix
+    is dropped) when it is one of `DTYPES`, else float32. Unlike vLLM's auto, a float32
+    checkpoint stays float32 (the CPU, where this project tests, has no fast half
+    precision). Another torch dtype (int8, float64, float8_e4m3fn, ...) gives float32
+    with a WARNING; a missing or unreadable config.json gives float32 here: the model's
+    own checks report it.
 
-    Raises ValueError naming `dtype` when it is not in `DTYPE_CHOICES`.
+    Raises ValueError naming `dtype` when it is not in `DTYPE_CHOICES`, and naming
+    config.json's key when "auto" finds a string there that is no torch dtype (a typo
+    such as "bfloat61" would otherwise be served as float32 without a word).
     """
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
@@ -45,8 +52,35 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
         hf = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return "float32"
-    found = hf.get("dtype") or hf.get("torch_dtype") if isinstance(hf, dict) else None
-    return found if found in DTYPES else "float32"
+    if not isinstance(hf, dict):
+        return "float32"
+    key = "dtype" if hf.get("dtype") else "torch_dtype"
+    found = hf.get(key)
+    if not isinstance(found, str):  # absent, or per sub-config (a dict): not ours to read
+        return "float32"
+    name = found.removeprefix("torch.")
+    name = {"float": "float32", "half": "float16"}.get(name, name)  # torch's aliases
+    if name in DTYPES:
+        return name
+    if name not in _OTHER_TORCH_DTYPES:
+        raise ValueError(
+            f"config.json: {key} {found!r} is not a dtype (expected one of "
+            f"{', '.join(DTYPES)}); fix it or give --dtype"
+        )
+    logger.warning(
+        "config.json: %s %s is not served; serving float32 (give --dtype to choose one of %s)",
+        key, found, ", ".join(DTYPES),
+    )  # fmt: skip
+    return "float32"
+
+
+# torch dtype names (`str(torch.dtype)` without "torch.") that the engine does not run:
+# `resolve_dtype` serves such a checkpoint as float32.
+_OTHER_TORCH_DTYPES = frozenset(
+    "float64 double complex32 complex64 complex128 cfloat cdouble bool uint8 "
+    "uint16 uint32 uint64 int8 int16 short int32 int int64 long float8_e4m3fn "
+    "float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2".split()
+)
 
 
 # The KV cache's share of the memory left after the weights on a GPU, by default.

@@ -112,6 +112,24 @@ def test_dtype_auto_reads_the_checkpoint(tmp_path):
         assert _config(str(tmp_path)).dtype == want
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))  # transformers 5
     assert _config(str(tmp_path)).dtype == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "torch.float16"}))
+    assert _config(str(tmp_path)).dtype == "float16"
+
+
+def test_dtype_auto_refuses_a_config_dtype_that_is_no_dtype(tmp_path, caplog):
+    """A typo in config.json's dtype is one error naming the key, not float32 in silence;
+    a real torch dtype the engine does not run is float32 with a WARNING naming it; an
+    explicit --dtype needs no config dtype at all."""
+    from jaxserve.config import resolve_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat61"}))
+    with pytest.raises(ValueError, match=r"config.json: dtype 'bfloat61' is not a dtype"):
+        resolve_dtype("auto", tmp_path)
+    assert resolve_dtype("bfloat16", tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float8_e4m3fn"}))
+    with caplog.at_level("WARNING", logger="jaxserve.config"):
+        assert resolve_dtype("auto", tmp_path) == "float32"
+    assert "torch_dtype float8_e4m3fn is not served; serving float32" in caplog.text
     assert _config(str(tmp_path), "--dtype", "float32").dtype == "float32"
     assert _config("--dtype", "float16").dtype == "float16"
 
