@@ -74,11 +74,27 @@ def _copy_side_files(model_dir: Path, out_dir: Path) -> None:
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
     """Register `jaxserve convert` on the CLI's subparsers."""
-    c = sub.add_parser("convert", help="convert a HF model folder to an Orbax checkpoint")
-    c.add_argument("--model", required=True, help="HF model folder")
-    c.add_argument("--out", required=True, help="output folder")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    c.add_argument("--mesh", default="dp=1,tp=1", help="shard while converting, e.g. dp=2,tp=4")
+    c = sub.add_parser(
+        "convert",
+        help="convert a HF model folder to an Orbax checkpoint",
+        description="Convert a Hugging Face model folder (config.json, safetensors) into an "
+        "Orbax checkpoint that `jaxserve serve --model OUT` restores straight onto its "
+        "shards, on any mesh; the tokenizer and config files are copied beside it.",
+    )
+    c.add_argument("--model", required=True, help="the Hugging Face model folder to read")
+    c.add_argument("--out", required=True, help="the folder to write (must hold no checkpoint)")
+    c.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the stored parameter dtype (default float32)",
+    )
+    c.add_argument(
+        "--mesh",
+        default="dp=1,tp=1",
+        help="devices to shard over while converting, e.g. dp=2,tp=4 (default one device); "
+        "the checkpoint restores onto any mesh",
+    )
     c.set_defaults(func=_cmd_convert)
 
 
