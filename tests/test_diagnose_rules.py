@@ -132,3 +132,14 @@ def test_step_agreement_ranks_after_parallelism_and_before_queue_and_hardware():
         "scheduling (queue)",
         "hardware / kernel",
     ], result.render()
+
+
+def test_kv_starvation_ranks_before_shapes_still_compiling():
+    """Preemptions while shapes still compile in the background: memory is the suspect,
+    start-up second (the pool's size is fixed at start; compiling does not fill it)."""
+    end = _leader(agreement_s=0.0, wait_s=5.0, num_preemptions=26, warmup_pending_shapes=9)
+    result = diagnose_window(_window(end), "test")
+    layers = [f.layer for f in result.findings]
+    assert layers[:2] == ["memory (KV cache)", "start-up (background compilation)"], layers
+    assert result.findings[0].numbers["preemptions"] == 26
+    assert result.findings[1].numbers["warmup_pending_shapes"] == 9

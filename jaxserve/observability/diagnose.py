@@ -5,9 +5,13 @@ parallelism, application, router), applied in this order to one window of metric
 (`Window`: the change of every counter and histogram between the first and the last of
 several scrapes of `--metrics-port`, and the highest value each gauge took):
 
-0. start-up: step shapes still compiling in the background (the step budget is held to
-   the compiled shapes, and the compile threads take CPU from the engine);
-1. memory: preemptions in the window, or KV blocks in use near the pool's size;
+0. memory: preemptions in the window, or KV blocks in use near the pool's size. First,
+   before start-up: the pool's size is fixed at start, so KV blocks running out is not
+   an effect of compiling (a fresh-user trial had 26 preemptions named second, behind 9
+   shapes still compiling);
+1. start-up: step shapes still compiling in the background (the step budget is held to
+   the compiled shapes, and the compile threads take CPU from the engine: effects the
+   branches below would take for their own);
 2. application: the frontend or the detokenizer sidecar near a whole core of CPU
    (`PROCESS_CORE_FULL`, `observability.process_cpu`: one Python process can use no
    more, and the streams queue behind it); the detokenizer lag (engine output ->
@@ -116,19 +120,7 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
         return Diagnosis(source, [], summary, note)
     findings: list[Finding] = []
 
-    # 0. start-up: background compilation still running
-    pending = w.max("jaxserve_engine_warmup_pending_shapes")
-    if pending > 0:
-        findings.append(Finding(
-            "start-up (background compilation)", "step shapes are still compiling: steps "
-            "are held to the compiled shapes and the compile threads take the engine's CPU",
-            {"warmup_pending_shapes": pending},
-            "diagnose again after the log line 'all N step shapes compiled' (or once "
-            "jaxserve_engine_warmup_pending_shapes is 0); --compile-all-at-start compiles "
-            "every shape before serving",
-        ))  # fmt: skip
-
-    # 1. memory
+    # 0. memory
     total = w.gauge("jaxserve_kv_blocks_total")
     used_peak = w.max("jaxserve_kv_blocks_used")
     if w.delta("jaxserve_kv_blocks_used_max") > 0:  # a new high-water mark, between scrapes
@@ -143,6 +135,18 @@ def diagnose_window(w: Window, source: str) -> Diagnosis:
             "more KV blocks (--num-blocks, --gpu-memory-utilization, a smaller --block-size "
             "waste) or fewer sequences at once (--max-num-seqs); prefix caching shares "
             "prompts' blocks",
+        ))  # fmt: skip
+
+    # 1. start-up: background compilation still running
+    pending = w.max("jaxserve_engine_warmup_pending_shapes")
+    if pending > 0:
+        findings.append(Finding(
+            "start-up (background compilation)", "step shapes are still compiling: steps "
+            "are held to the compiled shapes and the compile threads take the engine's CPU",
+            {"warmup_pending_shapes": pending},
+            "diagnose again after the log line 'all N step shapes compiled' (or once "
+            "jaxserve_engine_warmup_pending_shapes is 0); --compile-all-at-start compiles "
+            "every shape before serving",
         ))  # fmt: skip
 
     # 2. application: a process near a core, then lags (the CPU names a cause, a lag
