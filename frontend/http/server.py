@@ -245,7 +245,8 @@ class MalformedRequestLog(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self._warning = CountedWarning(
-            "refused %d malformed HTTP request(s) with 400 (such as a bad Content-Length)"
+            "refused %d malformed HTTP request(s) with 400 (such as a bad Content-Length, or "
+            "a gRPC client given the HTTP port)"
         )
 
     def filter(self, record: logging.LogRecord) -> bool:
