@@ -3,10 +3,11 @@
 `uvicorn.Server.serve()` would install its own SIGINT/SIGTERM handlers and own the loop's
 lifetime; here the launcher owns both, so the server is driven through its parts:
 `startup(sockets=...)` on a socket bound here (so that port 0 reports the port it got and a
-busy port is an error naming the flag), `main_loop()` as a task (it refreshes the Date
-header and watches `should_exit`), and `shutdown()` on stop. uvicorn's own logging set-up
-is skipped (log_config=None): its loggers propagate to jaxserve's handlers, and access
-lines are off.
+busy port is an error naming the flag), its `on_tick` once a second as a task (`_ticks`:
+it refreshes the Date header; uvicorn's `main_loop` would wake ten times a second to
+watch `should_exit`, which nothing here needs), and `shutdown()` on stop. uvicorn's own
+logging set-up is skipped (log_config=None): its loggers propagate to jaxserve's
+handlers, and access lines are off.
 
 A request uvicorn's HTTP parser (httptools, else h11) refuses, such as a Content-Length
 that is not a number or given twice, is answered by uvicorn itself, before any ASGI app
@@ -316,7 +317,7 @@ class HttpServer:
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[self._sock])
         self._server = server
-        self._ticker = asyncio.create_task(server.main_loop(), name="http-server-ticks")
+        self._ticker = asyncio.create_task(_ticks(server), name="http-server-ticks")
         return self._sock.getsockname()[1]
 
     async def stop(self, grace_s: float) -> None:
@@ -330,6 +331,17 @@ class HttpServer:
             counted.flush()
         server.should_exit = True
         if self._ticker is not None:
+            self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
         server.config.timeout_graceful_shutdown = grace_s
         await server.shutdown(sockets=[self._sock])
+
+
+async def _ticks(server: uvicorn.Server) -> None:
+    """Run `server.on_tick` (counter 0: its once-a-second work, the Date header) at each
+    whole second of the wall clock, until cancelled: the header turns to the next second
+    within the event loop's timer slack (milliseconds); uvicorn's own loop turns it every
+    tenth 0.1 s sleep, up to a second late."""
+    while True:
+        await server.on_tick(0)
+        await asyncio.sleep(1.0 - time.time() % 1.0)
