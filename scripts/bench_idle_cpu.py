@@ -99,7 +99,8 @@ def run_one(tree: str, args: argparse.Namespace) -> dict[str, float]:
                 warm["done"] = True
 
     started = time.monotonic()
-    server = _Serve(cmd, stdout=subprocess.DEVNULL, env=env)
+    # cwd too: `python -m` puts the working folder ahead of PYTHONPATH on sys.path.
+    server = _Serve(cmd, stdout=subprocess.DEVNULL, env=env, cwd=tree)
     try:
         if not server.ready.wait(args.ready_timeout):
             raise RuntimeError("not ready:\n" + "".join(server.log[-20:]))
@@ -107,6 +108,9 @@ def run_one(tree: str, args: argparse.Namespace) -> dict[str, float]:
         while not warm["done"] and time.monotonic() < deadline:
             time.sleep(0.5)
         pids = _roles(server.proc.pid)
+        # The demo model's path comes from the jaxserve imported: this tree's, not another.
+        if str(Path(tree).resolve()) not in open(f"/proc/{pids['engine']}/cmdline").read():
+            raise RuntimeError(f"the engine did not import jaxserve from {tree}")
         row = {f"warmup_{r}_s": _cpu_s(p) for r, p in pids.items()}
         row["warmup_wall_s"] = time.monotonic() - started
         time.sleep(args.settle)
