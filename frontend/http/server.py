@@ -93,8 +93,10 @@ MALFORMED_WARNING_INTERVAL_S = 60.0
 
 class JsonErrorProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP protocol, whose 400 for a request its parser refuses is JSON in the
-    API's error shape (the connection closes after it, as uvicorn's own 400 does), and
-    which keeps open connections under `MAX_HTTP_CONNECTIONS` (module docstring)."""
+    API's error shape (the connection closes after it, as uvicorn's own 400 does), which
+    keeps open connections under `MAX_HTTP_CONNECTIONS` (module docstring), and which
+    tells every request of a closed connection that its client is gone, pipelined ones
+    included (`connection_lost`)."""
 
     # loop.time() since when the connection has had no request in progress; None while
     # one is (from its first bytes to its response's end).
@@ -104,6 +106,13 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # httptools: the requests of this connection whose responses have not ended. With
+        # pipelining (several requests sent before the first answer) uvicorn's
+        # connection_lost tells only the last one parsed (queued) that its client is gone;
+        # the one running computed its whole answer, sent it into the closed transport
+        # and ended "without completing response" (uvicorn's ERROR). connection_lost
+        # tells them all here.
+        self._open_cycles: list = []
         self.idle_since = self.loop.time()
         if len(self.connections) <= MAX_HTTP_CONNECTIONS:
             return
@@ -133,6 +142,10 @@ class JsonErrorProtocol(AutoHTTPProtocol):
         # .cut`): close() would wait for a client that does not read to take the buffer.
         self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.reset
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)  # httptools' request; h11 makes its own later
+        if cycle is not None:
+            self._open_cycles = [c for c in self._open_cycles if not c.response_complete]
+            self._open_cycles.append(cycle)
 
     def reset(self) -> None:
         """Drop the connection now with a TCP reset, what the kernel and the transport
@@ -159,6 +172,11 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
+        for cycle in self._open_cycles:
+            if not cycle.response_complete:  # as uvicorn does for the last one
+                cycle.disconnected = True
+                cycle.message_event.set()  # its receive() returns http.disconnect
+        self._open_cycles = []
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
