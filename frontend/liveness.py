@@ -2,7 +2,8 @@
 
 The engine loop sends an `ipc.Heartbeat` every `engine.control.HEARTBEAT_INTERVAL_S`,
 idle or busy (between steps); the sidecar forwards it with its outputs and sends its
-own. `watch_liveness` checks both every `CHECK_INTERVAL_S`: when one has been silent for
+own. `watch_liveness` checks both when the older of their last heartbeats turns as old as
+the stall timeout (while stalled: every `CHECK_INTERVAL_S`): when one has been silent for
 longer than the stall timeout (--stall-timeout-s), the server is stalled (health
 NOT_SERVING; new requests UNAVAILABLE naming the silent process; open streams end with
 UNAVAILABLE, their aborts queued for the engine: `AsyncEngineClient.mark_stalled`).
@@ -23,6 +24,7 @@ from jaxserve.frontend.engine_client import AsyncEngineClient
 DEFAULT_STALL_TIMEOUT_S = 30.0  # a healthy engine step takes far less (no compiles
 # after warm-up); the first heartbeat after a stop proves the process is back
 CHECK_INTERVAL_S = 0.25
+_PROCESSES = ("detokenizer", "engine")  # the silent sidecar is named first (docstring)
 
 
 def stalled_process(
@@ -31,7 +33,7 @@ def stalled_process(
     """Why the server is stalled, or None. last_heartbeat: process -> monotonic time of
     its last heartbeat; since: when watching began (the baseline of a process not heard
     from yet)."""
-    for process in ("detokenizer", "engine"):
+    for process in _PROCESSES:
         silent = now - max(last_heartbeat.get(process, since), since)
         if silent > timeout_s:
             return (
@@ -51,7 +53,14 @@ async def watch_liveness(
     Call once the engine is ready."""
     since = time.monotonic()
     while True:
-        await asyncio.sleep(check_interval_s)
+        # Serving: no stall can be declared before the oldest heartbeat is timeout_s old,
+        # so sleep till then (an idle server wakes for nothing in between). Stalled: check
+        # every check_interval_s, for the first heartbeat back.
+        wait_s = check_interval_s
+        if engine.stalled_reason is None:
+            oldest = min(max(engine.last_heartbeat.get(p, since), since) for p in _PROCESSES)
+            wait_s = max(check_interval_s, oldest + timeout_s - time.monotonic())
+        await asyncio.sleep(wait_s)
         if engine.dead_reason is not None:
             return  # a dead child: the launcher reports it
         reason = stalled_process(engine.last_heartbeat, since, time.monotonic(), timeout_s)

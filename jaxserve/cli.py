@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from jaxserve import convert, distributed, generate_cli
 from jaxserve.benchmark import cli as bench_cli
@@ -106,7 +107,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         dist = distributed.from_arguments(args)
         if dist is not None:
-            distributed.check_coordinator_host(dist)
+            # One wait for the coordinator: its name resolves, then (a follower) its port
+            # accepts; a pod's name resolves only once the pod runs.
+            wait_s = distributed.init_timeout_s()
+            deadline = time.monotonic() + wait_s
+            distributed.check_coordinator_host(dist, wait_s)
     except ValueError as e:
         return _fail(e, 2)
     if dist is not None and not dist.is_leader:
@@ -130,6 +135,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Processes 1..N-1 serve no clients: they run process 0's steps, in this process.
         from jaxserve.distributed.processes import run_follower
 
+        try:  # before jax.distributed.initialize, which aborts in C++ when it never answers
+            distributed.wait_for_coordinator(dist, max(0.0, deadline - time.monotonic()))
+        except ValueError as e:
+            return _fail(e, 2)
         return run_follower(config, dist)
     # The engine process joins the run where this process stands (heartbeat included).
     dist_args = dist.to_arguments() if dist is not None else []

@@ -53,6 +53,7 @@ from jaxserve.frontend.server import FrontendServer
 from jaxserve.frontend.server_address import join_host_port
 from jaxserve.frontend.tokenizer import load_tokenizer
 from jaxserve.ipc import IpcAddresses
+from jaxserve.lifetime import wait_any_exit
 from jaxserve.logs import (
     EXIT_BAD_SETTING,
     EXIT_SYSTEM_REFUSED,
@@ -378,8 +379,5 @@ async def _child_died(server: FrontendServer, reason: str, stopping: asyncio.Tas
 
 async def _watch_children(children: list[_Child]) -> str:
     """Returns a description of the first child to exit."""
-    while True:
-        for child in children:
-            if child.process.poll() is not None:
-                return child.describe_exit()
-        await asyncio.sleep(CHILD_POLL_INTERVAL_S)
+    first = await wait_any_exit([child.process for child in children], CHILD_POLL_INTERVAL_S)
+    return children[first].describe_exit()

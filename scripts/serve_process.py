@@ -23,13 +23,18 @@ class ServeProcess:
 
     ready: set when the server logs "jaxserve ready"; log: its stderr lines so far.
     stdout: where its stdout goes (None: this process's). stop_timeout_s: seconds
-    `stop()` waits after SIGTERM before SIGKILL. Subclasses see every stderr line in
+    `stop()` waits after SIGTERM before SIGKILL. env, cwd: its environment and working
+    folder (None: this process's). Subclasses see every stderr line in
     `on_line` (called from the reader thread; set what it uses before this __init__).
     """
 
-    def __init__(self, cmd: list[str], stdout=None, stop_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, cmd: list[str], stdout=None, stop_timeout_s: float = 30.0, env=None, cwd=None
+    ) -> None:
         self.stop_timeout_s = stop_timeout_s
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=stdout, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=stdout, text=True, env=env, cwd=cwd
+        )
         self.ready = threading.Event()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

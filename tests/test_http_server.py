@@ -8,8 +8,9 @@ import json
 import logging
 
 
-def _serve(app, run, on_busy=None):
-    """Start an HttpServer of `app` (and `on_busy`) on a free port, await run(port), stop it."""
+def _serve(app, run, on_busy=None, loop_factory=None):
+    """Start an HttpServer of `app` (and `on_busy`) on a free port, await run(port), stop it
+    (in an event loop of `loop_factory`, None: asyncio's default)."""
     from jaxserve.frontend.http import server as http_server
 
     async def go():
@@ -20,7 +21,7 @@ def _serve(app, run, on_busy=None):
         finally:
             await srv.stop(1.0)
 
-    return asyncio.run(go())
+    return asyncio.run(go(), loop_factory=loop_factory)
 
 
 def _get(port: int, head: bytes = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n") -> bytes:
@@ -204,3 +205,50 @@ def test_a_counted_warning_reports_a_burst_within_its_interval_without_another_e
         assert said() == ["1 things happened", "3 things happened", "1 things happened"]
     debug = [r for r in caplog.records if r.getMessage() == "a thing"]
     assert len(debug) == 5 and all(r.levelno == logging.DEBUG for r in debug)
+
+
+def test_a_client_that_pipelines_requests_then_closes_is_gone_for_the_running_one(caplog):
+    """Three requests pipelined on one connection; the client reads the first answer's
+    start and closes while the second is computed. uvicorn told only the last parsed
+    request (queued) that its client left: the second computed its whole answer, sent it
+    into the closed transport, and uvicorn logged ERROR "ASGI callable returned without
+    completing response." (a fresh-user trial; under uvloop, the server's loop). Now the
+    second's work is cancelled when the connection closes, and nothing is an ERROR."""
+    import socket
+
+    import uvloop
+
+    from jaxserve.frontend.http.responses import DeferredJSONResponse
+
+    events = []
+
+    async def compute():
+        k = 1 + sum(e.startswith("started") for e in events)
+        events.append(f"started {k}")
+        try:
+            await asyncio.sleep(0.1 if k == 1 else 2.0)
+        except asyncio.CancelledError:
+            events.append(f"cancelled {k}")
+            raise
+        events.append(f"finished {k}")
+        return {"ok": True}
+
+    async def app(scope, receive, send):
+        await DeferredJSONResponse(compute, on_close=lambda: events.append("closed"))(
+            scope, receive, send
+        )
+
+    async def run(port):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n" * 3)
+            await asyncio.sleep(0.5)  # the first answered, the second being computed
+            assert s.recv(50).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(2.0)  # as long as the second's answer would have taken
+
+    with caplog.at_level(logging.DEBUG):
+        _serve(app, run, loop_factory=uvloop.new_event_loop)
+    work = [e for e in events if e != "closed"]
+    assert work == ["started 1", "finished 1", "started 2", "cancelled 2"], events
+    assert events.count("closed") == 2, events  # each response's on_close, once
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors

@@ -327,6 +327,19 @@ def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy)
     assert "process 0 (the leader) failed to start: port: cannot bind" in line
 
 
+def test_follower_without_a_leader_ends_in_one_line_naming_the_coordinator():
+    """Process 1 of 2 with no process 0: it waited in jax.distributed.initialize for 300 s,
+    then aborted with a C++ stack trace. Now it waits for the coordinator's port
+    (JAXSERVE_INIT_TIMEOUT_S: 2 s here) and ends with one line, exit code 2."""
+    run = ("--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2")
+    env = {"JAX_PLATFORMS": "cpu", "JAXSERVE_INIT_TIMEOUT_S": "2", **HOLD_ENV}
+    code, lines = serve(*run, "--process-id", "1", env=env)
+    assert code == 2
+    line = one_error_line(lines)
+    assert "nothing accepted a connection (Connection refused) within 2 s" in line, line
+    assert "--coordinator-address" in line
+
+
 def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     """Process 0's engine fails after jax.distributed.initialize (its checkpoint lacks a
     tensor; the follower's is whole): the follower, already in the run's start-up, ends

@@ -3,10 +3,11 @@
 `uvicorn.Server.serve()` would install its own SIGINT/SIGTERM handlers and own the loop's
 lifetime; here the launcher owns both, so the server is driven through its parts:
 `startup(sockets=...)` on a socket bound here (so that port 0 reports the port it got and a
-busy port is an error naming the flag), `main_loop()` as a task (it refreshes the Date
-header and watches `should_exit`), and `shutdown()` on stop. uvicorn's own logging set-up
-is skipped (log_config=None): its loggers propagate to jaxserve's handlers, and access
-lines are off.
+busy port is an error naming the flag), its `on_tick` once a second as a task (`_ticks`:
+it refreshes the Date header; uvicorn's `main_loop` would wake ten times a second to
+watch `should_exit`, which nothing here needs), and `shutdown()` on stop. uvicorn's own
+logging set-up is skipped (log_config=None): its loggers propagate to jaxserve's
+handlers, and access lines are off.
 
 A request uvicorn's HTTP parser (httptools, else h11) refuses, such as a Content-Length
 that is not a number or given twice, is answered by uvicorn itself, before any ASGI app
@@ -92,8 +93,10 @@ MALFORMED_WARNING_INTERVAL_S = 60.0
 
 class JsonErrorProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP protocol, whose 400 for a request its parser refuses is JSON in the
-    API's error shape (the connection closes after it, as uvicorn's own 400 does), and
-    which keeps open connections under `MAX_HTTP_CONNECTIONS` (module docstring)."""
+    API's error shape (the connection closes after it, as uvicorn's own 400 does), which
+    keeps open connections under `MAX_HTTP_CONNECTIONS` (module docstring), and which
+    tells every request of a closed connection that its client is gone, pipelined ones
+    included (`connection_lost`)."""
 
     # loop.time() since when the connection has had no request in progress; None while
     # one is (from its first bytes to its response's end).
@@ -103,6 +106,13 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # httptools: the requests of this connection whose responses have not ended. With
+        # pipelining (several requests sent before the first answer) uvicorn's
+        # connection_lost tells only the last one parsed (queued) that its client is gone;
+        # the one running computed its whole answer, sent it into the closed transport
+        # and ended "without completing response" (uvicorn's ERROR). connection_lost
+        # tells them all here.
+        self._open_cycles: list = []
         self.idle_since = self.loop.time()
         if len(self.connections) <= MAX_HTTP_CONNECTIONS:
             return
@@ -132,6 +142,10 @@ class JsonErrorProtocol(AutoHTTPProtocol):
         # .cut`): close() would wait for a client that does not read to take the buffer.
         self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.reset
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)  # httptools' request; h11 makes its own later
+        if cycle is not None:
+            self._open_cycles = [c for c in self._open_cycles if not c.response_complete]
+            self._open_cycles.append(cycle)
 
     def reset(self) -> None:
         """Drop the connection now with a TCP reset, what the kernel and the transport
@@ -158,6 +172,11 @@ class JsonErrorProtocol(AutoHTTPProtocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
+        for cycle in self._open_cycles:
+            if not cycle.response_complete:  # as uvicorn does for the last one
+                cycle.disconnected = True
+                cycle.message_event.set()  # its receive() returns http.disconnect
+        self._open_cycles = []
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
@@ -317,7 +336,7 @@ class HttpServer:
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[self._sock])
         self._server = server
-        self._ticker = asyncio.create_task(server.main_loop(), name="http-server-ticks")
+        self._ticker = asyncio.create_task(_ticks(server), name="http-server-ticks")
         return self._sock.getsockname()[1]
 
     async def stop(self, grace_s: float) -> None:
@@ -331,6 +350,17 @@ class HttpServer:
             counted.flush()
         server.should_exit = True
         if self._ticker is not None:
+            self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
         server.config.timeout_graceful_shutdown = grace_s
         await server.shutdown(sockets=[self._sock])
+
+
+async def _ticks(server: uvicorn.Server) -> None:
+    """Run `server.on_tick` (counter 0: its once-a-second work, the Date header) at each
+    whole second of the wall clock, until cancelled: the header turns to the next second
+    within the event loop's timer slack (milliseconds); uvicorn's own loop turns it every
+    tenth 0.1 s sleep, up to a second late."""
+    while True:
+        await server.on_tick(0)
+        await asyncio.sleep(1.0 - time.time() % 1.0)

@@ -26,8 +26,10 @@ from jaxserve.distributed.settings import (
     check_coordinator_host,
     first_slurm_host,
     from_arguments,
+    init_timeout_s,
     initialize,
     resolve,
+    wait_for_coordinator,
 )
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "check_coordinator_host",
     "first_slurm_host",
     "from_arguments",
+    "init_timeout_s",
     "initialize",
     "resolve",
+    "wait_for_coordinator",
 ]

@@ -35,6 +35,8 @@ import argparse
 import logging
 import os
 import re
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -61,8 +63,12 @@ RUN_VARIABLES = (
 )  # fmt: skip
 
 # Seconds jax.distributed.initialize waits for every process to join (JAX's default), and
-# as long for the coordinator's host name to resolve.
+# as long for the coordinator's host name to resolve and its port to accept connections
+# (`init_timeout_s`: JAXSERVE_INIT_TIMEOUT_S sets it).
 INIT_TIMEOUT_S = 300
+INIT_TIMEOUT_ENV = "JAXSERVE_INIT_TIMEOUT_S"
+# Seconds between a follower's tries to connect to the coordinator's port.
+_CONNECT_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +199,59 @@ def check_coordinator_host(config: DistributedConfig, timeout_s: float = INIT_TI
         ) from None
 
 
+def init_timeout_s(env: Mapping[str, str] | None = None) -> int:
+    """Seconds a process waits at start for the coordinator (its host name, then its
+    port) and for the run's processes to join: $JAXSERVE_INIT_TIMEOUT_S, else
+    INIT_TIMEOUT_S. Raises ValueError naming the variable when it is not an integer >= 1."""
+    value = _int_env(os.environ if env is None else env, INIT_TIMEOUT_ENV)
+    if value is None:
+        return INIT_TIMEOUT_S
+    if value < 1:
+        raise ValueError(f"{INIT_TIMEOUT_ENV} must be >= 1 (seconds), got {value}")
+    return value
+
+
+def wait_for_coordinator(config: DistributedConfig, timeout_s: float) -> None:
+    """A follower (process_id > 0): return once the coordinator's port accepts a TCP
+    connection, trying every _CONNECT_RETRY_S seconds for up to `timeout_s`.
+
+    jax.distributed.initialize, when the coordinator never answers, waits out its
+    timeout and then aborts the process in C++ with a stack trace (measured, jax 0.11.2);
+    so a follower waits here first: for a leader that starts later (Kubernetes peers start
+    minutes apart) it is the same wait, and for one that never comes it ends in one line.
+    The first refused try logs one INFO line (waiting is normal for a follower).
+
+    Raises ValueError naming --coordinator-address and the wait when nothing accepted a
+    connection within `timeout_s` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    address = (config.coordinator_host, config.coordinator_port)
+    logged = False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            # A try no longer than what is left: a host that drops SYNs never refuses.
+            with socket.create_connection(address, timeout=max(0.05, min(left, 5.0))):
+                return
+        except OSError as e:
+            error = e.strerror or type(e).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(
+                f"distributed: coordinator address {config.coordinator_address}: nothing "
+                f"accepted a connection ({error}) within {round(timeout_s, 1):g} s: process "
+                "0 did not start there (--coordinator-address or JAX_COORDINATOR_ADDRESS: "
+                f"process 0's address; {INIT_TIMEOUT_ENV} sets the wait)"
+            )
+        if not logged:
+            logger.info(
+                "process %d: waiting up to %g s for process 0's coordinator at %s (%s)",
+                config.process_id, timeout_s, config.coordinator_address, error,
+            )  # fmt: skip
+            logged = True
+        time.sleep(min(_CONNECT_RETRY_S, left))
+
+
 # JAX's SlurmCluster default coordinator port.
 _SLURM_DEFAULT_PORT = 61234
 
@@ -218,11 +277,12 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def initialize(config: DistributedConfig | None, timeout_s: int = INIT_TIMEOUT_S) -> None:
+def initialize(config: DistributedConfig | None, timeout_s: int | None = None) -> None:
     """`jax.distributed.initialize` for `config` (nothing for None). Call it before any
     other JAX call; every process of the run must call it.
 
-    timeout_s: how long (seconds) to wait for every process to join.
+    timeout_s: how long (seconds) to wait for every process to join; None:
+        `init_timeout_s()`.
 
     Process 0's coordinator binds the coordinator address as given (JAX's default binds
     every interface, "[::]:port", with no authentication): give the address the other
@@ -243,7 +303,7 @@ def initialize(config: DistributedConfig | None, timeout_s: int = INIT_TIMEOUT_S
         config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
-        initialization_timeout=timeout_s,
+        initialization_timeout=init_timeout_s() if timeout_s is None else timeout_s,
         heartbeat_timeout_seconds=config.heartbeat_timeout_s,
         coordinator_bind_address=config.coordinator_address,
     )
