@@ -52,7 +52,9 @@ def prepare_inputs(
         if not ids:
             raise ValueError(f"prompts[{i}]: the prompt is empty")
         encoded.append((text, ids))
-    for params in params_list:
+    # Once per distinct object (one SamplingParams given for all prompts is one check);
+    # in list order, so the first bad one in the list is the one named.
+    for params in {id(p): p for p in params_list}.values():
         params.validate(vocab_size)
     # The server's length rules: prompt + max_tokens within max_model_len.
     for i, ((_, ids), params) in enumerate(zip(encoded, params_list, strict=True)):

@@ -165,11 +165,29 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}")
         self._validate_logit_bias(vocab_size)
         if vocab_size is not None:
-            # Named by index and by key (stop_token_ids[0], logit_bias.5), as the HTTP API
-            # names them by their JSON path.
-            for i, t in enumerate(self.stop_token_ids):
-                if not 0 <= t < vocab_size:
-                    raise ValueError(token_id_error(f"stop_token_ids[{i}]", t, vocab_size))
+            self._check_stop_token_ids(vocab_size)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """What `validate(vocab_size)` adds to `validate()`, for parameters that passed
+        `validate()` (e.g. built by `from_dict`): logit_bias keys, then stop_token_ids,
+        in [0, vocab_size). On such parameters it raises exactly what `validate(vocab_size)`
+        would, at a fraction of the cost (the engine checks every request at the door).
+
+        Raises:
+            ValueError: naming the first id outside the vocabulary (logit_bias.<id> or
+                stop_token_ids[<i>]).
+        """
+        for token_id in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(token_id_error(f"logit_bias.{token_id}", token_id, vocab_size))
+        self._check_stop_token_ids(vocab_size)
+
+    def _check_stop_token_ids(self, vocab_size: int) -> None:
+        # Named by index and by key (stop_token_ids[0], logit_bias.5), as the HTTP API
+        # names them by their JSON path.
+        for i, t in enumerate(self.stop_token_ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(token_id_error(f"stop_token_ids[{i}]", t, vocab_size))
 
     def _validate_types(self) -> None:
         """Integers where the sampler indexes or counts with them, numbers where it
@@ -241,7 +259,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         """SamplingParams from `to_dict`'s output (logit_bias keys may be strings, as
-        after a JSON round trip). Not validated: call `validate`.
+        after a JSON round trip), validated as at construction (`validate()`): token ids
+        against a vocabulary are left to `check_token_ids`.
 
         Raises:
             TypeError: an unknown field.

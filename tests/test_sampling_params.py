@@ -159,6 +159,38 @@ def test_stop_string_is_a_list_of_one_and_token_ids_wait_for_the_vocab():
         params.validate(VOCAB)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({}, None),
+        ({"stop_token_ids": [1, VOCAB - 1], "logit_bias": {0: 1.0, VOCAB - 1: -1.0}}, None),
+        ({"stop_token_ids": [1, VOCAB]}, f"stop_token_ids[1]: token id {VOCAB} "),
+        ({"logit_bias": {3: 1.0, VOCAB + 2: 2.0, -1: 0.5}}, f"logit_bias.{VOCAB + 2}: "),
+        # Both out: the logit_bias key is named first, as validate names it.
+        ({"stop_token_ids": [VOCAB + 5], "logit_bias": {VOCAB: 1.0}}, f"logit_bias.{VOCAB}: "),
+    ],
+)
+def test_check_token_ids_raises_what_validate_with_the_vocab_adds(kwargs, named):
+    """The engine's door check (validate_request) runs check_token_ids on parameters
+    from_dict already validated, instead of a second full validate(vocab_size): the
+    two must accept and refuse the same parameters with the same words."""
+
+    def outcome(check) -> str | None:
+        try:
+            check()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    params = SamplingParams.from_dict(SamplingParams(**kwargs).to_dict())
+    expected = outcome(lambda: params.validate(VOCAB))
+    assert outcome(lambda: params.check_token_ids(VOCAB)) == expected
+    if named is None:
+        assert expected is None
+    else:
+        assert expected.startswith(named) and expected.endswith(f"[0, {VOCAB})"), expected
+
+
 def test_a_token_id_outside_the_vocabulary_has_one_wording_everywhere():
     """Every place that checks a token id against the vocabulary (the shared rule, the
     gRPC prompt check, the HTTP API's own check, the engine's sampler packing) says it

@@ -2,8 +2,9 @@
 
 `put_on_mesh` places a step's host buffers (every process holds the same, whole ones);
 `replicated_to_host` reads a replicated output back. In one process the buffers stay
-NumPy (the executable transfers them) and the read is a plain `jax.device_get`; with
-several, each process touches only its own devices' shards.
+NumPy (the executable transfers them) and the read is a plain `jax.device_get` (on the
+CPU, views of the device buffers); with several, each process touches only its own
+devices' shards.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ def put_on_mesh(
 def replicated_to_host(tree):
     """Replicated device arrays (a pytree; None leaves kept) as NumPy, also when other
     processes hold some of the devices (then this process's first shard is the whole
-    array). In one process: one `jax.device_get` of the whole tree (one transfer)."""
-    if all(a.is_fully_addressable for a in jax.tree.leaves(tree)):
+    array). In one process on an accelerator: one `jax.device_get` of the whole tree
+    (the copies of all leaves overlap). On the CPU: `np.asarray` of each leaf, a
+    read-only view of the device buffer with no copy (`jax.device_get` there starts an
+    asynchronous host copy per leaf: ~190 us for a decode step's token ids and expert
+    counts, demo model, 2-core VM, against ~25 us)."""
+    leaves = jax.tree.leaves(tree)
+    if all(a.is_fully_addressable for a in leaves):
+        if leaves and all(d.platform == "cpu" for d in leaves[0].sharding.device_set):
+            return jax.tree.map(np.asarray, tree)
         return jax.device_get(tree)
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)

@@ -377,6 +377,8 @@ class Scheduler:
             Outputs for every request that got a token or finished (aborts included).
         """
         outputs = self.drain_finished()
+        # Each row's tokens as Python ints in one conversion (not one NumPy scalar each).
+        row_tokens = samples.token_ids.T.tolist()
         for row, item in enumerate(sched.requests):
             seq = item.seq
             if seq.status is not RequestStatus.RUNNING:
@@ -387,8 +389,7 @@ class Scheduler:
                 rank.bm.register_computed(seq)
                 continue
             new_tokens: list[int] = []
-            for step in range(samples.token_ids.shape[0]):
-                token = int(samples.token_ids[step, row])
+            for token in row_tokens[row]:
                 seq.num_pending_tokens -= 1
                 seq.append_token(token)
                 new_tokens.append(token)

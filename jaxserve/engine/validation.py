@@ -27,10 +27,10 @@ def validate_request(
     if req.request_id in running:
         raise ValueError(f"request_id: {req.request_id!r} is already running")
     try:
-        params = SamplingParams.from_dict(req.sampling)
+        params = SamplingParams.from_dict(req.sampling)  # validated without a vocabulary
     except TypeError as e:
         raise ValueError(f"sampling: {e}") from None
-    params.validate(vocab_size)
+    params.check_token_ids(vocab_size)  # the rest of validate(vocab_size)
     if params.n != 1:
         raise ValueError(
             f"n: the engine runs one sample per request (fan out n > 1 before it), got {params.n}"
