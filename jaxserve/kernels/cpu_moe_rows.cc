@@ -85,8 +85,6 @@ struct Problem {
   std::vector<int32_t> unit_expert, unit_start, unit_rows;  // one work unit per block
 };
 
-inline float Swish(float gate, float up) { return gate / (1.f + std::exp(-gate)) * up; }
-
 #if JAXSERVE_HAVE_TILES
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
 // matmul(blocks, packed rows, expert weight [K, N], K, N, out rows) is the tile product
@@ -109,7 +107,7 @@ void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy,
   jaxserve::PackRows(blocks, a.data(), h, packed.data());
   matmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data());
   matmul(blocks, packed.data(), p.w_up + e * h * i, h, i, u.data());
-  for (int64_t c = 0; c < rows * i; ++c) gate[c] = Swish(gate[c], up[c]);
+  jaxserve::SwiGlu(gate.data(), up.data(), rows * i);
   jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
   matmul(blocks, packed.data(), p.w_down + e * i * h, i, h, out.data());
 }
@@ -144,8 +142,7 @@ void RunUnit(const Problem& p, int64_t u) {
   }
   MatmulBlock<kRows>(rows, a, p.w_gate + e * h * i, h, i, g);
   MatmulBlock<kRows>(rows, a, p.w_up + e * h * i, h, i, up_rows);
-  for (int r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < i; ++c) g[r][c] = Swish(g[r][c], up_rows[r][c]);
+  jaxserve::SwiGlu(gate.data(), up.data(), rows * i);
   MatmulBlock<kRows>(rows, const_cast<const float* const*>(g), p.w_down + e * i * h, i, h, out);
 }
 

@@ -30,10 +30,26 @@
 // prefetch all measured slower (the benchmark keeps them as variants). Inside XLA
 // (scripts/bench_moe.py --cpu-kernel --weight-sets 8) the kernel went 3.57 -> 3.09 ms
 // at 128 tokens (1.16x).
+//
+// On an AVX2-only host (a 2-core AMD EPYC Zen 3 VM, 32 KiB L1d and 512 KiB L2 a core,
+// load 1.4-2 from other jobs; bench_moe_kernel.cc's AVX2 variants in bench_moe_avx2.h,
+// interleaved medians) the 6 x 16 tile measured best among those tried, at 128 / 512
+// tokens against itself: plain loads on full panels (the mask on the last only) 0.93x /
+// 0.95x (level with the panel copy below: 1.00x / 1.01x), 4 rows x 24 columns 0.64x /
+// 0.61x, 3 x 32 0.60x / 0.63x, 12 x 8 0.90x / 0.93x. What gained there is the panel
+// copy (kCopyMinBlocks) and the vectorised SwiGlu: the kernel alone, processes of the
+// old and new kernel alternating 3x (load 1.7-2.7), 128 tokens 4.61 -> 4.17 ms a call
+// (1.11x, 87 -> 97 GFLOP/s), 512 tokens 15.09 -> 12.79 ms (1.18x, 107 -> 126 GFLOP/s),
+// 32 tokens (the row path) 2.65 -> 2.59 ms (1.02x, noise). Inside XLA (bench_moe.py
+// --cpu-kernel --weight-sets 8, alternating 2x, load ~2): 128 tokens level (4.2-4.3 ms
+// both), 512 tokens 1.12x; so a qwen3moe batch-128 run, mostly 128-token decode calls,
+// did not gain measurably end to end (compare_hf: 1.01x and 0.99x).
 
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 // AVX2 + FMA builds (most laptops, AMD Zen 2/3) get the same tiles on 8-lane registers:
 // a row's 16 columns are two ymm accumulators, so a tile has 6 rows (12 accumulators, two
@@ -41,14 +57,15 @@
 // `cpu_moe.has_tiles()` false) a qwen3moe batch-128 step left its experts to XLA's path,
 // at 32% of the matmul ceiling (compare_hf.py on an AVX2-only EPYC VM), against 60%
 // with tiles on AVX-512.
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #define JAXSERVE_HAVE_TILES 1
 #define JAXSERVE_TILES_AVX2 0
-#include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define JAXSERVE_HAVE_TILES 1
 #define JAXSERVE_TILES_AVX2 1
-#include <immintrin.h>
 #else
 #define JAXSERVE_HAVE_TILES 0
 #define JAXSERVE_TILES_AVX2 0
@@ -85,18 +102,26 @@ constexpr int kPrefetchRows = 8;    // and (in weight rows) for the first kPrefe
 // w[k * ldw + col] + `ahead` and, unless 0, + `lead` (offsets in floats; a prefetch past
 // the array is harmless: it never faults).
 #if JAXSERVE_TILES_AVX2
-template <int R>
+// kCopy: also stores the panel's lanes as read (masked ones 0) to copy[16 k + j], a
+// contiguous [K][16] copy of the panel for the row blocks after this one. ahead 0: no
+// prefetch (a tile reading such a copy).
+template <int R, bool kCopy = false>
 inline void Tile(const float* at, const float* w, int64_t ldw, int64_t K, int64_t col,
-                 Mask16 mask, float* const* out, int64_t ahead, int64_t lead) {
+                 Mask16 mask, float* const* out, int64_t ahead, int64_t lead,
+                 float* copy = nullptr) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const float* wk = w + col;
   for (int64_t k = 0; k < K; ++k, wk += ldw) {
-    _mm_prefetch(reinterpret_cast<const char*>(wk + ahead), _MM_HINT_T0);
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead), _MM_HINT_T0);
     if (lead) _mm_prefetch(reinterpret_cast<const char*>(wk + lead), _MM_HINT_T0);
     const __m256 b0 = _mm256_maskload_ps(wk, mask.lo);
     const __m256 b1 = _mm256_maskload_ps(wk + 8, mask.hi);
+    if constexpr (kCopy) {
+      _mm256_store_ps(copy + 16 * k, b0);
+      _mm256_store_ps(copy + 16 * k + 8, b1);
+    }
     const float* ak = at + k * R;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -133,15 +158,63 @@ inline void Tile(const float* at, const float* w, int64_t ldw, int64_t K, int64_
 #endif  // JAXSERVE_TILES_AVX2
 
 // Tile<rows> for a runtime rows in [1, R].
-template <int R>
+template <int R, bool kCopy = false>
 inline void TileRows(int rows, const float* at, const float* w, int64_t ldw, int64_t K,
                      int64_t col, Mask16 mask, float* const* out, int64_t ahead,
-                     int64_t lead) {
-  if (rows >= R) return Tile<R>(at, w, ldw, K, col, mask, out, ahead, lead);
-  if constexpr (R > 1) TileRows<R - 1>(rows, at, w, ldw, K, col, mask, out, ahead, lead);
+                     int64_t lead, float* copy = nullptr) {
+  if constexpr (kCopy) {
+    if (rows >= R) return Tile<R, true>(at, w, ldw, K, col, mask, out, ahead, lead, copy);
+    if constexpr (R > 1)
+      TileRows<R - 1, true>(rows, at, w, ldw, K, col, mask, out, ahead, lead, copy);
+  } else {
+    if (rows >= R) return Tile<R>(at, w, ldw, K, col, mask, out, ahead, lead);
+    if constexpr (R > 1) TileRows<R - 1>(rows, at, w, ldw, K, col, mask, out, ahead, lead);
+  }
 }
 
 #endif  // JAXSERVE_HAVE_TILES
+
+// gate[c] = silu(gate[c]) * up[c] = gate[c] / (1 + e^-gate[c]) * up[c] for c < n (SwiGLU).
+// With AVX2 + FMA (every AVX-512 CPU has them too) 8 lanes at a time, e^x by Cephes' expf
+// (range reduction by ln 2, a degree-5 polynomial; within 2 ulp of std::exp, which GCC
+// does not vectorise without -ffast-math): the scalar loop cost 3.7 ns an element on the
+// AVX2 EPYC VM (a qwen3moe prefill call of 512 tokens: 2048 x 256 of them, ~8% of the
+// kernel), this one 0.55; the kernel alone (old and new processes alternating 3x, load
+// ~1.5) went 4.34 -> 4.16 ms at 128 tokens (1.04x), 14.81 -> 14.04 at 512 (1.05x).
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^k as a float's bits; k in [-126, 128] after the clamp (128: +inf, so e^x = inf
+  // there and silu(x) = x / inf = -0 for x <= -88.7, where it is below 2^-120 anyway).
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
+
+inline void SwiGlu(float* gate, const float* up, int64_t n) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + c);
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(gate + c,
+                     _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + c)));
+  }
+#endif
+  for (; c < n; ++c) gate[c] = gate[c] / (1.f + std::exp(-gate[c])) * up[c];
+}
 
 // Row blocks of a group of `rows` rows: as few blocks of at most kTileRows rows as
 // possible, their sizes within one of each other. Block b starts at BlockStart(b).
@@ -168,14 +241,49 @@ inline void PackRows(const RowBlocks& blocks, const float* const* a, int64_t K, 
 
 #if JAXSERVE_HAVE_TILES
 
+#if JAXSERVE_TILES_AVX2
+// Row blocks of a call from which the first block of each panel copies the panel
+// (contiguous, [K][16]) for the others to read instead of the weights. A panel's rows are
+// N * 4 bytes apart (1 or 2 KiB for qwen3moe's experts), so they fall in a few cache
+// sets: at most 32 (16) of them stay in the 32 KiB 8-way L1 of a Zen 3 and a 512 KiB
+// 8-way L2 holds the panel only just, so every row block read the panel from L2 or L3
+// again. Measured (scripts/native/bench_moe_kernel.cc tile:2,6,-2,0,1 against base,
+// AVX2 EPYC VM, two cores, load ~1.6, interleaved medians): 512 tokens (64 rows an
+// expert, 11 blocks) 14.48 -> 12.27 ms a call (1.18x, 111 -> 131 GFLOP/s); 128 tokens
+// (16 rows, 3 blocks) 0.97x, so 3 blocks keep reading the weights (4-10 blocks: not
+// measured apart). The AVX-512 tiles read a panel as before (not measured there).
+constexpr int kCopyMinBlocks = 4;
+#endif
+
 // out[r][0:N] = sum_k a[r][k] * w[k][0:N] for every row r of `blocks`, from the
 // PackRows layout of a; w is [K, N] row-major, read once per 16-column panel.
 inline void PanelMatmul(const RowBlocks& blocks, const float* packed, const float* w,
                         int64_t K, int64_t N, float* const* out) {
+#if JAXSERVE_TILES_AVX2
+  std::vector<float> copy_store;
+  float* copy = nullptr;
+  if (blocks.blocks >= kCopyMinBlocks) {
+    copy_store.resize(16 * K + 8);
+    copy = copy_store.data();
+    copy += (8 - reinterpret_cast<uintptr_t>(copy) / 4 % 8) % 8;  // 32-byte aligned
+  }
+#endif
   for (int64_t col = 0; col < N; col += 16) {
     const int64_t lanes = N - col < 16 ? N - col : 16;
     const Mask16 mask = LaneMask(lanes);
     const int64_t lead = col < 16 * kPrefetchPanels ? kPrefetchRows * N : 0;
+#if JAXSERVE_TILES_AVX2
+    if (copy) {  // the first block copies the panel, the others read the copy
+      TileRows<kTileRows, true>(blocks.BlockRows(0), packed, w, N, K, col, mask, out,
+                                16 * kPrefetchPanels, lead, copy);
+      for (int b = 1; b < blocks.blocks; ++b) {
+        const int s = blocks.BlockStart(b);
+        TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, copy - col, 16, K,
+                            col, mask, out + s, 0, 0);
+      }
+      continue;
+    }
+#endif
     for (int b = 0; b < blocks.blocks; ++b) {
       const int s = blocks.BlockStart(b);
       TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, w, N, K, col, mask,

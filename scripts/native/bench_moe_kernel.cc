@@ -5,7 +5,8 @@
 // variant's output against a double-precision reference (a line only if it fails).
 //
 // Variants of the tile product (experts with kTileMinRows rows or more; the others take
-// the kernel's row path), run interleaved: 12 rounds of `calls` calls of each, medians
+// the kernel's row path; an AVX2 build has its own, listed in bench_moe_avx2.h), run
+// interleaved: 12 rounds of `calls` calls of each, medians
 // (the first two calls of a round dropped), speed-up against the first one named:
 //   base    the kernel as built (cpu_tile_matmul.h's PanelMatmul)
 //   pm[:P,R,pf,hint]  the weights repacked panel-major [E][N/16][K][16] (each 16-column
@@ -31,6 +32,8 @@
 //   g++ -O3 -march=native -std=c++17 -I$(python -c 'import jax; print(jax.ffi.include_dir())') \
 //       -Ijaxserve/kernels scripts/native/bench_moe_kernel.cc -o /tmp/bench_moe_kernel -pthread
 //   /tmp/bench_moe_kernel [T=128] [calls=16] [variant ...]   (default: base)
+// To A/B a change outside the tile product (e.g. SwiGlu), build this file in two trees
+// and alternate the two binaries' processes (base only).
 #include "../../jaxserve/kernels/cpu_moe_rows.cc"
 
 #include <algorithm>
@@ -44,6 +47,19 @@
 #include <string>
 #include <thread>
 
+namespace {
+
+struct Variant {
+  std::string kind = "base";  // base | pm | tile | chunk | pack
+  int P = 1, R = 8, pf = 8, hint = 0, kc = 0, seq = 0, lead = 0, mask = 1;
+};
+Variant variant;
+
+}  // namespace
+
+#if JAXSERVE_TILES_AVX2
+#include "bench_moe_avx2.h"
+#else
 namespace {
 
 // A register tile of P 16-column panels x R rows (P * R zmm accumulators), so one weight
@@ -106,12 +122,6 @@ inline void WideTileRows(int rows, const float* at, const float* w, int64_t ldw,
   if constexpr (R > 1)
     WideTileRows<P, R - 1, Hint, kAcc>(rows, at, w, ldw, lds, K, col, last, out, pf, pf2);
 }
-
-struct Variant {
-  std::string kind = "base";  // base | pm | tile | chunk | pack
-  int P = 1, R = 8, pf = 8, hint = 0, kc = 0, seq = 0, lead = 0;
-};
-Variant variant;
 
 // One k-range [k0, k0 + kn) of out += packed x w for all row blocks. panel_major: w is
 // [N/16][kn][16] (ldw 16), else w points at row k0 of a [K, N] matrix.
@@ -195,7 +205,8 @@ MatmulFn PickHint(int hint) {
   }
 }
 
-MatmulFn PickMatmul(int P, int R, int hint) {
+MatmulFn PickMatmul(const Variant& v) {
+  const int P = v.P, R = v.R, hint = v.hint;
 #define JS_CASE(p, r) if (P == p && R == r) return PickHint<p, r>(hint);
   JS_CASE(1, 8) JS_CASE(1, 12) JS_CASE(1, 16) JS_CASE(2, 6) JS_CASE(2, 8) JS_CASE(2, 12)
   JS_CASE(2, 14) JS_CASE(3, 8) JS_CASE(4, 4) JS_CASE(4, 6) JS_CASE(4, 7) JS_CASE(8, 3)
@@ -203,6 +214,11 @@ MatmulFn PickMatmul(int P, int R, int hint) {
   std::fprintf(stderr, "no tile %dx%d\n", P, R);
   std::exit(2);
 }
+
+}  // namespace
+#endif  // JAXSERVE_TILES_AVX2
+
+namespace {
 
 MatmulFn chosen;
 
@@ -217,9 +233,9 @@ Variant ParseVariant(const char* spec) {
   const size_t colon = s.find(':');
   v.kind = s.substr(0, colon);
   if (colon != std::string::npos) {
-    int* fields[] = {&v.P, &v.R, &v.pf, &v.hint, &v.kc, &v.seq, &v.lead};
+    int* fields[] = {&v.P, &v.R, &v.pf, &v.hint, &v.kc, &v.seq, &v.lead, &v.mask};
     size_t at = colon + 1;
-    for (int f = 0; f < 7 && at <= s.size(); ++f) {
+    for (int f = 0; f < 8 && at <= s.size(); ++f) {
       const size_t comma = s.find(',', at);
       const size_t len = comma == std::string::npos ? std::string::npos : comma - at;
       const std::string part = s.substr(at, len);
@@ -303,7 +319,7 @@ int main(int argc, char** argv) {
     for (size_t vi = 0; vi < specs.size(); ++vi) {
       variant = ParseVariant(specs[vi].c_str());
       const bool panel_major = variant.kind == "pm";
-      chosen = PickMatmul(variant.P, variant.R, variant.hint);
+      chosen = PickMatmul(variant);
       for (int c = 0; c < calls; ++c) {
         const int l = (round * calls + c) % L;
         const auto start = std::chrono::steady_clock::now();
