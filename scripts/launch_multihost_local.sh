@@ -46,13 +46,13 @@ pids=()
 # stopped at the same time as the leader would leave the run under it (mid-step or during
 # its background compilation) and skip jax.distributed's shutdown barrier, where the
 # leader's engine would then wait until killed. The followers still running once process
-# 0 is gone get SIGTERM then; a second Ctrl-C / SIGTERM goes to every process at once.
-# (vLLM's and SGLang's multi-node launches stop the same way: the head stops the workers.)
+# 0 is gone get SIGTERM then; a second Ctrl-C / SIGTERM (or one after process 0 ended)
+# goes to every process at once.
 signals=0
 forward() {
   signals=$((signals + 1))
   local targets=("${pids[0]}")
-  [[ "$signals" -eq 1 ]] || targets=("${pids[@]}")
+  [[ "$signals" -eq 1 ]] && kill -0 "${pids[0]}" 2>/dev/null || targets=("${pids[@]}")
   for pid in "${targets[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
 }
 trap forward INT TERM
