@@ -55,8 +55,8 @@ from jaxserve.logs import ProgressLog
 logger = logging.getLogger(__name__)
 
 # `WarmUp.stop`: how long to wait for the background compilations under way (they cannot
-# be cut short) before JAX shuts down; within the frontend's grace for its engine
-# (launcher.CHILD_TERM_TIMEOUT_S), which also covers leaving a multi-process run.
+# be cut short) before JAX shuts down; the process's exit still waits for them (the
+# frontend's grace for its engine: launcher.MULTI_PROCESS_ENGINE_TERM_TIMEOUT_S).
 STOP_WAIT_S = 2.0
 
 
