@@ -97,13 +97,20 @@ def _leader_failed(cause: str) -> None:
     os._exit(2)  # now, from the watcher thread: the main thread may be inside JAX
 
 
+def log_tag(dist) -> str:
+    """The [tag] of `serve`'s log lines: "frontend", or "follower <i>" on process i > 0
+    of a multi-process run (it serves no clients: it runs the leader's engine steps)."""
+    if dist is None or dist.is_leader:
+        return "frontend"
+    return f"follower {dist.process_id}"
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve import preflight
     from jaxserve.launcher import StartupError, serve
 
-    # The frontend; a follower process (below) runs its engine steps in this process.
-    # INFO lines wait for the start to succeed: a failed start prints one line.
-    configure_logging(args.log_level, "frontend", hold_start=True)
+    # The frontend; a follower process (below) runs its engine steps in this process,
+    # tagged as such. INFO lines wait for the start to succeed: a failed start prints one.
     try:
         dist = distributed.from_arguments(args)
         if dist is not None:
@@ -113,7 +120,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             deadline = time.monotonic() + wait_s
             distributed.check_coordinator_host(dist, wait_s)
     except ValueError as e:
+        configure_logging(args.log_level, "frontend", hold_start=True)
         return _fail(e, 2)
+    configure_logging(args.log_level, log_tag(dist), hold_start=True)
     if dist is not None and not dist.is_leader:
         from jaxserve.distributed.start_status import leader_failure, watch_leader
 

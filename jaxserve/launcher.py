@@ -73,6 +73,10 @@ GRPC_GRACE_S = 2.0  # open calls get this long after SIGTERM before they are can
 # After SIGTERM, a child is SIGKILLed when it takes longer than this (the engine of a
 # multi-process run takes ~3.5 s to leave the run cleanly).
 CHILD_TERM_TIMEOUT_S = 6.0
+# The same for the engine of a multi-process run stopped during its background
+# compilation: the step shape under way cannot be cut short (measured 4.7 s on a loaded
+# 2-core CPU host, demo model), then it leaves the run (above).
+MULTI_PROCESS_ENGINE_TERM_TIMEOUT_S = 20.0
 CHILD_POLL_INTERVAL_S = 0.1  # how often the supervisor checks that the children live
 # After a child dies: how long open calls' UNAVAILABLE and health's NOT_SERVING are
 # served before the server stops (SIGINT/SIGTERM cuts it short).
@@ -87,6 +91,7 @@ class _Child:
     error_file: str = ""  # where it writes why it failed to start (jaxserve.logs)
     replica: int | None = None  # with several replicas: the one it belongs to
     respawn: Callable[[], _Child] | None = None  # starts it again (a replica's children)
+    term_timeout_s: float = CHILD_TERM_TIMEOUT_S  # SIGKILL this long after SIGTERM
 
     def describe_exit(self) -> str:
         code = self.process.returncode
@@ -120,7 +125,7 @@ def _stop_children(children: list[_Child]) -> None:
             child.process.terminate()
     for child in children:
         try:
-            child.process.wait(CHILD_TERM_TIMEOUT_S)
+            child.process.wait(child.term_timeout_s)
         except subprocess.TimeoutExpired:
             logger.warning("the %s process did not stop; killing it", child.name)
             child.process.kill()
@@ -228,6 +233,8 @@ def serve(
             engine_args += ["--engine-class", engine_class]
         engine_args += distributed_args or []
         children.append(_spawn("engine", "jaxserve.engine.process", engine_args, socket_dir))
+        if distributed_args:
+            children[-1].term_timeout_s = MULTI_PROCESS_ENGINE_TERM_TIMEOUT_S
         sidecar_args = [
             "--model", engine_config.model,
             "--detokenizer-input", addresses.detokenizer_input,

@@ -211,6 +211,10 @@ def test_two_process_serve_streams_equal_offline_generate(two_process_serve):
         assert "".join(d.text for d in deltas) == want.text
         assert deltas[-1].finish_reason == want.finish_reason
     assert follower.poll() is None  # the follower serves on
+    # It serves no clients: its lines are tagged as the follower it is.
+    _, _, log_path, _ = two_process_serve
+    log = log_path.read_text()
+    assert "INFO [follower 1] " in log and "[frontend]" not in log, log
 
 
 def test_two_process_serve_ends_when_the_follower_dies(two_process_serve):

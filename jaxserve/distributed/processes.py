@@ -84,6 +84,9 @@ def run_follower(config: EngineConfig, dist: DistributedConfig) -> int:
         exit_now(EXIT_STEP_FAILED)
     channel.close()
     logger.info("follower %d: the leader stopped after %d steps", dist.process_id, steps)
+    # Before JAX shuts down (and so that this process reaches jax.distributed's shutdown
+    # barrier, where the leader waits, within its grace): no more background compiling.
+    parts.warmup.stop()
     return 0
 
 

@@ -175,8 +175,12 @@ class EngineCore:
         return not self.has_work() and self.warmup.run_next_first()
 
     def close(self) -> None:
-        """Release the executor (the multi-process leader stops its followers; idempotent)."""
+        """Stop the background compilation, release the executor (the multi-process
+        leader stops its followers, which stop theirs meanwhile), then wait up to
+        `WarmUp.stop`'s default for the compilations under way (idempotent)."""
+        self.warmup.stop(timeout=0)
         self.executor.close()
+        self.warmup.stop()
 
     # ----- the step ----------------------------------------------------------------------
 

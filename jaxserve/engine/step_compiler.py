@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 _XLA_LOCK = threading.Lock()
 
 
+class CompilationStopped(RuntimeError):
+    """`StepCompiler.compile_shapes` was stopped (its `stop` event) before it finished."""
+
+
 class StepCompiler:
     """The executables of the step shapes, by shape.
 
@@ -56,6 +60,7 @@ class StepCompiler:
         max_workers: int | None = None,
         what: str = "compiling step shapes",
         progress: ProgressLog | None = None,
+        stop: threading.Event | None = None,
     ) -> float:
         """Compile the step for `shapes`, in that order. Returns the seconds taken.
 
@@ -66,7 +71,11 @@ class StepCompiler:
         runs, `executable` of one of these shapes waits for it (the runner's
         `run_buffers` on a multi-process follower compiling in the background).
 
+        stop: once set, no other shape starts tracing or compiling (the compilations
+            under way finish); then CompilationStopped.
+
         Raises:
+            CompilationStopped: `stop` was set before every shape was compiled.
             whatever tracing or compiling raises (the first failure; the others finish).
         """
         start = time.perf_counter()
@@ -78,8 +87,13 @@ class StepCompiler:
         if progress is None:
             progress = ProgressLog(logger, what, len(shapes), "shapes")
 
+        def check_stop() -> None:
+            if stop is not None and stop.is_set():
+                raise CompilationStopped("step compilation stopped")
+
         def compile_one(shape: StepShape, low: jax.stages.Lowered) -> None:
             try:
+                check_stop()
                 with CompileCounter.warming_up(), _XLA_LOCK:
                     exe = low.compile()
             except BaseException as e:
@@ -95,6 +109,7 @@ class StepCompiler:
                 jobs = []
                 for shape in shapes:
                     try:
+                        check_stop()
                         with CompileCounter.warming_up(), _XLA_LOCK:
                             low = self._lower(shape)
                     except BaseException as e:

@@ -19,6 +19,10 @@ full step of T and the multi-step decode calls of the row buckets up to T's rows
   seconds). Chunked prefill off needs the full budget at once: then every shape is
   compiled before `start` returns.
 
+At shutdown, `stop` (`EngineCore.close`, a follower's end) lets no other shape start
+compiling and waits a little for those under way, before JAX shuts down under them;
+what they raise then is logged as the stop it is, not as a failure.
+
 The warm-up compilations are counted apart (`CompileCounter.warming_up`), so the
 engine's `num_compilations` stays 0 while the background tiers compile.
 
@@ -49,6 +53,11 @@ from jaxserve.engine.step_shapes import StepShape, pick_bucket
 from jaxserve.logs import ProgressLog
 
 logger = logging.getLogger(__name__)
+
+# `WarmUp.stop`: how long to wait for the background compilations under way (they cannot
+# be cut short) before JAX shuts down; the process's exit still waits for them (the
+# frontend's grace for its engine: launcher.MULTI_PROCESS_ENGINE_TERM_TIMEOUT_S).
+STOP_WAIT_S = 2.0
 
 
 def warmup_tiers(runner: ModelRunner) -> list[tuple[int, list[StepShape]]]:
@@ -130,6 +139,7 @@ class WarmUp:
         self.background_time_s: float | None = None
         self._applied: tuple[int, int, int] | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # `stop`: no other background shape starts
 
     @property
     def num_shapes(self) -> int:
@@ -183,13 +193,25 @@ class WarmUp:
         try:
             with CompileCounter.warming_up():
                 for t, shapes in rest:
-                    self.runner.compiler.compile_shapes(shapes, workers, progress=progress)
+                    self.runner.compiler.compile_shapes(
+                        shapes, workers, progress=progress, stop=self._stop
+                    )
                     if self._first_runs_here:
                         self._first_runs.extend(shapes)
                     self.ready_tokens = t
         except BaseException as e:  # noqa: BLE001 - serving goes on with the ready tiers
             self.error = e
             self.runner.compiler.fail_pending(e)
+            if self._stop.is_set():
+                # The engine is stopping: whatever the compilations under way raised then
+                # (JAX shutting down under them) is no failure of the server.
+                logger.info(
+                    "background compilation stopped by the shutdown, %d of %d step shapes "
+                    "compiled", self.num_compiled(), self.num_shapes,
+                )  # fmt: skip
+                logger.debug("background compilation's end", exc_info=e)
+                self.done.set()
+                return
             logger.error(
                 "background compilation failed at %d tokens per step; serving on with at "
                 "most %d: %s", t, self.ready_tokens, e,
@@ -202,6 +224,21 @@ class WarmUp:
                 self.num_shapes, progress_total, self.background_time_s, *self._targets[:2],
             )  # fmt: skip
         self.done.set()
+
+    def stop(self, timeout: float | None = STOP_WAIT_S) -> bool:
+        """Stop the background compilation (at shutdown, before JAX shuts down): no other
+        shape starts compiling, and this waits up to `timeout` seconds for those under
+        way (an XLA compilation cannot be cut short). Returns whether the background
+        thread ended (True without one)."""
+        self._stop.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def num_compiled(self) -> int:
+        """Step shapes compiled so far."""
+        return sum(self.runner.compiler.is_compiled(s) for _, t in self.tiers for s in t)
 
     def run_next_first(self) -> bool:
         """Run the next background-compiled shape that has not run yet, once on padding
