@@ -35,11 +35,11 @@ import argparse
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from jaxserve.distributed.step_sockets import connect
 from jaxserve.frontend.server_address import wait_until_resolves
 
 logger = logging.getLogger(__name__)
@@ -224,32 +224,32 @@ def wait_for_coordinator(config: DistributedConfig, timeout_s: float) -> None:
     Raises ValueError naming --coordinator-address and the wait when nothing accepted a
     connection within `timeout_s` seconds.
     """
+
+    def waiting(error: OSError) -> None:
+        logger.info(
+            "process %d: waiting up to %g s for process 0's coordinator at %s (%s)",
+            config.process_id, timeout_s, config.coordinator_address, _reason(error),
+        )  # fmt: skip
+
     deadline = time.monotonic() + timeout_s
-    address = (config.coordinator_host, config.coordinator_port)
-    logged = False
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            # A try no longer than what is left: a host that drops SYNs never refuses.
-            with socket.create_connection(address, timeout=max(0.05, min(left, 5.0))):
-                return
-        except OSError as e:
-            error = e.strerror or type(e).__name__
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ValueError(
-                f"distributed: coordinator address {config.coordinator_address}: nothing "
-                f"accepted a connection ({error}) within {round(timeout_s, 1):g} s: process "
-                "0 did not start there (--coordinator-address or JAX_COORDINATOR_ADDRESS: "
-                f"process 0's address; {INIT_TIMEOUT_ENV} sets the wait)"
-            )
-        if not logged:
-            logger.info(
-                "process %d: waiting up to %g s for process 0's coordinator at %s (%s)",
-                config.process_id, timeout_s, config.coordinator_address, error,
-            )  # fmt: skip
-            logged = True
-        time.sleep(min(_CONNECT_RETRY_S, left))
+    try:
+        conn = connect(
+            config.coordinator_host, config.coordinator_port, deadline, timeout_s,
+            retry_s=_CONNECT_RETRY_S, on_first_refusal=waiting,
+        )  # fmt: skip
+    except TimeoutError as e:
+        raise ValueError(
+            f"distributed: coordinator address {config.coordinator_address}: nothing "
+            f"accepted a connection ({_reason(e.__cause__)}) within {round(timeout_s, 1):g} s: "
+            "process 0 did not start there (--coordinator-address or JAX_COORDINATOR_ADDRESS: "
+            f"process 0's address; {INIT_TIMEOUT_ENV} sets the wait)"
+        ) from None
+    conn.close()
+
+
+def _reason(error: BaseException | None) -> str:
+    """The words of a failed connect: its strerror, else its type's name."""
+    return getattr(error, "strerror", None) or type(error).__name__
 
 
 # JAX's SlurmCluster default coordinator port.

@@ -17,6 +17,7 @@ import logging
 import selectors
 import socket
 import time
+from collections.abc import Callable
 
 from jaxserve.frontend.server_address import join_host_port
 
@@ -31,13 +32,23 @@ _KEEPALIVE_INTERVAL_S = 2
 _KEEPALIVE_COUNT = 3
 
 
-def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.socket:
-    """A TCP connection to the leader, retried until `deadline` (time.monotonic(); it may
-    not listen yet).
+def connect(
+    host: str,
+    port: int,
+    deadline: float,
+    timeout_s: float,
+    retry_s: float = 0.05,
+    on_first_refusal: Callable[[OSError], None] | None = None,
+) -> socket.socket:
+    """A TCP connection to the leader, retried every `retry_s` seconds until `deadline`
+    (time.monotonic(); it may not listen yet). `on_first_refusal(error)`, if given, is
+    called once, at the first try that fails.
 
     Raises:
-        TimeoutError: no leader listening by then (`timeout_s` names the wait).
+        TimeoutError: no leader listening by then (`timeout_s` names the wait); its
+            __cause__ is the last try's OSError.
     """
+    refused = False
     while True:
         try:
             conn = socket.create_connection(
@@ -48,7 +59,10 @@ def connect(host: str, port: int, deadline: float, timeout_s: float) -> socket.s
                 raise TimeoutError(
                     f"step channel: no leader at {join_host_port(host, port)} after {timeout_s} s"
                 ) from e
-            time.sleep(0.05)
+            if on_first_refusal is not None and not refused:
+                on_first_refusal(e)
+            refused = True
+            time.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))
             continue
         conn.settimeout(None)
         return conn
