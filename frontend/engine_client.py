@@ -297,9 +297,11 @@ class AsyncEngineClient:
             del self._requests[stream.request_id]
 
     def mark_dead(self, reason: str) -> None:
-        """End every open stream with EngineDeadError(reason) and refuse new requests."""
-        if self.dead_reason is None:
-            logger.error("engine unavailable: %s", reason)
+        """End every open stream with EngineDeadError(reason) and refuse new requests.
+
+        Logs nothing: whoever saw the death (the launcher's child watcher, the replica
+        watchers) logs it once, with what it does about it; a second ERROR line here
+        made one death read as two failures."""
         self._end_streams(reason)
 
     def shut_down(self) -> None:

@@ -76,8 +76,10 @@ def test_child_death_ends_streams_and_exits_with_code_1(mock_model_dir, name, mo
         assert srv.proc.returncode == 1, srv.log()
         assert not [p for p in pids if alive(p)], "a child outlived the server"
         assert not os.path.exists(srv.socket_dir)
-        # The log names the dead child and how it died.
-        assert f"the {name} process (pid {victim}) died (signal SIGKILL)" in srv.log()
+        # The log names the dead child and how it died, in one ERROR line.
+        errors = [line for line in srv.log().splitlines() if " ERROR " in line]
+        assert len(errors) == 1, errors
+        assert f"the {name} process (pid {victim}) died (signal SIGKILL)" in errors[0]
     finally:
         srv.kill()
 

@@ -130,6 +130,11 @@ def test_a_killed_replica_ends_its_streams_naming_it_and_others_go_on(server, cl
     assert infos[0].router_decisions > 0 and infos[2].router_decisions > 0
     assert server.proc.poll() is None  # serve keeps running while a replica lives
     assert client.is_serving()
+    # One death, one ERROR line naming it (the frontend's stream ending logged a second;
+    # the stall test before this one logged its own, about replica 2).
+    log = server.log().splitlines()
+    errors = [line for line in log if " ERROR " in line and "replica 2" not in line]
+    assert len(errors) == 1 and "replica 1" in errors[0] and "SIGKILL" in errors[0], errors
 
 
 def _metric(text: str, name: str, replica: int) -> float:

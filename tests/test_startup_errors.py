@@ -340,6 +340,19 @@ def test_follower_without_a_leader_ends_in_one_line_naming_the_coordinator():
     assert "--coordinator-address" in line
 
 
+def test_leader_whose_followers_never_join_ends_in_one_line():
+    """Process 0 of 2 with no process 1: its coordinator answers, nobody joins, and JAX
+    aborted it with a C++ stack trace at its join timeout. Now jaxserve's watchdog ends it
+    at JAXSERVE_INIT_TIMEOUT_S (2 s here) with one line naming the run's size, exit 2."""
+    run = ("--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2")
+    env = {"JAX_PLATFORMS": "cpu", "JAXSERVE_INIT_TIMEOUT_S": "2", **HOLD_ENV}
+    code, lines = serve(*run, "--process-id", "0", env=env)
+    assert code == 2
+    line = one_error_line(lines)
+    assert "the run's 2 processes did not all join within 2 s" in line, line
+    assert "--num-processes 2" in line
+
+
 def test_follower_ends_when_the_leaders_engine_fails_after_joining(model_copy):
     """Process 0's engine fails after jax.distributed.initialize (its checkpoint lacks a
     tensor; the follower's is whole): the follower, already in the run's start-up, ends

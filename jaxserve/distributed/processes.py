@@ -55,7 +55,7 @@ def run_follower(config: EngineConfig, dist: DistributedConfig) -> int:
         (`exit_now`): EXIT_START_FAILED, EXIT_STEP_FAILED, or EXIT_PEER_LOST when the
         leader is gone.
     """
-    initialize(dist)  # before any other JAX call
+    initialize(dist, what=f"follower {dist.process_id}")  # before any other JAX call
     from jaxserve.distributed.executor import follow  # noqa: PLC0415
     from jaxserve.distributed.step_channel import StepSubscriber  # noqa: PLC0415
     from jaxserve.engine.builder import build_engine  # noqa: PLC0415

@@ -35,12 +35,14 @@ import argparse
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jaxserve.distributed.step_sockets import connect
 from jaxserve.frontend.server_address import wait_until_resolves
+from jaxserve.logs import report_start_failure
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,10 @@ INIT_TIMEOUT_S = 300
 INIT_TIMEOUT_ENV = "JAXSERVE_INIT_TIMEOUT_S"
 # Seconds between a follower's tries to connect to the coordinator's port.
 _CONNECT_RETRY_S = 0.5
+# How far past jaxserve's own wait JAX's join timeout is set: when a process never joins,
+# `initialize`'s watchdog ends this one with a line first; JAX would abort it with a C++
+# stack trace (measured, jax 0.11.2: ~5 s after its initialization_timeout).
+_JAX_JOIN_MARGIN_S = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,12 +283,16 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def initialize(config: DistributedConfig | None, timeout_s: int | None = None) -> None:
+def initialize(
+    config: DistributedConfig | None, timeout_s: int | None = None, what: str = "engine"
+) -> None:
     """`jax.distributed.initialize` for `config` (nothing for None). Call it before any
     other JAX call; every process of the run must call it.
 
     timeout_s: how long (seconds) to wait for every process to join; None:
-        `init_timeout_s()`.
+        `init_timeout_s()`. Past it the process reports one start-up failure line
+        (`what` failed to start: ..., `jaxserve.logs.report_start_failure`) and exits
+        with code 2 (`_exit_unless_joined`).
 
     Process 0's coordinator binds the coordinator address as given (JAX's default binds
     every interface, "[::]:port", with no authentication): give the address the other
@@ -299,14 +309,42 @@ def initialize(config: DistributedConfig | None, timeout_s: int | None = None) -
         config.coordinator_address,
         config.heartbeat_timeout_s,
     )
+    timeout_s = init_timeout_s() if timeout_s is None else timeout_s
+    joined = threading.Event()
+    threading.Thread(
+        target=_exit_unless_joined, args=(config, timeout_s, joined, what),
+        name="jaxserve-join-watchdog", daemon=True,
+    ).start()  # fmt: skip
     jax.distributed.initialize(
         config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
-        initialization_timeout=init_timeout_s() if timeout_s is None else timeout_s,
+        initialization_timeout=timeout_s + _JAX_JOIN_MARGIN_S,
         heartbeat_timeout_seconds=config.heartbeat_timeout_s,
         coordinator_bind_address=config.coordinator_address,
     )
+    joined.set()
+
+
+def _exit_unless_joined(
+    config: DistributedConfig, timeout_s: float, joined: threading.Event, what: str
+) -> None:
+    """`initialize`'s watchdog thread: unless the run's processes all joined within
+    `timeout_s` seconds, one line (which processes to start, the variable that sets the
+    wait) and exit code 2, from this thread: the main one is blocked in JAX's C++ join."""
+    if joined.wait(timeout_s):
+        return
+    from jaxserve.distributed.processes import EXIT_START_FAILED, exit_now  # noqa: PLC0415
+
+    error = ValueError(
+        f"distributed: the run's {config.num_processes} processes did not all join within "
+        f"{timeout_s:g} s at the coordinator {config.coordinator_address} (process "
+        f"{config.process_id} waited): start every process with --num-processes "
+        f"{config.num_processes} and the same --coordinator-address ({INIT_TIMEOUT_ENV} "
+        "sets the wait)"
+    )
+    report_start_failure(what, error, logger)
+    exit_now(EXIT_START_FAILED)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
