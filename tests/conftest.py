@@ -74,28 +74,11 @@ def pytest_configure(config):
     enable_compilation_cache(SESSION_COMPILATION_CACHE_DIR)
 
 
-# The longest units of work of a 2-worker run (scripts/test_file_times.py; 25-75 s each,
-# most of a run's files take under 10 s), longest first: handed out before the others, so
-# that a run does not end with one worker on one of them while the other idles (that
-# order, longest first, leaves the two workers' ends a few seconds apart). Only the order
-# of the run depends on this list.
-LONGEST_FIRST = (
-    "tests/test_engine_mesh.py", "tests/test_multihost.py", "tests/test_diagnose_scenarios.py",
-    "tests/test_kernels.py", "tests/http_api_tests", "tests/test_cpu_attention_kernel.py",
-    "tests/test_sharding.py", "tests/test_cli_unreachable.py", "tests/test_models_hf.py",
-    "tests/test_startup_errors.py", "tests/test_router_scenarios.py",
-    "tests/test_deepseek_mesh.py", "tests/test_moe_slices.py", "tests/test_deepseek_models.py",
-    "tests/test_eplb_engine.py", "tests/test_warmup.py", "tests/test_bench_cli.py",
-    "tests/test_sparse_moe.py",
-)  # fmt: skip
-
-
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may not be installed
 def pytest_xdist_make_scheduler(config, log):
     """Under `-n N --dist loadfile` (scripts/test.sh): a test file goes to one worker, so
     that its module fixtures (servers, engines) start once, and so does a folder of tests
-    under tests/: http_api_tests/' files share one package-scoped server (~30 s to start).
-    The files of LONGEST_FIRST go first, then the others, most tests first."""
+    under tests/: http_api_tests/' files share one package-scoped server (~30 s to start)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -105,13 +88,6 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]  # tests/test_x.py or tests/folder/test_x.py
             parts = path.split("/")
             return "/".join(parts[:2]) if len(parts) > 2 and parts[0] == "tests" else path
-
-        def _assign_work_unit(self, node) -> None:
-            # The base class hands out the queue's first unit.
-            first = next((s for s in LONGEST_FIRST if s in self.workqueue), None)
-            if first is not None:
-                self.workqueue.move_to_end(first, last=False)
-            super()._assign_work_unit(node)
 
     return FolderOrFileScheduling(config, log)
 
