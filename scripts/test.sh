@@ -24,7 +24,7 @@ fi
 # table per file, add --junitxml=FILE and run scripts/test_file_times.py FILE.
 # Two pytest-xdist workers (JAXSERVE_TEST_WORKERS; 0: one process, no workers): much of the
 # suite waits on the servers, compilations and processes it starts, so on 2 cores two
-# workers took the suite from ~1000 s to ~650 s. A test file (a folder under tests/)
+# workers took the suite from ~1000 s to ~690 s. A test file (a folder under tests/)
 # runs whole in one worker (tests/conftest.py's scheduler), its module fixtures once.
 # The JAX compilation cache is one temporary folder per run, shared by the workers
 # (tests/conftest.py); set JAXSERVE_TEST_CACHE_ROOT to a folder to keep it between runs.
