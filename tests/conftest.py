@@ -21,9 +21,10 @@ Servers: `mock_model_dir`, a model folder for the mock engine (tests/mock_engine
 server (`hostile_helpers.mock_server`) starts in about a second.
 
 Compilation cache: one JAX persistent compilation cache for the session, in a temporary
-folder (or `$JAXSERVE_TEST_CACHE_ROOT`, to keep it across runs), shared by this process
-and by every process a test starts: `JAXSERVE_CACHE_ROOT` is set for them, so the
-engine's default `compilation_cache_dir` points into it. It never masks a compile count:
+folder (or `$JAXSERVE_TEST_CACHE_ROOT`, to keep it across runs), shared by this process,
+the other pytest-xdist workers (scripts/test.sh runs two) and every process a test
+starts: `JAXSERVE_CACHE_ROOT` is set for them, so the engine's default
+`compilation_cache_dir` points into it. It never masks a compile count:
 `CompileCounter` (jaxserve/engine/compile_counter.py) counts persistent-cache hits as
 compilations, so "no compilation after warm-up" still means no executable was asked for.
 """
@@ -49,6 +50,11 @@ def _session_cache_root() -> str:
     root = os.environ.get("JAXSERVE_TEST_CACHE_ROOT")
     if root:
         return root
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAXSERVE_CACHE_ROOT"):
+        # A pytest-xdist worker: the folder the controller made when it loaded this file
+        # (inherited; the controller removes it at exit), so that an executable one worker
+        # compiled (each builds its own session engines) is a cache hit in the other.
+        return os.environ["JAXSERVE_CACHE_ROOT"]
     root = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
@@ -66,6 +72,24 @@ def pytest_configure(config):
     from jaxserve.engine.builder import enable_compilation_cache
 
     enable_compilation_cache(SESSION_COMPILATION_CACHE_DIR)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may not be installed
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N --dist loadfile` (scripts/test.sh): a test file goes to one worker, so
+    that its module fixtures (servers, engines) start once, and so does a folder of tests
+    under tests/: http_api_tests/' files share one package-scoped server (~30 s to start)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FolderOrFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]  # tests/test_x.py or tests/folder/test_x.py
+            parts = path.split("/")
+            return "/".join(parts[:2]) if len(parts) > 2 and parts[0] == "tests" else path
+
+    return FolderOrFileScheduling(config, log)
 
 
 TINY_BLOCK_SIZE = 8

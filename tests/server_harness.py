@@ -168,6 +168,19 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_slice(low: int, high: int) -> tuple[int, int]:
+    """[low, high) itself, or under pytest-xdist (`-n N`) this worker's N-th of it: a
+    port one worker picked is free until its server binds it, seconds later, and the other
+    worker must not pick it meanwhile (`_GIVEN` is one process's)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return low, high
+    width = (high - low) // count
+    start = low + int(worker[2:]) * width
+    return start, start + width
+
+
 # Ports free_port_range has handed out in this run: never twice (a test may pick several
 # before any is bound).
 _GIVEN: set[int] = set()
@@ -182,9 +195,9 @@ def free_port_range(n: int = 3) -> int:
     of that range can meanwhile become any connection's local port; a CI run lost
     test_multihost's server so ("Address already in use" on port + 1) while other
     processes on the machine made thousands of connections."""
-    low = _ephemeral_low()
+    start, stop = _port_slice(10_000, _ephemeral_low())
     for _ in range(200):
-        port = random.randrange(10_000, max(low - n, 10_001))
+        port = random.randrange(start, max(stop - n, start + 1))
         if any(p in _GIVEN for p in range(port, port + n)):
             continue
         try:
@@ -195,7 +208,7 @@ def free_port_range(n: int = 3) -> int:
             continue
         _GIVEN.update(range(port, port + n))
         return port
-    raise RuntimeError(f"no {n} free ports in a row below {low}")
+    raise RuntimeError(f"no {n} free ports in a row in [{start}, {stop})")
 
 
 def free_port() -> int:
