@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 # The bench extra too: tests/test_bench_cli.py runs `jaxserve bench` (aiohttp, matplotlib).
 bash scripts/setup_venv.sh test bench
 venv="${JAXSERVE_VENV:-.venv}"
-# A pytest process keeps hundreds of compiled XLA executables, ~15 memory maps each: a full run peaked at 65,250 maps, at Linux's default limit of 65530 per
+# A pytest process keeps hundreds of compiled XLA executables, ~15 memory maps each: a
+# full run in one process peaked at 65,250 maps, at Linux's default limit of 65530 per
 # process, where XLA's CPU runtime fails an mmap ("LLVM compilation error: Cannot allocate
 # memory") and segfaults: two of three full runs died so, in jax's compilation-cache read.
 # `scripts/map_count.py` measures both. Raise the limit where we may (root: CI), else say how.
