@@ -84,9 +84,8 @@ def engine(tiny_engine_config, tmp_path_factory):
     yield ctx, addresses, requests, outputs
     proc.kill()
     proc.wait(30)
-    for sock in (requests, outputs):
-        sock.close()
-    ctx.term()
+    # destroy, not term: a socket a failed test left open would make term wait forever.
+    ctx.destroy(linger=0)
 
 
 def _run(requests, outputs, rid: str, prompt: list[int]) -> None:
