@@ -247,8 +247,9 @@ void ZMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float
         float* buf = copy_buffer.data();
         buf += (8 - reinterpret_cast<uintptr_t>(buf) / 4 % 8) % 8;
         const int n0 = blocks.BlockRows(0);
-        if (k0) ZTileRows<R, true, Hint, true>(n0, packed + k0 * n0, wc, N, kn, col, out, pf, seq, buf);
-        else ZTileRows<R, false, Hint, true>(n0, packed, wc, N, kn, col, out, pf, seq, buf);
+        const float* at0 = packed + k0 * n0;
+        if (k0) ZTileRows<R, true, Hint, true>(n0, at0, wc, N, kn, col, out, pf, seq, buf);
+        else ZTileRows<R, false, Hint, true>(n0, at0, wc, N, kn, col, out, pf, seq, buf);
         for (int b = 1; b < blocks.blocks; ++b) {
           const int s = blocks.BlockStart(b), n = blocks.BlockRows(b);
           const float* at = packed + int64_t{s} * K + k0 * n;

@@ -225,7 +225,8 @@ MatmulFn chosen;
 void RunTileUnitVariant(const Problem& p, int64_t e, int rows, const int32_t* copy) {
 #if JAXSERVE_TILES_AVX2
   const int64_t hi = p.hidden * p.inter;
-  tl_matrix[0] = p.w_gate + e * hi, tl_matrix[1] = p.w_up + e * hi, tl_matrix[2] = p.w_down + e * hi;
+  tl_matrix[0] = p.w_gate + e * hi, tl_matrix[1] = p.w_up + e * hi;
+  tl_matrix[2] = p.w_down + e * hi;
 #endif
   RunTileUnitWith(
       p, e, rows, copy,
