@@ -201,7 +201,6 @@ inline void ZTileRows(int rows, const float* at, const float* w, int64_t ldw, in
 // The matrices a tile unit reads after the current one (set by RunTileUnitVariant), so
 // that the chunk variant's sequential prefetch runs on into the next matrix.
 thread_local const float* tl_matrix[3];
-thread_local int64_t tl_matrix_floats[3];
 
 // chunk: k-chunks of kc rows (contiguous kc x N floats), all panels and row blocks of one
 // chunk before the next, accumulating into out; block 0 prefetches the next chunk (or the
@@ -235,10 +234,9 @@ void ZMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float
     if (w == tl_matrix[m]) after = tl_matrix[m + 1];
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t kn = std::min(kc, K - k0);
-    // The next chunk (kn rows of this matrix, or the next matrix's first kc * N floats:
-    // the same number of lines when its N is this one's... approximately).
+    // The next chunk (of this matrix, or the next matrix's first), kn * N / 16 lines of
+    // it: one for each row that block 0 reads.
     const float* next = k0 + kn < K ? w + (k0 + kn) * N : after;
-    const int64_t lines = kn * N / 16;  // lines of the next chunk, one per block-0 row
     for (int64_t col = 0, p = 0; col < N; col += 16, ++p) {
       const float* seq = variant.seq && next ? next + p * kn * 16 : nullptr;
       const float* wc = w + k0 * N + col;
