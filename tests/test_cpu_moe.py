@@ -62,6 +62,12 @@ def test_kernel_builds_where_a_compiler_is():
         (90, 3, 5, 48, 20, "random"),
         (23, 2, 4, 17, 33, "one expert"),  # 46 rows: one unit, blocks of 7 and 8
         (100, 3, 4, 32, 16, "one expert"),  # 300 rows: units of 60, split over threads
+        # AVX2 builds: units of 2-3 row blocks (8-18 rows) over widths that are a multiple
+        # of 16 read the weights in k-chunks of 64 rows (cpu_moe_chunks.h), accumulating
+        # across chunks: 144 and 160 rows are 2 chunks and a part; 13, 16 and 10 rows.
+        (13, 4, 4, 144, 96, "random"),
+        (16, 1, 2, 160, 80, "one expert"),
+        (10, 1, 2, 128, 64, "one expert"),
     ],
 )
 def test_kernel_equals_the_row_oracle(num_tokens, top_k, num_experts, hidden, inter, routing):

@@ -10,9 +10,10 @@
 // with 4.) An expert with kTileMinRows rows or more, or with small matrices
 // (kSmallExpertFloats), runs register tiles instead (cpu_tile_matmul.h, AVX-512 or AVX2
 // builds): its rows in units of up to kUnitRows, each unit streaming the expert's
-// matrices once, 16 columns at a time for all its rows. Work units (expert, row block)
-// are shared with XLA's intra-op thread pool (cpu_work_sharing.h), unless the call is
-// under kMinParallelWork.
+// matrices once, 16 columns at a time for all its rows (on AVX2 builds, units of fewer
+// than 4 row blocks in k-chunks read in address order instead: cpu_moe_chunks.h). Work
+// units (expert, row block) are shared with XLA's intra-op thread pool
+// (cpu_work_sharing.h), unless the call is under kMinParallelWork.
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_moe_chunks.h"
 #include "cpu_tile_matmul.h"
 #include "cpu_work_sharing.h"
 #include "xla/ffi/api/ffi.h"
@@ -87,9 +89,10 @@ struct Problem {
 
 #if JAXSERVE_HAVE_TILES
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
-// matmul(blocks, packed rows, expert weight [K, N], K, N, out rows) is the tile product
-// and block_rows the most rows of a row block (PanelMatmul and kTileRows here;
-// scripts/native/bench_moe_kernel.cc passes variants: other tiles, another layout).
+// matmul(blocks, packed rows, expert weight [K, N], K, N, out rows, the weight read after
+// it or nullptr) is the tile product and block_rows the most rows of a row block
+// (MoeMatmul and kTileRows here; scripts/native/bench_moe_kernel.cc passes variants:
+// other tiles, another layout).
 template <class Matmul>
 void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy, Matmul matmul,
                      int block_rows = jaxserve::kTileRows) {
@@ -105,19 +108,29 @@ void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy,
     out[r] = p.y + int64_t{copy[r]} * h;
   }
   jaxserve::PackRows(blocks, a.data(), h, packed.data());
-  matmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data());
-  matmul(blocks, packed.data(), p.w_up + e * h * i, h, i, u.data());
+  const float* w_up = p.w_up + e * h * i;
+  const float* w_down = p.w_down + e * i * h;
+  matmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data(), w_up);
+  matmul(blocks, packed.data(), w_up, h, i, u.data(), w_down);
   jaxserve::SwiGlu(gate.data(), up.data(), rows * i);
   jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
-  matmul(blocks, packed.data(), p.w_down + e * i * h, i, h, out.data());
+  matmul(blocks, packed.data(), w_down, i, h, out.data(), nullptr);
+}
+
+// The tile product of a unit: on AVX2 builds, k-chunks read in address order where the
+// unit has few row blocks (cpu_moe_chunks.h), else panels (cpu_tile_matmul.h).
+inline void MoeMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
+                      int64_t k, int64_t n, float* const* o, const float* after) {
+#if JAXSERVE_TILES_AVX2
+  if (jaxserve::UsesChunks(blocks, n))
+    return jaxserve::ChunkMatmul(blocks, packed, w, k, n, o, after);
+#endif
+  (void)after;
+  jaxserve::PanelMatmul(blocks, packed, w, k, n, o);
 }
 
 void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
-  RunTileUnitWith(p, e, rows, copy,
-                  [](const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
-                     int64_t k, int64_t n, float* const* o) {
-                    jaxserve::PanelMatmul(blocks, packed, w, k, n, o);
-                  });
+  RunTileUnitWith(p, e, rows, copy, MoeMatmul);
 }
 #endif
 

@@ -11,6 +11,15 @@
 //       8); mask 1 reads every weight vector by maskload (the kernel's way), 0 by plain
 //       loads, with a mask only on the last, partial vector of a row.
 //       tile:2,6,-2,0,0,0,8,1 is the kernel's PanelMatmul.
+//   chunk:V,R,pf,hint,kc,seq,copy  6 x 16 tiles (V ignored, R 4-6) over k-chunks of kc
+//       rows (contiguous, 0: all K), all panels and row blocks of a chunk before the next,
+//       accumulating into out; seq 1: block 0 prefetches the next chunk (after the last,
+//       the next matrix of the unit) one line a row, in address order; copy 1: block 0
+//       copies each panel's chunk for the other blocks. chunk:2,6,0,0,64,1,1 is the
+//       kernel's ChunkMatmul (cpu_moe_chunks.h), which it runs below 4 row blocks.
+//   pm:V,R,pf,hint  the weights repacked panel-major ([E][N/16][K][16]; a layout the
+//       model does not have): each panel read contiguously, block 0 prefetching pf lines
+//       ahead in it.
 
 #pragma once
 
@@ -138,6 +147,129 @@ void YMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float
   }
 }
 
+// A 16-column tile of R rows over rows [0, kn) of a weight panel at w (row stride ldw):
+// out[r][col:col+16] (+= when kAcc) sum_k at[k * R + r] * w[k * ldw + j]. pf: prefetch
+// w + pf at each row (0: none); seq: prefetch seq + 16 k at each row k (one line each,
+// a sequential stream; nullptr: none).
+template <int R, bool kAcc, int Hint, bool kCopy = false>
+inline void ZTile(const float* at, const float* w, int64_t ldw, int64_t kn, int64_t col,
+                  float* const* out, int64_t pf, const float* seq, float* copy = nullptr) {
+  constexpr auto hint = Hint == 0   ? _MM_HINT_T0
+                       : Hint == 1 ? _MM_HINT_T1
+                       : Hint == 2 ? _MM_HINT_T2
+                                   : _MM_HINT_NTA;
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    lo[r] = kAcc ? _mm256_loadu_ps(out[r] + col) : _mm256_setzero_ps();
+    hi[r] = kAcc ? _mm256_loadu_ps(out[r] + col + 8) : _mm256_setzero_ps();
+  }
+  const float* wk = w;
+  for (int64_t k = 0; k < kn; ++k, wk += ldw) {
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(wk + pf), hint);
+    if (seq) _mm_prefetch(reinterpret_cast<const char*>(seq + 16 * k), hint);
+    const __m256 b0 = _mm256_loadu_ps(wk);
+    const __m256 b1 = _mm256_loadu_ps(wk + 8);
+    if constexpr (kCopy) {
+      _mm256_store_ps(copy + 16 * k, b0);
+      _mm256_store_ps(copy + 16 * k + 8, b1);
+    }
+    const float* ak = at + k * R;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(ak + r);
+      lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out[r] + col, lo[r]);
+    _mm256_storeu_ps(out[r] + col + 8, hi[r]);
+  }
+}
+
+template <int R, bool kAcc, int Hint, bool kCopy = false>
+inline void ZTileRows(int rows, const float* at, const float* w, int64_t ldw, int64_t kn,
+                      int64_t col, float* const* out, int64_t pf, const float* seq,
+                      float* copy = nullptr) {
+  if (rows >= R) return ZTile<R, kAcc, Hint, kCopy>(at, w, ldw, kn, col, out, pf, seq, copy);
+  if constexpr (R > 1)
+    ZTileRows<R - 1, kAcc, Hint, kCopy>(rows, at, w, ldw, kn, col, out, pf, seq, copy);
+}
+
+// The matrices a tile unit reads after the current one (set by RunTileUnitVariant), so
+// that the chunk variant's sequential prefetch runs on into the next matrix.
+thread_local const float* tl_matrix[3];
+
+// chunk: k-chunks of kc rows (contiguous kc x N floats), all panels and row blocks of one
+// chunk before the next, accumulating into out; block 0 prefetches the next chunk (or the
+// next matrix's first chunk) one line per row it reads, in address order (seq 1), and
+// pf > 0 prefetches pf rows ahead in the panel (pf < 0: -pf lines ahead in the row).
+// pm: weights panel-major ([N/16][K][16]), each panel read contiguously; block 0
+// prefetches pf lines ahead in the panel.
+template <int R, int Hint>
+void ZMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float* w, int64_t K,
+             int64_t N, float* const* out) {
+  if (N % 16) {
+    std::fprintf(stderr, "N %% 16\n");
+    std::exit(2);
+  }
+  if (variant.kind == "pm") {
+    const int64_t pf = variant.pf > 0 ? 16 * variant.pf : 0;
+    for (int64_t col = 0; col < N; col += 16) {
+      const float* wp = w + col * K;
+      for (int b = 0; b < blocks.blocks; ++b) {
+        const int s = blocks.BlockStart(b);
+        ZTileRows<R, false, Hint>(blocks.BlockRows(b), packed + int64_t{s} * K, wp, 16, K, col,
+                                  out + s, b == 0 ? pf : 0, nullptr);
+      }
+    }
+    return;
+  }
+  const int64_t kc = variant.kc ? std::min<int64_t>(variant.kc, K) : K;
+  const int64_t pf = variant.pf > 0 ? variant.pf * N : variant.pf < 0 ? -variant.pf * 16 : 0;
+  const float* after = nullptr;
+  for (int m = 0; m < 2; ++m)
+    if (w == tl_matrix[m]) after = tl_matrix[m + 1];
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t kn = std::min(kc, K - k0);
+    // The next chunk (of this matrix, or the next matrix's first), kn * N / 16 lines of
+    // it: one for each row that block 0 reads.
+    const float* next = k0 + kn < K ? w + (k0 + kn) * N : after;
+    for (int64_t col = 0, p = 0; col < N; col += 16, ++p) {
+      const float* seq = variant.seq && next ? next + p * kn * 16 : nullptr;
+      const float* wc = w + k0 * N + col;
+      if (variant.lead && blocks.blocks > 1) {  // block 0 copies the chunk's panel
+        if (copy_buffer.size() < static_cast<size_t>(16 * kc + 8)) copy_buffer.resize(16 * kc + 8);
+        float* buf = copy_buffer.data();
+        buf += (8 - reinterpret_cast<uintptr_t>(buf) / 4 % 8) % 8;
+        const int n0 = blocks.BlockRows(0);
+        const float* at0 = packed + k0 * n0;
+        if (k0) ZTileRows<R, true, Hint, true>(n0, at0, wc, N, kn, col, out, pf, seq, buf);
+        else ZTileRows<R, false, Hint, true>(n0, at0, wc, N, kn, col, out, pf, seq, buf);
+        for (int b = 1; b < blocks.blocks; ++b) {
+          const int s = blocks.BlockStart(b), n = blocks.BlockRows(b);
+          const float* at = packed + int64_t{s} * K + k0 * n;
+          if (k0) ZTileRows<R, true, Hint>(n, at, buf, 16, kn, col, out + s, 0, nullptr);
+          else ZTileRows<R, false, Hint>(n, at, buf, 16, kn, col, out + s, 0, nullptr);
+        }
+        continue;
+      }
+      for (int b = 0; b < blocks.blocks; ++b) {
+        const int s = blocks.BlockStart(b), n = blocks.BlockRows(b);
+        const float* at = packed + int64_t{s} * K + k0 * n;
+        if (k0)
+          ZTileRows<R, true, Hint>(n, at, wc, N, kn, col, out + s, b == 0 ? pf : 0,
+                                   b == 0 ? seq : nullptr);
+        else
+          ZTileRows<R, false, Hint>(n, at, wc, N, kn, col, out + s, b == 0 ? pf : 0,
+                                    b == 0 ? seq : nullptr);
+      }
+    }
+  }
+}
+
 using MatmulFn = void (*)(const jaxserve::RowBlocks&, const float*, const float*, int64_t,
                           int64_t, float* const*);
 
@@ -156,6 +288,13 @@ MatmulFn PickHint(int hint, bool mask_all) {
 }
 
 MatmulFn PickMatmul(const Variant& v) {
+  if (v.kind == "chunk" || v.kind == "pm") {
+    if (v.R == 6) return v.hint == 1 ? ZMatmul<6, 1> : v.hint == 3 ? ZMatmul<6, 3> : ZMatmul<6, 0>;
+    if (v.R == 5) return v.hint == 1 ? ZMatmul<5, 1> : ZMatmul<5, 0>;
+    if (v.R == 4) return v.hint == 1 ? ZMatmul<4, 1> : ZMatmul<4, 0>;
+    std::fprintf(stderr, "chunk/pm: R 4-6\n");
+    std::exit(2);
+  }
   if (v.kind != "tile" && v.kind != "base") {
     std::fprintf(stderr, "variant %s: only base and tile on AVX2\n", v.kind.c_str());
     std::exit(2);

@@ -223,7 +223,16 @@ namespace {
 MatmulFn chosen;
 
 void RunTileUnitVariant(const Problem& p, int64_t e, int rows, const int32_t* copy) {
-  RunTileUnitWith(p, e, rows, copy, chosen, variant.R);
+#if JAXSERVE_TILES_AVX2
+  const int64_t hi = p.hidden * p.inter;
+  tl_matrix[0] = p.w_gate + e * hi, tl_matrix[1] = p.w_up + e * hi;
+  tl_matrix[2] = p.w_down + e * hi;
+#endif
+  RunTileUnitWith(
+      p, e, rows, copy,
+      [](const jaxserve::RowBlocks& blocks, const float* packed, const float* w, int64_t k,
+         int64_t n, float* const* o, const float*) { chosen(blocks, packed, w, k, n, o); },
+      variant.R);
 }
 
 // "kind[:P,R,pf,hint,kc,seq]" (missing fields keep their defaults).
