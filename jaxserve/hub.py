@@ -110,12 +110,12 @@ def _snapshot(repo_id: str, revision: str | None) -> str:
         raise ValueError(
             f"model: {repo_id!r} is not a local folder and not in the Hugging Face cache "
             f"{cache}, and {why}; download it where the network allows "
-            f"(`huggingface-cli download {repo_id}`) or give a model folder"
+            f"(`hf download {repo_id}`) or give a model folder"
         ) from None
     except GatedRepoError:
         raise ValueError(
             f"model: {repo_id!r} is a gated repository; accept its terms on huggingface.co "
-            "and log in (`huggingface-cli login`, or set HF_TOKEN)"
+            "and log in (`hf auth login`, or set HF_TOKEN)"
         ) from None
     except RepositoryNotFoundError:
         raise ValueError(

@@ -45,6 +45,7 @@ import prometheus_client
 import uvloop
 
 from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.distributed.processes import EXIT_PEER_LOST
 from jaxserve.frontend.auth import insecure_bind_warning
 from jaxserve.frontend.engine_client import AsyncEngineClient
 from jaxserve.frontend.liveness import watch_liveness
@@ -96,6 +97,8 @@ class _Child:
     def describe_exit(self) -> str:
         code = self.process.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code == EXIT_PEER_LOST:  # only an engine of a multi-process run exits so
+            how += ": another process of its multi-process run is gone"
         return f"the {self.name} process (pid {self.process.pid}) died ({how})"
 
 

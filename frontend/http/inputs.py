@@ -182,6 +182,14 @@ def _check_one_max_tokens(first: str, max_tokens, second: str, max_completion_to
     )  # fmt: skip
 
 
+def _check_response_format(response_format) -> None:
+    """Raises FieldError unless response_format is absent or {"type": "text"}."""
+    if response_format is None:
+        return
+    if not isinstance(response_format, dict) or response_format.get("type") != "text":
+        raise FieldError("response_format", "response_format: only type 'text' is supported")
+
+
 def completion_requests(
     body: CompletionRequest, request_id: str, limits: ModelLimits
 ) -> list[pb.GenerateRequest]:
@@ -191,6 +199,9 @@ def completion_requests(
         raise FieldError("echo", "echo: not supported")
     if body.suffix is not None:
         raise FieldError("suffix", "suffix: not supported")
+    # Not an OpenAI completions field, but vLLM's (structured output): refused as in chat,
+    # not ignored, so that nobody takes plain text for the JSON they asked for.
+    _check_response_format((body.model_extra or {}).get("response_format"))
     prompt = body.prompt  # of one of the shapes of protocol.prompt_shape
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
@@ -345,8 +356,7 @@ def chat_request(
     max_tokens (and max_completion_tokens) is the room the model length leaves after the
     prompt, as in vLLM. Raises FieldError naming the field."""
     check_request_template(body)
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise FieldError("response_format", "response_format: only type 'text' is supported")
+    _check_response_format(body.response_format)
     tool_choice = (body.model_extra or {}).get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise FieldError("tool_choice", "tool_choice: only 'none' and 'auto' are supported")

@@ -27,6 +27,13 @@ from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
+# Why a process is taken for gone: its membership connection ended without the clean
+# stop's message (the kernel closes it even on SIGKILL; an unreachable host stops
+# answering). The lines that report a loss say it.
+LOST_CONNECTION = (
+    "its step channel connection closed without a clean stop (it died, or its host is unreachable)"
+)
+
 # Sent by the leader on each membership connection right before a clean close.
 _BYE = b"bye"
 # A follower's transit report: b"t <microseconds>\n", the median over its last

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from jaxserve.config import EngineConfig
+from jaxserve.distributed.membership import LOST_CONNECTION
 from jaxserve.distributed.settings import (
     STEP_CHANNEL_PORT_OFFSET,
     DistributedConfig,
@@ -127,11 +128,12 @@ def exit_on_lost_peer(dist: DistributedConfig) -> Callable[[int], None]:
     def lost(process_id: int) -> None:
         role = "the leader" if process_id == 0 else "a follower"
         logger.error(
-            "process %d (%s) of the %d-process run is gone; the run cannot go on without "
-            "it: process %d exits (code %d)",
+            "process %d (%s) of the %d-process run is gone: %s; the run cannot go on "
+            "without it: process %d exits (code %d)",
             process_id,
             role,
             dist.num_processes,
+            LOST_CONNECTION,
             dist.process_id,
             EXIT_PEER_LOST,
         )

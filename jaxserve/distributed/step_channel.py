@@ -48,7 +48,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.distributed import shm_ring, step_message, step_sockets, step_transport
-from jaxserve.distributed.membership import REPORT_EVERY, FollowersWatch, LeaderWatch
+from jaxserve.distributed.membership import (
+    LOST_CONNECTION,
+    REPORT_EVERY,
+    FollowersWatch,
+    LeaderWatch,
+)
 from jaxserve.distributed.step_message import RUN, STOP, StepMessage
 
 logger = logging.getLogger(__name__)
@@ -159,13 +164,12 @@ class StepPublisher:
     def _follower_lost(self, process_id: int) -> None:
         if self._ring is not None:
             self._ring.drop_reader(process_id - 1)  # it no longer holds the ring back
-        logger.error(
-            "step channel: process %d (a follower) is gone: its connection to the leader "
-            "closed without a clean stop (it died, or its host is unreachable)",
-            process_id,
-        )
         if self._on_lost is not None:
-            self._on_lost(process_id)
+            self._on_lost(process_id)  # it logs the loss, with what it does about it
+            return
+        logger.error(
+            "step channel: process %d (a follower) is gone: %s", process_id, LOST_CONNECTION
+        )
 
     def publish(self, arrays: Sequence[np.ndarray], meta: dict | None = None, kind: str = RUN):
         """Send one step's inputs to every follower (raw array buffers, one message): once
@@ -257,14 +261,12 @@ class StepSubscriber:
         return self._leader.lost
 
     def _leader_gone(self) -> None:
-        logger.error(
-            "step channel: process 0 (the leader) is gone: its connection closed without "
-            "a clean stop (it died, or its host is unreachable)"
-        )
         if self._ring is not None:
             self._ring.wake()  # a `receive` waiting on the ring sees `leader_lost`
         if self._on_lost is not None:
-            self._on_lost(0)
+            self._on_lost(0)  # it logs the loss, with what it does about it
+            return
+        logger.error("step channel: process 0 (the leader) is gone: %s", LOST_CONNECTION)
 
     def receive(self, timeout_s: float | None = None) -> StepMessage:
         """The next step.

@@ -53,6 +53,8 @@ BAD = [
     ("prompt[2]", dict(prompt=[1, 2, 10**6]), None),
     ("temperature", dict(extra_body={"temperature": "hot"}), None),
     ("echo", dict(echo=True), None),
+    # vLLM's completions extra: refused as in chat, not ignored (plain text is no JSON).
+    ("response_format", dict(extra_body={"response_format": {"type": "json_object"}}), None),
     ("seed", dict(seed=2**70), None),
 ]
 
