@@ -318,7 +318,12 @@ def check_prompt_text(field: str, text: str, *, noun: str = "UTF-8") -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field}: not valid {noun} text ({e.reason} at {e.start})") from None
+        char = ord(text[e.start])
+        if 0xDC80 <= char <= 0xDCFF:  # surrogateescape's stand-in for an undecodable byte
+            what = f"byte {bytes([char - 0xDC00])!r} is not UTF-8"
+        else:
+            what = f"a lone surrogate U+{char:04X}"
+        raise ValueError(f"{field}: not valid {noun} text ({what} at {e.start})") from None
 
 
 def _check_int(name: str, value: object) -> None:

@@ -40,7 +40,11 @@ def test_token_ids_prompt_and_lists_take_ints_of_any_int_type():
         (dict(logit_bias={"5": 1.0}), TypeError, "logit_bias key '5': expected an int"),
         (dict(logit_bias={5: "a"}), TypeError, "logit_bias[5]:"),
         (dict(logit_bias=[(5, 1.0)]), TypeError, "logit_bias: expected a mapping"),
-        (dict(stop=["ok", "\udcff"]), ValueError, "stop[1]: not valid UTF-8 text"),
+        (
+            dict(stop=["ok", "\udcff"]),
+            ValueError,
+            "stop[1]: not valid UTF-8 text (byte b'\\xff' is not UTF-8 at 0)",
+        ),
         (dict(stop=[3]), TypeError, "stop[0]: expected a str, got int"),
         (dict(stop_token_ids=[2**40]), ValueError, "stop_token_ids:"),
         (dict(stop_token_ids="12"), TypeError, "stop_token_ids[0]: expected an int, got str"),

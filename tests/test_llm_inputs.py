@@ -24,7 +24,7 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0)
         ([{"prompt": 5}], "prompts[0].prompt", "expected a string, got int"),
         ([{"prompt_token_ids": [1, 2.5]}], "prompts[0][1]", "got 2.5"),
         (None, "prompts", "expected a string or a list of prompts, got NoneType"),
-        (["ok", "a\ud800b"], "prompts[1]", "not valid Unicode text (surrogates not allowed at 1)"),
+        (["ok", "a\ud800b"], "prompts[1]", "not valid Unicode text (a lone surrogate U+D800 at 1)"),
         (5, "prompts", "got int"),
         ([[1, 2], [3, 1.5]], "prompts[1][1]", "a token id must be an integer, got 1.5"),
         ([[1, True]], "prompts[0][1]", "a token id must be an integer, got True"),
