@@ -15,6 +15,14 @@
 
 namespace jaxserve {
 
+// Pool tasks a call starts beside its own thread: one per other CPU at most (XLA's pool
+// has a thread per CPU, and the calling thread runs units too: one more would time-slice).
+template <typename Pool>
+int64_t MaxHelpers(Pool& pool) {
+  const int64_t cpus = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+  return std::min<int64_t>(pool.num_threads(), cpus - 1);
+}
+
 // Runs run_unit(u) once for every u in [0, units) and returns when all have run. Units
 // are claimed from one atomic counter by this thread and by up to pool.num_threads()
 // pool tasks alike, so a unit runs once whoever runs it. A task that starts after the
@@ -30,7 +38,7 @@ void ShareUnits(xla::ffi::ThreadPool& pool, int64_t units, RunUnit run_unit) {
       done->fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
+  const int64_t helpers = std::min<int64_t>(MaxHelpers(pool), units - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
   work();
   while (done->load(std::memory_order_acquire) < units) std::this_thread::yield();
@@ -53,7 +61,7 @@ void ShareUnitChunks(Pool& pool, int64_t units, int64_t chunk, RunUnit run_unit)
       done->fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  const int64_t helpers = std::min<int64_t>(MaxHelpers(pool), chunks - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
   work();
   while (done->load(std::memory_order_acquire) < chunks) std::this_thread::yield();
