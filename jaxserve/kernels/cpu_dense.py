@@ -28,7 +28,7 @@ still holds the original until the engine's build returns, so the packed weights
 twice for that moment). A tied LM head is the embedding too, read by rows: not packed.
 The layers call `project`, which runs the kernel on a `PanelMajor` up to `MAX_ROWS`
 rows and XLA's dot on the panels past it (prefill chunks, where XLA's GEMM amortises
-its packing; 1.0-1.25x slower than on the row-major weight at 128-256 rows), and their
+its packing; 1.0-1.3x slower than on the row-major weight at 256 rows), and their
 own dot on a plain array (every other backend, dtype and mesh: unchanged).
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
@@ -58,13 +58,15 @@ ENV_VAR = "JAXSERVE_CPU_DENSE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_dense_panels.cc")
 TARGET = "jaxserve_cpu_dense_panels"
 PANEL = 16  # columns of a panel (one zmm, two ymm registers)
-# Rows up to which the kernel runs; past them XLA's dot on the panels. Measured
-# (`scripts/bench_dense_panels.py`, AVX2 EPYC VM, 2 cores, load ~1.8-3, kernel vs XLA's
-# dot on the row-major weight): [128, 4096] 1.06 / 1.72 / 1.51 / 2.18 / 1.42 / 1.47 /
-# 1.15 / 1.02 / 0.77x at 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 / 256 rows; [512, 4096]
-# 1.21 / 1.55 / 1.56 / 1.24 / 1.41 / 1.48 / 0.99 / 0.99 / 0.92x; [512, 512] 0.83 /
-# 1.07 / 1.55 / 1.65 / 1.60 / 0.88 / 1.01 / 0.91 / 0.75x.
-MAX_ROWS = 64
+# Rows up to which the kernel runs; past them XLA's dot on the panels, which the kernel
+# beats up to 128 rows and not at 256. Measured (`scripts/bench_dense_panels.py`, AVX2
+# EPYC VM, 2 cores, load ~1.8-3), the kernel's speed-up over XLA's dot on the row-major
+# weight (today's path) at 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 / 256 rows: [128, 4096]
+# 1.06 / 1.72 / 1.51 / 2.18 / 1.42 / 1.47 / 1.15 / 1.02 / 0.77x; [512, 4096] 1.21 /
+# 1.55 / 1.56 / 1.24 / 1.41 / 1.48 / 0.99 / 0.99 / 0.92x; [512, 512] 0.83 / 1.07 / 1.55
+# / 1.65 / 1.60 / 0.88 / 1.01 / 0.91 / 0.75x. XLA's dot on the panels, against the same:
+# 0.71-0.87x at 64-128 rows, 0.76-1.0x at 256.
+MAX_ROWS = 128
 # Smallest weight (K * N floats) the engine packs: on smaller ones (the demo model's
 # [128, 128] attention projections) XLA's dot is as fast or faster at every row count
 # (`scripts/bench_dense_panels.py`), and they fit in L2 anyway.
