@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.kernels.cpu_dense import project
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata, KVCache, KVLayout
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import (
@@ -38,6 +39,11 @@ from jaxserve.models.weight_map import (
     one,
     stacked_experts,
 )
+
+
+def _logits_dot(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """hidden [N, embed] . head [embed, vocab] -> [N, vocab] float32."""
+    return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
 
 
 class DecoderLayer(nnx.Module):
@@ -235,7 +241,18 @@ class DecoderOnlyLM(nnx.Module):
             head = self.embed_tokens[...].T
         else:
             head = self.lm_head[...]
-        return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+        return project(hidden, head, _logits_dot)
+
+    def dense_weights(self) -> list[tuple[tuple, int]]:
+        """(state path, contracted leading axes) of every weight read through
+        `cpu_dense.project` (what `cpu_dense.pack_params` may hold panel-major): the
+        projections of each `Attention` and `MLP` module and the untied LM head (a tied
+        one is the embedding too, which is read by rows)."""
+        weights = [] if self.lm_head is None else [(("lm_head",), 1)]
+        for path, node in nnx.iter_graph(self):
+            if isinstance(node, (Attention, MLP)):
+                weights += node.dense_weights(tuple(path))
+        return weights
 
     def initial_buffers(self) -> dict[tuple, object]:
         """Values of the model state that is not a weight (`PlacementTable`s of

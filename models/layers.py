@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.kernels import dispatch
+from jaxserve.kernels.cpu_dense import project
 from jaxserve.kernels.paged_attention_ref import masked_softmax
 from jaxserve.models.base import PAD_SLOT, AttentionMetadata
 from jaxserve.models.config import Llama3RopeScaling
@@ -357,9 +358,9 @@ class Attention(nnx.Module):
 
         Returns ([T, embed], updated (K, V) or None).
         """
-        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])
-        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])
-        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])
+        q = project(x, self.q_proj[...], _heads_dot)
+        k = project(x, self.k_proj[...], _heads_dot)
+        v = project(x, self.v_proj[...], _heads_dot)
         if self.q_bias is not None:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -376,7 +377,14 @@ class Attention(nnx.Module):
                 paged_attention_step, scale=self.scale, sliding_window=self.sliding_window
             )
             out, kv = self.parallel.paged_attention(step, q, k, v, kv, positions, metadata)
-        return merge_heads(out, self.o_proj[...]), kv
+        return project(out, self.o_proj[...], merge_heads), kv
+
+    def dense_weights(self, path: tuple) -> list[tuple[tuple, int]]:
+        """(state path, contracted leading axes) of the weights `project` reads: what the
+        engine may hold panel-major (`cpu_dense.pack_params`); path: this module's.
+        q/k/v contract embed, o_proj (heads, head_dim)."""
+        qkv = [((*path, name), 1) for name in ("q_proj", "k_proj", "v_proj")]
+        return [*qkv, ((*path, "o_proj"), 2)]
 
 
 class MLP(nnx.Module):
@@ -389,5 +397,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, embed] -> [T, embed]."""
-        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
-        return h @ self.down_proj[...]
+        h = jax.nn.silu(project(x, self.gate_proj[...], jnp.matmul))
+        h = h * project(x, self.up_proj[...], jnp.matmul)
+        return project(h, self.down_proj[...], jnp.matmul)
+
+    def dense_weights(self, path: tuple) -> list[tuple[tuple, int]]:
+        """(state path, contracted leading axes) of the weights `project` reads: what the
+        engine may hold panel-major (`cpu_dense.pack_params`); path: this module's."""
+        return [((*path, name), 1) for name in ("gate_proj", "up_proj", "down_proj")]
+
+
+def _heads_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, embed] . w [embed, heads, D] -> [T, heads, D] (q/k/v projections)."""
+    return jnp.einsum("te,ehd->thd", x, w)

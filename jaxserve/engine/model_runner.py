@@ -51,6 +51,7 @@ from jaxserve.engine.step_inputs import InputBuilder, StepInputs
 from jaxserve.engine.step_shapes import MIN_TOKEN_BUCKET, StepShape, pow2_buckets
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.kernels import dispatch
+from jaxserve.kernels.cpu_dense import pack_params
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe_slices import MAX_EXPERT_BRANCHES, split_expert_params
@@ -155,6 +156,11 @@ class ModelRunner:
             paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
             self._params = split_expert_params(self._params, self._param_index, paths)
             self.state = jax.tree.unflatten(self._params_def, self._params)
+        if mesh.size == 1 and hasattr(model, "dense_weights"):
+            # One CPU device: projections panel-major for the CPU dense kernel (a no-op
+            # elsewhere, or with JAXSERVE_CPU_DENSE_KERNEL=0).
+            self._params = pack_params(self._params, self._param_index, model.dense_weights())
+            self.state = jax.tree.unflatten(self._params_def, self._params)
         # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
         self.kv_layout: KVLayout = model.kv_layout()
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
@@ -172,7 +178,7 @@ class ModelRunner:
         self._output_sharding = replicated(mesh)
         self._param_specs = [jax.tree.map(_spec, p) for p in self._params]
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
-        advise_huge_pages([*self._params, *jax.tree.leaves(self.kv_cache)])
+        advise_huge_pages([*jax.tree.leaves(self._params), *jax.tree.leaves(self.kv_cache)])
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
         self.compiler = StepCompiler(self._lower)

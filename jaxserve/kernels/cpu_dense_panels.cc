@@ -1,0 +1,212 @@
+// A few rows by a dense weight held panel-major on the CPU: y[M, N] = x[M, K] @ W[K, N],
+// float32, with W stored as w[P][K][16] (P = ceil(N / 16) column panels of 16, the last
+// zero-padded): w[p][k][j] = W[k][16 p + j].
+//
+// The XLA FFI handler behind `jaxserve.kernels.cpu_dense` (its docstring has the
+// contract and the measurements). Why panel-major: a 16-column panel of a row-major
+// [K, N] weight is K runs of 64 bytes, N * 4 bytes apart, which the hardware prefetcher
+// follows poorly and which crowd into a few cache sets; stored panel-major, each panel
+// is one contiguous K * 64-byte stream (as llama.cpp's and oneDNN's packed weights).
+// The weight is repacked once, at load (`cpu_dense.PanelMajor.pack`), not per call as
+// XLA's dot (YNNPACK) does.
+//
+// x is packed transposed per row block (cpu_tile_matmul.h's PackRows), then each work
+// unit, a range of panels, runs register tiles over them: rows in blocks of up to
+// kTileRows, every block reading the panel while it is in L1. A block of one or two rows
+// (a GEMV) runs several panels at once (`WideTile`, AVX2), so that enough independent
+// FMA chains hide the FMA latency. Units are shared with XLA's intra-op thread pool
+// (cpu_work_sharing.h) unless the product is too small to repay waking it.
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "cpu_tile_matmul.h"
+#include "cpu_work_sharing.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if JAXSERVE_HAVE_TILES
+
+// Multiply-adds below which the call runs on the calling thread alone (about 10 us of
+// one core's work; waking a pool thread on an idle vCPU costs about as much).
+constexpr int64_t kSerialMacs = int64_t{1} << 20;
+// Panels per work unit at least: a unit must be long enough for its stream to run.
+constexpr int64_t kMinUnitPanels = 4;
+// Floats ahead of the tile's current weight row that it prefetches (1 KiB: 16 rows of a
+// panel), so the next lines are in flight while the FMAs run.
+constexpr int64_t kAheadFloats = 256;
+
+#if JAXSERVE_TILES_AVX2
+// R rows (1-2) x C whole panels (16 C columns) of out, C panels starting at `panel`
+// (a run of C consecutive [K][16] panels, 16 K floats each): 2 R C ymm accumulators, so
+// that a one-row GEMV has 2 C independent FMA chains (one panel alone has 2: latency-bound).
+template <int R, int C>
+inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col,
+                     float* const* out) {
+  __m256 acc[R][C][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 a[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[r] = _mm256_broadcast_ss(at + k * R + r);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const float* wk = panel + c * 16 * K + 16 * k;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kAheadFloats), _MM_HINT_T0);
+      const __m256 b0 = _mm256_loadu_ps(wk), b1 = _mm256_loadu_ps(wk + 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[r][c][0] = _mm256_fmadd_ps(a[r], b0, acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(a[r], b1, acc[r][c][1]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      _mm256_storeu_ps(out[r] + col + 16 * c, acc[r][c][0]);
+      _mm256_storeu_ps(out[r] + col + 16 * c + 8, acc[r][c][1]);
+    }
+}
+constexpr int kWidePanels = 4;  // C of a one-row block (8 accumulators; 2 rows: C = 2)
+#endif
+
+// XLA's intra-op pool with at most `helpers` of its threads taking part. The calling
+// thread works too, so one helper fewer than the CPUs this process may run on: XLA's pool
+// has a thread per CPU, and a third thread on two CPUs made the demo model's LM head (8
+// rows, [128, 4096]) 1.3-1.9x slower (77-118 us a call against 61; bench_dense_panels.py).
+struct CappedPool {
+  xla::ffi::ThreadPool& pool;
+  int64_t helpers;
+  int64_t num_threads() const { return helpers; }
+  template <typename F>
+  void Schedule(F f) { pool.Schedule(std::move(f)); }
+};
+
+// CPUs this process may run on (its affinity mask; the hardware's count where unknown).
+int64_t UsableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+struct Problem {
+  jaxserve::RowBlocks blocks;
+  std::vector<float> packed;  // x, PackRows layout
+  std::vector<float*> out;    // row r of y
+  const float* w;             // [P][K][16]
+  int64_t K, N, panels, panels_per_unit;
+};
+
+// Panels [p0, p1) of every row block: y[:, 16 p0 : min(N, 16 p1)]. Panels outer, row
+// blocks inner: a panel (K * 64 bytes) stays in L1 for all the blocks that read it.
+void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
+  const int64_t K = q.K, N = q.N;
+  int64_t p = p0;
+#if JAXSERVE_TILES_AVX2
+  // One block of one or two rows (M <= 2; RowBlocks never makes a block that small from
+  // more rows): several panels a tile. Whole panels only; a partial last one is masked
+  // by Tile below.
+  const int rows = q.blocks.BlockRows(0);
+  const int64_t full_end = std::min(p1, N / 16);
+  if (q.blocks.blocks == 1 && rows == 1) {
+    for (; p + kWidePanels <= full_end; p += kWidePanels)
+      WideTile<1, kWidePanels>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
+  } else if (q.blocks.blocks == 1 && rows == 2) {
+    for (; p + 2 <= full_end; p += 2)
+      WideTile<2, 2>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
+  }
+#endif
+  for (; p < p1; ++p) {
+    const int64_t col = 16 * p;
+    const jaxserve::Mask16 mask = jaxserve::LaneMask(std::min<int64_t>(16, N - col));
+    for (int b = 0; b < q.blocks.blocks; ++b) {
+      const int s = q.blocks.BlockStart(b);
+      // Tile reads w + col + k * ldw: with w shifted back by col and ldw 16 it reads
+      // panel p's contiguous [K][16] block.
+      jaxserve::TileRows<jaxserve::kTileRows>(q.blocks.BlockRows(b),
+                                              q.packed.data() + int64_t{s} * K,
+                                              q.w + p * 16 * K - col, 16, K, col, mask,
+                                              q.out.data() + s, kAheadFloats, 0);
+    }
+  }
+}
+
+ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != 16 ||
+      yd[0] != xd[0] || wd[0] != (yd[1] + 15) / 16) {
+    return ffi::Error::InvalidArgument(
+        "dense_panels: expected x [M, K], w [ceil(N / 16), K, 16], y [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  float* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  auto state = std::make_shared<Problem>(
+      Problem{jaxserve::RowBlocks(static_cast<int>(M)), {}, {}, w.typed_data(), K, N, wd[0], 1});
+  Problem& p = *state;
+  std::vector<const float*> rows(M);
+  p.out.resize(M);
+  for (int64_t r = 0; r < M; ++r) {
+    rows[r] = x.typed_data() + r * K;
+    p.out[r] = yp + r * N;
+  }
+  p.packed.resize(M * K);
+  jaxserve::PackRows(p.blocks, rows.data(), K, p.packed.data());
+  static const int64_t cpus = UsableCpus();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cpus - 1);
+  const bool serial = M * K * N < kSerialMacs || helpers <= 0;
+  const int64_t threads = serial ? 1 : helpers + 1;
+  // About 4 units a thread, so that a thread slowed by another process is evened out.
+  p.panels_per_unit = serial ? p.panels
+                             : std::max<int64_t>(kMinUnitPanels, p.panels / (4 * threads));
+  const int64_t units = (p.panels + p.panels_per_unit - 1) / p.panels_per_unit;
+  auto run_unit = [state](int64_t u) {
+    const Problem& q = *state;
+    const int64_t p0 = u * q.panels_per_unit;
+    RunPanels(q, p0, std::min(q.panels, p0 + q.panels_per_unit));
+  };
+  if (units == 1) {
+    run_unit(0);
+  } else {
+    CappedPool capped{pool, helpers};
+    jaxserve::ShareUnitChunks(capped, units, 1, [run_unit](int64_t u, int64_t) { run_unit(u); });
+  }
+  return ffi::Error::Success();
+}
+
+#else  // without tiles the Python side never calls the kernel (`cpu_dense.applies`)
+
+ffi::Error DensePanelsImpl(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                           ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::Unimplemented("dense_panels: built without AVX2 + FMA or AVX-512");
+}
+
+#endif  // JAXSERVE_HAVE_TILES
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDensePanels, DensePanelsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // w [ceil(N/16), K, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
