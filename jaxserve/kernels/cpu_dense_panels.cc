@@ -17,8 +17,6 @@
 // FMA chains hide the FMA latency. Units are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h) unless the product is too small to repay waking it.
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -83,25 +81,6 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
 }
 constexpr int kWidePanels = 4;  // C of a one-row block (8 accumulators; 2 rows: C = 2)
 #endif
-
-// XLA's intra-op pool with at most `helpers` of its threads taking part. The calling
-// thread works too, so one helper fewer than the CPUs this process may run on: XLA's pool
-// has a thread per CPU, and a third thread on two CPUs made the demo model's LM head (8
-// rows, [128, 4096]) 1.3-1.9x slower (77-118 us a call against 61; bench_dense_panels.py).
-struct CappedPool {
-  xla::ffi::ThreadPool& pool;
-  int64_t helpers;
-  int64_t num_threads() const { return helpers; }
-  template <typename F>
-  void Schedule(F f) { pool.Schedule(std::move(f)); }
-};
-
-// CPUs this process may run on (its affinity mask; the hardware's count where unknown).
-int64_t UsableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 struct Problem {
   jaxserve::RowBlocks blocks;
@@ -171,8 +150,7 @@ ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   }
   p.packed.resize(M * K);
   jaxserve::PackRows(p.blocks, rows.data(), K, p.packed.data());
-  static const int64_t cpus = UsableCpus();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cpus - 1);
+  const int64_t helpers = jaxserve::MaxHelpers(pool);
   const bool serial = M * K * N < kSerialMacs || helpers <= 0;
   const int64_t threads = serial ? 1 : helpers + 1;
   // About 4 units a thread, so that a thread slowed by another process is evened out.
@@ -187,8 +165,7 @@ ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (units == 1) {
     run_unit(0);
   } else {
-    CappedPool capped{pool, helpers};
-    jaxserve::ShareUnitChunks(capped, units, 1, [run_unit](int64_t u, int64_t) { run_unit(u); });
+    jaxserve::ShareUnitChunks(pool, units, 1, [run_unit](int64_t u, int64_t) { run_unit(u); });
   }
   return ffi::Error::Success();
 }

@@ -1,7 +1,8 @@
 // Work units of one FFI call shared between the calling thread and XLA's intra-op pool.
 //
-// Included by the CPU kernels (cpu_moe_rows.cc, cpu_paged_attention.cc); the build
-// (kernels/cpu_build.py) hashes this header into each kernel's cache key.
+// Included by the CPU kernels (cpu_moe_rows.cc, cpu_paged_attention.cc,
+// cpu_dense_panels.cc); the build (kernels/cpu_build.py) hashes this header into each
+// kernel's cache key.
 
 #pragma once
 
@@ -11,15 +12,26 @@
 #include <memory>
 #include <thread>
 
+#include <sched.h>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
 
-// Pool tasks a call starts beside its own thread: one per other CPU at most (XLA's pool
-// has a thread per CPU, and the calling thread runs units too: one more would time-slice).
+// CPUs this process may run on (its affinity mask; the hardware's count where unknown).
+inline int64_t UsableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Pool tasks a call starts beside its own thread: one per other CPU at most. XLA's pool
+// has a thread per CPU and the calling thread runs units too, so one task more
+// time-slices: a third thread on two CPUs made the dense kernel's LM head call (8 rows,
+// [128, 4096]) 1.3-1.9x slower (scripts/bench_dense_panels.py).
 template <typename Pool>
 int64_t MaxHelpers(Pool& pool) {
-  const int64_t cpus = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+  static const int64_t cpus = UsableCpus();
   return std::min<int64_t>(pool.num_threads(), cpus - 1);
 }
 
