@@ -258,7 +258,7 @@ def test_two_process_serve_ends_when_the_follower_dies(two_process_serve):
     assert died in log and died in error[0].details(), log
     # One line for the follower's loss in the leader's engine (the step channel's own
     # line and its callback's were two), one for the engine's exit in the frontend.
-    lost = [line for line in log.splitlines() if " ERROR " in line and "is gone" in line]
+    lost = [line for line in log.splitlines() if " ERROR " in line and "(a follower)" in line]
     assert len(lost) == 1 and "process 1 (a follower) of the 2-process run is gone" in lost[0]
     deadline = time.monotonic() + 5
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
