@@ -96,13 +96,15 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run `jaxserve generate`; returns the exit code (0, 1 an RPC error, 2 a bad request
     or flag, 130 interrupted, 141 a closed stdout)."""
+    if args.prompt == "-" and sys.stdin is None:  # started with stdin closed (<&-)
+        print("jaxserve generate: error: prompt: '-' reads stdin, which is closed", file=sys.stderr)
+        return 2
+    # After that check: with fd 0 closed, gRPC's poller took it for its epoll fd, and a
+    # CI run's process aborted in it at exit ("epoll_wait error: Bad file descriptor").
     import grpc
 
     from jaxserve.frontend.client import JaxserveClient
 
-    if args.prompt == "-" and sys.stdin is None:  # started with stdin closed (<&-)
-        print("jaxserve generate: error: prompt: '-' reads stdin, which is closed", file=sys.stderr)
-        return 2
     prompt = stdin_prompt(sys.stdin.read()) if args.prompt == "-" else args.prompt
     params = {name: getattr(args, name) for name in _REQUEST_FLAGS}
     if args.n is not None:
