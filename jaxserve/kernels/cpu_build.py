@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
+def switch_on(env_var: str) -> bool:
+    """A kernel's on/off switch: whether `env_var` is unset or "1" ("0" turns the kernel
+    off, for A/B benchmarks). Raises ValueError naming the variable for another value."""
+    value = os.environ.get(env_var, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{env_var}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def compiler() -> str | None:
     """The C++ compiler to build with: $CXX, else g++ or c++ on PATH; None if none."""
     for name in (os.environ.get("CXX"), "g++", "c++"):

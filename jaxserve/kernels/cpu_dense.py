@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel
+from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel, switch_on
 from jaxserve.kernels.cpu_moe import has_tiles
 
 ENV_VAR = "JAXSERVE_CPU_DENSE_KERNEL"
@@ -198,13 +197,8 @@ def pack_params(params: list, param_index: dict[tuple, int], weights: Sequence[t
 
 
 def enabled() -> bool:
-    """Whether `JAXSERVE_CPU_DENSE_KERNEL` allows the kernel (unset or 1; 0 turns it off).
-
-    Raises ValueError for another value."""
-    value = os.environ.get(ENV_VAR, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 or 1")
-    return value == "1"
+    """Whether `JAXSERVE_CPU_DENSE_KERNEL` allows the kernel (`cpu_build.switch_on`)."""
+    return switch_on(ENV_VAR)
 
 
 def applies() -> bool:

@@ -39,13 +39,18 @@ in float32, as `moe_loop.swiglu_rows` with a float32 model.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.cpu_build import build_library, compiler, cpu_flags, register_kernel
+from jaxserve.kernels.cpu_build import (
+    build_library,
+    compiler,
+    cpu_flags,
+    register_kernel,
+    switch_on,
+)
 
 ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
@@ -58,13 +63,8 @@ MAX_MEAN_GROUP_TILED = 256
 
 
 def enabled() -> bool:
-    """Whether `JAXSERVE_CPU_MOE_KERNEL` allows the kernel (unset or 1; 0 turns it off).
-
-    Raises ValueError for another value."""
-    value = os.environ.get(ENV_VAR, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 or 1")
-    return value == "1"
+    """Whether `JAXSERVE_CPU_MOE_KERNEL` allows the kernel (`cpu_build.switch_on`)."""
+    return switch_on(ENV_VAR)
 
 
 def applies(x: jax.Array, num_rows: int, num_experts: int, weights) -> bool:
