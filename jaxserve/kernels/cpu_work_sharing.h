@@ -36,7 +36,7 @@ int64_t MaxHelpers(Pool& pool) {
 }
 
 // Runs run_unit(u) once for every u in [0, units) and returns when all have run. Units
-// are claimed from one atomic counter by this thread and by up to pool.num_threads()
+// are claimed from one atomic counter by this thread and by up to MaxHelpers(pool)
 // pool tasks alike, so a unit runs once whoever runs it. A task that starts after the
 // last unit was claimed finds none left; it still holds its copy of run_unit, so
 // run_unit must own (e.g. by a shared_ptr) whatever it reads.
