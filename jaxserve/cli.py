@@ -145,7 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from jaxserve.distributed.processes import run_follower
 
         try:  # before jax.distributed.initialize, which aborts in C++ when it never answers
-            distributed.wait_for_coordinator(dist, max(0.0, deadline - time.monotonic()))
+            distributed.wait_for_coordinator(dist, wait_s, deadline)
         except ValueError as e:
             return _fail(e, 2)
         return run_follower(config, dist)

@@ -217,9 +217,15 @@ def init_timeout_s(env: Mapping[str, str] | None = None) -> int:
     return value
 
 
-def wait_for_coordinator(config: DistributedConfig, timeout_s: float) -> None:
+def wait_for_coordinator(
+    config: DistributedConfig, timeout_s: float, deadline: float | None = None
+) -> None:
     """A follower (process_id > 0): return once the coordinator's port accepts a TCP
     connection, trying every _CONNECT_RETRY_S seconds for up to `timeout_s`.
+
+    deadline: `time.monotonic()` time to give up at when part of the wait was spent
+        before this call (default: now + `timeout_s`); the message still names
+        `timeout_s`, the wait the user set, not what was left of it.
 
     jax.distributed.initialize, when the coordinator never answers, waits out its
     timeout and then aborts the process in C++ with a stack trace (measured, jax 0.11.2);
@@ -237,7 +243,7 @@ def wait_for_coordinator(config: DistributedConfig, timeout_s: float) -> None:
             config.process_id, round(timeout_s, 1), config.coordinator_address, _reason(error),
         )  # fmt: skip
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     try:
         conn = connect(
             config.coordinator_host, config.coordinator_port, deadline, timeout_s,
