@@ -8,9 +8,10 @@ tracer off) and sum the trace's events by name (the perfetto JSON the profiler w
 on the CPU every XLA thunk is one event named after its HLO op or fusion). Prints the
 top `--top` names with their share of the traced wall time and their count (nested
 events, a while loop and the ops inside it, both count, so shares can add up past 100%),
-then the time by call kind (multi-step decode or not) and op kind (the C++ kernels,
-XLA's dots, the other XLA ops; `breakdown`), with `uptime`; writes
-bench_results/step_ops.json.
+then the time by call kind (multi-step decode or not) and op kind (each C++ kernel by
+its FFI target, XLA's dots, the other XLA ops; `breakdown`), with `uptime`; writes
+bench_results/step_ops.json. The trace names a kernel call only `ffi_call.N`; its target
+comes from the optimized HLO that XLA dumps into a temporary folder (`--xla_dump_to`).
 
     python scripts/bench_step_ops.py [--model qwen3moe|demo] [--batches 1,128]
         [--max-tokens 32] [--top 25]
@@ -19,11 +20,14 @@ bench_results/step_ops.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import bisect
 import gzip
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,8 +36,46 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before JAX loads: the optimized HLO, to name each ffi_call's kernel (`_ffi_targets`).
+_HLO_DUMP = tempfile.mkdtemp(prefix="jaxserve_ops_hlo_")
+atexit.register(shutil.rmtree, _HLO_DUMP, ignore_errors=True)
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_dump_to={_HLO_DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+)
 
 HERE = Path(__file__).resolve().parent
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", re.M)
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _dumped_modules() -> list[tuple[str, set[str], dict[str, str]]]:
+    """The optimized modules XLA dumped: (module name, its instruction names, ffi_call op
+    -> custom-call target)."""
+    out = []
+    for path in sorted(Path(_HLO_DUMP).glob("*after_optimizations.txt")):
+        module = re.match(r"module_\d+\.(.+?)\.", path.name)
+        if module is None:
+            continue
+        names, targets = set(), {}
+        for name, rest in _INSTRUCTION.findall(path.read_text()):
+            names.add(name)
+            if name.startswith("ffi_call") and (target := _TARGET.search(rest)):
+                targets[name] = target.group(1)
+        out.append((module.group(1), names, targets))
+    return out
+
+
+def _ffi_targets(call_ops: list[dict], modules) -> dict[str, str]:
+    """ffi_call op -> target for one device call's ops: the dumped module of that name
+    (the engine compiles several variants of `jit_step`, each numbering its ops anew)
+    holding the most of the call's op names."""
+    names = {o["name"] for o in call_ops}
+    module = next(((o.get("args") or {}).get("hlo_module") for o in call_ops), None)
+    best = max(
+        (m for m in modules if m[0] == module), key=lambda m: len(names & m[1]), default=None
+    )
+    return best[2] if best is not None else {}
 
 
 def _events(trace_dir: Path) -> list[dict]:
@@ -91,9 +133,9 @@ def profile_batch(llm, batch: int, args) -> dict:
     return dict(batch=batch, tok_s=tokens / wall, wall_s=wall, top=rows, by_call=by_call_rows)
 
 
-def _op_kind(name: str) -> str:
+def _op_kind(name: str, targets: dict[str, str]) -> str:
     if name.startswith("ffi_call"):
-        return "C++ kernels (ffi_call)"
+        return f"kernel {targets.get(name, '?').removeprefix('jaxserve_')}"
     if name.startswith("ynn_fusion"):
         return "XLA dots (ynn_fusion)"
     return "other XLA ops"
@@ -117,14 +159,16 @@ def breakdown(events: list[dict], wall: float) -> dict[tuple[str, str], float]:
         i = bisect.bisect_right(starts, e["ts"]) - 1
         if i >= 0 and e["ts"] <= calls[i]["ts"] + calls[i]["dur"]:
             ops[i].append(e)
+    modules = _dumped_modules()
     out: dict[tuple[str, str], float] = defaultdict(float)
     for i, call in enumerate(calls):
+        targets = _ffi_targets(ops[i], modules)
         loop = any(o["name"].startswith("while") for o in ops[i])
         kind = "multi-step decode" if loop else "prefill / single step"
         out[(kind, "calls' wall")] += call["dur"] * 1e-6
         for o in ops[i]:
             if not o["name"].startswith(("while", "cond")):
-                out[(kind, _op_kind(o["name"]))] += o["dur"] * 1e-6
+                out[(kind, _op_kind(o["name"], targets))] += o["dur"] * 1e-6
     out[("host", "between calls")] = wall - sum(c["dur"] * 1e-6 for c in calls)
     return dict(sorted(out.items()))
 
