@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
