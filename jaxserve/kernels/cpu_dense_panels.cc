@@ -13,7 +13,7 @@
 // x is packed transposed per row block (cpu_tile_matmul.h's PackRows), then each work
 // unit, a range of panels, runs register tiles over them: rows in blocks of up to
 // kTileRows, every block reading the panel while it is in L1. A block of one or two rows
-// (a GEMV) runs several panels at once (`WideTile`, AVX2), so that enough independent
+// (a GEMV) runs several panels at once (`WideTile`), so that enough independent
 // FMA chains hide the FMA latency. Units are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h) unless the product is too small to repay waking it.
 
@@ -36,16 +36,16 @@ namespace {
 // Multiply-adds below which the call runs on the calling thread alone (about 10 us of
 // one core's work; waking a pool thread on an idle vCPU costs about as much).
 constexpr int64_t kSerialMacs = int64_t{1} << 20;
-// Panels per work unit at least: a unit must be long enough for its stream to run.
-constexpr int64_t kMinUnitPanels = 4;
 // Floats ahead of the tile's current weight row that it prefetches (1 KiB: 16 rows of a
 // panel), so the next lines are in flight while the FMAs run.
 constexpr int64_t kAheadFloats = 256;
 
-#if JAXSERVE_TILES_AVX2
 // R rows (1-2) x C whole panels (16 C columns) of out, C panels starting at `panel`
-// (a run of C consecutive [K][16] panels, 16 K floats each): 2 R C ymm accumulators, so
-// that a one-row GEMV has 2 C independent FMA chains (one panel alone has 2: latency-bound).
+// (a run of C consecutive [K][16] panels, 16 K floats each), so that a one-row GEMV has
+// several independent FMA chains: one panel alone has 2 (AVX2) or 1 (AVX-512), and an
+// FMA's latency is 4-5 cycles, so it ran latency-bound.
+#if JAXSERVE_TILES_AVX2
+// 2 R C ymm accumulators.
 template <int R, int C>
 inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col,
                      float* const* out) {
@@ -79,7 +79,44 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
     }
 }
 constexpr int kWidePanels = 4;  // C of a one-row block (8 accumulators; 2 rows: C = 2)
+#else
+// R C zmm accumulators. Measured (scripts/bench_dense_panels.py, AVX-512 EPYC VM, 2
+// cores, load ~1.5, old and new trees alternating 3x, medians): one row [512, 512] /
+// [512, 256] / [512, 4096] / [128, 4096] 1.50 / 1.48 / 1.48 / 1.03x faster than one panel
+// a tile (which ran 0.61-0.98x of XLA's dot there, now 0.84-1.10x), two rows 1.35 /
+// 1.29 / 1.16 / 1.34x.
+template <int R, int C>
+inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col,
+                     float* const* out) {
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 a[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[r] = _mm512_set1_ps(at[k * R + r]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const float* wk = panel + c * 16 * K + 16 * k;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kAheadFloats), _MM_HINT_T0);
+      const __m512 b = _mm512_loadu_ps(wk);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(a[r], b, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + col + 16 * c, acc[r][c]);
+}
+constexpr int kWidePanels = 8;  // C of a one-row block (8 accumulators; 2 rows: C = 4)
 #endif
+
+// Panels per work unit at least: a unit must be long enough for its stream to run, and
+// hold a one-row block's wide tile.
+constexpr int64_t kMinUnitPanels = kWidePanels;
 
 struct Problem {
   jaxserve::RowBlocks blocks;
@@ -94,7 +131,6 @@ struct Problem {
 void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
   const int64_t K = q.K, N = q.N;
   int64_t p = p0;
-#if JAXSERVE_TILES_AVX2
   // One block of one or two rows (M <= 2; RowBlocks never makes a block that small from
   // more rows): several panels a tile. Whole panels only; a partial last one is masked
   // by Tile below.
@@ -104,10 +140,10 @@ void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
     for (; p + kWidePanels <= full_end; p += kWidePanels)
       WideTile<1, kWidePanels>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
   } else if (q.blocks.blocks == 1 && rows == 2) {
-    for (; p + 2 <= full_end; p += 2)
-      WideTile<2, 2>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
+    constexpr int kPanels = kWidePanels / 2;
+    for (; p + kPanels <= full_end; p += kPanels)
+      WideTile<2, kPanels>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
   }
-#endif
   for (; p < p1; ++p) {
     const int64_t col = 16 * p;
     const jaxserve::Mask16 mask = jaxserve::LaneMask(std::min<int64_t>(16, N - col));
