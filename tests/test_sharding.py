@@ -74,8 +74,10 @@ def test_build_mesh_auto_axes_and_device_order():
 
 
 def test_build_mesh_errors():
-    with pytest.raises(MeshError, match="needs 16 devices, but only 8"):
+    with pytest.raises(MeshError, match="needs 16 devices, but only 8 are visible"):
         build_mesh(4, 4)
+    with pytest.raises(MeshError, match=r"needs 2 devices, but only 1 is visible \(cpu;"):
+        build_mesh(2, 1, devices=jax.devices()[:1])  # it said "only 1 are visible"
     with pytest.raises(MeshError, match="dp and tp must be >= 1"):
         build_mesh(0, 2)
 
@@ -256,6 +258,9 @@ def test_ep_moe_errors(moe_weights):
     args = (x, topk_w, topk_ids, *experts, identity_placement(NUM_EXPERTS))
     with pytest.raises(ValueError, match="6 tokens are not divisible by dp=4"):
         moe_ep.expert_parallel_moe(*args, mesh=mesh)
+    one = (*_routing(moe_weights, 1, skewed=False), *args[3:])
+    with pytest.raises(ValueError, match="1 token is not divisible by dp=4"):
+        moe_ep.expert_parallel_moe(*one, mesh=mesh)
     with pytest.raises(ValueError, match=r"8 expert slots are not divisible by ep = dp\*tp = 6"):
         moe_ep.expert_parallel_moe(*args, mesh=build_mesh(3, 2))
     with pytest.raises(ValueError, match="path must be one of"):
