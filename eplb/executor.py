@@ -309,7 +309,8 @@ def _check_weights(mesh: Mesh, weights) -> tuple[tuple[jax.ShapeDtypeStruct, ...
     num_slots = weights[0][0].shape[0]
     if num_slots % mesh.size:
         raise ValueError(
-            f"weights: {num_slots} slots are not divisible by ep = dp*tp = {mesh.size}"
+            f"weights: {num_slots} {'slot is' if num_slots == 1 else 'slots are'} not "
+            f"divisible by ep = dp*tp = {mesh.size}"
         )
     structs = []
     for layer, arrays in enumerate(weights):

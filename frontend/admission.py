@@ -86,7 +86,8 @@ class Ticket:
             self.release()
             raise AdmissionError(
                 "requests",
-                f"overloaded: {others} requests are running or waiting; "
+                f"overloaded: {others} {'request is' if others == 1 else 'requests are'} "
+                "running or waiting; "
                 f"{mine} more would pass the limit of {lim.max_requests} "
                 "(--max-pending-requests)",
             )
@@ -96,7 +97,8 @@ class Ticket:
             self.release()
             raise AdmissionError(
                 "queued_prompt_tokens",
-                f"overloaded: {others} prompt tokens wait for prefill; "
+                f"overloaded: {others} "
+                f"{'prompt token waits' if others == 1 else 'prompt tokens wait'} for prefill; "
                 f"{mine} more would pass the limit of "
                 f"{lim.max_queued_prompt_tokens} (--max-queued-prompt-tokens)",
             )
@@ -155,7 +157,8 @@ class AdmissionController:
         if others and self.request_bytes + request_bytes > lim:
             raise AdmissionError(
                 "bytes",
-                f"overloaded: {others} bytes of requests are in flight; "
+                f"overloaded: {others} {'byte' if others == 1 else 'bytes'} of requests "
+                f"{'is' if others == 1 else 'are'} in flight; "
                 f"{group.bytes + request_bytes} more would pass the limit of {lim} "
                 "(--max-inflight-request-bytes)",
             )

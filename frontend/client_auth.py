@@ -236,7 +236,14 @@ def from_args(args: argparse.Namespace) -> ClientAuth:
         raise ValueError(flag_error(e)) from None
 
 
-def flag_error(e: Exception) -> str:
-    """A ClientAuth ValueError ("tls_ca_cert: ...") as the flag's words ("tls-ca-cert: ...")."""
+def flag_error(e: Exception, flags: dict[str, str] | None = None) -> str:
+    """A ValueError naming a field ("tls_ca_cert: ...", "from: ...") in the words of the
+    flag the user typed ("--tls-ca-cert: ..."), as every client command says its usage
+    errors; `flags` maps a field whose flag has another name ({"out_dir": "--out"}).
+    A message that names a flag already, or no field, is left as it is."""
     option, sep, rest = str(e).partition(":")
-    return f"{option.replace('_', '-')}{sep}{rest}"
+    if flags and option in flags:
+        return f"{flags[option]}{sep}{rest}"
+    if not sep or not re.fullmatch(r"[a-z][a-z0-9_-]*", option):
+        return str(e)
+    return f"--{option.replace('_', '-')}{sep}{rest}"

@@ -6,6 +6,12 @@ the tokenizer and the other small files are copied beside them. `jaxserve serve 
 DIR` and `load_model(DIR)` accept the result (`jaxserve.models.checkpoint`), restoring
 each parameter straight onto its shards.
 
+Exit status: 0 done; 1 the system refused (memory, a device, a disk); 2 a usage error
+or bad setting: a bad flag value, a --model folder that is no HF model or whose weights
+are broken, an --out folder that cannot be written or holds a checkpoint already, a
+--mesh with more devices than are visible (one line, naming the flag where one is at
+fault).
+
 This module must not import JAX at import time (the CLI imports it to register the
 subcommand).
 """
@@ -101,17 +107,27 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from jaxserve.config import MeshConfig  # noqa: PLC0415
     from jaxserve.flag_types import check_writable  # noqa: PLC0415
+    from jaxserve.frontend.client_auth import flag_error  # noqa: PLC0415
+    from jaxserve.logs import start_failure_code  # noqa: PLC0415
+    from jaxserve.preflight import check_model_folder  # noqa: PLC0415
 
     try:  # before the model is loaded (a minute for a large one), not after
+        mesh = MeshConfig.parse(args.mesh)
+        check_model_folder(args.model, need_tokenizer=False)
         check_writable("--out", args.out, folder=True)
+        weights = Path(args.out) / "weights"  # models/checkpoint.py WEIGHTS_DIR (imports JAX)
+        if weights.exists():
+            raise ValueError(f"--out: {weights} already exists; choose an empty folder")
     except ValueError as e:
-        print(f"jaxserve convert: error: {e}", file=sys.stderr)
+        print(f"jaxserve convert: error: {flag_error(e)}", file=sys.stderr)
         return 2
     try:
-        times = convert(args.model, args.out, args.dtype, MeshConfig.parse(args.mesh))
+        times = convert(args.model, args.out, args.dtype, mesh)
     except (OSError, ValueError) as e:
+        # As `serve`'s start: a ValueError is a bad setting (a mesh with too few devices,
+        # broken weights), 2; the system refusing (memory, a device, a disk) is 1.
         print(f"jaxserve convert: error: {e}", file=sys.stderr)
-        return 1
+        return start_failure_code(e)
     print(
         f"wrote {args.out} (loaded safetensors in {times['load_s']:.2f} s, "
         f"saved Orbax in {times['save_s']:.2f} s)"

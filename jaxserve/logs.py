@@ -12,8 +12,10 @@ from jaxserve.start_log_hold import START_LOG_DIR_ENV, StartLogHold
 
 # Loggers of libraries whose INFO lines are noise at every start, raised to WARNING:
 # jax._src.xla_bridge logs "Unable to initialize backend 'tpu'" (and 'cuda' on a CPU-only
-# machine) while JAX looks for its platforms.
-QUIET_LOGGERS = ("jax._src.xla_bridge",)
+# machine) while JAX looks for its platforms; Orbax logs through absl's logger ("absl",
+# some modules "orbax...") a dozen lines (its version, handlers, read throughput) each
+# time `jaxserve serve` restores a `jaxserve convert` folder.
+QUIET_LOGGERS = ("jax._src.xla_bridge", "absl", "orbax")
 
 
 # A start's lines below ERROR are held back (`hold_start`) until the start succeeds

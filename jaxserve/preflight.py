@@ -38,7 +38,11 @@ _ORBAX_MARKER = "jaxserve_checkpoint.json"
 
 
 def check_model_folder(
-    model_dir: str | Path, *, check_model: bool = True, max_model_len: int | None = None
+    model_dir: str | Path,
+    *,
+    check_model: bool = True,
+    max_model_len: int | None = None,
+    need_tokenizer: bool = True,
 ) -> None:
     """Raise ValueError ("model: ...") if `model_dir` cannot be served.
 
@@ -48,6 +52,7 @@ def check_model_folder(
     max_model_len: --max-model-len (None: unset); with check_model, a value above the
     model's max_position_embeddings raises ValueError("max-model-len: ...") naming the
     flag and the model's limit, as the engine would after loading (vLLM's check too).
+    need_tokenizer: False for `jaxserve convert`, which converts the weights only.
 
     A broken config.json is named with the file, line and column of the JSON error. An
     EOS id outside the vocabulary is only warned about (`warn_eos_outside_vocab`).
@@ -71,7 +76,7 @@ def check_model_folder(
         raise ValueError(f"model: cannot read {config_path} ({e})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"model: {config_path}: expected a JSON object, got {type(hf).__name__}")
-    if not (folder / "tokenizer.json").is_file():
+    if need_tokenizer and not (folder / "tokenizer.json").is_file():
         raise ValueError(f"model: no tokenizer.json in {folder} (the server tokenizes with it)")
     if not check_model:
         return

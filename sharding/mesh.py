@@ -44,8 +44,9 @@ def build_mesh(dp: int, tp: int, devices: list[jax.Device] | None = None) -> Mes
     devices = list(jax.devices() if devices is None else devices)
     size = dp * tp
     if size > len(devices):
+        visible = f"{len(devices)} {'is' if len(devices) == 1 else 'are'} visible"
         raise MeshError(
-            f"mesh dp={dp},tp={tp} needs {size} devices, but only {len(devices)} are visible "
+            f"mesh dp={dp},tp={tp} needs {size} devices, but only {visible} "
             f"({devices[0].platform}; on the CPU set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N to emulate N devices)"
         )

@@ -363,13 +363,17 @@ def expert_parallel_moe(
         )
     dp = mesh.shape[DP]
     if x.shape[0] % dp:
+        n = x.shape[0]
         raise ValueError(
-            f"expert_parallel_moe: {x.shape[0]} tokens are not divisible by dp={dp} "
+            f"expert_parallel_moe: {n} {'token is' if n == 1 else 'tokens are'} not "
+            f"divisible by dp={dp} "
             "(the flat batch is dp ranks' equal-size batches concatenated)"
         )
     if w_gate.shape[0] % mesh.size:
+        n = w_gate.shape[0]
         raise ValueError(
-            f"expert_parallel_moe: {w_gate.shape[0]} expert slots are not divisible by "
+            f"expert_parallel_moe: {n} {'expert slot is' if n == 1 else 'expert slots are'} "
+            "not divisible by "
             f"ep = dp*tp = {mesh.size}"
         )
     tokens, experts, tables = P(DP), P(EP), P()

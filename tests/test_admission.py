@@ -338,7 +338,7 @@ def test_an_admission_group_is_judged_as_one_request():
     a = ctl.reserve(1, late)
     a.admit(1, 1)  # 2 of 2: fits
     b = ctl.reserve(1, late)
-    with pytest.raises(AdmissionError, match="1 requests are running or waiting; 2 more"):
+    with pytest.raises(AdmissionError, match="1 request is running or waiting; 2 more"):
         b.admit(1, 1)
     a.release()
     first.release()
@@ -368,3 +368,25 @@ def test_engine_control_poll_timeout_follows_each_clock():
     ctl.admit("r", deadline=wall + 0.2)  # a deadline sooner than the heartbeat
     assert 190 <= ctl.poll_timeout_ms(wall, mono) <= 200
     assert ctl.poll_timeout_ms(wall + 0.3, mono) == 1  # past it: do not block
+
+
+def test_a_count_of_one_is_worded_in_the_singular():
+    """Each limit's message counted one holding in the plural ("1 requests are running")."""
+    ctl = AdmissionController(AdmissionLimits(max_requests=1, max_queued_prompt_tokens=1,
+                                              max_request_bytes=1))  # fmt: skip
+    first = ctl.reserve(1)
+    with pytest.raises(AdmissionError, match="^overloaded: 1 byte of requests is in flight; 1 "):
+        ctl.reserve(1)
+    first.admit(0, 1)  # no sample, 1 prompt token: only the prompt-token limit is held
+    second = ctl.reserve(0)
+    with pytest.raises(AdmissionError, match="^overloaded: 1 prompt token waits for prefill; 1 "):
+        second.admit(0, 1)
+    first.prompt_done()
+    first.release()
+    first = ctl.reserve(0)
+    first.admit(1, 0)
+    second = ctl.reserve(0)
+    with pytest.raises(AdmissionError, match="^overloaded: 1 request is running or waiting; 1 "):
+        second.admit(1, 0)
+    first.release()
+    assert (ctl.num_requests, ctl.queued_prompt_tokens, ctl.request_bytes) == (0, 0, 0)

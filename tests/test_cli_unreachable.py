@@ -253,6 +253,39 @@ def test_convert_unwritable_out_names_the_flag():
     ], r.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--model", "/missing"], "--model: /missing is not a folder"),
+        (["--model", "/proc"], "--model: /proc has no config.json"),
+        (["--model", str(DEMO_MODEL_DIR), "--mesh", "dp=x"],
+         "--mesh: expected 'dp=D,tp=T' with positive integers, got 'dp=x'"),
+    ],
+)  # fmt: skip
+def test_convert_bad_input_is_a_usage_error_naming_the_flag(argv, line, tmp_path):
+    """A --model that is no HF folder ended with exit 1 and no flag named, a bad --mesh
+    likewise (both after importing JAX); now exit 2, one line naming the flag, as the
+    other client commands' usage errors, and nothing written."""
+    out = tmp_path / "out"
+    r = _jaxserve("convert", *argv, "--out", str(out))
+    assert r.returncode == 2, r
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"jaxserve convert: error: {line}"), r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_convert_into_a_checkpoint_names_the_flag(tmp_path):
+    """An --out that holds a checkpoint already was refused after loading the model, as
+    exit 1; now before it, exit 2 naming --out."""
+    (tmp_path / "weights").mkdir()
+    r = _jaxserve("convert", "--model", str(DEMO_MODEL_DIR), "--out", str(tmp_path))
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        f"jaxserve convert: error: --out: {tmp_path / 'weights'} already exists; "
+        "choose an empty folder"
+    ], r.stderr
+
+
 def _answer_with(listener, reply: bytes) -> None:
     """Answer every connection to `listener` with `reply` after its first bytes, until
     the listener closes."""

@@ -154,7 +154,24 @@ def test_diagnose_errors_name_their_cause(tmp_path):
     bad.write_text('{"not": "a bench"}')
     cmd = [sys.executable, "-m", "jaxserve.cli", "diagnose"]
     proc = subprocess.run([*cmd, "--from", str(bad)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "from: not a jaxserve bench" in proc.stderr
+    assert proc.returncode == 2 and "error: --from: not a jaxserve bench" in proc.stderr
+    # A missing or non-JSON --from file is a usage error too (the first was exit 1), each
+    # one line naming the flag as typed (both said "from:").
+    proc = subprocess.run([*cmd, "--from", str(tmp_path / "missing.json")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc
+    assert proc.stderr.splitlines() == [
+        f"jaxserve diagnose: error: --from: cannot read {tmp_path / 'missing.json'} "
+        "(No such file or directory)"
+    ]
+    bad.write_text("not json")
+    proc = subprocess.run([*cmd, "--from", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc
+    assert proc.stderr.startswith(f"jaxserve diagnose: error: --from: {bad} is not JSON (")
+    bad.write_bytes(b"\x89PNG\r\n")  # not UTF-8 text: it named no flag
+    proc = subprocess.run([*cmd, "--from", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc
+    assert proc.stderr.startswith(f"jaxserve diagnose: error: --from: {bad} is not JSON (")
     port = free_port()  # nothing listens there
     proc = subprocess.run([*cmd, "--server", f"127.0.0.1:{port}", "--seconds", "1"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -69,6 +69,36 @@ def test_an_integral_float_is_the_int_and_others_are_refused_by_name(model, base
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "model,base,field", FIELDS, ids=[f"{m.__name__}.{f}" for m, _, f in FIELDS]
+)
+def test_an_integer_of_thousands_of_digits_is_named_by_its_field(model, base, field):
+    """Past Python's int-string limit (4300 digits) jiter refused the body as "number out
+    of range", and the 400 named `body`; now the field, as its other errors do."""
+    for sign, size in (("", "large"), ("-", "small")):
+        raw = json.dumps(base)[:-1] + f', "{field}": {sign}{"9" * 5000}}}'
+        with pytest.raises(FieldError) as info:
+            parse_body(model, raw.encode())
+        assert (info.value.param, str(info.value)) == (
+            field, f"{field}: too {size} (an integer of 5000 digits)"
+        )  # fmt: skip
+
+
+def test_an_integer_of_thousands_of_digits_inside_a_list_or_object_is_named_by_its_path():
+    huge = "1" * 4301  # one digit past the limit
+    raw = '{"prompt": [1, 2, HUGE], "max_tokens": 3}'.replace("HUGE", huge)
+    with pytest.raises(FieldError, match=r"^prompt\[2\]: too large \(an integer of 4301"):
+        parse_body(CompletionRequest, raw.encode())
+    raw = '{"prompt": "a", "logit_bias": {"5": 1, "7": HUGE}}'.replace("HUGE", huge)
+    with pytest.raises(FieldError, match=r"^logit_bias\.7: too large \(an integer of 4301"):
+        parse_body(CompletionRequest, raw.encode())
+    # A body that is no JSON object, or no JSON, keeps its own message.
+    with pytest.raises(FieldError, match=r"^body: not valid JSON in UTF-8 \(number out of"):
+        parse_body(CompletionRequest, f"[{huge}]".encode())
+    with pytest.raises(FieldError, match=r"^body: not valid JSON in UTF-8 \(number out of"):
+        parse_body(CompletionRequest, ('{"prompt": "a", "n": ' + huge).encode())
+
+
 def test_token_ids_written_as_integral_floats_are_ids():
     got = _parse(CompletionRequest, {"prompt": [5.0, 6], "stop_token_ids": [2.0, 3]})
     assert got.prompt == [5, 6] and got.stop_token_ids == [2, 3]

@@ -80,3 +80,10 @@ def test_profile_bad_arguments_are_usage_errors(server, tmp_path):
     assert proc.returncode == 2 and "seconds" in proc.stderr
     proc = _profile(server, tmp_path / "x", seconds=10_000)
     assert proc.returncode == 2 and "seconds" in proc.stderr
+    # A folder the server cannot write: it said "profile: INVALID_ARGUMENT: out_dir: ..."
+    # (the request's field, not the flag) with exit 1; now a usage error naming --out.
+    proc = _profile(server, "/proc/x")
+    assert proc.returncode == 2, proc
+    assert proc.stderr.splitlines() == [
+        "jaxserve profile: error: --out: cannot write /proc/x (No such file or directory)"
+    ]

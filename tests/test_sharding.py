@@ -11,6 +11,8 @@ import functools
 import logging
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from model_utils import tiny_mixtral_config, write_hf_checkpoint
+from server_harness import REPO_DIR
 from sharding_utils import GreedyDriver, mesh_qwen3_moe_config
 
 from jaxserve.models.loader import load_config, load_model
@@ -74,8 +77,10 @@ def test_build_mesh_auto_axes_and_device_order():
 
 
 def test_build_mesh_errors():
-    with pytest.raises(MeshError, match="needs 16 devices, but only 8"):
+    with pytest.raises(MeshError, match="needs 16 devices, but only 8 are visible"):
         build_mesh(4, 4)
+    with pytest.raises(MeshError, match=r"needs 2 devices, but only 1 is visible \(cpu;"):
+        build_mesh(2, 1, devices=jax.devices()[:1])  # it said "only 1 are visible"
     with pytest.raises(MeshError, match="dp and tp must be >= 1"):
         build_mesh(0, 2)
 
@@ -256,6 +261,9 @@ def test_ep_moe_errors(moe_weights):
     args = (x, topk_w, topk_ids, *experts, identity_placement(NUM_EXPERTS))
     with pytest.raises(ValueError, match="6 tokens are not divisible by dp=4"):
         moe_ep.expert_parallel_moe(*args, mesh=mesh)
+    one = (*_routing(moe_weights, 1, skewed=False), *args[3:])
+    with pytest.raises(ValueError, match="1 token is not divisible by dp=4"):
+        moe_ep.expert_parallel_moe(*one, mesh=mesh)
     with pytest.raises(ValueError, match=r"8 expert slots are not divisible by ep = dp\*tp = 6"):
         moe_ep.expert_parallel_moe(*args, mesh=build_mesh(3, 2))
     with pytest.raises(ValueError, match="path must be one of"):
@@ -453,4 +461,32 @@ def test_convert_to_orbax_and_restore_onto_another_mesh(mesh_model_dir, tmp_path
     for path, var in dict(nnx.to_flat_state(nnx.state(restored, nnx.Param))).items():
         axes = var.get_metadata()["out_sharding"]
         assert var.get_value().sharding.spec == logical_to_spec(axes), path
-    assert args.func(args) == 1  # a second conversion into the same folder is refused
+    assert args.func(args) == 2  # a second conversion into the same folder: a usage error
+    # Restoring it, a process logging as serve's engine does logs none of Orbax's INFO
+    # lines (its version, handlers, read throughput: a dozen in serve's start-up log);
+    # at DEBUG they are kept.
+    info = _orbax_lines(out, "INFO")
+    assert info == [], info
+    debug = _orbax_lines(out, "DEBUG")
+    assert any("throughput" in line for line in debug), debug
+
+
+# A process that logs as `jaxserve serve`'s engine does (`configure_logging`) and loads a
+# model folder; argv: the log level, the folder.
+_LOAD_LOGGING = (
+    "import sys; from jaxserve.logs import configure_logging; "
+    "configure_logging(sys.argv[1], 'engine'); "
+    "from jaxserve.models.loader import load_model; load_model(sys.argv[2])"
+)
+
+
+def _orbax_lines(model_dir, level: str) -> list[str]:
+    """The log lines below WARNING of Orbax (logging through absl) while `model_dir` loads."""
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_LOGGING, level, str(model_dir)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_DIR,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if re.search(r" (INFO|DEBUG) \[engine\]", line)]
+    orbax = ("orbax", "checkpoint", "throughput", "Read ratio", "[process=0]")
+    return [line for line in lines if any(word in line for word in orbax)]

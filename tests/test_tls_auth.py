@@ -265,10 +265,10 @@ def test_client_and_generate_speak_tls_with_the_key(tls_server, pki):
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
     missing = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "nope.pem"))
     assert missing.returncode == 2
-    assert missing.stderr.startswith("jaxserve generate: error: tls-ca-cert: cannot read")
+    assert missing.stderr.startswith("jaxserve generate: error: --tls-ca-cert: cannot read")
     not_pem = generate("--api-key", KEY, "--tls-ca-cert", str(pki / "ca.key"))
     assert not_pem.returncode == 2 and len(not_pem.stderr.splitlines()) == 1, not_pem.stderr
-    assert not_pem.stderr.startswith("jaxserve generate: error: tls-ca-cert: ")
+    assert not_pem.stderr.startswith("jaxserve generate: error: --tls-ca-cert: ")
     assert "ca.key holds no PEM certificate" in not_pem.stderr
 
 
@@ -408,7 +408,7 @@ def test_a_client_cert_without_its_key_names_both_flags(flag):
     )  # fmt: skip
     assert out.returncode == 2 and out.stdout == "", out
     assert out.stderr.splitlines() == [
-        "jaxserve generate: error: tls-cert: give both --tls-cert and --tls-key (mutual TLS), "
+        "jaxserve generate: error: --tls-cert: give both --tls-cert and --tls-key (mutual TLS), "
         "or neither"
     ]
 

@@ -32,6 +32,8 @@ union's errors name the branch that failed first, not the element at fault.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Annotated, Any
 
 from pydantic import (
@@ -347,6 +349,40 @@ def _in_our_words(error: dict, param: str) -> str:
 JSON_MAX_DEPTH = 201
 
 
+class _HugeInt(str):
+    """An integer literal too long for Python's int (`sys.get_int_max_str_digits`)."""
+
+
+def _huge_int(body: bytes) -> FieldError | None:
+    """The FieldError naming the field of the first integer in `body` with more digits
+    than Python converts (4300): jiter refuses it as "number out of range" and names only
+    a column, which would make the 400 name `body`. Python's json finds it (the literal
+    is kept as text); None when it finds none (the body is not JSON after all)."""
+    limit = sys.get_int_max_str_digits() or float("inf")
+
+    def parse_int(text: str):
+        return _HugeInt(text) if len(text.lstrip("-")) > limit else int(text)
+
+    try:
+        doc = json.loads(body, parse_int=parse_int)
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
+        return None
+    if not isinstance(doc, dict):  # "body: not a JSON object" is the first fault
+        return None
+    stack: list[tuple[tuple, Any]] = [((), doc)]
+    while stack:  # depth first, in the body's order
+        loc, value = stack.pop()
+        if isinstance(value, _HugeInt):
+            param = field_path(loc) or "body"
+            size = "small" if value.startswith("-") else "large"
+            digits = len(value.lstrip("-"))
+            return FieldError(param, f"{param}: too {size} (an integer of {digits} digits)")
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend(reversed([((*loc, k), v) for k, v in items]))
+    return None
+
+
 def parse_body(model: type[BaseModel], body: bytes, charset: str | None = None) -> Any:
     """The body as `model`. Raises FieldError naming the first bad field, by its path
     (`field_path`: "stream_options", "messages[0].role"); "body" only when the bytes are
@@ -384,6 +420,8 @@ def parse_body(model: type[BaseModel], body: bytes, charset: str | None = None) 
                         f"body: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels of "
                         f"arrays and objects, {where})",
                     ) from None
+                if why.startswith("number out of range") and (huge := _huge_int(body)):
+                    raise huge from None
                 why = body_text.why_not_json(body, why, charset)
                 raise FieldError("body", f"body: not valid JSON in {encoding} ({why})") from None
             got = json_kind(first["input"])

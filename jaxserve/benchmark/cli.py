@@ -286,7 +286,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         auth = client_auth.from_args(args)
         auth.ssl_context()  # an unreadable PEM file is a usage error, before any request
     except ValueError as e:
-        return _error(f"--{client_auth.flag_error(e)}")
+        return _error(client_auth.flag_error(e))
     try:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None

@@ -8,7 +8,9 @@ printing only; the work is `observability.diagnose` and `observability.profile`)
 Both reach a server with --tls-cert / --api-key through `frontend.client_auth`'s flags
 (--tls-ca-cert ..., --api-key for profile; the metrics port checks no key).
 
-Exit status: 0 done, 1 the server or file could not be read, 2 a usage error. No JAX.
+Exit status: 0 done; 1 the server could not be reached or read (or refused the
+capture); 2 a usage error: a bad flag value, or a --from file that cannot be read or is
+no bench result (one line naming the flag). No JAX.
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"jaxserve diagnose: error: {client_auth.flag_error(e)}", file=sys.stderr)
         return 2
     except (OSError, http.client.HTTPException) as e:
-        if args.from_file:
-            print(f"jaxserve diagnose: error: cannot read {args.from_file}: {e}", file=sys.stderr)
-            return 1
+        if args.from_file:  # a file the user named: a usage error, as a bad flag is
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"jaxserve diagnose: error: --from: cannot read {args.from_file} ({why})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         # A gRPC port answers HTTP/1 badly (BadStatusLine); the HTTP API port serves
         # /metrics too.
         auth = client_auth.from_args(args)
@@ -128,6 +132,10 @@ def _closed_early(e: BaseException) -> bool:
     )  # fmt: skip
 
 
+# The fields of a Capture request (profile_rpc.validate) that the flags name otherwise.
+_PROFILE_FLAGS = {"out_dir": "--out"}
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from jaxserve.observability import profile_rpc as profile
 
@@ -135,7 +143,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         auth = client_auth.from_args(args)
         result = profile.request_profile(args.server, args.seconds, args.out, auth)
     except ValueError as e:
-        print(f"jaxserve profile: error: {client_auth.flag_error(e)}", file=sys.stderr)
+        print(f"jaxserve profile: error: {client_auth.flag_error(e, _PROFILE_FLAGS)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     except (OSError, RuntimeError) as e:
         print(f"jaxserve profile: error: {e}", file=sys.stderr)

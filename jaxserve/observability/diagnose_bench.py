@@ -70,6 +70,6 @@ def load_bench(path: str) -> Diagnosis:
     with open(path) as f:
         try:
             doc = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # text, or bytes
             raise ValueError(f"from: {path} is not JSON ({e})") from None
     return diagnose_bench(doc, f"{path} (jaxserve bench)")

@@ -75,7 +75,10 @@ def handler(engine) -> grpc.GenericRpcHandler:
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 manifest.unlink(missing_ok=True)
             except OSError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"out_dir: {e}")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"out_dir: cannot write {out_dir} ({e.strerror or e})",
+                )
             try:
                 engine.send_control(ProfileRequest(out_dir, seconds))
             except Exception as e:  # EngineDeadError: starting, dead, stalled
@@ -102,9 +105,9 @@ def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth 
     """Ask the server at `server` (HOST:PORT, gRPC; `auth`: its TLS and API key) for a
     capture; returns its manifest.
 
-    Raises ValueError naming `seconds` or `out_dir` (checked here first) or a TLS file
-    that cannot be read, RuntimeError ("profile: CODE: details") when the server refuses
-    or fails."""
+    Raises ValueError naming `seconds` or `out_dir` (checked here first, and the
+    server's INVALID_ARGUMENT: a folder it cannot write) or a TLS file that cannot be
+    read, RuntimeError ("profile: CODE: details") when the server refuses or fails."""
     out_dir = os.path.abspath(out_dir)
     validate({"out_dir": out_dir, "seconds": seconds})
     auth = auth or ClientAuth()
@@ -117,6 +120,8 @@ def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth 
             request = {"out_dir": out_dir, "seconds": seconds}
             return call(request, timeout=timeout, metadata=auth.metadata)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # its details name the field
+                raise ValueError(e.details()) from None
             raise RuntimeError(f"profile: {e.code().name}: {e.details()}") from None
 
 
