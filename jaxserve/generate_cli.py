@@ -5,7 +5,8 @@
 A gRPC client (`frontend.client.JaxserveClient`): one sample streams its text as it
 comes; n > 1 samples print whole, one under the other, once all are done. An unset
 sampling flag takes the server's default. Exit codes: 0; 1 the server answered with an
-error (its status and details on stderr); 2 a bad flag or request (one line naming it);
+error (its status and details on stderr); 2 a bad flag or request (one line naming it:
+the server's INVALID_ARGUMENT names its field, printed as the flag, `--top-p: ...`);
 130 Ctrl-C (the request is cancelled on the server); 141 stdout closed (`| head`).
 No JAX here.
 """
@@ -141,6 +142,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if streamed:  # end the text's line; nothing printed: no empty line
                 sys.stdout.write("\n")
                 sys.stdout.flush()
+            elif e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a flag's value, as argparse's
+                why = client_auth.flag_error(ValueError(e.details()), {"prompt": "prompt"})
+                print(f"jaxserve generate: error: {why}", file=sys.stderr)
+                return 2
             hint = _unavailable_hint(e, args.server, auth.uses_tls)
             print(f"jaxserve generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1

@@ -54,15 +54,17 @@ def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
 
 
 def test_cli_generate_reports_bad_input(server):
+    """A value the server refuses (INVALID_ARGUMENT naming its field) is a usage error:
+    exit 2, one line naming the flag as typed, as the client commands' own checks."""
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
          "--top-p", "2", "hi"],
         capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
     )  # fmt: skip
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stdout == ""  # no text, so no newline to end it
     lines = out.stderr.splitlines()  # one line, no empty one before it
-    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: INVALID_ARGUMENT: top_p:")
+    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: error: --top-p:"), lines
 
 
 def test_cli_generate_from_a_closed_stdin_is_one_line():
