@@ -85,7 +85,8 @@ def paged_attention_blockwise(
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
-        raise ValueError(f"q: {num_heads} heads are not a multiple of {num_kv_heads} KV heads")
+        heads = f"{num_heads} {'head is' if num_heads == 1 else 'heads are'}"
+        raise ValueError(f"q: {heads} not a multiple of {num_kv_heads} KV heads")
     args = (q, k_cache, v_cache, positions, metadata)
     attend = functools.partial(_attend, scale=scale, sliding_window=sliding_window)
     if query_chunk is not None:
