@@ -64,7 +64,11 @@ PANEL = 16  # columns of a panel (one zmm, two ymm registers)
 # 1.06 / 1.72 / 1.51 / 2.18 / 1.42 / 1.47 / 1.15 / 1.02 / 0.77x; [512, 4096] 1.21 /
 # 1.55 / 1.56 / 1.24 / 1.41 / 1.48 / 0.99 / 0.99 / 0.92x; [512, 512] 0.83 / 1.07 / 1.55
 # / 1.65 / 1.60 / 0.88 / 1.01 / 0.91 / 0.75x. XLA's dot on the panels, against the same:
-# 0.71-0.87x at 64-128 rows, 0.76-1.0x at 256.
+# 0.71-0.87x at 64-128 rows, 0.76-1.0x at 256. On an AVX-512 EPYC VM (2 cores, load
+# ~1.3-1.5, session 23) the kernel against XLA's dot at 8 / 32 / 64 / 128 / 256 / 512 rows:
+# [512, 4096] 1.55 / 1.32 / 1.26 / 1.34 / 1.08 / 1.04x, [512, 512] 1.05 / 1.05 / 1.11 /
+# 0.84 / 1.05 / 0.98x; [512, 256] (not packed: under MIN_WEIGHT_FLOATS) 1.81 / 0.96 / 1.06
+# / 0.97 / 0.87 / 0.94x: about even past a few rows, so MAX_ROWS stays.
 MAX_ROWS = 128
 # Smallest weight (K * N floats) the engine packs: on smaller ones (the demo model's
 # [128, 128] attention projections) XLA's dot is as fast or faster at every row count
