@@ -26,10 +26,29 @@ XLA's path, end to end (`compare_hf.py --baseline-python`, 3 interleaved repeats
 1.1-1.3): qwen3moe batch 128 1344 vs 914 tok/s (1.47x), batch 32 1.17x; demo batch 128
 1.22x, batch 32 1.00x.
 
+Layout: on one CPU device the engine holds the experts panel-major (`ExpertPanels`:
+each expert's [K, N] matrix as [ceil(N / 16)][K][16], each 16-column panel one
+contiguous stream, as `cpu_dense.PanelMajor` does for the projections), and the kernel's
+second target reads them so, every expert on register tiles (`cpu_moe_rows.cc`). In the
+row-major [E, H, I] layout a panel is K runs of 64 bytes N * 4 bytes apart, which the
+tiles prefetch by hand (`cpu_tile_matmul.h`, `cpu_moe_chunks.h`). `pack_experts`, called by
+the engine's `ModelRunner` after loading, packs them where the kernel has tiles, is
+enabled and built, on one device with stacked float32 experts and no placement tables:
+the checkpoint loader, the sharding rules and EPLB (off on one device; it moves only
+stacked arrays) see the logical arrays, and expert-parallel meshes, `moe_slices`' per-expert
+storage and GPUs keep them (the mesh's local experts run the row-major target). Cost: no
+extra memory once built (the packed array replaces the original; shapes a multiple of
+16, as Qwen3-MoE's, are not padded), but the model object the loader built holds the
+originals until the engine's build returns, so the expert weights exist twice for that
+moment; and the XLA paths (a prefill past MAX_MEAN_GROUP_TILED rows an expert, the
+kernel switched off at trace time, `JAXSERVE_MOE_EXPERTS=dense`) take them unpacked, a
+transposing copy inside each such step. Measured end to end (`compare_hf.py
+--baseline-python` main, AVX-512 Zen 4, 2 cores): MEASURED_AB.
+
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs
-(`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off
-(read at trace time, for A/B benchmarks).
+(`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off, and so the packing
+(read when the engine packs and at trace time, for A/B benchmarks).
 
 Numerics: float32 only (other dtypes take the XLA path): float32 products and sums (the
 summation order differs from XLA's, so equal within float32 rounding), SiLU(gate) * up

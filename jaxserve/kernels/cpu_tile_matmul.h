@@ -1,5 +1,7 @@
 // Register-tiled matmul of a few rows by a weight matrix read in place (AVX-512, or
-// AVX2 + FMA).
+// AVX2 + FMA), in either of two layouts: PanelMatmul reads a row-major [K, N] matrix
+// (what follows), PanelsMatmul a panel-major one, [ceil(N / 16)][K][16] (each 16-column
+// panel contiguous: what the engine holds on one CPU device, cpu_moe.ExpertPanels).
 //
 // Included by cpu_moe_rows.cc for experts with many routed rows (`kTileMinRows`); the
 // build (kernels/cpu_build.py) hashes this header into the kernel's cache key. Without
