@@ -52,7 +52,7 @@ from jaxserve.engine.step_shapes import MIN_TOKEN_BUCKET, StepShape, pow2_bucket
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.kernels import dispatch
 from jaxserve.kernels.cpu_dense import pack_params
-from jaxserve.kernels.cpu_moe import pack_experts
+from jaxserve.kernels.cpu_moe import logical, pack_experts
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe_slices import MAX_EXPERT_BRANCHES, split_expert_params
@@ -259,10 +259,13 @@ class ModelRunner:
     def expert_weights(self) -> list[tuple[jax.Array, ...]]:
         """[M] MoE layers (`moe_layers` order), each (w_gate [S, H, I], w_up [S, H, I],
         w_down [S, I, H]): the slot-indexed expert weights the compiled steps read (their
-        `moe_slices.ExpertSlices` where held per expert, or `cpu_moe.ExpertPanels` where
-        panel-major: one device, no EPLB)."""
+        `moe_slices.ExpertSlices` where held per expert: one device, no EPLB); weights
+        held panel-major for the CPU kernel (one device, no EPLB) come unpacked, a copy."""
         return [
-            tuple(self._params[self._param_index[expert_param_path(i, w)]] for w in EXPERT_WEIGHTS)
+            tuple(
+                logical(self._params[self._param_index[expert_param_path(i, w)]])
+                for w in EXPERT_WEIGHTS
+            )
             for i in self.moe_layers
         ]
 
