@@ -49,9 +49,11 @@ load 1.1-1.6, panel-major against row-major: the kernel alone
 1.44 / 1.25 / 1.13x; inside XLA (one jitted call, 8 layers' weights cycled) 1.08-1.27 /
 1.41 / 0.91-0.94 / 0.93-0.99x, AVX2 build 1.09 / 1.36 / 1.10-1.12 / 1.11x. End to end
 (`compare_hf.py --models qwen3moe --baseline-python` main, interleaved medians), batch
-8 / 128: 0.97 / 1.11x, 0.94 / 1.04x (5 repeats), 1.08 / 0.90x (spreads 1-55%); AVX2
-builds on both sides 1.04 / 1.01x. No gain at batch 128 beyond the noise: the experts
-are about a third of a batch-128 decode step.
+8 / 128: 0.97 / 1.11x, 0.94 / 1.04x (5 repeats), 1.08 / 0.90x (spreads 1-55%); batch
+32 / 128: 1.32 / 0.93x (spreads 11 / 13%; at 32, 4 rows an expert, the row-major
+weights take the row path, the panels the tiles); AVX2 builds on both sides, batch 8 /
+128: 1.04 / 1.01x. No gain at batch 128 beyond the noise: the experts are about a third
+of a batch-128 decode step, and on AVX-512 the panels are no faster there.
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs
