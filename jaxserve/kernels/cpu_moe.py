@@ -46,8 +46,7 @@ transposing copy inside each such step. Measured on a 2-core Zen 4 (AVX-512), sh
 load 1.1-1.6, panel-major against row-major: the kernel alone
 (`scripts/native/bench_moe_kernel.cc` base vs pm, interleaved medians) 1.13 / 1.47 /
 1.01 / 1.06x at 8 / 32 / 128 / 512 tokens, and with an AVX2 build (-mno-avx512f) 1.08 /
-1.44 / 1.25 / 1.13x; inside XLA (one jitted call, 8 layers' weights cycled) 1.08-1.27 /
-1.41 / 0.91-0.94 / 0.93-0.99x, AVX2 build 1.09 / 1.36 / 1.10-1.12 / 1.11x. End to end
+1.44 / 1.25 / 1.13x. End to end
 (`compare_hf.py --models qwen3moe --baseline-python` main, interleaved medians), batch
 8 / 128: 0.97 / 1.11x, 0.94 / 1.04x (5 repeats), 1.08 / 0.90x (spreads 1-55%); batch
 32 / 128: 1.32 / 0.93x (spreads 11 / 13%; at 32, 4 rows an expert, the row-major
