@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels import dispatch
+from jaxserve.kernels import cpu_moe, dispatch
 from jaxserve.models.moe_slices import ExpertSlices, moe_experts_sliced
 from jaxserve.models.moe_sparse import moe_experts_sparse
 
@@ -64,9 +64,13 @@ def moe_experts_grouped(
 def moe_experts_local(*args) -> jax.Array:
     """The single-device experts: the grouped-matmul kernel where a kernel backend is
     active (NVIDIA GPU); elsewhere the sparse path (only the routed rows: `moe_slices`
-    for weights held per expert, else `moe_sparse`), or the dense oracle if
-    `JAXSERVE_MOE_EXPERTS=dense` (`dispatch.moe_reference_experts`)."""
+    for weights held per expert, else `moe_sparse`, which takes the CPU kernel's
+    panel-major `cpu_moe.ExpertPanels` too), or the dense oracle if
+    `JAXSERVE_MOE_EXPERTS=dense` (`dispatch.moe_reference_experts`; on `ExpertPanels`
+    unpacked, a copy)."""
     sparse = dispatch.sparse_reference_experts()
+    if isinstance(args[3], cpu_moe.ExpertPanels) and not sparse:  # held panel-major
+        args = (*args[:3], *(w.unpack() for w in args[3:]))
     if isinstance(args[3], ExpertSlices):  # w_gate held per expert (`moe_slices`)
         if sparse:
             return moe_experts_sliced(*args)

@@ -176,15 +176,19 @@ def sparse_expert_ffn(
     Raises:
         ValueError: if the shapes disagree or block_size < 1.
     """
+    from jaxserve.kernels import cpu_moe  # noqa: PLC0415 -- kernels import models
+
     check_expert_shapes("sparse_expert_ffn", x, ids, w_gate, w_up, w_down)
     num_experts, hidden, _ = w_gate.shape
     num_tokens, top_k = ids.shape
     n = num_tokens * top_k
+    if block_size is None and cpu_moe.applies(x, n, num_experts, (w_gate, w_up, w_down)):
+        return cpu_moe.moe_rows_ffn(x, ids, w_gate, w_up, w_down)
+    # Weights the engine holds panel-major (`cpu_moe.ExpertPanels`) where the kernel does
+    # not run (a prefill past MAX_MEAN_GROUP_TILED rows an expert, the kernel switched
+    # off at trace time): the XLA paths below take them unpacked, a copy in the step.
+    w_gate, w_up, w_down = (cpu_moe.logical(w) for w in (w_gate, w_up, w_down))
     if block_size is None:
-        from jaxserve.kernels import cpu_moe  # noqa: PLC0415 -- kernels import models
-
-        if cpu_moe.applies(x, n, num_experts, (w_gate, w_up, w_down)):
-            return cpu_moe.moe_rows_ffn(x, ids, w_gate, w_up, w_down)
         if n >= LOOP_MIN_ROWS:
             chunk = block_size_for(n, num_experts)
             levels = loop_levels_for(n, num_experts, chunk)

@@ -10,6 +10,8 @@ Engines (one compiled `EngineCore` per config for the whole session; tests leave
 - `demo_llm`: the offline `LLM` on the bundled demo model with `DEMO_ENGINE` settings
   (tests/server_harness.py); a `jaxserve serve` with `serve_flags(DEMO_ENGINE)` starts
   on the executables it compiled (the shared compilation cache below).
+- `demo_greedy(dense, moe)`: the demo model's greedy tokens with the CPU dense / MoE
+  kernels on or off (and so their packed weights), one engine per setting.
 
 - `mesh_model_dir`: the tiny Qwen3-MoE every 8-device mesh holds
   (`sharding_utils.mesh_qwen3_moe_config`, seed 0, the session tokenizer);
@@ -32,6 +34,7 @@ compilations, so "no compilation after warm-up" still means no executable was as
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import shutil
@@ -237,6 +240,39 @@ def demo_llm():
     from jaxserve.config import DEMO_MODEL_DIR
 
     return LLM(model=DEMO_MODEL_DIR, **DEMO_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def demo_greedy():
+    """`demo_greedy(dense, moe)`: the bundled demo model through the offline `LLM` (prefill
+    and multi-step decode, batch 3, 12 greedy tokens each) with JAXSERVE_CPU_DENSE_KERNEL
+    = dense and JAXSERVE_CPU_MOE_KERNEL = moe ("1" or "0"), every projection packable
+    (`cpu_dense.MIN_WEIGHT_FLOATS` 1). Returns (token ids per prompt, {type name: count}
+    of the runner's parameters), one engine per setting for the session (the CPU kernel
+    tests compare the settings)."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import DEMO_MODEL_DIR
+    from jaxserve.kernels import cpu_dense, cpu_moe
+
+    prompts = [[1, 2, 3, 4, 5], [7] * 19, list(range(30, 41))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+
+    def run(dense: str, moe: str):
+        if (dense, moe) not in runs:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(cpu_dense, "MIN_WEIGHT_FLOATS", 1)
+                mp.setenv(cpu_dense.ENV_VAR, dense)
+                mp.setenv(cpu_moe.ENV_VAR, moe)
+                llm = LLM(model=DEMO_MODEL_DIR, max_num_seqs=4, max_model_len=64,
+                          num_blocks=32, block_size=16, compilation_cache_dir=None)  # fmt: skip
+                kinds = collections.Counter(type(p).__name__ for p in llm.engine.runner._params)
+                tokens = [o.token_ids for o in llm.generate(prompts, params)]
+                del llm
+            runs[dense, moe] = (tokens, dict(kinds))
+        return runs[dense, moe]
+
+    return run
 
 
 @contextlib.contextmanager

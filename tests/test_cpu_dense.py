@@ -70,28 +70,16 @@ def test_project_on_panels_equals_the_plain_product(rows):
 
 
 @needs_kernel
-def test_engine_greedy_tokens_are_unchanged_by_the_kernel(monkeypatch):
+def test_engine_greedy_tokens_are_unchanged_by_the_kernel(demo_greedy):
     """The demo model through the offline engine (prefill and multi-step decode, batch
     3): the same greedy tokens with the weights packed and with the kernel off, and the
     projections and LM head are held packed only when it is on (all of them: the size
     floor lowered to the demo's [128, 64] k/v projections)."""
-    monkeypatch.setattr(cpu_dense, "MIN_WEIGHT_FLOATS", 1)
-    from jaxserve import LLM, SamplingParams
-    from jaxserve.config import DEMO_MODEL_DIR
-
-    prompts = [[1, 2, 3, 4, 5], [7] * 19, list(range(30, 41))]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs, packed = {}, {}
-    for value in ("1", "0"):
-        monkeypatch.setenv(cpu_dense.ENV_VAR, value)
-        llm = LLM(model=DEMO_MODEL_DIR, max_num_seqs=4, max_model_len=64, num_blocks=32,
-                  block_size=16, compilation_cache_dir=None)  # fmt: skip
-        runner = llm.engine.runner
-        packed[value] = sum(isinstance(p, cpu_dense.PanelMajor) for p in runner._params)
-        outs[value] = [o.token_ids for o in llm.generate(prompts, params)]
-        del llm
-    assert packed == {"1": 4 * 4 + 1, "0": 0}  # q/k/v/o of 4 layers and the LM head
-    assert outs["1"] == outs["0"]
+    on, packed_on = demo_greedy("1", "1")
+    off, packed_off = demo_greedy("0", "1")
+    assert packed_on.get("PanelMajor") == 4 * 4 + 1  # q/k/v/o of 4 layers and the LM head
+    assert "PanelMajor" not in packed_off
+    assert on == off
 
 
 def test_turned_off_or_unavailable_nothing_is_packed(monkeypatch):

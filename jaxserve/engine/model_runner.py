@@ -52,6 +52,7 @@ from jaxserve.engine.step_shapes import MIN_TOKEN_BUCKET, StepShape, pow2_bucket
 from jaxserve.eplb.recorder import DEFAULT_WINDOW, ExpertLoadRecorder
 from jaxserve.kernels import dispatch
 from jaxserve.kernels.cpu_dense import pack_params
+from jaxserve.kernels.cpu_moe import logical, pack_experts
 from jaxserve.models.base import EXPERT_WEIGHTS, KVCache, KVLayout, expert_param_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe_slices import MAX_EXPERT_BRANCHES, split_expert_params
@@ -161,6 +162,13 @@ class ModelRunner:
             # elsewhere, or with JAXSERVE_CPU_DENSE_KERNEL=0).
             self._params = pack_params(self._params, self._param_index, model.dense_weights())
             self.state = jax.tree.unflatten(self._params_def, self._params)
+        if self._packs_experts():
+            # One CPU device, stacked experts, no placement tables (so no EPLB, which is
+            # off on one device anyway, moves them): the experts panel-major for the CPU
+            # MoE kernel (a no-op with JAXSERVE_CPU_MOE_KERNEL=0 or without tiles).
+            paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
+            self._params = pack_experts(self._params, self._param_index, paths)
+            self.state = jax.tree.unflatten(self._params_def, self._params)
         # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
         self.kv_layout: KVLayout = model.kv_layout()
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
@@ -182,6 +190,17 @@ class ModelRunner:
         self.last_wait_s = 0.0
         self.wait_time_s = 0.0
         self.compiler = StepCompiler(self._lower)
+
+    def _packs_experts(self) -> bool:
+        """Whether the expert weights may be held panel-major (`cpu_moe.pack_experts`
+        decides the rest: backend, dtype, kernel): one device, MoE layers, no placement
+        tables (EPLB re-places only stacked [S, H, I] arrays), not held per expert."""
+        if not self.moe_layers or self.mesh.size > 1:
+            return False
+        if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
+            return False
+        w_gate = self._params[self._param_index[expert_param_path(self.moe_layers[0], "w_gate")]]
+        return isinstance(w_gate, jax.Array)
 
     def _holds_experts_per_expert(self) -> bool:
         """Whether the expert weights are held one array per expert (`moe_slices`): asked
@@ -240,9 +259,13 @@ class ModelRunner:
     def expert_weights(self) -> list[tuple[jax.Array, ...]]:
         """[M] MoE layers (`moe_layers` order), each (w_gate [S, H, I], w_up [S, H, I],
         w_down [S, I, H]): the slot-indexed expert weights the compiled steps read (their
-        `moe_slices.ExpertSlices` where held per expert: one device, no EPLB)."""
+        `moe_slices.ExpertSlices` where held per expert: one device, no EPLB); weights
+        held panel-major for the CPU kernel (one device, no EPLB) come unpacked, a copy."""
         return [
-            tuple(self._params[self._param_index[expert_param_path(i, w)]] for w in EXPERT_WEIGHTS)
+            tuple(
+                logical(self._params[self._param_index[expert_param_path(i, w)]])
+                for w in EXPERT_WEIGHTS
+            )
             for i in self.moe_layers
         ]
 

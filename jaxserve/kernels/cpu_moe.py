@@ -26,10 +26,38 @@ XLA's path, end to end (`compare_hf.py --baseline-python`, 3 interleaved repeats
 1.1-1.3): qwen3moe batch 128 1344 vs 914 tok/s (1.47x), batch 32 1.17x; demo batch 128
 1.22x, batch 32 1.00x.
 
+Layout: on one CPU device the engine holds the experts panel-major (`ExpertPanels`:
+each expert's [K, N] matrix as [ceil(N / 16)][K][16], each 16-column panel one
+contiguous stream, as `cpu_dense.PanelMajor` does for the projections), and the kernel's
+second target reads them so, every expert on register tiles (`cpu_moe_rows.cc`). In the
+row-major [E, H, I] layout a panel is K runs of 64 bytes N * 4 bytes apart, which the
+tiles prefetch by hand (`cpu_tile_matmul.h`, `cpu_moe_chunks.h`). `pack_experts`, called by
+the engine's `ModelRunner` after loading, packs them where the kernel has tiles, is
+enabled and built, on one device with stacked float32 experts and no placement tables:
+the checkpoint loader, the sharding rules and EPLB (off on one device; it moves only
+stacked arrays) see the logical arrays, and expert-parallel meshes, `moe_slices`' per-expert
+storage and GPUs keep them (the mesh's local experts run the row-major target). Cost: no
+extra memory once built (the packed array replaces the original; shapes a multiple of
+16, as Qwen3-MoE's, are not padded), but the model object the loader built holds the
+originals until the engine's build returns, so the expert weights exist twice for that
+moment; and the XLA paths (a prefill past MAX_MEAN_GROUP_TILED rows an expert, the
+kernel switched off at trace time, `JAXSERVE_MOE_EXPERTS=dense`) take them unpacked, a
+transposing copy inside each such step. Measured on a 2-core Zen 4 (AVX-512), shared,
+load 1.1-1.6, panel-major against row-major: the kernel alone
+(`scripts/native/bench_moe_kernel.cc` base vs pm, interleaved medians) 1.13 / 1.47 /
+1.01 / 1.06x at 8 / 32 / 128 / 512 tokens, and with an AVX2 build (-mno-avx512f) 1.08 /
+1.44 / 1.25 / 1.13x. End to end
+(`compare_hf.py --models qwen3moe --baseline-python` main, interleaved medians), batch
+8 / 128: 0.97 / 1.11x, 0.94 / 1.04x (5 repeats), 1.08 / 0.90x (spreads 1-55%); batch
+32 / 128: 1.32 / 0.93x (spreads 11 / 13%; at 32, 4 rows an expert, the row-major
+weights take the row path, the panels the tiles); AVX2 builds on both sides, batch 8 /
+128: 1.04 / 1.01x. No gain at batch 128 beyond the noise: the experts are about a third
+of a batch-128 decode step, and on AVX-512 the panels are no faster there.
+
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs
-(`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off
-(read at trace time, for A/B benchmarks).
+(`available()` is False). `JAXSERVE_CPU_MOE_KERNEL=0` turns it off, and so the packing
+(read when the engine packs and at trace time, for A/B benchmarks).
 
 Numerics: float32 only (other dtypes take the XLA path): float32 products and sums (the
 summation order differs from XLA's, so equal within float32 rounding), SiLU(gate) * up
@@ -39,6 +67,7 @@ in float32, as `moe_loop.swiglu_rows` with a float32 model.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -55,6 +84,8 @@ from jaxserve.kernels.cpu_build import (
 ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
 TARGET = "jaxserve_cpu_moe_rows"
+PANELS_TARGET = "jaxserve_cpu_moe_panels"  # the same on `ExpertPanels` weights
+PANEL = 16  # columns of a panel (one zmm, two ymm registers)
 # Routed rows per expert (N / E) below which the kernel beats XLA's sparse path (module
 # docstring; `scripts/bench_moe.py --cpu-kernel`).
 MAX_MEAN_GROUP = 8
@@ -69,18 +100,104 @@ def enabled() -> bool:
 
 def applies(x: jax.Array, num_rows: int, num_experts: int, weights) -> bool:
     """Whether `sparse_expert_ffn` should run the kernel: the CPU backend, float32
-    activations and stacked float32 weights, fewer than MAX_MEAN_GROUP routed rows per
-    expert (MAX_MEAN_GROUP_TILED where the CPU has AVX-512), the kernel enabled and
-    built."""
+    activations and stacked float32 weights (arrays or `ExpertPanels`), fewer than
+    MAX_MEAN_GROUP routed rows per expert (MAX_MEAN_GROUP_TILED where the CPU has register
+    tiles), the kernel enabled and built."""
     limit = MAX_MEAN_GROUP_TILED if has_tiles() else MAX_MEAN_GROUP
     return (
         jax.default_backend() == "cpu"
         and 0 < num_rows < limit * num_experts
         and x.dtype == jnp.float32
-        and all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in weights)
+        and all(
+            isinstance(w, (jax.Array, ExpertPanels)) and w.dtype == jnp.float32 for w in weights
+        )
         and enabled()
         and available()
     )
+
+
+@jax.tree_util.register_pytree_node_class
+class ExpertPanels:
+    """A stacked float32 expert weight of logical shape [E, K, N] held panel-major.
+
+    `panels` is [E, ceil(N / 16), K, 16] with panels[e, p, k, j] = W[e, k, 16 p + j] (zero
+    past N): each expert's 16-column panel is one contiguous stream, which the kernel
+    reads sequentially (module docstring). A pytree (its one leaf is `panels`), so it
+    passes through `jit` and the NNX state like the array it replaces; `[...]` returns
+    itself (what `nnx.Param[...]` asks of a value), `shape` and `dtype` are the logical
+    array's.
+    """
+
+    def __init__(self, panels: jax.Array, shape: tuple[int, ...]):
+        self.panels = panels
+        self.shape = tuple(shape)
+
+    @classmethod
+    def pack(cls, w: jax.Array) -> ExpertPanels:
+        """The panel-major copy of w [E, K, N] (a new array: the caller drops `w`)."""
+        e, k, n = w.shape
+        p = -(-n // PANEL)
+        padded = jnp.pad(w, ((0, 0), (0, 0), (0, p * PANEL - n)))
+        return cls(jnp.transpose(padded.reshape(e, k, p, PANEL), (0, 2, 1, 3)), w.shape)
+
+    def unpack(self) -> jax.Array:
+        """The logical [E, K, N] array (a copy)."""
+        e, p, k, _ = self.panels.shape
+        flat = jnp.transpose(self.panels, (0, 2, 1, 3)).reshape(e, k, p * PANEL)
+        return flat[:, :, : self.shape[2]]
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index):
+        if index is Ellipsis:
+            return self
+        raise TypeError(f"ExpertPanels supports [...] only, got [{index!r}]")
+
+    def tree_flatten(self):
+        return (self.panels,), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children) -> ExpertPanels:
+        return cls(children[0], shape)
+
+
+def logical(w):
+    """w as a plain [E, K, N] array: an `ExpertPanels` unpacked (a copy), else w."""
+    return w.unpack() if isinstance(w, ExpertPanels) else w
+
+
+def packs_experts() -> bool:
+    """Whether the engine should hold its float32 expert weights as `ExpertPanels`: the
+    CPU backend, a CPU with register tiles, the kernel enabled and built."""
+    return jax.default_backend() == "cpu" and has_tiles() and enabled() and available()
+
+
+def pack_experts(params: list, param_index: dict[tuple, int], paths: Sequence[tuple]) -> list:
+    """The engine's flat parameter list with each float32 [E, K, N] expert weight at
+    `paths` replaced by its `ExpertPanels`, where `packs_experts()`; else `params`
+    unchanged.
+
+    params: `jax.tree.flatten` leaves of the model state; param_index: state path ->
+    index in params; paths: the expert weights' state paths (`base.expert_param_path`).
+    Raises KeyError naming a path that is not a parameter.
+    """
+    if not packs_experts():
+        return params
+    out = list(params)
+    for path in paths:
+        if path not in param_index:
+            raise KeyError(f"pack_experts: no parameter {'.'.join(map(str, path))}")
+        i = param_index[path]
+        w = out[i]
+        if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3:
+            out[i] = ExpertPanels.pack(w)
+    return out
 
 
 def moe_rows_ffn(
@@ -92,19 +209,28 @@ def moe_rows_ffn(
         x: [T, H] float32 activations.
         ids: [T, k] int32 expert of each copy in [0, E]; E (or any id outside [0, E))
             marks an empty copy, whose output is 0.
-        w_gate, w_up: [E, H, I] float32; w_down: [E, I, H] float32.
+        w_gate, w_up: [E, H, I] float32; w_down: [E, I, H] float32: all three arrays
+            (the row-major target) or all three `ExpertPanels` (the panel-major one).
 
     Returns:
         [T, k, H] float32: expert_{ids[t, j]}(x[t]).
 
     Raises:
+        ValueError: if some weights are `ExpertPanels` and some not.
         RuntimeError: if the kernel is not `available()`.
     """
     if not available():
         raise RuntimeError("the CPU MoE kernel is not available (see the log for why)")
+    weights = (w_gate, w_up, w_down)
+    panels = [isinstance(w, ExpertPanels) for w in weights]
+    if any(panels) and not all(panels):
+        raise ValueError("moe_rows_ffn: w_gate, w_up, w_down: all ExpertPanels or none")
+    target = PANELS_TARGET if all(panels) else TARGET
+    if all(panels):
+        weights = tuple(w.panels for w in weights)
     num_tokens, top_k = ids.shape
     out = jax.ShapeDtypeStruct((num_tokens, top_k, x.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, ids.astype(jnp.int32), w_gate, w_up, w_down)
+    return jax.ffi.ffi_call(target, out)(x, ids.astype(jnp.int32), *weights)
 
 
 @functools.cache
@@ -117,8 +243,12 @@ def has_tiles() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA (built on the first call)."""
-    return register_kernel(_build, TARGET, "JaxserveMoeRows", "CPU MoE kernel (using the XLA path)")
+    """Whether the kernel (both targets) is built and registered with XLA (built on the
+    first call)."""
+    what = "CPU MoE kernel (using the XLA path)"
+    return register_kernel(_build, TARGET, "JaxserveMoeRows", what) and register_kernel(
+        _build, PANELS_TARGET, "JaxserveMoePanels", what
+    )
 
 
 def _build() -> Path:

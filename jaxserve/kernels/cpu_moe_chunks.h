@@ -22,8 +22,10 @@
 // expert, 2 blocks) 1.02x; 512 tokens (11 blocks, where PanelMatmul copies its panels)
 // 1.02x (0.90-0.92x without the copy), so PanelMatmul keeps those. Old and new kernels'
 // processes alternating 3x: 128 tokens 4.03 -> 3.80 ms a call (medians, 1.06x).
-// The weights stored panel-major ([E][N/16][K][16], each panel contiguous: a layout the
-// model does not have) measured 1.15-1.21x at 128 tokens and 1.14-1.16x at 512 there.
+// The weights stored panel-major ([E][N/16][K][16], each panel contiguous) measured
+// 1.15-1.21x at 128 tokens and 1.14-1.16x at 512 there: the engine holds them so on one
+// CPU device (cpu_moe.ExpertPanels, read by cpu_tile_matmul.h's PanelsMatmul), so these
+// chunks serve only the row-major target (the local experts of a CPU mesh).
 
 #pragma once
 

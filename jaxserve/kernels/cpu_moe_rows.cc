@@ -14,6 +14,14 @@
 // than 4 row blocks in k-chunks read in address order instead: cpu_moe_chunks.h). Work
 // units (expert, row block) are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h), unless the call is under kMinParallelWork.
+//
+// Two layouts of the weights, one FFI target each: JaxserveMoeRows reads the model's
+// row-major w_gate / w_up [E, H, I] and w_down [E, I, H] as above; JaxservePanels
+// (`cpu_moe.ExpertPanels`, what the engine holds on one CPU device) reads them
+// panel-major, each expert's [K, N] matrix as [ceil(N / 16)][K][16] (each 16-column
+// panel one contiguous stream, zero past N): every expert runs the register tiles
+// (PanelsMatmul, cpu_tile_matmul.h), whose panel reads are then sequential, at any row
+// count (tile builds only: the engine packs only there).
 
 #include <algorithm>
 #include <cmath>
@@ -48,9 +56,15 @@ constexpr int64_t kSmallExpertFloats = int64_t{64} << 10;
 
 // Whether an expert with `rows` rows (or a work unit of that many) of hidden x inter
 // matrices runs register tiles.
-inline bool Tiled(int64_t rows, int64_t hidden, int64_t inter) {
+// Panel-major weights (`panels`) always do.
+inline bool Tiled(int64_t rows, int64_t hidden, int64_t inter, bool panels = false) {
   return kTileMinRows > 0 && rows > 0 &&
-         (rows >= kTileMinRows || hidden * inter <= kSmallExpertFloats);
+         (panels || rows >= kTileMinRows || hidden * inter <= kSmallExpertFloats);
+}
+
+// Floats of one expert's [K, N] matrix: K * N row-major, ceil(N / 16) * 16 * K panel-major.
+inline int64_t MatrixFloats(int64_t K, int64_t N, bool panels) {
+  return panels ? (N + 15) / 16 * 16 * K : K * N;
 }
 
 // out[r][0:n] = sum_k a[r][k] * w[k][0:n] for r < R; w is [K, n] row-major.
@@ -83,6 +97,7 @@ struct Problem {
   const float* w_down;
   float* y;
   int64_t top_k, hidden, inter;
+  bool panels = false;  // weights panel-major (JaxserveMoePanels), else row-major
   std::vector<int32_t> copies;  // copy indices (t * k + j) sorted by expert
   std::vector<int32_t> unit_expert, unit_start, unit_rows;  // one work unit per block
 };
@@ -108,9 +123,10 @@ void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy,
     out[r] = p.y + int64_t{copy[r]} * h;
   }
   jaxserve::PackRows(blocks, a.data(), h, packed.data());
-  const float* w_up = p.w_up + e * h * i;
-  const float* w_down = p.w_down + e * i * h;
-  matmul(blocks, packed.data(), p.w_gate + e * h * i, h, i, g.data(), w_up);
+  const int64_t gate_floats = MatrixFloats(h, i, p.panels);
+  const float* w_up = p.w_up + e * gate_floats;
+  const float* w_down = p.w_down + e * MatrixFloats(i, h, p.panels);
+  matmul(blocks, packed.data(), p.w_gate + e * gate_floats, h, i, g.data(), w_up);
   matmul(blocks, packed.data(), w_up, h, i, u.data(), w_down);
   jaxserve::SwiGlu(gate.data(), up.data(), rows * i);
   jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
@@ -129,7 +145,14 @@ inline void MoeMatmul(const jaxserve::RowBlocks& blocks, const float* packed, co
   jaxserve::PanelMatmul(blocks, packed, w, k, n, o);
 }
 
+// The tile product of panel-major weights (cpu_tile_matmul.h's PanelsMatmul).
+inline void PanelsMoeMatmul(const jaxserve::RowBlocks& blocks, const float* packed,
+                            const float* w, int64_t k, int64_t n, float* const* o, const float*) {
+  jaxserve::PanelsMatmul(blocks, packed, w, k, n, o);
+}
+
 void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
+  if (p.panels) return RunTileUnitWith(p, e, rows, copy, PanelsMoeMatmul);
   RunTileUnitWith(p, e, rows, copy, MoeMatmul);
 }
 #endif
@@ -140,7 +163,7 @@ void RunUnit(const Problem& p, int64_t u) {
   const int rows = p.unit_rows[u];
   const int32_t* copy = p.copies.data() + p.unit_start[u];
 #if JAXSERVE_HAVE_TILES
-  if (Tiled(rows, h, i)) return RunTileUnit(p, e, rows, copy);
+  if (Tiled(rows, h, i, p.panels)) return RunTileUnit(p, e, rows, copy);
 #endif
   const float* a[kRows];
   float* out[kRows];
@@ -177,7 +200,7 @@ void PlanUnits(Problem& p, const int32_t* id, int64_t n, int64_t num_experts) {
   for (int64_t e = 0; e < num_experts; ++e) {
     const int32_t rows = count[e + 1] - count[e];
     int32_t step = kRows;
-    if (Tiled(rows, p.hidden, p.inter)) {  // as few units as kUnitRows allows
+    if (Tiled(rows, p.hidden, p.inter, p.panels)) {  // as few units as kUnitRows allows
       const int32_t units = (rows + kUnitRows - 1) / kUnitRows;
       step = (rows + units - 1) / units;
     }
@@ -189,26 +212,51 @@ void PlanUnits(Problem& p, const int32_t* id, int64_t n, int64_t num_experts) {
   }
 }
 
+// Whether the weights' shapes fit x [T, H] and ids [T, k]; sets p's hidden, inter and
+// panels. Row-major: w_gate, w_up [E, H, I], w_down [E, I, H]; panel-major: w_gate,
+// w_up [E, ceil(I / 16), H, 16], w_down [E, ceil(H / 16), I, 16].
+bool TakeShapes(Problem& p, bool panels, ffi::Span<const int64_t> xd,
+                ffi::Span<const int64_t> idd, ffi::Span<const int64_t> gd,
+                ffi::Span<const int64_t> ud, ffi::Span<const int64_t> dd) {
+  if (xd.size() != 2 || idd.size() != 2 || idd[0] != xd[0]) return false;
+  const int64_t h = xd[1];
+  const bool same_up = std::equal(gd.begin(), gd.end(), ud.begin(), ud.end());
+  if (!panels) {
+    if (gd.size() != 3 || dd.size() != 3 || !same_up || gd[1] != h) return false;
+    p.inter = gd[2];
+    return dd[0] == gd[0] && dd[1] == p.inter && dd[2] == h;
+  }
+  if (gd.size() != 4 || dd.size() != 4 || !same_up || !kTileMinRows) return false;
+  p.inter = dd[2];
+  p.panels = true;
+  return gd[1] == (p.inter + 15) / 16 && gd[2] == h && gd[3] == 16 && dd[0] == gd[0] &&
+         dd[1] == (h + 15) / 16 && dd[3] == 16;
+}
+
+template <bool kPanels>
 ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w_gate,
                        ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
                        ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), idd = ids.dimensions(), wd = w_gate.dimensions();
-  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 3 || idd[0] != xd[0] ||
-      wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("moe_rows: expected x [T, H], ids [T, k], w [E, H, I]");
-  }
   auto state = std::make_shared<Problem>();
   Problem& p = *state;
-  const int64_t num_experts = wd[0];
+  if (!TakeShapes(p, kPanels, x.dimensions(), ids.dimensions(), w_gate.dimensions(),
+                  w_up.dimensions(), w_down.dimensions())) {
+    return ffi::Error::InvalidArgument(
+        kPanels ? "moe_panels: expected x [T, H], ids [T, k], w_gate / w_up [E, I/16, H, 16], "
+                  "w_down [E, H/16, I, 16] (on a build with register tiles)"
+                : "moe_rows: expected x [T, H], ids [T, k], w_gate / w_up [E, H, I], "
+                  "w_down [E, I, H]");
+  }
+  auto idd = ids.dimensions();
+  const int64_t num_experts = w_gate.dimensions()[0];
   p.x = x.typed_data();
   p.w_gate = w_gate.typed_data();
   p.w_up = w_up.typed_data();
   p.w_down = w_down.typed_data();
   p.y = y->typed_data();
   p.top_k = idd[1];
-  p.hidden = xd[1];
-  p.inter = wd[2];
+  p.hidden = x.dimensions()[1];
   const int64_t n = idd[0] * idd[1];
   std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
   PlanUnits(p, ids.typed_data(), n, num_experts);
@@ -223,12 +271,17 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRows, MoeRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate [E, H, I]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up [E, H, I]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_down [E, I, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, k, H]
+// Both targets: x [T, H], ids [T, k], w_gate, w_up, w_down (row-major or panel-major,
+// TakeShapes) -> y [T, k, H].
+#define JAXSERVE_MOE_BINDING                 \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRows, MoeRowsImpl<false>, JAXSERVE_MOE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoePanels, MoeRowsImpl<true>, JAXSERVE_MOE_BINDING);
+#undef JAXSERVE_MOE_BINDING

@@ -1,5 +1,7 @@
 // Register-tiled matmul of a few rows by a weight matrix read in place (AVX-512, or
-// AVX2 + FMA).
+// AVX2 + FMA), in either of two layouts: PanelMatmul reads a row-major [K, N] matrix
+// (what follows), PanelsMatmul a panel-major one, [ceil(N / 16)][K][16] (each 16-column
+// panel contiguous: what the engine holds on one CPU device, cpu_moe.ExpertPanels).
 //
 // Included by cpu_moe_rows.cc for experts with many routed rows (`kTileMinRows`); the
 // build (kernels/cpu_build.py) hashes this header into the kernel's cache key. Without
@@ -288,6 +290,29 @@ inline void PanelMatmul(const RowBlocks& blocks, const float* packed, const floa
       const int s = blocks.BlockStart(b);
       TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, w, N, K, col, mask,
                           out + s, 16 * kPrefetchPanels, b == 0 ? lead : 0);
+    }
+  }
+}
+
+// Rows ahead (64-byte lines) at which the first row block of PanelsMatmul prefetches
+// its panel (bench_moe_avx2.h's pm:2,6,8,0, as measured there).
+constexpr int kPanelPrefetchRows = 8;
+
+// out[r][0:N] = sum_k a[r][k] * W[k][0:N] for every row r of `blocks`, from the PackRows
+// layout of a; w holds W panel-major, [ceil(N / 16)][K][16] (panel p's row k at
+// w[(p * K + k) * 16], zero past N), so each panel is one contiguous stream: the first
+// row block reads it from memory (prefetching kPanelPrefetchRows rows ahead), the
+// others from L1/L2. No panel copy or k-chunks: those work around the [K, N] layout.
+inline void PanelsMatmul(const RowBlocks& blocks, const float* packed, const float* w,
+                         int64_t K, int64_t N, float* const* out) {
+  for (int64_t col = 0; col < N; col += 16) {
+    const Mask16 mask = LaneMask(N - col < 16 ? N - col : 16);
+    const float* panel = w + col * K;  // panel col / 16
+    for (int b = 0; b < blocks.blocks; ++b) {
+      const int s = blocks.BlockStart(b);
+      // Tile reads w + col + k * ldw: the panel's row k.
+      TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, panel - col, 16, K,
+                          col, mask, out + s, b == 0 ? 16 * kPanelPrefetchRows : 0, 0);
     }
   }
 }

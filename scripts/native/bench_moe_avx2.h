@@ -17,9 +17,9 @@
 //       the next matrix of the unit) one line a row, in address order; copy 1: block 0
 //       copies each panel's chunk for the other blocks. chunk:2,6,0,0,64,1,1 is the
 //       kernel's ChunkMatmul (cpu_moe_chunks.h), which it runs below 4 row blocks.
-//   pm:V,R,pf,hint  the weights repacked panel-major ([E][N/16][K][16]; a layout the
-//       model does not have): each panel read contiguously, block 0 prefetching pf lines
-//       ahead in it.
+//   (pm, the kernel on panel-major weights, is bench_moe_kernel.cc's: the kernel's own
+//       PanelsMatmul, as pm:2,6,8,0 was here: 6 x 16 tiles, block 0 prefetching 8 rows
+//       ahead in the contiguous panel.)
 
 #pragma once
 
@@ -206,26 +206,12 @@ thread_local const float* tl_matrix[3];
 // chunk before the next, accumulating into out; block 0 prefetches the next chunk (or the
 // next matrix's first chunk) one line per row it reads, in address order (seq 1), and
 // pf > 0 prefetches pf rows ahead in the panel (pf < 0: -pf lines ahead in the row).
-// pm: weights panel-major ([N/16][K][16]), each panel read contiguously; block 0
-// prefetches pf lines ahead in the panel.
 template <int R, int Hint>
 void ZMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float* w, int64_t K,
              int64_t N, float* const* out) {
   if (N % 16) {
     std::fprintf(stderr, "N %% 16\n");
     std::exit(2);
-  }
-  if (variant.kind == "pm") {
-    const int64_t pf = variant.pf > 0 ? 16 * variant.pf : 0;
-    for (int64_t col = 0; col < N; col += 16) {
-      const float* wp = w + col * K;
-      for (int b = 0; b < blocks.blocks; ++b) {
-        const int s = blocks.BlockStart(b);
-        ZTileRows<R, false, Hint>(blocks.BlockRows(b), packed + int64_t{s} * K, wp, 16, K, col,
-                                  out + s, b == 0 ? pf : 0, nullptr);
-      }
-    }
-    return;
   }
   const int64_t kc = variant.kc ? std::min<int64_t>(variant.kc, K) : K;
   const int64_t pf = variant.pf > 0 ? variant.pf * N : variant.pf < 0 ? -variant.pf * 16 : 0;
@@ -288,11 +274,11 @@ MatmulFn PickHint(int hint, bool mask_all) {
 }
 
 MatmulFn PickMatmul(const Variant& v) {
-  if (v.kind == "chunk" || v.kind == "pm") {
+  if (v.kind == "chunk") {
     if (v.R == 6) return v.hint == 1 ? ZMatmul<6, 1> : v.hint == 3 ? ZMatmul<6, 3> : ZMatmul<6, 0>;
     if (v.R == 5) return v.hint == 1 ? ZMatmul<5, 1> : ZMatmul<5, 0>;
     if (v.R == 4) return v.hint == 1 ? ZMatmul<4, 1> : ZMatmul<4, 0>;
-    std::fprintf(stderr, "chunk/pm: R 4-6\n");
+    std::fprintf(stderr, "chunk: R 4-6\n");
     std::exit(2);
   }
   if (v.kind != "tile" && v.kind != "base") {

@@ -8,10 +8,12 @@
 // the kernel's row path; an AVX2 build has its own, listed in bench_moe_avx2.h), run
 // interleaved: 12 rounds of `calls` calls of each, medians
 // (the first two calls of a round dropped), speed-up against the first one named:
-//   base    the kernel as built (cpu_tile_matmul.h's PanelMatmul)
-//   pm[:P,R,pf,hint]  the weights repacked panel-major [E][N/16][K][16] (each 16-column
-//           panel contiguous; a layout change) and read so by tiles as tile's
-//           (--panel-major: pm, i.e. pm:1,8,8,0)
+//   base    the kernel as built on the model's row-major weights (cpu_tile_matmul.h's
+//           PanelMatmul; on AVX2, cpu_moe_chunks.h's ChunkMatmul below 4 row blocks)
+//   pm      the kernel as built on the weights panel-major [E][N/16][K][16] (each
+//           16-column panel contiguous: its JaxserveMoePanels target, what the engine
+//           holds on one CPU device; every expert on PanelsMatmul tiles, also below
+//           kTileMinRows rows) (--panel-major: pm)
 //   tile:P,R,pf,hint,kc,seq,lead  register tiles of P panels x R rows over the [K, N]
 //           weights; pf > 0 prefetches pf rows ahead in the panel, pf < 0 -pf panels
 //           ahead in the row, 0 none; hint 0-3 T0, T1, T2, NTA; lead > 0 also prefetches
@@ -25,7 +27,7 @@
 // BENCH_HUGEPAGES=1 puts the weights on transparent huge pages (fewer TLB misses on
 // the row-strided reads; the older prefetch gains most from them). E.g. T=128 on two
 // shared Zen 4 cores (load ~1.8), ms and x tile:1,8, 4 KB pages / huge pages: base 2.97
-// (1.36x) / 2.60 (1.20x), pm 2.97 (1.36x) / 2.74 (1.14x), tile:1,8,-3,0 1.29x / 1.15x,
+// (1.36x) / 2.60 (1.20x), pm (then a tile variant on panel-major weights) 2.97 (1.36x) / 2.74 (1.14x), tile:1,8,-3,0 1.29x / 1.15x,
 // tile:2,8,-4,0 1.21x / 0.93x, tile:4,6 1.00x / 0.84x, pack:1,8 0.87x / 0.69x,
 // chunk:4,6,0,0,64,1 0.95x / 0.76x.
 //
@@ -168,8 +170,6 @@ thread_local std::vector<float> pack_buffer;
 template <int P, int R, int Hint>
 void WideMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float* w,
                 int64_t K, int64_t N, float* const* o) {
-  const bool pm = variant.kind == "pm";
-  if (pm) return WideRange<P, R, Hint>(blocks, packed, K, 0, K, w, 16, true, N, o, nullptr, 0);
   if (variant.kind == "pack" && blocks.blocks >= 2) {  // copy kc rows panel-major, then tiles
     const int64_t kc = variant.kc ? variant.kc : K;
     pack_buffer.resize(kc * N);
@@ -328,7 +328,7 @@ int main(int argc, char** argv) {
     for (size_t vi = 0; vi < specs.size(); ++vi) {
       variant = ParseVariant(specs[vi].c_str());
       const bool panel_major = variant.kind == "pm";
-      chosen = PickMatmul(variant);
+      chosen = panel_major ? nullptr : PickMatmul(variant);
       for (int c = 0; c < calls; ++c) {
         const int l = (round * calls + c) % L;
         const auto start = std::chrono::steady_clock::now();
@@ -340,25 +340,22 @@ int main(int argc, char** argv) {
         p.w_down = (panel_major ? md : rd)[l];
         p.y = y.data();
         p.top_k = K, p.hidden = H, p.inter = I;
+        p.panels = panel_major;
         std::fill(y.begin(), y.end(), 0.f);
         PlanUnits(p, ids.data(), T * K, E);
         const int64_t units = p.unit_expert.size();
         auto next = std::make_shared<std::atomic<int64_t>>(0);
-        // The row path (experts under kTileMinRows rows) reads the row-major weights.
-        auto rows_state = state;
-        if (panel_major) {
-          rows_state = std::make_shared<Problem>(p);
-          rows_state->w_gate = rg[l], rows_state->w_up = ru[l], rows_state->w_down = rd[l];
-        }
-        const bool base = variant.kind == "base";
-        auto work = [state, rows_state, next, units, base] {
+        // base and pm: the kernel's own RunUnit (either layout); the others: their tile
+        // product where the kernel runs tiles.
+        const bool as_built = variant.kind == "base" || panel_major;
+        auto work = [state, next, units, as_built] {
           for (int64_t u; (u = next->fetch_add(1)) < units;) {
             const Problem& q = *state;
-            if (!base && Tiled(q.unit_rows[u], q.hidden, q.inter))
+            if (!as_built && Tiled(q.unit_rows[u], q.hidden, q.inter))
               RunTileUnitVariant(q, q.unit_expert[u], q.unit_rows[u],
                                  q.copies.data() + q.unit_start[u]);
             else
-              RunUnit(*rows_state, u);
+              RunUnit(q, u);
           }
         };
         const int before = finished.load();
