@@ -9,9 +9,11 @@ a server on 34463).
     wait_until_resolves("frontend", "jaxserve-0.jaxserve", 60.0)  # a peer's name, at start
 
 Forms checked: HOST:PORT, [IPV6]:PORT, and a URL (scheme://HOST:PORT/...) as bench's
-http backend and diagnose take. Other gRPC target forms (unix:PATH, dns:///...) pass
-unchanged, as does a host without a port for the URL-taking tools; the gRPC ones refuse
-it (`grpc_target_error`: gRPC would dial port 443).
+http backend and diagnose take: the port a number in range, the host not empty and
+without spaces (gRPC would say only "errors resolving ..." and the client exit as if
+the server were down). Other gRPC target forms (unix:PATH, dns:///...) pass unchanged,
+as does a host without a port for the URL-taking tools; the gRPC ones refuse it
+(`grpc_target_error`: gRPC would dial port 443).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_HOST_PORT = re.compile(r"^(?:\[[^\]]*\]|[^:/\[\]]*):(\d+)$")
+_HOST_PORT = re.compile(r"^(\[[^\]]*\]|[^:/\[\]]*):([^:]*)$")
+# gRPC's own target schemes (grpc/doc/naming.md): "unix:/path" is no HOST:PORT.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
 # An IPv6 literal and a port without the brackets ("::1:50051"), which gRPC cannot split.
@@ -39,16 +43,25 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def port_error(address: str) -> str | None:
-    """ "port must be in [1, 65535], got N" for an address whose port is out of range;
-    None for one in range or without a port of its own."""
+    """What is wrong with the HOST:PORT of `address`: "port must be in [1, 65535], got N",
+    "port must be a number in [1, 65535], got 'abc'", "host must not be empty" or "host
+    must not contain spaces"; None for a good one or a form without a port of its own."""
     netloc = address
     if "://" in address:
         netloc = address.split("://", 1)[1].split("/", 1)[0].rpartition("@")[2]
+    elif address.startswith(_GRPC_SCHEMES):
+        return None
     m = _HOST_PORT.match(netloc)
     if m is None:
         return None
-    port = int(m.group(1))
-    return None if 1 <= port <= 65535 else f"port must be in [1, 65535], got {port}"
+    host, port = m.group(1).strip("[]"), m.group(2)
+    if not port.isdigit() or not port.isascii():
+        return f"port must be a number in [1, 65535], got {port!r} in {address}"
+    if not host:
+        return f"host must not be empty, got {address} (e.g. 127.0.0.1:{port})"
+    if re.search(r"\s", host):
+        return f"host must not contain spaces, got {host!r}"
+    return None if 1 <= int(port) <= 65535 else f"port must be in [1, 65535], got {int(port)}"
 
 
 def check(field: str, address: str) -> None:
@@ -72,7 +85,8 @@ def grpc_target_error(address: str) -> str | None:
         )
     elif error is None and _BARE_IPV6_PORT.match(address):
         error = f"an IPv6 host goes in brackets before the port ([::1]:50051), got {address}"
-    elif error is None and ":" not in address:  # gRPC would dial port 443
+    elif error is None and (":" not in address or re.fullmatch(r"\[[^\]]*\]", address)):
+        # gRPC would dial port 443
         error = (
             f"{address} has no port; the gRPC API takes HOST:PORT with serve's --port "
             f"(e.g. {address or '127.0.0.1'}:50051)"
@@ -83,8 +97,8 @@ def grpc_target_error(address: str) -> str | None:
 # Two argparse types on purpose: bench (its http backend) and diagnose (a metrics
 # endpoint) take a URL as --server, so only the gRPC tools (generate, profile) refuse one.
 def server_arg(text: str) -> str:
-    """argparse `type` of --server: `text` unchanged; a port out of range is a usage
-    error ("argument --server: port must be in [1, 65535], got N", exit 2)."""
+    """argparse `type` of --server: `text` unchanged; a bad HOST:PORT (`port_error`) is a
+    usage error ("argument --server: port must be in [1, 65535], got N", exit 2)."""
     return _usage_checked(text, port_error(text))
 
 

@@ -93,6 +93,36 @@ def test_a_server_port_out_of_range_is_a_usage_error(command, server, port, caps
 
 @pytest.mark.parametrize("command", _SERVER_COMMANDS)
 @pytest.mark.parametrize(
+    ("server", "words"),
+    [("127.0.0.1:abc", "port must be a number in [1, 65535], got 'abc' in 127.0.0.1:abc"),
+     ("[::1]:x1", "port must be a number in [1, 65535], got 'x1' in [::1]:x1"),
+     ("h:", "port must be a number in [1, 65535], got '' in h:"),
+     (":50051", "host must not be empty, got :50051 (e.g. 127.0.0.1:50051)"),
+     ("a b:1", "host must not contain spaces, got 'a b'"),
+     ("http://h:8x/v1", "port must be a number in [1, 65535], got '8x' in http://h:8x/v1")],
+)  # fmt: skip
+def test_a_server_address_that_is_no_host_port_is_a_usage_error(command, server, words, capsys):
+    """`generate --server 127.0.0.1:abc` reached gRPC, which failed with "errors resolving
+    ..." and exit 1, as if the server were down (session 23's fresh-user trial)."""
+    if command[0] in ("generate", "profile") and server.startswith("http://"):
+        return  # a URL is no gRPC target: refused as such (below)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--server", server])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"error: argument --server: {words}" in lines[0], lines
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["profile", "--out", "d"]])
+def test_a_grpc_client_given_bracketed_ipv6_without_a_port_is_told_to_give_one(command, capsys):
+    # gRPC dialled ipv6:%5B::1%5D:443 (session 23's fresh-user trial).
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--server", "[::1]"])
+    assert "error: argument --server: [::1] has no port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", _SERVER_COMMANDS)
+@pytest.mark.parametrize(
     "server", ["127.0.0.1:65535", "[::1]:1", "h:50051", "http://h/v1", "unix:/tmp/s"]
 )
 def test_a_server_address_in_range_or_without_a_port_is_taken(command, server):

@@ -421,3 +421,15 @@ def test_wait_until_serving_on_a_closed_port_says_the_last_answer():
     assert str(info.value).startswith(
         "server not SERVING within 1 s (last answer: UNAVAILABLE: "
     ), str(info.value)
+
+
+def test_bench_grpc_given_a_host_without_a_port_names_the_flag():
+    """`bench --server nohost` (gRPC backend) said `target: nohost has no port`, naming the
+    client's argument, not the flag (session 23's fresh-user trial): now --server, exit 2,
+    before the server is asked anything."""
+    r = _jaxserve("bench", "--server", "nohost", "--num-prompts", "1", "--no-progress")
+    assert r.returncode == 2, r
+    assert r.stderr.splitlines() == [
+        "jaxserve bench: error: --server: nohost has no port; the gRPC API takes HOST:PORT "
+        "with serve's --port (e.g. nohost:50051)"
+    ], r.stderr

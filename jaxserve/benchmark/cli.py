@@ -145,6 +145,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     (aiohttp: the HTTP backend) or after it (matplotlib: the plot)."""
     if args.backend == "http":
         _check_installed("--backend http", "aiohttp")
+    else:  # a gRPC target: no URL, a port of its own (else: "target: ..." from the client)
+        server_address.check("--server", args.server)
     if args.plot:
         _check_installed("--plot", "matplotlib")
         check_writable("--plot", args.plot)
