@@ -187,13 +187,15 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny, des, ser)
 
 
-_OPEN_PATHS = ("/health", "/metrics")  # served without the API key
+# Served without the API key, as vLLM serves every path outside /v1: /version holds
+# jaxserve's version only.
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 for every HTTP request but /health and /metrics without
-    `Authorization: Bearer <key>` (what OpenAI clients send with api_key=...). /metrics
-    needs no key, as on --metrics-port and on vLLM's API port."""
+    """ASGI middleware: 401 for every HTTP request but /health, /metrics and /version
+    without `Authorization: Bearer <key>` (what OpenAI clients send with api_key=...).
+    /metrics needs no key, as on --metrics-port and on vLLM's API port."""
 
     def __init__(self, app, api_key: str) -> None:
         self._app = app

@@ -194,9 +194,9 @@ def test_serve_warns_for_a_public_address_without_tls(mock_model_dir):
 
 
 def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
-    """The OpenAI HTTP port gets the same TLS and API key: /health (and /metrics, as on
-    vLLM's port) is open, every other path needs `Authorization: Bearer <key>` (401
-    otherwise)."""
+    """The OpenAI HTTP port gets the same TLS and API key: /health and /version (and
+    /metrics, as on vLLM's port, which keys only /v1) are open, every other path needs
+    `Authorization: Bearer <key>` (401 otherwise)."""
     import json
 
     http_port = free_port()
@@ -214,6 +214,8 @@ def test_http_port_speaks_tls_and_needs_the_key(mock_model_dir, pki):
         base = f"https://127.0.0.1:{http_port}"
         health = urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10)
         assert health.status == 200
+        version = urllib.request.urlopen(f"{base}/version", context=ctx, timeout=10)
+        assert "version" in json.loads(version.read())
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             req = urllib.request.Request(f"{base}/v1/models", headers=headers)
             with pytest.raises(urllib.error.HTTPError) as e:
