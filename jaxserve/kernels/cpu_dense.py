@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel, switch_on
 from jaxserve.kernels.cpu_moe import has_tiles
+from jaxserve.kernels.packed_weight import PackedWeight
 
 ENV_VAR = "JAXSERVE_CPU_DENSE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_dense_panels.cc")
@@ -77,15 +78,13 @@ MIN_WEIGHT_FLOATS = 1 << 18
 
 
 @jax.tree_util.register_pytree_node_class
-class PanelMajor:
+class PanelMajor(PackedWeight):
     """A float32 weight of logical shape [*k_dims, *n_dims] held panel-major.
 
     The product contracts the first `k_ndim` axes (K = their product) and keeps the rest
     (N = their product): `panels` is [ceil(N / 16), K, 16] with panels[p, k, j] =
-    W[k, 16 p + j] of the [K, N] reshape (zero past N). A pytree (its one leaf is
-    `panels`), so it passes through `jit` and the NNX state like the array it replaces;
-    `[...]` returns itself (what `nnx.Param[...]` asks of a value), `shape` and `dtype`
-    are the logical array's.
+    W[k, 16 p + j] of the [K, N] reshape (zero past N). A `PackedWeight`: what the model
+    code sees of it.
     """
 
     def __init__(self, panels: jax.Array, shape: tuple[int, ...], k_ndim: int):
@@ -108,19 +107,6 @@ class PanelMajor:
         return (
             jnp.transpose(self.panels, (1, 0, 2)).reshape(k, p * PANEL)[:, :n].reshape(self.shape)
         )
-
-    @property
-    def dtype(self):
-        return self.panels.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self
-        raise TypeError(f"PanelMajor supports [...] only, got [{index!r}]")
 
     def tree_flatten(self):
         return (self.panels,), (self.shape, self.k_ndim)

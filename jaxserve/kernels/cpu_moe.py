@@ -80,6 +80,7 @@ from jaxserve.kernels.cpu_build import (
     register_kernel,
     switch_on,
 )
+from jaxserve.kernels.packed_weight import PackedWeight
 
 ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
@@ -117,15 +118,13 @@ def applies(x: jax.Array, num_rows: int, num_experts: int, weights) -> bool:
 
 
 @jax.tree_util.register_pytree_node_class
-class ExpertPanels:
+class ExpertPanels(PackedWeight):
     """A stacked float32 expert weight of logical shape [E, K, N] held panel-major.
 
     `panels` is [E, ceil(N / 16), K, 16] with panels[e, p, k, j] = W[e, k, 16 p + j] (zero
     past N): each expert's 16-column panel is one contiguous stream, which the kernel
-    reads sequentially (module docstring). A pytree (its one leaf is `panels`), so it
-    passes through `jit` and the NNX state like the array it replaces; `[...]` returns
-    itself (what `nnx.Param[...]` asks of a value), `shape` and `dtype` are the logical
-    array's.
+    reads sequentially (module docstring). A `PackedWeight`: what the model code sees of
+    it.
     """
 
     def __init__(self, panels: jax.Array, shape: tuple[int, ...]):
@@ -145,19 +144,6 @@ class ExpertPanels:
         e, p, k, _ = self.panels.shape
         flat = jnp.transpose(self.panels, (0, 2, 1, 3)).reshape(e, k, p * PANEL)
         return flat[:, :, : self.shape[2]]
-
-    @property
-    def dtype(self):
-        return self.panels.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self
-        raise TypeError(f"ExpertPanels supports [...] only, got [{index!r}]")
 
     def tree_flatten(self):
         return (self.panels,), self.shape
