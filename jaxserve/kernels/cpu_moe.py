@@ -51,8 +51,10 @@ load 1.1-1.6, panel-major against row-major: the kernel alone
 8 / 128: 0.97 / 1.11x, 0.94 / 1.04x (5 repeats), 1.08 / 0.90x (spreads 1-55%); batch
 32 / 128: 1.32 / 0.93x (spreads 11 / 13%; at 32, 4 rows an expert, the row-major
 weights take the row path, the panels the tiles); AVX2 builds on both sides, batch 8 /
-128: 1.04 / 1.01x. No gain at batch 128 beyond the noise: the experts are about a third
-of a batch-128 decode step, and on AVX-512 the panels are no faster there.
+128: 1.04 / 1.01x; merged with main (session 23, 3 repeats, load 0.75-1.1), batch 1 /
+32 / 128: 1.02 / 1.14 / 1.04x. No gain at batch 128 beyond the noise: on AVX-512 the
+panels are no faster there (the experts are about half of a batch-128 decode step,
+`scripts/bench_step_ops.py`).
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs
