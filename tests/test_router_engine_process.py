@@ -47,9 +47,14 @@ class _Router:
         )
 
     def pump(self, until, timeout: float = 60.0) -> None:
+        """Apply what arrives until `until()`; a snapshot request that got no answer is
+        sent again after `resync_timeout_s`, as the frontend's router loop does (a
+        request sent while the engine's socket still reconnects to a restarted router's
+        may be lost: a CI run waited 60 s for it)."""
         deadline = time.monotonic() + timeout
         while not until():
             assert time.monotonic() < deadline, "condition not met in time"
+            self.events.poll()
             if self.sock.poll(100):
                 msg = decode(self.sock.recv())
                 if isinstance(msg, KvEvents):
@@ -108,19 +113,21 @@ def test_late_and_restarted_routers_rebuild_from_snapshots(engine, tiny_engine_c
     prompts = [[3 + (i * 7 + j) % 200 for j in range(4 * bs + 3)] for i in range(3)]
     first = _Router(ctx, addresses)
     first.events.start()  # started after the engine: it knows nothing yet
-    first.pump(lambda: first.events.num_snapshots == 1)
+    first.pump(lambda: first.events.num_snapshots >= 1)
+    asked = first.events.num_resyncs  # 1, more if a request was lost and sent again
     for i, prompt in enumerate(prompts[:2]):
         _run(requests, outputs, f"a{i}", prompt)
     names = [set(hash_token_blocks(p, bs)) for p in prompts]
     first.pump(lambda: names[0] | names[1] <= first.index.blocks(0))
-    assert first.events.num_resyncs == 1  # in order since the snapshot: no gap
+    assert first.events.num_resyncs == asked  # in order since the snapshot: no gap
     first.close()
 
     second = _Router(ctx, addresses)  # a restarted frontend
     second.events.start()
-    second.pump(lambda: second.events.num_snapshots == 1)
+    second.pump(lambda: second.events.num_snapshots >= 1)
+    asked = second.events.num_resyncs
     assert second.index.blocks(0) == first.index.blocks(0)
     _run(requests, outputs, "b0", prompts[2])  # followed by events after the snapshot
     second.pump(lambda: names[2] <= second.index.blocks(0))
-    assert second.events.num_resyncs == 1
+    assert second.events.num_resyncs == asked
     second.close()
