@@ -22,6 +22,7 @@ RoPE key part [.., 1, qk_rope_head_dim]. The engine sizes and allocates the pool
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -112,6 +113,29 @@ def expert_param_path(layer: int, name: str) -> tuple:
     """The NNX state path of MoE layer `layer`'s expert weight or placement table `name`
     (e.g. ("layers", 3, "mlp", "w_gate")): the model contract's expert-weight access."""
     return ("layers", layer, "mlp", name)
+
+
+def replace_params(
+    params: list,
+    param_index: dict[tuple, int],
+    replacements: Iterable[tuple[tuple, Callable[[object], object]]],
+    caller: str,
+) -> list:
+    """The engine's flat parameter list (`jax.tree.flatten` leaves of the model state)
+    with the value at each (state path, replace) pair's path replaced by replace(value),
+    which may return the value unchanged; the list given is not modified. param_index:
+    state path -> index in params. The engine's held forms of weights are made so
+    (`moe_slices.split_expert_params`, `cpu_dense.pack_params`, `cpu_moe.pack_experts`).
+
+    Raises KeyError naming `caller` and a path that is not a parameter.
+    """
+    out = list(params)
+    for path, replace in replacements:
+        if path not in param_index:
+            raise KeyError(f"{caller}: no parameter {'.'.join(map(str, path))}")
+        i = param_index[path]
+        out[i] = replace(out[i])
+    return out
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.models.base import replace_params
 from jaxserve.models.moe_loop import SortedRows, loop_levels_for, run_expert_rows
 from jaxserve.models.moe_sparse import block_size_for, check_expert_shapes, combine_copies
 
@@ -177,11 +178,8 @@ def split_expert_params(
     params: `jax.tree.flatten` leaves of the model state; param_index: state path ->
     index in params. Raises KeyError naming a path that is not a parameter.
     """
-    out = list(params)
-    for path in paths:
-        if path not in param_index:
-            raise KeyError(f"split_expert_params: no parameter {'.'.join(map(str, path))}")
-        i = param_index[path]
-        if not isinstance(out[i], ExpertSlices):  # a model built from a runner's state
-            out[i] = ExpertSlices.split(out[i])
-    return out
+
+    def split(w):  # held already where the model was built from a runner's state
+        return w if isinstance(w, ExpertSlices) else ExpertSlices.split(w)
+
+    return replace_params(params, param_index, ((p, split) for p in paths), "split_expert_params")

@@ -153,22 +153,19 @@ class ModelRunner:
         # every call costs milliseconds of host time per step.
         self._params, self._params_def = jax.tree.flatten(self.state)
         self._param_index = _leaf_index(self.state)
+        expert_paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
         if self._holds_experts_per_expert():
-            paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
-            self._params = split_expert_params(self._params, self._param_index, paths)
-            self.state = jax.tree.unflatten(self._params_def, self._params)
+            self._params = split_expert_params(self._params, self._param_index, expert_paths)
         if mesh.size == 1 and hasattr(model, "dense_weights"):
             # One CPU device: projections panel-major for the CPU dense kernel (a no-op
             # elsewhere, or with JAXSERVE_CPU_DENSE_KERNEL=0).
             self._params = pack_params(self._params, self._param_index, model.dense_weights())
-            self.state = jax.tree.unflatten(self._params_def, self._params)
-        if self._packs_experts():
-            # One CPU device, stacked experts, no placement tables (so no EPLB, which is
-            # off on one device anyway, moves them): the experts panel-major for the CPU
-            # MoE kernel (a no-op with JAXSERVE_CPU_MOE_KERNEL=0 or without tiles).
-            paths = [expert_param_path(i, w) for i in self.moe_layers for w in EXPERT_WEIGHTS]
-            self._params = pack_experts(self._params, self._param_index, paths)
-            self.state = jax.tree.unflatten(self._params_def, self._params)
+        if self._experts_stay_in_place():
+            # No EPLB moves them (it re-places only stacked [S, H, I] arrays): the experts
+            # panel-major for the CPU MoE kernel (a no-op with JAXSERVE_CPU_MOE_KERNEL=0,
+            # without tiles, or where they are held per expert already).
+            self._params = pack_experts(self._params, self._param_index, expert_paths)
+        self.state = jax.tree.unflatten(self._params_def, self._params)
         # The model declares what its cache holds per token (per-head K/V, or an MLA latent).
         self.kv_layout: KVLayout = model.kv_layout()
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token(
@@ -191,25 +188,23 @@ class ModelRunner:
         self.wait_time_s = 0.0
         self.compiler = StepCompiler(self._lower)
 
-    def _packs_experts(self) -> bool:
-        """Whether the expert weights may be held panel-major (`cpu_moe.pack_experts`
-        decides the rest: backend, dtype, kernel): one device, MoE layers, no placement
-        tables (EPLB re-places only stacked [S, H, I] arrays), not held per expert."""
-        if not self.moe_layers or self.mesh.size > 1:
-            return False
-        if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
-            return False
-        w_gate = self._params[self._param_index[expert_param_path(self.moe_layers[0], "w_gate")]]
-        return isinstance(w_gate, jax.Array)
+    def _experts_stay_in_place(self) -> bool:
+        """Whether the model has MoE layers on one device without placement tables: no
+        expert parallelism and no EPLB move its expert weights, so the engine may hold
+        them in another form (`moe_slices`, `cpu_moe.ExpertPanels`)."""
+        return (
+            bool(self.moe_layers)
+            and self.mesh.size == 1
+            and expert_param_path(self.moe_layers[0], "physical_to_logical")
+            not in self._param_index
+        )
 
     def _holds_experts_per_expert(self) -> bool:
         """Whether the expert weights are held one array per expert (`moe_slices`): asked
         for (`JAXSERVE_MOE_EXPERTS=sliced`), on the reference backend, on one device (no
         placement tables: no expert parallelism), and for at most `MAX_EXPERT_BRANCHES`
         experts over all MoE layers (compile time)."""
-        if not self.moe_layers or self.mesh.size > 1:
-            return False
-        if expert_param_path(self.moe_layers[0], "physical_to_logical") in self._param_index:
+        if not self._experts_stay_in_place():
             return False
         w_gate = self._params[self._param_index[expert_param_path(self.moe_layers[0], "w_gate")]]
         return (

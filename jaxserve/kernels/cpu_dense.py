@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jaxserve.kernels.cpu_build import build_library, compiler, register_kernel, switch_on
 from jaxserve.kernels.cpu_moe import has_tiles
 from jaxserve.kernels.packed_weight import PackedWeight
+from jaxserve.models.base import replace_params
 
 ENV_VAR = "JAXSERVE_CPU_DENSE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_dense_panels.cc")
@@ -175,15 +176,16 @@ def pack_params(params: list, param_index: dict[tuple, int], weights: Sequence[t
     """
     if not applies():
         return params
-    out = list(params)
-    for path, k_ndim in weights:
-        if path not in param_index:
-            raise KeyError(f"pack_params: no parameter {'.'.join(map(str, path))}")
-        i = param_index[path]
-        w = out[i]
-        if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.size >= MIN_WEIGHT_FLOATS:
-            out[i] = PanelMajor.pack(out[i], k_ndim)
-    return out
+
+    def packer(k_ndim: int):
+        def pack(w):
+            packs = isinstance(w, jax.Array) and w.dtype == jnp.float32
+            return PanelMajor.pack(w, k_ndim) if packs and w.size >= MIN_WEIGHT_FLOATS else w
+
+        return pack
+
+    pairs = ((path, packer(k_ndim)) for path, k_ndim in weights)
+    return replace_params(params, param_index, pairs, "pack_params")
 
 
 def enabled() -> bool:

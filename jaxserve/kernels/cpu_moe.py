@@ -83,6 +83,7 @@ from jaxserve.kernels.cpu_build import (
     switch_on,
 )
 from jaxserve.kernels.packed_weight import PackedWeight
+from jaxserve.models.base import replace_params
 
 ENV_VAR = "JAXSERVE_CPU_MOE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_moe_rows.cc")
@@ -177,15 +178,12 @@ def pack_experts(params: list, param_index: dict[tuple, int], paths: Sequence[tu
     """
     if not packs_experts():
         return params
-    out = list(params)
-    for path in paths:
-        if path not in param_index:
-            raise KeyError(f"pack_experts: no parameter {'.'.join(map(str, path))}")
-        i = param_index[path]
-        w = out[i]
-        if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3:
-            out[i] = ExpertPanels.pack(w)
-    return out
+
+    def pack(w):
+        packs = isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3
+        return ExpertPanels.pack(w) if packs else w
+
+    return replace_params(params, param_index, ((p, pack) for p in paths), "pack_experts")
 
 
 def moe_rows_ffn(
