@@ -240,7 +240,7 @@ def wait_for_coordinator(
     def waiting(error: OSError) -> None:
         logger.info(
             "process %d: waiting up to %g s for process 0's coordinator at %s (%s)",
-            config.process_id, round(timeout_s, 1), config.coordinator_address, _reason(error),
+            config.process_id, timeout_s, config.coordinator_address, _reason(error),
         )  # fmt: skip
 
     deadline = time.monotonic() + timeout_s if deadline is None else deadline
