@@ -26,6 +26,8 @@ have a socket of their own, which the engine drains first: never stuck behind re
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,6 +400,20 @@ class IpcAddresses:
 def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint a socket was last bound to, with the port the OS chose for "*"."""
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+_MONITOR_IDS = itertools.count()
+
+
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """`sock.get_monitor_socket(events)` on an inproc endpoint of its own. pyzmq's default
+    endpoint is named after the socket's file descriptor, which the OS hands to the next
+    socket once one is closed, while the closed socket's monitor may still hold the name:
+    the new monitor then fails with "Address already in use" (measured, pyzmq 27 /
+    libzmq 4.3.5). A frontend's remote replica slot, reused with a new KV socket, lost
+    its disconnect watch so and stayed "stalled" after its host process died."""
+    addr = f"inproc://jaxserve-monitor-{os.getpid()}-{next(_MONITOR_IDS)}"
+    return sock.get_monitor_socket(events, addr=addr)
 
 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:

@@ -65,3 +65,27 @@ def test_arrays_travel_as_arrays():
 def test_a_frame_that_is_no_message_is_refused(raw):
     with pytest.raises(ValueError, match="not a jaxserve message"):
         ipc.decode(msgpack.packb(raw))
+
+
+def test_a_new_sockets_monitor_does_not_collide_with_a_closed_ones():
+    """pyzmq names a monitor's endpoint after the socket's file descriptor, which the OS
+    reuses once the socket is closed, while the closed socket's monitor may still hold
+    the name ("Address already in use": a CI run's reused remote replica slot lost its
+    disconnect watch so). `monitor_socket` gives every monitor an endpoint of its own."""
+    import zmq
+
+    from jaxserve.ipc import monitor_socket
+
+    ctx = zmq.Context()
+    try:
+        for _ in range(20):
+            old = ctx.socket(zmq.PULL)
+            old.bind("tcp://127.0.0.1:*")
+            monitor_socket(old, zmq.EVENT_DISCONNECTED).close()
+            old.close()
+            new = ctx.socket(zmq.PULL)  # most often the closed socket's descriptor
+            new.bind("tcp://127.0.0.1:*")
+            monitor_socket(new, zmq.EVENT_DISCONNECTED).close()
+            new.close()
+    finally:
+        ctx.destroy(linger=0)

@@ -55,6 +55,7 @@ from jaxserve.ipc import (
     ReplicaWelcome,
     decode,
     encode,
+    monitor_socket,
 )
 from jaxserve.launcher import CHILD_POLL_INTERVAL_S, _Child, _spawn, _stop_children
 from jaxserve.logs import read_start_failure
@@ -98,8 +99,8 @@ def run_headless(
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.HEARTBEAT_IVL, HANDSHAKE_HEARTBEAT_MS)
     dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HANDSHAKE_HEARTBEAT_TIMEOUT_MS)
-    monitor = dealer.get_monitor_socket(
-        zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+    monitor = monitor_socket(
+        dealer, zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
     )
     dealer.connect(f"tcp://{host}:{port}")
     children: list[_Child] = []

@@ -50,6 +50,7 @@ from jaxserve.ipc import (
     ReplicaRefused,
     ReplicaWelcome,
     encode,
+    monitor_socket,
 )
 from jaxserve.router.identity import first_difference, protocol_difference
 
@@ -195,7 +196,7 @@ class RemoteReplicaListener:
     async def _watch(self, rep) -> None:
         """The engine's KV events connection closing = the replica's host process is gone."""
         sock = rep.kv_socket
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
+        mon = monitor_socket(sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
         try:
             while True:
                 event = parse_monitor_message(await mon.recv_multipart())
