@@ -27,9 +27,9 @@ replaces the original in the engine's parameters (the model object the loader bu
 still holds the original until the engine's build returns, so the packed weights exist
 twice for that moment). A tied LM head is the embedding too, read by rows: not packed.
 The layers call `project`, which runs the kernel on a `PanelMajor` up to `MAX_ROWS`
-rows and XLA's dot on the panels past it (prefill chunks, where XLA's GEMM amortises
-its packing; 1.0-1.3x slower than on the row-major weight at 256 rows), and their
-own dot on a plain array (every other backend, dtype and mesh: unchanged).
+rows (a default prefill chunk, `max_num_batched_tokens` 512, included) and XLA's dot on
+the panels past it (1.0-1.3x slower than on the row-major weight), and their own dot
+on a plain array (every other backend, dtype and mesh: unchanged).
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, if the build fails, or on a CPU without AVX2 + FMA (or AVX-512) nothing is
@@ -59,19 +59,19 @@ ENV_VAR = "JAXSERVE_CPU_DENSE_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_dense_panels.cc")
 TARGET = "jaxserve_cpu_dense_panels"
 PANEL = 16  # columns of a panel (one zmm, two ymm registers)
-# Rows up to which the kernel runs; past them XLA's dot on the panels, which the kernel
-# beats up to 128 rows and not at 256. Measured (`scripts/bench_dense_panels.py`, AVX2
-# EPYC VM, 2 cores, load ~1.8-3), the kernel's speed-up over XLA's dot on the row-major
-# weight (today's path) at 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 / 256 rows: [128, 4096]
-# 1.06 / 1.72 / 1.51 / 2.18 / 1.42 / 1.47 / 1.15 / 1.02 / 0.77x; [512, 4096] 1.21 /
-# 1.55 / 1.56 / 1.24 / 1.41 / 1.48 / 0.99 / 0.99 / 0.92x; [512, 512] 0.83 / 1.07 / 1.55
-# / 1.65 / 1.60 / 0.88 / 1.01 / 0.91 / 0.75x. XLA's dot on the panels, against the same:
-# 0.71-0.87x at 64-128 rows, 0.76-1.0x at 256. On an AVX-512 EPYC VM (2 cores, load
-# ~1.3-1.5, session 23) the kernel against XLA's dot at 8 / 32 / 64 / 128 / 256 / 512 rows:
-# [512, 4096] 1.55 / 1.32 / 1.26 / 1.34 / 1.08 / 1.04x, [512, 512] 1.05 / 1.05 / 1.11 /
-# 0.84 / 1.05 / 0.98x; [512, 256] (not packed: under MIN_WEIGHT_FLOATS) 1.81 / 0.96 / 1.06
-# / 0.97 / 0.87 / 0.94x: about even past a few rows, so MAX_ROWS stays.
-MAX_ROWS = 128
+# Rows up to which the kernel runs; past them XLA's dot on the panels. Since the kernel
+# reads x in place (no serial pack of x before the threads start) it is at least level
+# with XLA's dot up to a prefill chunk of 512 rows. Measured (`scripts/bench_dense_panels.py`,
+# AVX-512 EPYC VM, 2 cores, load 1.3-1.7, old and new kernel alternating 3x, medians), us
+# at 8 / 32 / 128 / 256 / 512 rows, kernel / XLA's dot on the row-major weight / XLA's
+# dot on the panels (the path past MAX_ROWS): [512, 512] 27 / 31 / 78, 95 / 144 / 168,
+# 587 / 591 / 582, 842 / 869 / 913, 1401 / 1525 / 1724; [512, 4096] 174 / 228 / 577,
+# 776 / 873 / 1395, 2700 / 3301 / 3816, 4976 / 5826 / 6672, 10000 / 10961 / 12092. The
+# kernel with the pack: 1.0-1.3x slower on [512, 512] at 8-256 rows, 1.6x at 512. On the
+# AVX2 EPYC VM (session 22, with the pack) the kernel's speed-up over XLA's dot on the
+# row-major weight at 1 / 8 / 32 / 128 / 256 rows was [512, 4096] 1.21 / 1.24 / 1.48 /
+# 0.99 / 0.92x, [512, 512] 0.83 / 1.65 / 0.88 / 0.91 / 0.75x (not re-measured there).
+MAX_ROWS = 512
 # Smallest weight (K * N floats) the engine packs: on smaller ones (the demo model's
 # [128, 128] attention projections) XLA's dot is as fast or faster at every row count
 # (`scripts/bench_dense_panels.py`), and they fit in L2 anyway.

@@ -10,12 +10,12 @@
 // The weight is repacked once, at load (`cpu_dense.PanelMajor.pack`), not per call as
 // XLA's dot (YNNPACK) does.
 //
-// x is packed transposed per row block (cpu_tile_matmul.h's PackRows), then each work
-// unit, a range of panels, runs register tiles over them: rows in blocks of up to
-// kTileRows, every block reading the panel while it is in L1. A block of one or two rows
-// (a GEMV) runs several panels at once (`WideTile`), so that enough independent
-// FMA chains hide the FMA latency. Units are shared with XLA's intra-op thread pool
-// (cpu_work_sharing.h) unless the product is too small to repay waking it.
+// Each work unit, a range of panels, runs register tiles over them, reading x in place:
+// rows in blocks of up to kTileRows, every block reading the panel while it is in L1. A
+// block of one or two rows (a GEMV) runs several panels at once (`WideTile`), so that
+// enough independent FMA chains hide the FMA latency. Units are shared with XLA's
+// intra-op thread pool (cpu_work_sharing.h) unless the product is too small to repay
+// waking it.
 
 #include <algorithm>
 #include <cstdint>
@@ -40,15 +40,25 @@ constexpr int64_t kSerialMacs = int64_t{1} << 20;
 // panel), so the next lines are in flight while the FMAs run.
 constexpr int64_t kAheadFloats = 256;
 
-// R rows (1-2) x C whole panels (16 C columns) of out, C panels starting at `panel`
-// (a run of C consecutive [K][16] panels, 16 K floats each), so that a one-row GEMV has
-// several independent FMA chains: one panel alone has 2 (AVX2) or 1 (AVX-512), and an
-// FMA's latency is 4-5 cycles, so it ran latency-bound.
+// R rows x C consecutive panels (16 C columns of out from column `col`), x read in place
+// (row r at x + r * ldx): y[r][col + j] = sum_k x[r][k] * panel[(c K + k) 16 + j'] for
+// the C panels starting at `panel`. Only the first `lanes` columns of the last panel are
+// stored (the panels are zero-padded in memory, so their loads stay in bounds). One
+// or two rows take several panels a tile, so that enough independent FMA chains hide
+// the FMA latency (4-5 cycles; one panel has 1 chain a row on AVX-512, 2 on AVX2); more
+// rows take one panel.
+//
+// Why x in place and not packed transposed ([K][R] a block, as cpu_tile_matmul.h's
+// PackRows for the MoE kernel, whose rows are a gather anyway): the pack ran serially
+// before the threads started, 53 us of a 128-row [512, 512] product that the tiles run
+// in ~290 us on two cores, and the tiles read the R rows' lines as fast as the packed
+// block (scripts/bench_dense_panels.py; one thread, 128 x [512, 512]: 570 us either
+// way).
 #if JAXSERVE_TILES_AVX2
 // 2 R C ymm accumulators.
 template <int R, int C>
-inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col,
-                     float* const* out) {
+inline void WideTile(const float* x, int64_t ldx, const float* panel, int64_t K, int64_t col,
+                     int lanes, float* const* out) {
   __m256 acc[R][C][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -57,7 +67,7 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
   for (int64_t k = 0; k < K; ++k) {
     __m256 a[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a[r] = _mm256_broadcast_ss(at + k * R + r);
+    for (int r = 0; r < R; ++r) a[r] = _mm256_broadcast_ss(x + r * ldx + k);
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const float* wk = panel + c * 16 * K + 16 * k;
@@ -70,13 +80,28 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
       }
     }
   }
+  if (lanes == 16) {
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < C; ++c) {
+        _mm256_storeu_ps(out[r] + col + 16 * c, acc[r][c][0]);
+        _mm256_storeu_ps(out[r] + col + 16 * c + 8, acc[r][c][1]);
+      }
+    return;
+  }
+  const jaxserve::Mask16 mask = jaxserve::LaneMask(lanes);  // the last panel's lanes
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c + 1 < C; ++c) {
       _mm256_storeu_ps(out[r] + col + 16 * c, acc[r][c][0]);
       _mm256_storeu_ps(out[r] + col + 16 * c + 8, acc[r][c][1]);
     }
+    float* last = out[r] + col + 16 * (C - 1);
+    _mm256_maskstore_ps(last, mask.lo, acc[r][C - 1][0]);
+    _mm256_maskstore_ps(last + 8, mask.hi, acc[r][C - 1][1]);
+  }
 }
 constexpr int kWidePanels = 4;  // C of a one-row block (8 accumulators; 2 rows: C = 2)
 #else
@@ -86,8 +111,8 @@ constexpr int kWidePanels = 4;  // C of a one-row block (8 accumulators; 2 rows:
 // a tile (which ran 0.61-0.98x of XLA's dot there, now 0.84-1.10x), two rows 1.35 /
 // 1.29 / 1.16 / 1.34x.
 template <int R, int C>
-inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col,
-                     float* const* out) {
+inline void WideTile(const float* x, int64_t ldx, const float* panel, int64_t K, int64_t col,
+                     int lanes, float* const* out) {
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -96,7 +121,7 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
   for (int64_t k = 0; k < K; ++k) {
     __m512 a[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a[r] = _mm512_set1_ps(at[k * R + r]);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_set1_ps(x[r * ldx + k]);
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const float* wk = panel + c * 16 * K + 16 * k;
@@ -106,10 +131,13 @@ inline void WideTile(const float* at, const float* panel, int64_t K, int64_t col
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(a[r], b, acc[r][c]);
     }
   }
+  const jaxserve::Mask16 mask = jaxserve::LaneMask(lanes);  // the last panel's lanes
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + col + 16 * c, acc[r][c]);
+    for (int c = 0; c + 1 < C; ++c) _mm512_storeu_ps(out[r] + col + 16 * c, acc[r][c]);
+    _mm512_mask_storeu_ps(out[r] + col + 16 * (C - 1), mask, acc[r][C - 1]);
+  }
 }
 constexpr int kWidePanels = 8;  // C of a one-row block (8 accumulators; 2 rows: C = 4)
 #endif
@@ -120,41 +148,44 @@ constexpr int64_t kMinUnitPanels = kWidePanels;
 
 struct Problem {
   jaxserve::RowBlocks blocks;
-  std::vector<float> packed;  // x, PackRows layout
+  const float* x;             // [M][K]
   std::vector<float*> out;    // row r of y
   const float* w;             // [P][K][16]
   int64_t K, N, panels, panels_per_unit;
 };
 
+// WideTile<R, 1> for a runtime R in [1, kTileRows].
+template <int R = jaxserve::kTileRows>
+inline void PanelTile(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                      int64_t col, int lanes, float* const* out) {
+  if (rows >= R) return WideTile<R, 1>(x, ldx, panel, K, col, lanes, out);
+  if constexpr (R > 1) PanelTile<R - 1>(rows, x, ldx, panel, K, col, lanes, out);
+}
+
 // Panels [p0, p1) of every row block: y[:, 16 p0 : min(N, 16 p1)]. Panels outer, row
-// blocks inner: a panel (K * 64 bytes) stays in L1 for all the blocks that read it.
+// blocks inner: a panel (K * 64 bytes) stays in L1/L2 for all the blocks that read it.
 void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
   const int64_t K = q.K, N = q.N;
   int64_t p = p0;
   // One block of one or two rows (M <= 2; RowBlocks never makes a block that small from
-  // more rows): several panels a tile. Whole panels only; a partial last one is masked
-  // by Tile below.
+  // more rows): several panels a tile. Whole panels only; a partial last one runs below.
   const int rows = q.blocks.BlockRows(0);
   const int64_t full_end = std::min(p1, N / 16);
   if (q.blocks.blocks == 1 && rows == 1) {
     for (; p + kWidePanels <= full_end; p += kWidePanels)
-      WideTile<1, kWidePanels>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
+      WideTile<1, kWidePanels>(q.x, K, q.w + p * 16 * K, K, 16 * p, 16, q.out.data());
   } else if (q.blocks.blocks == 1 && rows == 2) {
     constexpr int kPanels = kWidePanels / 2;
     for (; p + kPanels <= full_end; p += kPanels)
-      WideTile<2, kPanels>(q.packed.data(), q.w + p * 16 * K, K, 16 * p, q.out.data());
+      WideTile<2, kPanels>(q.x, K, q.w + p * 16 * K, K, 16 * p, 16, q.out.data());
   }
   for (; p < p1; ++p) {
     const int64_t col = 16 * p;
-    const jaxserve::Mask16 mask = jaxserve::LaneMask(std::min<int64_t>(16, N - col));
+    const int lanes = static_cast<int>(std::min<int64_t>(16, N - col));
     for (int b = 0; b < q.blocks.blocks; ++b) {
       const int s = q.blocks.BlockStart(b);
-      // Tile reads w + col + k * ldw: with w shifted back by col and ldw 16 it reads
-      // panel p's contiguous [K][16] block.
-      jaxserve::TileRows<jaxserve::kTileRows>(q.blocks.BlockRows(b),
-                                              q.packed.data() + int64_t{s} * K,
-                                              q.w + p * 16 * K - col, 16, K, col, mask,
-                                              q.out.data() + s, kAheadFloats, 0);
+      PanelTile(q.blocks.BlockRows(b), q.x + int64_t{s} * K, K, q.w + p * 16 * K, K, col,
+                lanes, q.out.data() + s);
     }
   }
 }
@@ -174,17 +205,12 @@ ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     std::fill(yp, yp + M * N, 0.f);
     return ffi::Error::Success();
   }
-  auto state = std::make_shared<Problem>(
-      Problem{jaxserve::RowBlocks(static_cast<int>(M)), {}, {}, w.typed_data(), K, N, wd[0], 1});
+  auto state = std::make_shared<Problem>(Problem{jaxserve::RowBlocks(static_cast<int>(M)),
+                                                  x.typed_data(), {}, w.typed_data(), K, N,
+                                                  wd[0], 1});
   Problem& p = *state;
-  std::vector<const float*> rows(M);
   p.out.resize(M);
-  for (int64_t r = 0; r < M; ++r) {
-    rows[r] = x.typed_data() + r * K;
-    p.out[r] = yp + r * N;
-  }
-  p.packed.resize(M * K);
-  jaxserve::PackRows(p.blocks, rows.data(), K, p.packed.data());
+  for (int64_t r = 0; r < M; ++r) p.out[r] = yp + r * N;
   const int64_t helpers = jaxserve::MaxHelpers(pool);
   const bool serial = M * K * N < kSerialMacs || helpers <= 0;
   const int64_t threads = serial ? 1 : helpers + 1;
