@@ -142,16 +142,27 @@ inline void WideTile(const float* x, int64_t ldx, const float* panel, int64_t K,
 constexpr int kWidePanels = 8;  // C of a one-row block (8 accumulators; 2 rows: C = 4)
 #endif
 
-// Panels per work unit at least: a unit must be long enough for its stream to run, and
-// hold a one-row block's wide tile.
-constexpr int64_t kMinUnitPanels = kWidePanels;
+// A work unit is a range of panels by a range of row blocks (a row chunk).
+//
+// Panels a unit at least for one or two rows: a unit must hold a one-row block's wide
+// tile. More rows: one panel at least, and about 8 units a thread, so that a pool thread
+// that wakes late (on a VM, tens of microseconds) still finds half of the work left: with
+// 4 units a thread of at least 8 panels, a 128-row [512, 512] product (4 units) ran as
+// slowly as on one thread.
+constexpr int64_t kMinWideUnitPanels = kWidePanels;
+constexpr int64_t kUnitsPerThread = 8;
+// x bytes of a row chunk at most: the rows every panel of a unit is read against stay in
+// L2 (1 MiB on Zen 4, 512 KiB on Zen 3). A 512-row [512, 256] product with all rows in
+// one chunk (1 MiB of x read again for every panel) ran at 128 GFLOP/s, 128 rows at 184.
+constexpr int64_t kChunkBytes = 256 << 10;
 
 struct Problem {
   jaxserve::RowBlocks blocks;
-  const float* x;             // [M][K]
-  std::vector<float*> out;    // row r of y
-  const float* w;             // [P][K][16]
-  int64_t K, N, panels, panels_per_unit;
+  const float* x;           // [M][K]
+  std::vector<float*> out;  // row r of y
+  const float* w;           // [P][K][16]
+  int64_t K, N, panels;
+  int64_t panels_per_unit = 1, blocks_per_chunk = 1, chunks = 1;
 };
 
 // WideTile<R, 1> for a runtime R in [1, kTileRows].
@@ -162,9 +173,9 @@ inline void PanelTile(int rows, const float* x, int64_t ldx, const float* panel,
   if constexpr (R > 1) PanelTile<R - 1>(rows, x, ldx, panel, K, col, lanes, out);
 }
 
-// Panels [p0, p1) of every row block: y[:, 16 p0 : min(N, 16 p1)]. Panels outer, row
-// blocks inner: a panel (K * 64 bytes) stays in L1/L2 for all the blocks that read it.
-void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
+// Panels [p0, p1) of row blocks [b0, b1): y[rows, 16 p0 : min(N, 16 p1)]. Panels outer,
+// row blocks inner: a panel (K * 64 bytes) stays in L1/L2 for all the blocks that read it.
+void RunPanels(const Problem& q, int64_t p0, int64_t p1, int b0, int b1) {
   const int64_t K = q.K, N = q.N;
   int64_t p = p0;
   // One block of one or two rows (M <= 2; RowBlocks never makes a block that small from
@@ -182,12 +193,21 @@ void RunPanels(const Problem& q, int64_t p0, int64_t p1) {
   for (; p < p1; ++p) {
     const int64_t col = 16 * p;
     const int lanes = static_cast<int>(std::min<int64_t>(16, N - col));
-    for (int b = 0; b < q.blocks.blocks; ++b) {
+    for (int b = b0; b < b1; ++b) {
       const int s = q.blocks.BlockStart(b);
       PanelTile(q.blocks.BlockRows(b), q.x + int64_t{s} * K, K, q.w + p * 16 * K, K, col,
                 lanes, q.out.data() + s);
     }
   }
+}
+
+// Unit u: panel range u / chunks, row chunk u % chunks (consecutive units of a thread
+// read the same panels, which stay in L1/L2, against the row chunks in turn).
+void RunUnit(const Problem& q, int64_t u) {
+  const int64_t p0 = u / q.chunks * q.panels_per_unit;
+  const int64_t b0 = u % q.chunks * q.blocks_per_chunk;
+  RunPanels(q, p0, std::min(q.panels, p0 + q.panels_per_unit), static_cast<int>(b0),
+            static_cast<int>(std::min<int64_t>(q.blocks.blocks, b0 + q.blocks_per_chunk)));
 }
 
 ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -207,26 +227,28 @@ ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   }
   auto state = std::make_shared<Problem>(Problem{jaxserve::RowBlocks(static_cast<int>(M)),
                                                   x.typed_data(), {}, w.typed_data(), K, N,
-                                                  wd[0], 1});
+                                                  wd[0]});
   Problem& p = *state;
   p.out.resize(M);
   for (int64_t r = 0; r < M; ++r) p.out[r] = yp + r * N;
   const int64_t helpers = jaxserve::MaxHelpers(pool);
-  const bool serial = M * K * N < kSerialMacs || helpers <= 0;
-  const int64_t threads = serial ? 1 : helpers + 1;
-  // About 4 units a thread, so that a thread slowed by another process is evened out.
-  p.panels_per_unit = serial ? p.panels
-                             : std::max<int64_t>(kMinUnitPanels, p.panels / (4 * threads));
-  const int64_t units = (p.panels + p.panels_per_unit - 1) / p.panels_per_unit;
-  auto run_unit = [state](int64_t u) {
-    const Problem& q = *state;
-    const int64_t p0 = u * q.panels_per_unit;
-    RunPanels(q, p0, std::min(q.panels, p0 + q.panels_per_unit));
-  };
+  if (M * K * N < kSerialMacs || helpers <= 0) {
+    RunPanels(p, 0, p.panels, 0, p.blocks.blocks);
+    return ffi::Error::Success();
+  }
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkBytes / (4 * K));
+  p.blocks_per_chunk = std::max<int64_t>(1, rows_per_chunk / jaxserve::kTileRows);
+  p.chunks = (p.blocks.blocks + p.blocks_per_chunk - 1) / p.blocks_per_chunk;
+  const int64_t want_units = kUnitsPerThread * (helpers + 1);
+  const int64_t panel_units = std::max<int64_t>(1, want_units / p.chunks);
+  p.panels_per_unit = std::max<int64_t>(M <= 2 ? kMinWideUnitPanels : 1,
+                                        (p.panels + panel_units - 1) / panel_units);
+  const int64_t units = (p.panels + p.panels_per_unit - 1) / p.panels_per_unit * p.chunks;
   if (units == 1) {
-    run_unit(0);
+    RunUnit(p, 0);
   } else {
-    jaxserve::ShareUnitChunks(pool, units, 1, [run_unit](int64_t u, int64_t) { run_unit(u); });
+    jaxserve::ShareUnitChunks(pool, units, 1,
+                              [state](int64_t u, int64_t) { RunUnit(*state, u); });
   }
   return ffi::Error::Success();
 }
