@@ -1,6 +1,6 @@
-// One chunk of up to 16 keys for one or two rows of the CPU attention kernel
-// (cpu_paged_attention.cc): the scores, the online-softmax update of FlashAttention
-// (Dao et al. 2022) and the weighted values.
+// Chunks of up to 16 keys for the rows of the CPU attention kernel
+// (cpu_paged_attention.cc): a row's scores for a chunk (RowScores), and the weighted
+// values of a segment of chunks for one or two rows (AddValues).
 //
 // Included by cpu_paged_attention.cc; the build hashes this header into its cache key.
 

@@ -6,30 +6,37 @@
 // such tiles or more, else one): its tokens' query heads are the rows that attend
 // together, so each key and value of the request is read once per tile, in place
 // through the block table (with all KV heads, a block is one stretch of memory), and
-// nothing is gathered or padded. Keys are taken a cache block at a time, in chunks of up
-// to 16, with the online softmax of FlashAttention (Dao et al. 2022): a chunk's scores
-// for a row, then the row's running max, sum and output are rescaled and updated
-// (AttendChunk). A token's rows go two at a time (the g query heads of a KV head are
-// consecutive), so that two rows' dependent chains interleave and the second reads the
-// keys and values from L1 (one thread, 8 rows x 48 keys: 1.08x at head_dim 64, 1.18x at
-// 32, over one at a time; four at a time measured the same as two). Work units are shared with XLA's intra-op thread pool
+// nothing is gathered or padded. Keys are taken in chunks of up to 16 of one cache block,
+// and the chunks a segment of up to kSegmentChunks (128 keys) at a time, with the online
+// softmax of FlashAttention (Dao et al. 2022) across segments, in three passes: every
+// row's scores for the segment, the softmax (each row's running max, rescale and sum
+// updated once a segment), then the weighted values, a token's rows two at a time (the g
+// query heads of a KV head are consecutive: the second reads the keys and values from
+// L1) with their outputs in registers for all the segment's keys. A decode step's 64-key
+// context is one segment. Work units are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h) when the step has enough work to pay for it, claimed a few
-// consecutive ones at a time so that a unit can prefetch the first block of the next one
+// consecutive ones at a time so that a unit can prefetch the first keys of the next one
 // on its thread.
 //
-// Scores were one dot product per (row, key) whose 16 lanes were added up one after the
-// other (float order, no -ffast-math): about 20 ns a (query head, key) pair. Now a chunk
-// of 16 keys has one vector accumulator per key and one transposing tree adds them all
-// up (SumEach16), the softmax is vectorised over the chunk (Exp16, no libm call that
-// would spill every vector register), and the weighted values are added 16 lanes at a
-// time in registers (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one
-// AVX-512 register here). The next block is prefetched into L2 (L1 holds the block being
-// read), a share between each two rows (BlockPrefetch): from memory, 1.3x over all at
-// once into L1. `scripts/bench_attention_cpu.py`, old and new kernel alternating, 3 runs
-// each, medians, 2 threads, load 1.1-1.5: Qwen3-MoE shapes (8 heads, 4 KV heads,
-// head_dim 64) 8 rows x 48 keys 65.4 -> 27.6 us a call, 128 x 48 540 -> 243 us, 128 x 200
-// (from memory) 3.64 -> 1.55 ms, 32 x 1000 4.92 -> 2.23 ms; the demo model's (4, 2, 32)
-// 8 x 48 27.9 -> 10.6 us, 8 x 200 112 -> 37 us, 128 x 48 337 -> 99 us.
+// Scores are, for a chunk of 16 keys, one vector accumulator per key and one transposing
+// tree that adds them all up (SumEach16); the softmax is vectorised (Exp16, no libm call
+// that would spill every vector register); the weighted values are added 16 lanes at a
+// time (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one AVX-512 register
+// here). While the scores run, the segment's values are prefetched into L2, and while the
+// values run, the next segment's keys (or the next unit's first), a share between each
+// two rows: a decode step of 128 requests reads its K and V from memory (8 layers, each
+// 16.8 MB at 64 keys, between them the experts' weights), and with software prefetch
+// off, to L1 (locality 3), non-temporal, or of every other line it measured 1.3-2x slower.
+//
+// Until the segments, a row pair's online-softmax update ran once a 16-key chunk (max,
+// rescale, exp, the output loaded, rescaled and stored; a chain of dependent steps per
+// chunk): `scripts/bench_attention_cpu.py --layers 8` (8 caches in turn, from memory),
+// 2 threads, 4 interleaved rounds, medians, AVX-512 EPYC (2 cores, load 1.6-1.9): 128 x
+// 64 keys 794 -> 694 us a call, 128 x 96 1237 -> 1067 us; in L3, 32 x 64 88 -> 75.5 us;
+// reading K and V alone (no arithmetic) ~540 us at 128 x 64, the arithmetic alone
+// (every block the same, in cache) ~315 us before. Before the vectorised chunk, scores
+// were one dot product per (row, key) whose lanes were added one after the other, about
+// 20 ns a (query head, key) pair: 8 rows x 48 keys 65.4 -> 27.6 us, 128 x 48 540 -> 243 us.
 
 #include <algorithm>
 #include <cmath>
