@@ -31,10 +31,14 @@
 // Until the segments, a row pair's online-softmax update ran once a 16-key chunk (max,
 // rescale, exp, the output loaded, rescaled and stored; a chain of dependent steps per
 // chunk): `scripts/bench_attention_cpu.py --layers 8` (8 caches in turn, from memory),
-// 2 threads, 4 interleaved rounds, medians, AVX-512 EPYC (2 cores, load 1.6-1.9): 128 x
-// 64 keys 794 -> 694 us a call, 128 x 96 1237 -> 1067 us; in L3, 32 x 64 88 -> 75.5 us;
-// reading K and V alone (no arithmetic) ~540 us at 128 x 64, the arithmetic alone
-// (every block the same, in cache) ~315 us before. Before the vectorised chunk, scores
+// 2 threads, old and new alternating, 5 rounds, medians, AVX-512 EPYC (2 cores, shared,
+// load 1.2-1.6): 128 x 64 keys 880 -> 729 us a call, 128 x 96 1368 -> 1045 us (another
+// run of 4 rounds: 794 -> 694, 1237 -> 1067); in L3, 32 x 64 88 -> 75.5 us; prefill
+// chunks (--query 32) 16 x 32 519 -> 418 us; 1 x 48, 8 x 48, 1 x 32 the same. Reading K
+// and V alone (no arithmetic) took ~540 us at 128 x 64, the arithmetic alone (every
+// block the same, in cache) ~315 us before. End to end, `scripts/compare_hf.py --models
+// qwen3moe --batches 128` 2083 -> 2173 tok/s (1.04x, each of 3 interleaved rounds
+// 1.03-1.04x), 64.0% of the f32 matmul ceiling. Before the vectorised chunk, scores
 // were one dot product per (row, key) whose lanes were added one after the other, about
 // 20 ns a (query head, key) pair: 8 rows x 48 keys 65.4 -> 27.6 us, 128 x 48 540 -> 243 us.
 
