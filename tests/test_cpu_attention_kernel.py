@@ -117,6 +117,20 @@ def test_block_sizes_head_dims_and_groups_match_reference(
         assert np.all(np.asarray(out[num_real:]) == 0.0)  # padded tokens
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_contexts_over_one_segment_match_reference(window):
+    """The kernel holds the scores of up to 8 chunks (128 keys at block 16) at once, and
+    carries each row's running max, sum and output from one such segment to the next:
+    decode rows and a prefill tile at contexts past 128 keys, with the Qwen3-MoE's shapes
+    (a window makes the first segments of the longest rows see nothing)."""
+    rng = np.random.default_rng(11 if window is None else 12)
+    requests = [(1, 128), (1, 129), (1, 150), (8, 192)]
+    num_real = sum(q for q, _ in requests)
+    q, k, v = arrays(rng, num_real + 1, heads=8, kv_heads=4, head_dim=64, block_size=16)
+    positions, metadata = random_step(rng, requests, num_real + 1, 5, block_size=16)
+    assert_matches_reference(q, k, v, positions, metadata, window)
+
+
 def test_long_prefill_and_all_padding():
     rng = np.random.default_rng(4)
     q, k, v = arrays(rng, 40, heads=2, kv_heads=2)

@@ -7,7 +7,8 @@ not the arithmetic, is the step's attention time: about a quarter of a decode st
 the random Qwen3-MoE at batch 1 and 8 (`scripts/bench_step_ops.py`). This kernel
 (`cpu_paged_attention.cc`, an XLA FFI custom call) walks each request's block table
 itself: work units of (request, up to 8 query tokens, all KV heads or one), the online
-softmax of FlashAttention (Dao et al. 2022) a cache block at a time, no copy, no padding.
+softmax of FlashAttention (Dao et al. 2022) over segments of up to 128 keys, no copy, no
+padding.
 
 Contract: that of `paged_attention_ref.paged_attention_ref` (the test oracle), for
 float32 q and caches. Other dtypes take `paged_attention_blockwise`. Numerics: float32

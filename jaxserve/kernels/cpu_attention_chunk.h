@@ -1,6 +1,6 @@
-// One chunk of up to 16 keys for one or two rows of the CPU attention kernel
-// (cpu_paged_attention.cc): the scores, the online-softmax update of FlashAttention
-// (Dao et al. 2022) and the weighted values.
+// Chunks of up to 16 keys for the rows of the CPU attention kernel
+// (cpu_paged_attention.cc): a row's scores for a chunk (RowScores), and the weighted
+// values of a segment of chunks for one or two rows (AddValues).
 //
 // Included by cpu_paged_attention.cc; the build hashes this header into its cache key.
 
@@ -24,17 +24,6 @@
 namespace jaxserve {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Where R rows of one token attend (R = 1 or 2: two rows' dependent chains, the
-// reduction tree, max, exp and rescaling, interleave).
-struct RowsRef {
-  const float* q[2];
-  const float* k[2];  // the chunk's key j of row r at k[r] + j * stride
-  const float* v[2];
-  float* acc[2];      // head_dim floats: the row's output so far
-  float* row_max[2];  // the running max of its scores
-  float* row_sum[2];  // 16 floats: the running sum of its weights, by lanes
-};
 
 #if JAXSERVE_ATTENTION_AVX2
 // The 8 lane sums of x[0..7], as one vector: lane j is x[j][0] + ... + x[j][7] (three
@@ -92,98 +81,90 @@ inline V16 ChunkScores(const float* q, const float* k, int64_t stride, int m, in
 #endif
 }
 
-// The rows' online-softmax step over a chunk of m <= 16 keys, seen where `seen` (lanes
-// past m are not).
-//
-// Scores: ChunkScores. Then the running max, sum and output are rescaled and the
-// weighted values added, the output 16 lanes at a time in registers.
-template <int R>
-inline void AttendChunk(const RowsRef& x, int64_t stride, int m, int64_t d, float scale,
-                        I16 seen) {
+// A row's scaled scores for a chunk of m <= 16 keys (key j at k + j * stride), -inf
+// where not `seen` (lanes past m are not).
+inline V16 RowScores(const float* q, const float* k, int64_t stride, int m, int64_t d,
+                     float scale, I16 seen) {
   const int64_t whole = d / 16 * 16;
-  V16 s[R];
-  for (int r = 0; r < R; ++r) {
-    s[r] = ChunkScores(x.q[r], x.k[r], stride, m, whole);
-    if (whole < d) {  // head_dim not a multiple of 16: the rest one key at a time
-      alignas(64) float rest[16];
-      for (int j = 0; j < 16; ++j) {
-        const float* kj = x.k[r] + std::min(j, m - 1) * stride;
-        float sum = 0.f;
-        for (int64_t c = whole; c < d; ++c) sum += x.q[r][c] * kj[c];
-        rest[j] = sum;
-      }
-      s[r] += Load16(rest);
+  V16 s = ChunkScores(q, k, stride, m, whole);
+  if (whole < d) {  // head_dim not a multiple of 16: the rest one key at a time
+    alignas(64) float rest[16];
+    for (int j = 0; j < 16; ++j) {
+      const float* kj = k + std::min(j, m - 1) * stride;
+      float sum = 0.f;
+      for (int64_t c = whole; c < d; ++c) sum += q[c] * kj[c];
+      rest[j] = sum;
     }
-    s[r] = seen ? s[r] * scale : Splat16(kNegInf);
+    s += Load16(rest);
   }
-  alignas(64) float w[R][16];
-  float rescale[R];
-  bool any = false;
-  for (int r = 0; r < R; ++r) {
-    const float chunk_max = HorizontalMax16(s[r]);
-    // No key of this chunk for this row: weights 0, nothing rescaled.
-    const float new_max = std::max(*x.row_max[r], chunk_max);
-    if (new_max == kNegInf) {
-      rescale[r] = 1.f;
-      Store16(w[r], V16{});
-      continue;
-    }
-    any = true;
-    // exp(-inf) = 0 at the start. Exp16, not std::exp: a call would spill every vector
-    // register.
-    rescale[r] = Exp16(Splat16(*x.row_max[r] - new_max))[0];
-    *x.row_max[r] = new_max;
-    const V16 weights = Exp16(s[r] - new_max);  // masked keys weigh 0
-    Store16(w[r], weights);
-    Store16(x.row_sum[r], Load16(x.row_sum[r]) * rescale[r] + weights);
-  }
-  if (!any) return;
-  // acc = acc * rescale + sum_j w[j] v[j], a vector register at a time, over two partial
-  // sums a row (even and odd keys) so that the multiply-adds are not one dependent chain.
-#if JAXSERVE_ATTENTION_AVX2
-  // 8 lanes: 16-lane V16s are two ymm each, and with R = 2 the compiler kept them on the
-  // stack (see ChunkScores).
-  for (int64_t c = 0; c < whole; c += 8) {
-    __m256 a0[R], a1[R];
+  return seen ? s * scale : Splat16(kNegInf);
+}
+
+// Lanes of a row's output held in registers while the weighted values of a segment are
+// added: 4 vectors (head_dim 64 in one pass), 2 with AVX2, where a V16 is two of the 16
+// ymm registers and 2 rows x 4 would not fit.
+constexpr int kValueVectors = JAXSERVE_ATTENTION_AVX2 ? 2 : 4;
+
+// What ValuePass reads for R rows of one token over a segment of n chunks.
+struct ValueRef {
+  const float* v;         // the value cache
+  const int64_t* offset;  // chunk i's first key at v + offset[i] (the unit's first KV head)
+  const int* keys;        // chunk i's keys
+  const char* visible;    // whether chunk i has a key for the token (else skipped)
+  int n;
+  int64_t stride;           // floats from a key to the next
+  int64_t head_offset[2];   // row r's KV head, floats past offset[i]
+  const float* w[2];        // row r's weights, 16 a chunk (chunk i's at w[r] + 16 i)
+  float* acc[2];            // row r's output so far
+  float rescale[2];         // what acc[r] is multiplied by first
+};
+
+// acc[r] = acc[r] * rescale[r] + sum over the segment's keys j of w[r][j] v_j, on lanes
+// [c0, c0 + 16 NV): the R x NV output vectors stay in registers for all the keys (R x NV
+// independent chains of multiply-adds), each value vector read once for the R rows when
+// they share a KV head.
+template <int R, int NV>
+inline void ValuePass(const ValueRef& x, int64_t c0) {
+  V16 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = Load16(x.acc[r] + c0 + 16 * c) * x.rescale[r];
+  for (int i = 0; i < x.n; ++i) {
+    if (!x.visible[i]) continue;
+    const float* vb[R];
+    const float* wr[R];
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm256_mul_ps(_mm256_loadu_ps(x.acc[r] + c), _mm256_set1_ps(rescale[r]));
-      a1[r] = _mm256_setzero_ps();
+      vb[r] = x.v + x.offset[i] + x.head_offset[r] + c0;
+      wr[r] = x.w[r] + 16 * i;
     }
-    int j = 0;
-    for (; j + 2 <= m; j += 2)
+    const int m = x.keys[i];
+    for (int j = 0; j < m; ++j)
       for (int r = 0; r < R; ++r) {
-        const float* vj = x.v[r] + j * stride + c;
-        a0[r] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), _mm256_loadu_ps(vj), a0[r]);
-        a1[r] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j + 1]), _mm256_loadu_ps(vj + stride), a1[r]);
+        const float wj = wr[r][j];
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) a[r][c] += wj * Load16(vb[r] + j * x.stride + 16 * c);
       }
-    if (j < m)
-      for (int r = 0; r < R; ++r)
-        a0[r] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]),
-                                _mm256_loadu_ps(x.v[r] + j * stride + c), a0[r]);
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(x.acc[r] + c, _mm256_add_ps(a0[r], a1[r]));
   }
-#else
-  for (int64_t c = 0; c < whole; c += 16) {
-    V16 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) {
-      a0[r] = Load16(x.acc[r] + c) * rescale[r];
-      a1[r] = V16{};
-    }
-    int j = 0;
-    for (; j + 2 <= m; j += 2)
-      for (int r = 0; r < R; ++r) {
-        a0[r] += w[r][j] * Load16(x.v[r] + j * stride + c);
-        a1[r] += w[r][j + 1] * Load16(x.v[r] + (j + 1) * stride + c);
-      }
-    if (j < m)
-      for (int r = 0; r < R; ++r) a0[r] += w[r][j] * Load16(x.v[r] + j * stride + c);
-    for (int r = 0; r < R; ++r) Store16(x.acc[r] + c, a0[r] + a1[r]);
-  }
-#endif
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) Store16(x.acc[r] + c0 + 16 * c, a[r][c]);
+}
+
+// ValuePass over all head_dim d lanes: kValueVectors vectors a pass, then one, then the
+// lanes past the last whole vector one at a time.
+template <int R>
+inline void AddValues(const ValueRef& x, int64_t d) {
+  const int64_t whole = d / 16 * 16;
+  int64_t c0 = 0;
+  for (; c0 + 16 * kValueVectors <= whole; c0 += 16 * kValueVectors)
+    ValuePass<R, kValueVectors>(x, c0);
+  for (; c0 < whole; c0 += 16) ValuePass<R, 1>(x, c0);
   for (int r = 0; r < R; ++r)
     for (int64_t c = whole; c < d; ++c) {
-      float a = x.acc[r][c] * rescale[r];
-      for (int j = 0; j < m; ++j) a += w[r][j] * x.v[r][j * stride + c];
+      float a = x.acc[r][c] * x.rescale[r];
+      for (int i = 0; i < x.n; ++i) {
+        if (!x.visible[i]) continue;
+        const float* vb = x.v + x.offset[i] + x.head_offset[r] + c;
+        for (int j = 0; j < x.keys[i]; ++j) a += x.w[r][16 * i + j] * vb[j * x.stride];
+      }
       x.acc[r][c] = a;
     }
 }

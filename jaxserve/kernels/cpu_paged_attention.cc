@@ -6,30 +6,41 @@
 // such tiles or more, else one): its tokens' query heads are the rows that attend
 // together, so each key and value of the request is read once per tile, in place
 // through the block table (with all KV heads, a block is one stretch of memory), and
-// nothing is gathered or padded. Keys are taken a cache block at a time, in chunks of up
-// to 16, with the online softmax of FlashAttention (Dao et al. 2022): a chunk's scores
-// for a row, then the row's running max, sum and output are rescaled and updated
-// (AttendChunk). A token's rows go two at a time (the g query heads of a KV head are
-// consecutive), so that two rows' dependent chains interleave and the second reads the
-// keys and values from L1 (one thread, 8 rows x 48 keys: 1.08x at head_dim 64, 1.18x at
-// 32, over one at a time; four at a time measured the same as two). Work units are shared with XLA's intra-op thread pool
+// nothing is gathered or padded. Keys are taken in chunks of up to 16 of one cache block,
+// and the chunks a segment of up to kSegmentChunks (128 keys) at a time, with the online
+// softmax of FlashAttention (Dao et al. 2022) across segments, in three passes: every
+// row's scores for the segment, the softmax (each row's running max, rescale and sum
+// updated once a segment), then the weighted values, a token's rows two at a time (the g
+// query heads of a KV head are consecutive: the second reads the keys and values from
+// L1) with their outputs in registers for all the segment's keys. A decode step's 64-key
+// context is one segment. Work units are shared with XLA's intra-op thread pool
 // (cpu_work_sharing.h) when the step has enough work to pay for it, claimed a few
-// consecutive ones at a time so that a unit can prefetch the first block of the next one
+// consecutive ones at a time so that a unit can prefetch the first keys of the next one
 // on its thread.
 //
-// Scores were one dot product per (row, key) whose 16 lanes were added up one after the
-// other (float order, no -ffast-math): about 20 ns a (query head, key) pair. Now a chunk
-// of 16 keys has one vector accumulator per key and one transposing tree adds them all
-// up (SumEach16), the softmax is vectorised over the chunk (Exp16, no libm call that
-// would spill every vector register), and the weighted values are added 16 lanes at a
-// time in registers (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one
-// AVX-512 register here). The next block is prefetched into L2 (L1 holds the block being
-// read), a share between each two rows (BlockPrefetch): from memory, 1.3x over all at
-// once into L1. `scripts/bench_attention_cpu.py`, old and new kernel alternating, 3 runs
-// each, medians, 2 threads, load 1.1-1.5: Qwen3-MoE shapes (8 heads, 4 KV heads,
-// head_dim 64) 8 rows x 48 keys 65.4 -> 27.6 us a call, 128 x 48 540 -> 243 us, 128 x 200
-// (from memory) 3.64 -> 1.55 ms, 32 x 1000 4.92 -> 2.23 ms; the demo model's (4, 2, 32)
-// 8 x 48 27.9 -> 10.6 us, 8 x 200 112 -> 37 us, 128 x 48 337 -> 99 us.
+// Scores are, for a chunk of 16 keys, one vector accumulator per key and one transposing
+// tree that adds them all up (SumEach16); the softmax is vectorised (Exp16, no libm call
+// that would spill every vector register); the weighted values are added 16 lanes at a
+// time (cpu_attention_chunk.h; cpu_vec16.h: GCC vector extensions, one AVX-512 register
+// here). While the scores run, the segment's values are prefetched into L2, and while the
+// values run, the next segment's keys (or the next unit's first), a share between each
+// two rows: a decode step of 128 requests reads its K and V from memory (8 layers, each
+// 16.8 MB at 64 keys, between them the experts' weights), and with software prefetch
+// off, to L1 (locality 3), non-temporal, or of every other line it measured 1.3-2x slower.
+//
+// Until the segments, a row pair's online-softmax update ran once a 16-key chunk (max,
+// rescale, exp, the output loaded, rescaled and stored; a chain of dependent steps per
+// chunk): `scripts/bench_attention_cpu.py --layers 8` (8 caches in turn, from memory),
+// 2 threads, old and new alternating, 5 rounds, medians, AVX-512 EPYC (2 cores, shared,
+// load 1.2-1.6): 128 x 64 keys 880 -> 729 us a call, 128 x 96 1368 -> 1045 us (another
+// run of 4 rounds: 794 -> 694, 1237 -> 1067); in L3, 32 x 64 88 -> 75.5 us; prefill
+// chunks (--query 32) 16 x 32 519 -> 418 us; 1 x 48, 8 x 48, 1 x 32 the same. Reading K
+// and V alone (no arithmetic) took ~540 us at 128 x 64, the arithmetic alone (every
+// block the same, in cache) ~315 us before. End to end, `scripts/compare_hf.py --models
+// qwen3moe --batches 128` 2083 -> 2173 tok/s (1.04x, each of 3 interleaved rounds
+// 1.03-1.04x), 64.0% of the f32 matmul ceiling. Before the vectorised chunk, scores
+// were one dot product per (row, key) whose lanes were added one after the other, about
+// 20 ns a (query head, key) pair: 8 rows x 48 keys 65.4 -> 27.6 us, 128 x 48 540 -> 243 us.
 
 #include <algorithm>
 #include <cmath>
@@ -45,12 +56,18 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxserve::AttendChunk;
+using jaxserve::Exp16;
+using jaxserve::HorizontalMax16;
+using jaxserve::Max16;
+using jaxserve::Splat16;
+using jaxserve::Store16;
+using jaxserve::V16;
+using jaxserve::ValueRef;
+using jaxserve::RowScores;
 using jaxserve::HorizontalSum16;
 using jaxserve::I16;
 using jaxserve::kNegInf;
 using jaxserve::Load16;
-using jaxserve::RowsRef;
 
 namespace {
 
@@ -83,145 +100,249 @@ struct Problem {
   std::vector<Unit> units;
 };
 
+// Chunks of up to 16 keys whose scores a unit holds at once (a segment): the softmax's
+// max, rescaling and exps run once a segment, not once a chunk.
+constexpr int kSegmentChunks = 8;
+
 // A thread's scratch, kept between units and calls (no allocation per unit once grown).
 struct Scratch {
   std::vector<int32_t> pos;  // per token of the unit
-  // Per row: the output so far (head_dim floats), the running max, and the running sum
-  // of the weights as 16 lanes (added up once, at the end).
-  std::vector<float> acc, row_max, row_sum;
+  // Per row: the output so far (head_dim floats), the running max, the running sum of
+  // the weights as 16 lanes (added up once, at the end), the rescale of the segment, and
+  // the segment's scores, then weights (16 a chunk).
+  std::vector<float> acc, row_max, row_sum, rescale, w;
+  std::vector<char> visible;   // per token and chunk of the segment: a key seen
 };
 
-// Prefetches a block's keys and values (cache lines of `span` floats at key j * stride
-// for j < keys, from k and v; none if k is null) into L2, over `steps` calls of Some().
-class BlockPrefetch {
+// The keys unit u reads, [first, last] (last -1: none); pos[i] (unless null) its token
+// i's position, -1 for a padded token (PAD_SLOT: it attends to nothing, as in the
+// reference).
+void UnitKeys(const Problem& p, const Unit& u, int32_t* pos, int64_t& first, int64_t& last) {
+  const int64_t context = std::min<int64_t>(p.seq_lens[u.request], p.table_width * p.block_size);
+  first = std::numeric_limits<int64_t>::max();
+  last = -1;
+  for (int64_t i = 0; i < u.num_tokens; ++i) {
+    const int64_t t = u.first_token + i;
+    const int32_t at = p.slots[t] == kPadSlot ? -1 : p.positions[t];
+    if (pos != nullptr) pos[i] = at;
+    if (at < 0) continue;
+    last = std::max<int64_t>(last, std::min<int64_t>(at, context - 1));
+    first = std::min<int64_t>(first, p.window > 0 ? std::max<int64_t>(0, at - p.window + 1) : 0);
+  }
+}
+
+// A unit's keys in order, in chunks of up to 16 of one cache block each: from the start
+// of first's block to last.
+class ChunkCursor {
  public:
-  BlockPrefetch(const float* k, const float* v, int64_t stride, int64_t span, int64_t keys,
-                int64_t steps)
-      : k_(k), v_(v), stride_(stride), per_key_((span + 15) / 16),
-        total_(k == nullptr ? 0 : keys * per_key_),
-        share_((total_ + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1)) {}
+  ChunkCursor(const Problem& p, const Unit& u, int64_t first, int64_t last)
+      : p_(p), u_(u), last_(last), b_(first / p.block_size) {}
+  // The next chunk's first key, its keys and where they start (elements into k or v, at
+  // the unit's first KV head); false past the last.
+  bool Next(int64_t& key0, int& m, int64_t& offset) {
+    const int64_t bs = p_.block_size;
+    if (last_ < 0 || b_ > last_ / bs) return false;
+    key0 = b_ * bs + j0_;
+    m = static_cast<int>(std::min<int64_t>(16, std::min(bs, last_ + 1 - b_ * bs) - j0_));
+    // Out-of-range ids clamp, as a JAX gather does (the engine never writes one).
+    const int64_t block =
+        std::clamp<int64_t>(p_.tables[u_.request * p_.table_width + b_], 0, p_.num_blocks - 1);
+    offset = ((block * bs + j0_) * p_.kv_heads + u_.kv_head) * p_.head_dim;
+    j0_ += 16;
+    if (j0_ >= std::min(bs, last_ + 1 - b_ * bs)) j0_ = 0, ++b_;
+    return true;
+  }
+
+ private:
+  const Problem& p_;
+  const Unit& u_;
+  int64_t last_, b_, j0_ = 0;
+};
+
+// Up to kSegmentChunks next chunks of a cursor; n of them.
+struct Segment {
+  int64_t key0[kSegmentChunks], offset[kSegmentChunks];
+  int keys[kSegmentChunks];
+  int n = 0;
+  void Fill(ChunkCursor& chunks) {
+    for (n = 0; n < kSegmentChunks && chunks.Next(key0[n], keys[n], offset[n]);) ++n;
+  }
+};
+
+// Prefetches the cache lines of up to kSegmentChunks chunks (keys of `span` floats each,
+// `stride` apart) into L2, a share at each call of Some(): a burst of hundreds of
+// prefetches stalls on the full miss queue.
+class Prefetch {
+ public:
+  void Add(const float* base, int keys, int64_t stride, int64_t span) {
+    if (count_ == kSegmentChunks || keys <= 0) return;
+    regions_[count_++] = {base, keys, stride, (span + 15) / 16};
+    total_ += keys * ((span + 15) / 16);
+  }
+  void Plan(int64_t steps) { share_ = (total_ + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1); }
   void Some() { Issue(std::min(total_, done_ + share_)); }
   void Rest() { Issue(total_); }
 
  private:
+  struct Region {
+    const float* base;
+    int64_t keys, stride, lines;
+  };
   void Issue(int64_t end) {
     for (; done_ < end; ++done_) {
-      __builtin_prefetch(k_ + key_ + line_, 0, 2);  // to L2: L1 holds the block being read
-      __builtin_prefetch(v_ + key_ + line_, 0, 2);
-      line_ += 16;
-      if (line_ == per_key_ * 16) line_ = 0, key_ += stride_;
+      const Region& r = regions_[region_];
+      __builtin_prefetch(r.base + key_ * r.stride + line_ * 16, 0, 2);  // to L2
+      if (++line_ == r.lines) {
+        line_ = 0;
+        if (++key_ == r.keys) key_ = 0, ++region_;
+      }
     }
   }
-  const float* k_;
-  const float* v_;
-  int64_t stride_, per_key_, total_, share_, done_ = 0, key_ = 0, line_ = 0;
+  Region regions_[kSegmentChunks];
+  int count_ = 0, region_ = 0;
+  int64_t total_ = 0, share_ = 0, done_ = 0, key_ = 0, line_ = 0;
 };
-
-// Where unit u's first block of keys starts (elements into k or v), as RunUnit's
-// block_offset: the block of its first token's first key (0 without a window).
-int64_t FirstBlockOffset(const Problem& p, const Unit& u) {
-  int64_t b = 0;
-  if (p.window > 0) {
-    const int64_t first = std::max<int64_t>(0, p.positions[u.first_token] - p.window + 1);
-    b = std::min<int64_t>(first / p.block_size, p.table_width - 1);
-  }
-  const int64_t block =
-      std::clamp<int64_t>(p.tables[u.request * p.table_width + b], 0, p.num_blocks - 1);
-  return (block * p.block_size * p.kv_heads + u.kv_head) * p.head_dim;
-}
 
 // The unit's rows attend over their keys: row i is token first_token + i / (heads of the
 // unit) and query head kv_head * g + i % (heads of the unit), so that the rows of one KV
-// head are consecutive and each block's keys (for all the unit's KV heads, one stretch of
-// memory when those are all the KV heads) are read once for them all, from cache for
-// every row after the first.
+// head are consecutive and read each key and value from cache after the first (rows go
+// two at a time).
+//
+// A segment of up to kSegmentChunks chunks at a time, in three passes: the scores of
+// every row (K read), the softmax (the running max, rescale and sum updated once a
+// segment), the weighted values (V read; each row's output in registers for all the
+// segment's keys). While the scores run, this segment's values are prefetched; while the
+// values run, the next segment's keys (or the next unit's first ones).
 void RunUnit(const Problem& p, const Unit& u, const Unit* next) {
   thread_local Scratch scratch;
   Scratch& sc = scratch;
-  const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
+  const int64_t d = p.head_dim, g = p.group;
   const int64_t unit_heads = u.num_kv_heads * g;
   const int64_t rows = u.num_tokens * unit_heads;
+  constexpr int64_t kW = 16 * kSegmentChunks;  // scores of a row in a segment
   sc.pos.resize(u.num_tokens);
   int32_t* pos = sc.pos.data();
-  const int64_t seq_len = p.seq_lens[u.request];
-  const int64_t context = std::min<int64_t>(seq_len, p.table_width * bs);  // keys [0, context)
-  int64_t first_key = std::numeric_limits<int64_t>::max(), last_key = -1;
-  for (int64_t i = 0; i < u.num_tokens; ++i) {
-    const int64_t t = u.first_token + i;
-    // A padded token (PAD_SLOT) attends to nothing, as in the reference.
-    pos[i] = p.slots[t] == kPadSlot ? -1 : p.positions[t];
-    if (pos[i] < 0) continue;
-    last_key = std::max<int64_t>(last_key, std::min<int64_t>(pos[i], context - 1));
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos[i] - p.window + 1) : 0;
-    first_key = std::min(first_key, lo);
-  }
+  int64_t first_key, last_key;
+  UnitKeys(p, u, pos, first_key, last_key);
   sc.acc.assign(rows * d, 0.f);
   sc.row_max.assign(rows, kNegInf);
   sc.row_sum.assign(rows * 16, 0.f);
+  sc.rescale.resize(rows);
+  sc.w.resize(rows * kW);
+  sc.visible.resize(u.num_tokens * kSegmentChunks);
   float* acc = sc.acc.data();
   float* row_max = sc.row_max.data();
   float* row_sum = sc.row_sum.data();
+  float* w = sc.w.data();
+  char* visible = sc.visible.data();
   const int64_t key_stride = p.kv_heads * d;
-  // Where block b of the request's table starts, at this unit's first KV head (elements
-  // into k or v). Out-of-range ids clamp, as a JAX gather does (the engine never writes one).
-  auto block_offset = [&](int64_t b) {
-    const int64_t block =
-        std::clamp<int64_t>(p.tables[u.request * p.table_width + b], 0, p.num_blocks - 1);
-    return (block * bs * p.kv_heads + u.kv_head) * d;
-  };
   const int64_t span = u.num_kv_heads * d;  // floats of one key for the unit's KV heads
+  const int64_t pairs = u.num_tokens * ((unit_heads + 1) / 2);
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t b = first_key / bs; last_key >= 0 && b <= last_key / bs; ++b) {
-    const int64_t n = std::min(bs, last_key + 1 - b * bs);
-    const float* kb = p.k + block_offset(b);
-    const float* vb = p.v + block_offset(b);
-    // The next block's keys and values (or the next unit's first), while this one computes.
-    int64_t next_offset = -1, next_span = span;
-    if (b < last_key / bs) {
-      next_offset = block_offset(b + 1);
-    } else if (next != nullptr) {
-      next_offset = FirstBlockOffset(p, *next);
-      next_span = next->num_kv_heads * d;
-    }
-    // Issued a share at a time between row pairs, not all at once: a burst of hundreds
-    // of prefetches stalls on the full miss queue.
-    BlockPrefetch prefetch(next_offset >= 0 ? p.k + next_offset : nullptr,
-                           p.v + std::max<int64_t>(next_offset, 0), key_stride, next_span, bs,
-                           (n + 15) / 16 * u.num_tokens * ((unit_heads + 1) / 2));
-    // Chunks of up to 16 keys of the block; the rows of one token share its mask.
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
-      const int64_t key0 = b * bs + j0;
+  ChunkCursor chunks(p, u, first_key, last_key);
+  Segment seg, following;
+  seg.Fill(chunks);
+  while (seg.n > 0) {
+    following.Fill(chunks);
+    // Scores, this segment's values prefetched meanwhile.
+    Prefetch values;
+    for (int i = 0; i < seg.n; ++i) values.Add(p.v + seg.offset[i], seg.keys[i], key_stride, span);
+    values.Plan(seg.n * pairs);
+    for (int i = 0; i < seg.n; ++i) {
+      const int64_t key0 = seg.key0[i];
+      const int m = seg.keys[i];
       const I16 key = static_cast<int32_t>(key0) + lane;
+      const float* kb = p.k + seg.offset[i];
       for (int64_t t = 0; t < u.num_tokens; ++t) {
-        if (pos[t] < key0) continue;  // no key of this chunk for this token (causal)
-        if (p.window > 0 && pos[t] - (key0 + m - 1) >= p.window) continue;
+        // No key of this chunk for this token (causal, window): skipped in all passes.
+        const bool seen_any =
+            pos[t] >= key0 && !(p.window > 0 && pos[t] - (key0 + m - 1) >= p.window);
+        visible[t * kSegmentChunks + i] = seen_any;
+        if (!seen_any) continue;
         I16 seen = (lane < m) & (key <= pos[t]);
         if (p.window > 0) seen &= pos[t] - key < p.window;
-        // The token's rows two at a time (the rows of one KV head are consecutive).
-        RowsRef x;
-        for (int64_t i = t * unit_heads; i < (t + 1) * unit_heads; i += 2) {
-          const int R = std::min<int64_t>(2, (t + 1) * unit_heads - i);
-          for (int r = 0; r < R; ++r) {
-            const int64_t h = (i + r) % unit_heads;  // the row's head in the unit
-            const int64_t off = h / g * d + j0 * key_stride;  // its KV head, the chunk
-            x.q[r] = p.q + ((u.first_token + t) * p.heads + u.kv_head * g + h) * d;
-            x.k[r] = kb + off;
-            x.v[r] = vb + off;
-            x.acc[r] = acc + (i + r) * d;
-            x.row_max[r] = row_max + i + r;
-            x.row_sum[r] = row_sum + (i + r) * 16;
-          }
-          if (R == 2) {
-            AttendChunk<2>(x, key_stride, m, d, p.scale, seen);
-          } else {
-            AttendChunk<1>(x, key_stride, m, d, p.scale, seen);
-          }
-          prefetch.Some();
+        for (int64_t row = t * unit_heads; row < (t + 1) * unit_heads; ++row) {
+          const int64_t h = row % unit_heads;  // the row's head in the unit
+          const float* q = p.q + ((u.first_token + t) * p.heads + u.kv_head * g + h) * d;
+          Store16(w + row * kW + 16 * i,
+                  RowScores(q, kb + h / g * d, key_stride, m, d, p.scale, seen));
+          if (h % 2 == 1 || h + 1 == unit_heads) values.Some();
         }
       }
     }
-    prefetch.Rest();
+    values.Rest();
+    // Softmax: the rows' running max, rescale and sums; scores become weights.
+    for (int64_t row = 0; row < rows; ++row) {
+      const char* vis = visible + row / unit_heads * kSegmentChunks;
+      float* wr = w + row * kW;
+      V16 most = Splat16(kNegInf);
+      for (int i = 0; i < seg.n; ++i)
+        if (vis[i]) most = Max16(most, Load16(wr + 16 * i));
+      const float new_max = std::max(row_max[row], HorizontalMax16(most));
+      if (new_max == kNegInf) {  // no key seen yet: weights 0, nothing rescaled
+        sc.rescale[row] = 1.f;
+        for (int i = 0; i < seg.n; ++i) Store16(wr + 16 * i, V16{});
+        continue;
+      }
+      // exp(-inf) = 0 at the start. Exp16, not std::exp: GCC does not vectorise it.
+      const float rescale = Exp16(Splat16(row_max[row] - new_max))[0];
+      sc.rescale[row] = rescale;
+      row_max[row] = new_max;
+      V16 sum = Load16(row_sum + row * 16) * rescale;
+      for (int i = 0; i < seg.n; ++i) {
+        if (!vis[i]) continue;
+        const V16 weights = Exp16(Load16(wr + 16 * i) - new_max);  // masked keys weigh 0
+        Store16(wr + 16 * i, weights);
+        sum += weights;
+      }
+      Store16(row_sum + row * 16, sum);
+    }
+    // Weighted values, the next keys prefetched meanwhile.
+    Prefetch keys;
+    if (following.n > 0) {
+      for (int i = 0; i < following.n; ++i)
+        keys.Add(p.k + following.offset[i], following.keys[i], key_stride, span);
+    } else if (next != nullptr) {
+      int64_t first, last;
+      UnitKeys(p, *next, nullptr, first, last);
+      ChunkCursor next_chunks(p, *next, first, last);
+      Segment next_seg;
+      next_seg.Fill(next_chunks);
+      for (int i = 0; i < next_seg.n; ++i)
+        keys.Add(p.k + next_seg.offset[i], next_seg.keys[i], key_stride, next->num_kv_heads * d);
+    }
+    keys.Plan(pairs);
+    for (int64_t t = 0; t < u.num_tokens; ++t) {
+      ValueRef x;
+      x.v = p.v;
+      x.offset = seg.offset;
+      x.keys = seg.keys;
+      x.visible = visible + t * kSegmentChunks;
+      x.n = seg.n;
+      x.stride = key_stride;
+      bool any = false;
+      for (int i = 0; i < seg.n; ++i) any |= x.visible[i];
+      for (int64_t h = 0; h < unit_heads; h += 2) {
+        const int R = std::min<int64_t>(2, unit_heads - h);
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = t * unit_heads + h + r;
+          x.head_offset[r] = (h + r) / g * d;
+          x.w[r] = w + row * kW;
+          x.acc[r] = acc + row * d;
+          x.rescale[r] = sc.rescale[row];
+        }
+        if (any) {
+          if (R == 2) {
+            jaxserve::AddValues<2>(x, d);
+          } else {
+            jaxserve::AddValues<1>(x, d);
+          }
+        }
+        keys.Some();
+      }
+    }
+    keys.Rest();
+    seg = following;
   }
   for (int64_t i = 0; i < rows; ++i) {
     const float sum = HorizontalSum16(Load16(row_sum + i * 16))[0];
