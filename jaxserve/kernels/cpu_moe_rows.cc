@@ -21,7 +21,8 @@
 // panel-major, each expert's [K, N] matrix as [ceil(N / 16)][K][16] (each 16-column
 // panel one contiguous stream, zero past N): every expert runs the register tiles
 // (PanelsMatmul, cpu_tile_matmul.h), whose panel reads are then sequential, at any row
-// count (tile builds only: the engine packs only there).
+// count (tile builds only: the engine packs only there), in row blocks of up to
+// kPanelsTileRows (24 on AVX-512: an expert's rows at 128 tokens in one tile).
 
 #include <algorithm>
 #include <cmath>

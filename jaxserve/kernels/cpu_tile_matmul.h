@@ -8,7 +8,8 @@
 // AVX-512 or AVX2 + FMA (`JAXSERVE_HAVE_TILES` 0) nothing here is compiled and the kernel
 // streams rows instead.
 //
-// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for up to kTileRows rows at a time, with
+// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for up to kTileRows rows at a time
+// (PanelsMatmul on AVX-512: kPanelsTileRows, measurements there), with
 // the activations packed transposed ([K][R], `PackRows`) so that one broadcast feeds a
 // row's FMA. A register tile is R rows x 16 columns (R zmm accumulators); the column
 // panel w[0:K][col:col+16] is streamed once for all row blocks of the call (panel
@@ -345,6 +346,24 @@ inline void PanelMatmul(const RowBlocks& blocks, const float* packed, const floa
 // Register tiles over panel-major weights (PanelsMatmul): rows a tile (at most), weight
 // rows (64-byte lines of a panel) the first row block prefetches ahead, and the hint
 // (0-3: T0, T1, T2, NTA).
+//
+// AVX-512: 24 rows (24 zmm accumulators, the weight vector: 25 of the 32 registers), 128
+// lines (8 KiB) ahead into L2. At decode sizes the kernel was neither compute- nor
+// bandwidth-bound (qwen3moe, 128 tokens: 16 rows an expert on average, 2.6-2.7 ms a
+// layer, 150 GFLOP/s and 18 GB/s): with 8-row tiles the first block of a panel read it
+// from memory at 8 FMAs a line, twice the rate two cores' share of the bandwidth gives,
+// and the second block read it from L1/L2 with the memory idle; and the prefetch 8 lines
+// ahead (T0) was too short to keep enough lines in flight (none at all measured the same:
+// the hardware prefetcher does little for this stream). One tile for all of an
+// expert's 16-24 rows reads each line once at 16-24 FMAs, evenly spread over the
+// expert's time. Measured on the 2-core Zen 4 (scripts/native/bench_moe_kernel.cc, the
+// random Qwen3-MoE's layer, 8 layers of weights cycled, interleaved medians, speed-up over
+// 8 rows / 8 lines T0 at 128 tokens): 8 rows / 64-128 lines T1 1.06-1.15x, 16 rows / 64
+// T1 1.27x, 24 rows / 8 T0 1.08x, / 32 T0 1.18x, / 64-256 T1 or T2 1.24-1.30x, / 128 T0
+// 1.19x, / 512 T1 1.29x; 28 rows level with 24; carrying the prefetch on into the next
+// matrix (`after`) and other unit orders (most rows first: threads' ends 0.05 -> 0.02 ms
+// apart; two ends) within noise. At 32 tokens (4 rows an expert, bandwidth-bound) and 8
+// every prefetch tried measured within 3% of every other.
 #if JAXSERVE_TILES_AVX2
 constexpr int kPanelsTileRows = kTileRows;
 constexpr int kPanelPrefetchRows = 8;  // bench_moe_avx2.h's pm:2,6,8,0, as measured there

@@ -7,13 +7,20 @@
 // Variants of the tile product (experts with kTileMinRows rows or more; the others take
 // the kernel's row path; an AVX2 build has its own, listed in bench_moe_avx2.h), run
 // interleaved: 12 rounds of `calls` calls of each, medians
-// (the first two calls of a round dropped), speed-up against the first one named:
+// (the first two calls of a round dropped), speed-up against the first one named, and
+// the median gap between the two threads' ends (idle time of one):
 //   base    the kernel as built on the model's row-major weights (cpu_tile_matmul.h's
 //           PanelMatmul; on AVX2, cpu_moe_chunks.h's ChunkMatmul below 4 row blocks)
 //   pm      the kernel as built on the weights panel-major [E][N/16][K][16] (each
 //           16-column panel contiguous: its JaxserveMoePanels target, what the engine
 //           holds on one CPU device; every expert on PanelsMatmul tiles, also below
 //           kTileMinRows rows) (--panel-major: pm)
+//   pmr:1,R,pf,hint,0,seq,0,0,order  the kernel's PanelsMatmul on panel-major weights
+//           with R rows a tile at most (8, 12, 16, 20, 24, 28), pf lines ahead, hint
+//           0-3, seq 1: the prefetch goes on into the next matrix (the kernel, AVX-512:
+//           pmr:1,24,128,1,0,1; before: pmr:1,8,8,0)
+//   order (the 9th field, any variant): units as planned (0), most rows first (1), or
+//           most rows first for this thread and fewest first for the helper (2)
 //   tile:P,R,pf,hint,kc,seq,lead  register tiles of P panels x R rows over the [K, N]
 //           weights; pf > 0 prefetches pf rows ahead in the panel, pf < 0 -pf panels
 //           ahead in the row, 0 none; hint 0-3 T0, T1, T2, NTA; lead > 0 also prefetches
@@ -35,7 +42,11 @@
 //       -Ijaxserve/kernels scripts/native/bench_moe_kernel.cc -o /tmp/bench_moe_kernel -pthread
 //   /tmp/bench_moe_kernel [T=128] [calls=16] [variant ...]   (default: base)
 // To A/B a change outside the tile product (e.g. SwiGlu), build this file in two trees
-// and alternate the two binaries' processes (base only).
+// and alternate the two binaries' processes (base or pm only). E.g. the 24-row panel tiles
+// (cpu_tile_matmul.h's kPanelsTileRows) against b0fead8's kernel, pm, processes
+// alternating 3x, Zen 4 2 cores, load 1.0-1.4, medians of the three: T=32 1.59 -> 1.55 ms
+// (noise), T=128 2.66 -> 2.09 ms (151 -> 193 GFLOP/s, 1.28x), T=512 8.48 -> 7.67 ms
+// (190 -> 210 GFLOP/s, 1.11x).
 #include "../../jaxserve/kernels/cpu_moe_rows.cc"
 
 #include <algorithm>
