@@ -61,6 +61,11 @@ CASES = [
     (90, 3, 5, 48, 20, "random"),
     (23, 2, 4, 17, 33, "one expert"),  # 46 rows: one unit, blocks of 7 and 8
     (100, 3, 4, 32, 16, "one expert"),  # 300 rows: units of 60, split over threads
+    # Panel-major on AVX-512: tiles of up to 24 rows (kPanelsTileRows), whose packing
+    # transposes 16 rows x 16 columns at a time: 24 rows one block (16 + 8 packed), 25
+    # two (13 + 12); hidden 80 = 5 x 16 columns.
+    (24, 1, 2, 80, 32, "one expert"),
+    (25, 1, 2, 80, 32, "one expert"),
     # AVX2 builds: units of 2-3 row blocks (8-18 rows) over widths that are a multiple
     # of 16 read the weights in k-chunks of 64 rows (cpu_moe_chunks.h), accumulating
     # across chunks: 144 and 160 rows are 2 chunks and a part; 13, 16 and 10 rows.

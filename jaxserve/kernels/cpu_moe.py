@@ -55,6 +55,15 @@ weights take the row path, the panels the tiles); AVX2 builds on both sides, bat
 32 / 128: 1.02 / 1.14 / 1.04x. No gain at batch 128 beyond the noise: on AVX-512 the
 panels are no faster there (the experts are about half of a batch-128 decode step,
 `scripts/bench_step_ops.py`).
+Since the panel tiles take up to 24 rows on AVX-512 (an expert's rows at 128 tokens in
+one tile, each weight line read once, prefetched 128 lines ahead into L2: see
+`cpu_tile_matmul.h`'s kPanelsTileRows), the kernel alone (processes of b0fead8's and
+the new alternating 3x, Zen 4, load 1.0-1.4, medians) 1.59 -> 1.55 / 2.66 -> 2.09 /
+8.48 -> 7.67 ms at 32 / 128 / 512 tokens (1.02 / 1.28 / 1.11x; 193 GFLOP/s at 128), and
+end to end (`compare_hf.py --models qwen3moe --baseline-python` b0fead8, 3 interleaved
+repeats, load 1.0-1.6, ceiling 215-221 GFLOP/s; three runs) batch 128 2083 vs 1885
+tok/s (1.11x, 61% MFU, spread 14%), 2291 vs 2141 (1.07x, 69%, spread 4%) and 2331 vs
+2037 (1.14x, 69%, spread 11%); batch 32 0.99x.
 
 It is compiled on first use (`cpu_build.py`: g++ for this CPU, cached). Without a
 compiler, or if the build fails, it logs one warning and the XLA path runs

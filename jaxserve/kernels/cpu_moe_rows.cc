@@ -21,7 +21,8 @@
 // panel-major, each expert's [K, N] matrix as [ceil(N / 16)][K][16] (each 16-column
 // panel one contiguous stream, zero past N): every expert runs the register tiles
 // (PanelsMatmul, cpu_tile_matmul.h), whose panel reads are then sequential, at any row
-// count (tile builds only: the engine packs only there).
+// count (tile builds only: the engine packs only there), in row blocks of up to
+// kPanelsTileRows (24 on AVX-512: an expert's rows at 128 tokens in one tile).
 
 #include <algorithm>
 #include <cmath>
@@ -103,6 +104,15 @@ struct Problem {
 };
 
 #if JAXSERVE_HAVE_TILES
+// `floats` floats of this thread's scratch (grown as needed, never shrunk; contents
+// undefined), valid until its next call on this thread.
+inline float* UnitScratch(int64_t floats) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t size = 0;
+  if (floats > size) buffer.reset(new float[floats]), size = floats;
+  return buffer.get();
+}
+
 // Rows of one expert on register tiles: gate/up [rows, I], SwiGLU, down [rows, H] into y.
 // matmul(blocks, packed rows, expert weight [K, N], K, N, out rows, the weight read after
 // it or nullptr) is the tile product and block_rows the most rows of a row block
@@ -113,24 +123,28 @@ void RunTileUnitWith(const Problem& p, int64_t e, int rows, const int32_t* copy,
                      int block_rows = jaxserve::kTileRows) {
   const int64_t h = p.hidden, i = p.inter;
   const jaxserve::RowBlocks blocks(rows, block_rows);
-  std::vector<float> packed(rows * std::max(h, i)), gate(rows * i), up(rows * i);
+  // This thread's scratch, not zeroed (each float is written before it is read): the
+  // vectors' zeroing of 64 KiB a unit was ~1% of a 128-token call.
+  float* const packed = UnitScratch(rows * (std::max(h, i) + 2 * i));
+  float* const gate = packed + rows * std::max(h, i);
+  float* const up = gate + rows * i;
   std::vector<const float*> a(rows);
   std::vector<float*> g(rows), u(rows), out(rows);
   for (int r = 0; r < rows; ++r) {
     a[r] = p.x + (copy[r] / p.top_k) * h;
-    g[r] = gate.data() + r * i;
-    u[r] = up.data() + r * i;
+    g[r] = gate + r * i;
+    u[r] = up + r * i;
     out[r] = p.y + int64_t{copy[r]} * h;
   }
-  jaxserve::PackRows(blocks, a.data(), h, packed.data());
+  jaxserve::PackRows(blocks, a.data(), h, packed);
   const int64_t gate_floats = MatrixFloats(h, i, p.panels);
   const float* w_up = p.w_up + e * gate_floats;
   const float* w_down = p.w_down + e * MatrixFloats(i, h, p.panels);
-  matmul(blocks, packed.data(), p.w_gate + e * gate_floats, h, i, g.data(), w_up);
-  matmul(blocks, packed.data(), w_up, h, i, u.data(), w_down);
-  jaxserve::SwiGlu(gate.data(), up.data(), rows * i);
-  jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed.data());
-  matmul(blocks, packed.data(), w_down, i, h, out.data(), nullptr);
+  matmul(blocks, packed, p.w_gate + e * gate_floats, h, i, g.data(), w_up);
+  matmul(blocks, packed, w_up, h, i, u.data(), w_down);
+  jaxserve::SwiGlu(gate, up, rows * i);
+  jaxserve::PackRows(blocks, const_cast<const float* const*>(g.data()), i, packed);
+  matmul(blocks, packed, w_down, i, h, out.data(), nullptr);
 }
 
 // The tile product of a unit: on AVX2 builds, k-chunks read in address order where the
@@ -147,12 +161,14 @@ inline void MoeMatmul(const jaxserve::RowBlocks& blocks, const float* packed, co
 
 // The tile product of panel-major weights (cpu_tile_matmul.h's PanelsMatmul).
 inline void PanelsMoeMatmul(const jaxserve::RowBlocks& blocks, const float* packed,
-                            const float* w, int64_t k, int64_t n, float* const* o, const float*) {
-  jaxserve::PanelsMatmul(blocks, packed, w, k, n, o);
+                            const float* w, int64_t k, int64_t n, float* const* o,
+                            const float* after) {
+  jaxserve::PanelsMatmul(blocks, packed, w, k, n, o, after);
 }
 
 void RunTileUnit(const Problem& p, int64_t e, int rows, const int32_t* copy) {
-  if (p.panels) return RunTileUnitWith(p, e, rows, copy, PanelsMoeMatmul);
+  if (p.panels)
+    return RunTileUnitWith(p, e, rows, copy, PanelsMoeMatmul, jaxserve::kPanelsTileRows);
   RunTileUnitWith(p, e, rows, copy, MoeMatmul);
 }
 #endif
@@ -183,12 +199,14 @@ void RunUnit(const Problem& p, int64_t u) {
 }
 
 // Groups the n copies of `id` (expert of each; outside [0, E) marks an empty copy) by
-// expert (a counting sort) and cuts each expert's copies into work units.
+// expert (a counting sort) and cuts each expert's copies into work units. Zeroes the
+// output rows (p.y, p.hidden) of the empty copies; the units write all the others.
 void PlanUnits(Problem& p, const int32_t* id, int64_t n, int64_t num_experts) {
   std::vector<int32_t> count(num_experts + 1, 0);
   for (int64_t c = 0; c < n; ++c) {
     const int32_t e = id[c];
     if (e >= 0 && e < num_experts) ++count[e + 1];
+    else std::fill(p.y + c * p.hidden, p.y + (c + 1) * p.hidden, 0.f);
   }
   for (int64_t e = 0; e < num_experts; ++e) count[e + 1] += count[e];
   p.copies.resize(count[num_experts]);
@@ -258,7 +276,6 @@ ffi::Error MoeRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.top_k = idd[1];
   p.hidden = x.dimensions()[1];
   const int64_t n = idd[0] * idd[1];
-  std::fill(p.y, p.y + n * p.hidden, 0.f);  // empty copies (id == E) stay 0
   PlanUnits(p, ids.typed_data(), n, num_experts);
   const int64_t units = static_cast<int64_t>(p.unit_expert.size());
   if (static_cast<int64_t>(p.copies.size()) * 3 * p.hidden * p.inter < kMinParallelWork) {

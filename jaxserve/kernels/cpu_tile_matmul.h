@@ -8,7 +8,8 @@
 // AVX-512 or AVX2 + FMA (`JAXSERVE_HAVE_TILES` 0) nothing here is compiled and the kernel
 // streams rows instead.
 //
-// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for up to kTileRows rows at a time, with
+// out[r][0:N] = sum_k a[r][k] * w[k][0:N] for up to kTileRows rows at a time
+// (PanelsMatmul on AVX-512: kPanelsTileRows, measurements there), with
 // the activations packed transposed ([K][R], `PackRows`) so that one broadcast feeds a
 // row's FMA. A register tile is R rows x 16 columns (R zmm accumulators); the column
 // panel w[0:K][col:col+16] is streamed once for all row blocks of the call (panel
@@ -228,15 +229,63 @@ struct RowBlocks {
   int BlockRows(int b) const { return BlockStart(b + 1) - BlockStart(b); }
 };
 
+#if defined(__AVX512F__)
+// Transposes the 16 x 16 floats in v (v[i] lane j -> v[j] lane i).
+inline void Transpose16(__m512 v[16]) {
+  __m512 t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);  // rows i, i+1 interleaved (lanes 0,1 4,5 ..)
+    t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // 4 rows' 4-lane groups
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes of rows 0-7 and 8-15
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xdd);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
 // Packs rows a[0..rows)[0:K] transposed per row block: block b's R_b rows from s_b go
-// to packed[s_b * K + k * R_b + r]. packed holds rows * K floats.
+// to packed[s_b * K + k * R_b + r]. packed holds rows * K floats. With AVX-512, 16 rows
+// x 16 columns at a time through registers (Transpose16): the scalar loop's strided
+// stores were ~5% of the MoE kernel's time at 128 tokens (perf, bench_moe_kernel.cc).
 inline void PackRows(const RowBlocks& blocks, const float* const* a, int64_t K, float* packed) {
   for (int b = 0; b < blocks.blocks; ++b) {
     const int s = blocks.BlockStart(b), n = blocks.BlockRows(b);
     float* p = packed + int64_t{s} * K;
+    int64_t k0 = 0;
+#if defined(__AVX512F__)
+    for (; k0 + 16 <= K; k0 += 16) {
+      for (int r0 = 0; r0 < n; r0 += 16) {
+        const int m = n - r0 < 16 ? n - r0 : 16;
+        __m512 v[16];
+        for (int r = 0; r < 16; ++r)
+          v[r] = r < m ? _mm512_loadu_ps(a[s + r0 + r] + k0) : _mm512_setzero_ps();
+        Transpose16(v);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(p + (k0 + j) * n + r0, lanes, v[j]);
+      }
+    }
+#endif
     for (int r = 0; r < n; ++r) {
       const float* src = a[s + r];
-      for (int64_t k = 0; k < K; ++k) p[k * n + r] = src[k];
+      for (int64_t k = k0; k < K; ++k) p[k * n + r] = src[k];
     }
   }
 }
@@ -294,27 +343,125 @@ inline void PanelMatmul(const RowBlocks& blocks, const float* packed, const floa
   }
 }
 
-// Rows ahead (64-byte lines) at which the first row block of PanelsMatmul prefetches
-// its panel (bench_moe_avx2.h's pm:2,6,8,0, as measured there).
-constexpr int kPanelPrefetchRows = 8;
+// Register tiles over panel-major weights (PanelsMatmul): rows a tile (at most), weight
+// rows (64-byte lines of a panel) the first row block prefetches ahead, and the hint
+// (0-3: T0, T1, T2, NTA).
+//
+// AVX-512: 24 rows (24 zmm accumulators, the weight vector: 25 of the 32 registers), 128
+// lines (8 KiB) ahead into L2. At decode sizes the kernel was neither compute- nor
+// bandwidth-bound (qwen3moe, 128 tokens: 16 rows an expert on average, 2.6-2.7 ms a
+// layer, 150 GFLOP/s and 18 GB/s): with 8-row tiles the first block of a panel read it
+// from memory at 8 FMAs a line, twice the rate two cores' share of the bandwidth gives,
+// and the second block read it from L1/L2 with the memory idle; and the prefetch 8 lines
+// ahead (T0) was too short to keep enough lines in flight (none at all measured the same:
+// the hardware prefetcher does little for this stream). One tile for all of an
+// expert's 16-24 rows reads each line once at 16-24 FMAs, evenly spread over the
+// expert's time. Measured on the 2-core Zen 4 (scripts/native/bench_moe_kernel.cc, the
+// random Qwen3-MoE's layer, 8 layers of weights cycled, interleaved medians, speed-up over
+// 8 rows / 8 lines T0 at 128 tokens): 8 rows / 64-128 lines T1 1.06-1.15x, 16 rows / 64
+// T1 1.27x, 24 rows / 8 T0 1.08x, / 32 T0 1.18x, / 64-256 T1 or T2 1.24-1.30x, / 128 T0
+// 1.19x, / 512 T1 1.29x; 28 rows level with 24; carrying the prefetch on into the next
+// matrix (`after`) and other unit orders (most rows first: threads' ends 0.05 -> 0.02 ms
+// apart; two ends) within noise. At 32 tokens (4 rows an expert, bandwidth-bound) and 8
+// every prefetch tried measured within 3% of every other.
+#if JAXSERVE_TILES_AVX2
+constexpr int kPanelsTileRows = kTileRows;
+constexpr int kPanelPrefetchRows = 8;  // bench_moe_avx2.h's pm:2,6,8,0, as measured there
+constexpr int kPanelPrefetchHint = 0;
+#else
+constexpr int kPanelsTileRows = 24;
+constexpr int kPanelPrefetchRows = 128;
+constexpr int kPanelPrefetchHint = 1;
+#endif
 
-// out[r][0:N] = sum_k a[r][k] * W[k][0:N] for every row r of `blocks`, from the PackRows
-// layout of a; w holds W panel-major, [ceil(N / 16)][K][16] (panel p's row k at
-// w[(p * K + k) * 16], zero past N), so each panel is one contiguous stream: the first
-// row block reads it from memory (prefetching kPanelPrefetchRows rows ahead), the
-// others from L1/L2. No panel copy or k-chunks: those work around the [K, N] layout.
+#if !JAXSERVE_TILES_AVX2
+// One register tile over a contiguous panel [K][16] (AVX-512: R zmm accumulators):
+// out[r][col + j] = sum_k at[k * R + r] * panel[16 k + j], lanes j outside `mask` not
+// written. At each row it prefetches the line at pf (unless null) and moves pf on by one
+// line; at pf_end pf goes on at pf_next (the next matrix the caller reads; null: no more
+// prefetches). Returns pf.
+template <int R, int Hint>
+inline const float* PanelsTile(const float* at, const float* panel, int64_t K, int64_t col,
+                               Mask16 mask, float* const* out, const float* pf,
+                               const float* pf_end, const float* pf_next) {
+  constexpr auto hint = Hint == 0   ? _MM_HINT_T0
+                        : Hint == 1 ? _MM_HINT_T1
+                        : Hint == 2 ? _MM_HINT_T2
+                                    : _MM_HINT_NTA;
+  __m512 acc[R];
+#pragma GCC unroll 32  // accumulators in registers (a loop left rolled keeps them in memory)
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* wk = panel;
+  for (int64_t k = 0; k < K; ++k, wk += 16) {
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf), hint);
+      pf += 16;
+      if (pf == pf_end) pf = pf_next;
+    }
+    const __m512 b = _mm512_loadu_ps(wk);  // zero past N: a whole line, no mask
+    const float* ak = at + k * R;
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r]), b, acc[r]);
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r] + col, mask, acc[r]);
+  return pf;
+}
+
+// PanelsTile<rows> for a runtime rows in [1, R].
+template <int R, int Hint>
+inline const float* PanelsTileRows(int rows, const float* at, const float* panel, int64_t K,
+                                   int64_t col, Mask16 mask, float* const* out, const float* pf,
+                                   const float* pf_end, const float* pf_next) {
+  if (rows >= R)
+    return PanelsTile<R, Hint>(at, panel, K, col, mask, out, pf, pf_end, pf_next);
+  if constexpr (R > 1)
+    return PanelsTileRows<R - 1, Hint>(rows, at, panel, K, col, mask, out, pf, pf_end, pf_next);
+  return pf;
+}
+#endif
+
+// out[r][0:N] = sum_k a[r][k] * W[k][0:N] for every row r of `blocks` (at most R rows a
+// block: RowBlocks(rows, R)), from the PackRows layout of a; w holds W panel-major,
+// [ceil(N / 16)][K][16] (panel p's row k at w[(p * K + k) * 16], zero past N), so each
+// panel is one contiguous stream: the first row block reads it from memory, prefetching
+// `ahead` lines ahead (Hint), and the others from L1/L2. On AVX-512 the prefetch goes on
+// past the matrix's end into `after` (the weight the caller reads next, null: none), so
+// that its first lines are in flight when it starts. No panel copy or k-chunks: those
+// work around the [K, N] layout.
+template <int R = kPanelsTileRows, int Hint = kPanelPrefetchHint>
 inline void PanelsMatmul(const RowBlocks& blocks, const float* packed, const float* w,
-                         int64_t K, int64_t N, float* const* out) {
+                         int64_t K, int64_t N, float* const* out, const float* after = nullptr,
+                         int64_t ahead = kPanelPrefetchRows) {
+#if JAXSERVE_TILES_AVX2
+  (void)after;
+  static_assert(R <= kTileRows, "AVX2 tiles: at most kTileRows rows");
   for (int64_t col = 0; col < N; col += 16) {
     const Mask16 mask = LaneMask(N - col < 16 ? N - col : 16);
     const float* panel = w + col * K;  // panel col / 16
     for (int b = 0; b < blocks.blocks; ++b) {
       const int s = blocks.BlockStart(b);
       // Tile reads w + col + k * ldw: the panel's row k.
-      TileRows<kTileRows>(blocks.BlockRows(b), packed + int64_t{s} * K, panel - col, 16, K,
-                          col, mask, out + s, b == 0 ? 16 * kPanelPrefetchRows : 0, 0);
+      TileRows<R>(blocks.BlockRows(b), packed + int64_t{s} * K, panel - col, 16, K, col, mask,
+                  out + s, b == 0 ? 16 * ahead : 0, 0);
     }
   }
+#else
+  const float* end = w + (N + 15) / 16 * 16 * K;
+  const float* pf = w + 16 * ahead;
+  if (pf >= end) pf = after ? after + (pf - end) : nullptr;
+  for (int64_t col = 0; col < N; col += 16) {
+    const Mask16 mask = LaneMask(N - col < 16 ? N - col : 16);
+    const float* panel = w + col * K;  // panel col / 16
+    for (int b = 0; b < blocks.blocks; ++b) {
+      const int s = blocks.BlockStart(b);
+      const float* got = PanelsTileRows<R, Hint>(blocks.BlockRows(b), packed + int64_t{s} * K,
+                                                 panel, K, col, mask, out + s,
+                                                 b == 0 ? pf : nullptr, end, after);
+      if (b == 0) pf = got;
+    }
+  }
+#endif
 }
 
 #endif  // JAXSERVE_HAVE_TILES

@@ -7,13 +7,20 @@
 // Variants of the tile product (experts with kTileMinRows rows or more; the others take
 // the kernel's row path; an AVX2 build has its own, listed in bench_moe_avx2.h), run
 // interleaved: 12 rounds of `calls` calls of each, medians
-// (the first two calls of a round dropped), speed-up against the first one named:
+// (the first two calls of a round dropped), speed-up against the first one named, and
+// the median gap between the two threads' ends (idle time of one):
 //   base    the kernel as built on the model's row-major weights (cpu_tile_matmul.h's
 //           PanelMatmul; on AVX2, cpu_moe_chunks.h's ChunkMatmul below 4 row blocks)
 //   pm      the kernel as built on the weights panel-major [E][N/16][K][16] (each
 //           16-column panel contiguous: its JaxserveMoePanels target, what the engine
 //           holds on one CPU device; every expert on PanelsMatmul tiles, also below
 //           kTileMinRows rows) (--panel-major: pm)
+//   pmr:1,R,pf,hint,0,seq,0,0,order  the kernel's PanelsMatmul on panel-major weights
+//           with R rows a tile at most (8, 12, 16, 20, 24, 28), pf lines ahead, hint
+//           0-3, seq 1: the prefetch goes on into the next matrix (the kernel, AVX-512:
+//           pmr:1,24,128,1,0,1; before: pmr:1,8,8,0)
+//   order (the 9th field, any variant): units as planned (0), most rows first (1), or
+//           most rows first for this thread and fewest first for the helper (2)
 //   tile:P,R,pf,hint,kc,seq,lead  register tiles of P panels x R rows over the [K, N]
 //           weights; pf > 0 prefetches pf rows ahead in the panel, pf < 0 -pf panels
 //           ahead in the row, 0 none; hint 0-3 T0, T1, T2, NTA; lead > 0 also prefetches
@@ -35,7 +42,11 @@
 //       -Ijaxserve/kernels scripts/native/bench_moe_kernel.cc -o /tmp/bench_moe_kernel -pthread
 //   /tmp/bench_moe_kernel [T=128] [calls=16] [variant ...]   (default: base)
 // To A/B a change outside the tile product (e.g. SwiGlu), build this file in two trees
-// and alternate the two binaries' processes (base only).
+// and alternate the two binaries' processes (base or pm only). E.g. the 24-row panel tiles
+// (cpu_tile_matmul.h's kPanelsTileRows) against b0fead8's kernel, pm, processes
+// alternating 3x, Zen 4 2 cores, load 1.0-1.4, medians of the three: T=32 1.59 -> 1.55 ms
+// (noise), T=128 2.66 -> 2.09 ms (151 -> 193 GFLOP/s, 1.28x), T=512 8.48 -> 7.67 ms
+// (190 -> 210 GFLOP/s, 1.11x).
 #include "../../jaxserve/kernels/cpu_moe_rows.cc"
 
 #include <algorithm>
@@ -53,7 +64,7 @@ namespace {
 
 struct Variant {
   std::string kind = "base";  // base | pm | tile | chunk | pack
-  int P = 1, R = 8, pf = 8, hint = 0, kc = 0, seq = 0, lead = 0, mask = 1;
+  int P = 1, R = 8, pf = 8, hint = 0, kc = 0, seq = 0, lead = 0, mask = 1, order = 0;
 };
 Variant variant;
 
@@ -205,6 +216,29 @@ MatmulFn PickHint(int hint) {
   }
 }
 
+// pmr: the kernel's PanelsMatmul over panel-major weights with R rows a tile at most,
+// pf lines ahead, hint, and (seq 1) the prefetch going on into the next matrix.
+using PanelsFn = void (*)(const jaxserve::RowBlocks&, const float*, const float*, int64_t,
+                          int64_t, float* const*, const float*, int64_t);
+
+template <int R>
+PanelsFn PickPanelsHint(int hint) {
+  switch (hint) {
+    case 1: return jaxserve::PanelsMatmul<R, 1>;
+    case 2: return jaxserve::PanelsMatmul<R, 2>;
+    case 3: return jaxserve::PanelsMatmul<R, 3>;
+    default: return jaxserve::PanelsMatmul<R, 0>;
+  }
+}
+
+PanelsFn PickPanels(const Variant& v) {
+#define JS_CASE(r) if (v.R == r) return PickPanelsHint<r>(v.hint);
+  JS_CASE(8) JS_CASE(12) JS_CASE(16) JS_CASE(20) JS_CASE(24) JS_CASE(28)
+#undef JS_CASE
+  std::fprintf(stderr, "no panels tile of %d rows\n", v.R);
+  std::exit(2);
+}
+
 MatmulFn PickMatmul(const Variant& v) {
   const int P = v.P, R = v.R, hint = v.hint;
 #define JS_CASE(p, r) if (P == p && R == r) return PickHint<p, r>(hint);
@@ -221,12 +255,25 @@ MatmulFn PickMatmul(const Variant& v) {
 namespace {
 
 MatmulFn chosen;
+#if !JAXSERVE_TILES_AVX2
+PanelsFn chosen_panels;
+#endif
 
 void RunTileUnitVariant(const Problem& p, int64_t e, int rows, const int32_t* copy) {
 #if JAXSERVE_TILES_AVX2
   const int64_t hi = p.hidden * p.inter;
   tl_matrix[0] = p.w_gate + e * hi, tl_matrix[1] = p.w_up + e * hi;
   tl_matrix[2] = p.w_down + e * hi;
+#endif
+#if !JAXSERVE_TILES_AVX2
+  if (variant.kind == "pmr")
+    return RunTileUnitWith(
+        p, e, rows, copy,
+        [](const jaxserve::RowBlocks& blocks, const float* packed, const float* w, int64_t k,
+           int64_t n, float* const* o, const float* after) {
+          chosen_panels(blocks, packed, w, k, n, o, variant.seq ? after : nullptr, variant.pf);
+        },
+        variant.R);
 #endif
   RunTileUnitWith(
       p, e, rows, copy,
@@ -242,9 +289,9 @@ Variant ParseVariant(const char* spec) {
   const size_t colon = s.find(':');
   v.kind = s.substr(0, colon);
   if (colon != std::string::npos) {
-    int* fields[] = {&v.P, &v.R, &v.pf, &v.hint, &v.kc, &v.seq, &v.lead, &v.mask};
+    int* fields[] = {&v.P, &v.R, &v.pf, &v.hint, &v.kc, &v.seq, &v.lead, &v.mask, &v.order};
     size_t at = colon + 1;
-    for (int f = 0; f < 8 && at <= s.size(); ++f) {
+    for (int f = 0; f < 9 && at <= s.size(); ++f) {
       const size_t comma = s.find(',', at);
       const size_t len = comma == std::string::npos ? std::string::npos : comma - at;
       const std::string part = s.substr(at, len);
@@ -268,7 +315,7 @@ int main(int argc, char** argv) {
   bool any_panel_major = false;
   for (const auto& spec : specs) {
     const Variant v = ParseVariant(spec.c_str());
-    any_panel_major |= v.kind == "pm";
+    any_panel_major |= v.kind == "pm" || v.kind == "pmr";
   }
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.f, 0.05f);
@@ -323,12 +370,18 @@ int main(int argc, char** argv) {
       if (posted.load() != seen) seen = posted.load(), job(), ++finished;
   });
   // Variants interleaved: each round runs `calls` calls of every variant in turn.
-  std::vector<std::vector<double>> times(specs.size());
+  std::vector<std::vector<double>> times(specs.size()), tails(specs.size());
+  std::chrono::steady_clock::time_point helper_done;
   for (int round = 0; round < rounds; ++round)
     for (size_t vi = 0; vi < specs.size(); ++vi) {
       variant = ParseVariant(specs[vi].c_str());
-      const bool panel_major = variant.kind == "pm";
-      chosen = panel_major ? nullptr : PickMatmul(variant);
+      const bool panel_major = variant.kind == "pm" || variant.kind == "pmr";
+#if JAXSERVE_TILES_AVX2
+      chosen = variant.kind == "pm" ? nullptr : PickMatmul(variant);
+#else
+      chosen = variant.kind == "pm" || variant.kind == "pmr" ? nullptr : PickMatmul(variant);
+      if (variant.kind == "pmr") chosen_panels = PickPanels(variant);
+#endif
       for (int c = 0; c < calls; ++c) {
         const int l = (round * calls + c) % L;
         const auto start = std::chrono::steady_clock::now();
@@ -341,17 +394,34 @@ int main(int argc, char** argv) {
         p.y = y.data();
         p.top_k = K, p.hidden = H, p.inter = I;
         p.panels = panel_major;
-        std::fill(y.begin(), y.end(), 0.f);
         PlanUnits(p, ids.data(), T * K, E);
         const int64_t units = p.unit_expert.size();
-        auto next = std::make_shared<std::atomic<int64_t>>(0);
+        // Unit order (variant.order): 0 as planned (expert order), 1 most rows first,
+        // 2 most rows first for this thread, fewest first for the helper (two ends).
+        auto order = std::make_shared<std::vector<int64_t>>(units);
+        for (int64_t u = 0; u < units; ++u) (*order)[u] = u;
+        if (variant.order)
+          std::stable_sort(order->begin(), order->end(), [&p](int64_t a, int64_t b) {
+            return p.unit_rows[a] > p.unit_rows[b];
+          });
+        auto ends = std::make_shared<std::atomic<uint64_t>>(uint64_t(units));  // front << 32 | back
+        const bool two_ends = variant.order == 2;
         // base and pm: the kernel's own RunUnit (either layout); the others: their tile
         // product where the kernel runs tiles.
-        const bool as_built = variant.kind == "base" || panel_major;
-        auto work = [state, next, units, as_built] {
-          for (int64_t u; (u = next->fetch_add(1)) < units;) {
+        const bool as_built = variant.kind == "base" || variant.kind == "pm";
+        auto work = [state, ends, order, as_built, two_ends](bool front) {
+          for (;;) {
+            uint64_t e = ends->load(), claimed;
+            int64_t at;
+            do {
+              const uint64_t f = e >> 32, b = e & 0xffffffffu;
+              if (f >= b) return;
+              at = front || !two_ends ? f : b - 1;
+              claimed = front || !two_ends ? ((f + 1) << 32 | b) : (f << 32 | (b - 1));
+            } while (!ends->compare_exchange_weak(e, claimed));
+            const int64_t u = (*order)[at];
             const Problem& q = *state;
-            if (!as_built && Tiled(q.unit_rows[u], q.hidden, q.inter))
+            if (!as_built && Tiled(q.unit_rows[u], q.hidden, q.inter, q.panels))
               RunTileUnitVariant(q, q.unit_expert[u], q.unit_rows[u],
                                  q.copies.data() + q.unit_start[u]);
             else
@@ -359,10 +429,13 @@ int main(int argc, char** argv) {
           }
         };
         const int before = finished.load();
-        job = work;
+        job = [work, &helper_done] { work(false), helper_done = std::chrono::steady_clock::now(); };
         ++posted;
-        work();
+        work(true);
+        const auto main_done = std::chrono::steady_clock::now();
         while (finished.load() == before) std::this_thread::yield();
+        if (c >= 2)
+          tails[vi].push_back(std::abs(std::chrono::duration<double>(main_done - helper_done).count()));
         const double t =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (c >= 2) times[vi].push_back(t);  // each round's first two calls: warm-up
@@ -398,8 +471,10 @@ int main(int argc, char** argv) {
     std::sort(t.begin(), t.end());
     const double median = t[t.size() / 2];
     if (vi == 0) base_median = median;
-    std::printf("T=%-4ld %-22s median %.3f ms a call, %6.1f GFLOP/s, %.3fx the first\n",
+    std::sort(tails[vi].begin(), tails[vi].end());
+    std::printf("T=%-4ld %-22s median %.3f ms a call, %6.1f GFLOP/s, %.3fx the first"
+                " (threads' ends %.3f ms apart)\n",
                 static_cast<long>(T), specs[vi].c_str(), median * 1e3, flop / median / 1e9,
-                base_median / median);
+                base_median / median, tails[vi][tails[vi].size() / 2] * 1e3);
   }
 }
