@@ -257,7 +257,8 @@ ffi::Error DensePanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
 ffi::Error DensePanelsImpl(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                            ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error::Unimplemented("dense_panels: built without AVX2 + FMA or AVX-512");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "dense_panels: built without AVX2 + FMA or AVX-512");
 }
 
 #endif  // JAXSERVE_HAVE_TILES
