@@ -36,7 +36,8 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Before JAX loads: the optimized HLO, to name each ffi_call's kernel (`_ffi_targets`).
+# Before JAX loads: the optimized HLO, to name each ffi_call's kernel and tell a
+# ynn_fusion's dots from its reductions (`_ffi_targets`).
 _HLO_DUMP = tempfile.mkdtemp(prefix="jaxserve_ops_hlo_")
 atexit.register(shutil.rmtree, _HLO_DUMP, ignore_errors=True)
 os.environ["XLA_FLAGS"] = (
@@ -47,29 +48,37 @@ os.environ["XLA_FLAGS"] = (
 HERE = Path(__file__).resolve().parent
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", re.M)
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSED = re.compile(r"^%(fused_computation[\w.\-]*) .*?^}", re.M | re.S)
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
 
 
 def _dumped_modules() -> list[tuple[str, set[str], dict[str, str]]]:
-    """The optimized modules XLA dumped: (module name, its instruction names, ffi_call op
-    -> custom-call target)."""
+    """The optimized modules XLA dumped: (module name, its instruction names, op ->
+    what it runs: an ffi_call's custom-call target, a ynn_fusion's "dot" if its fused
+    computation has a dot, else "no dot" (YNNPACK also fuses reductions: RMSNorm's sum of
+    squares, the router's softmax))."""
     out = []
     for path in sorted(Path(_HLO_DUMP).glob("*after_optimizations.txt")):
         module = re.match(r"module_\d+\.(.+?)\.", path.name)
         if module is None:
             continue
+        text = path.read_text()
+        has_dot = {m.group(1): " dot(" in m.group(0) for m in _FUSED.finditer(text)}
         names, targets = set(), {}
-        for name, rest in _INSTRUCTION.findall(path.read_text()):
+        for name, rest in _INSTRUCTION.findall(text):
             names.add(name)
             if name.startswith("ffi_call") and (target := _TARGET.search(rest)):
                 targets[name] = target.group(1)
+            elif name.startswith("ynn_fusion") and (called := _CALLS.search(rest)):
+                targets[name] = "dot" if has_dot.get(called.group(1)) else "no dot"
         out.append((module.group(1), names, targets))
     return out
 
 
 def _ffi_targets(call_ops: list[dict], modules) -> dict[str, str]:
-    """ffi_call op -> target for one device call's ops: the dumped module of that name
-    (the engine compiles several variants of `jit_step`, each numbering its ops anew)
-    holding the most of the call's op names."""
+    """op -> what it runs (`_dumped_modules`) for one device call's ops: from the dumped
+    module of that name (the engine compiles several variants of `jit_step`, each
+    numbering its ops anew) holding the most of the call's op names."""
     names = {o["name"] for o in call_ops}
     module = next(((o.get("args") or {}).get("hlo_module") for o in call_ops), None)
     best = max(
@@ -137,7 +146,8 @@ def _op_kind(name: str, targets: dict[str, str]) -> str:
     if name.startswith("ffi_call"):
         return f"kernel {targets.get(name, '?').removeprefix('jaxserve_')}"
     if name.startswith("ynn_fusion"):
-        return "XLA dots (ynn_fusion)"
+        dots = targets.get(name, "dot") == "dot"
+        return "XLA dots (ynn_fusion)" if dots else "XLA reductions (ynn_fusion)"
     return "other XLA ops"
 
 
