@@ -37,12 +37,12 @@ def test_pack_round_trips_and_pads_the_last_panel_with_zeros():
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 128, 4096), (8, 128, 4096), (2, 64, 100), (3, 17, 33), (5, 129, 16), (7, 31, 47),
-     (13, 33, 31), (64, 128, 256), (1, 5, 80), (6, 1, 16), (2, 16, 150), (300, 40, 50)],
+     (13, 33, 31), (64, 128, 256), (1, 5, 80), (6, 1, 16), (2, 16, 150), (300, 600, 50)],
 )  # fmt: skip
 def test_kernel_equals_a_float64_product(m, k, n):
     """Row counts 1-300 (the one-row and two-row wide tiles, whole and masked; blocks
-    of up to 6 or 8 rows), N not a multiple of 16 (a masked last panel), K odd, the pool
-    shared or not."""
+    of up to 6 or 8 rows; 300 rows of K 600 are 3 row chunks of at most 256 KiB of x),
+    N not a multiple of 16 (a masked last panel), K odd, the pool shared or not."""
     w, x = _weights((k, n), m), _weights((m, k), m + 1)
     panels = cpu_dense.PanelMajor.pack(jnp.asarray(w)).panels
     y = jax.jit(cpu_dense.dense_panels, static_argnums=2)(jnp.asarray(x), panels, n)

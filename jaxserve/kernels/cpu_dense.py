@@ -67,7 +67,9 @@ PANEL = 16  # columns of a panel (one zmm, two ymm registers)
 # dot on the panels (the path past MAX_ROWS): [512, 512] 27 / 31 / 78, 95 / 144 / 168,
 # 587 / 591 / 582, 842 / 869 / 913, 1401 / 1525 / 1724; [512, 4096] 174 / 228 / 577,
 # 776 / 873 / 1395, 2700 / 3301 / 3816, 4976 / 5826 / 6672, 10000 / 10961 / 12092. The
-# kernel with the pack: 1.0-1.3x slower on [512, 512] at 8-256 rows, 1.6x at 512. On the
+# kernel with the pack: 1.0-1.3x slower on [512, 512] at 8-256 rows, 1.6x at 512. (Measured
+# before the kernel's small work units, which made it 1.5-1.6x faster again at 128 rows
+# [512, 512]: 332-372 us, XLA's dot 415-463: cpu_dense_panels.cc's kUnitsPerThread.) On the
 # AVX2 EPYC VM (session 22, with the pack) the kernel's speed-up over XLA's dot on the
 # row-major weight at 1 / 8 / 32 / 128 / 256 rows was [512, 4096] 1.21 / 1.24 / 1.48 /
 # 0.99 / 0.92x, [512, 512] 0.83 / 1.65 / 0.88 / 0.91 / 0.75x (not re-measured there).

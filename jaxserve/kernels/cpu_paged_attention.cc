@@ -179,7 +179,10 @@ class Prefetch {
     regions_[count_++] = {base, keys, stride, (span + 15) / 16};
     total_ += keys * ((span + 15) / 16);
   }
-  void Plan(int64_t steps) { share_ = (total_ + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1); }
+  void Plan(int64_t steps) {
+    steps = std::max<int64_t>(steps, 1);
+    share_ = (total_ + steps - 1) / steps;
+  }
   void Some() { Issue(std::min(total_, done_ + share_)); }
   void Rest() { Issue(total_); }
 
