@@ -212,7 +212,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         metavar="N",
         help="decode steps per device call while every running request decodes; 1 "
         f"disables multi-step decode (default: {sched.num_decode_steps}; on the CPU, "
-        "batches of up to 8 rows run 2-4x more)",
+        "2x more, 4x at batch 1)",
     )
     sc.add_argument(
         "--stream-interval",

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         new.token_buckets, new.max_num_seqs, new.max_model_len, new.block_size,
         new.vocab_size, new.decode_steps,
         # as ModelRunner builds its own: small batches run more steps a call on the CPU
-        scale_small_decodes=True,
+        cpu_decode_factors=True,
     )  # fmt: skip
     times: dict[int, dict[str, list[float]]] = {b: {"baseline": [], "this": []} for b in batches}
     current = [0]

@@ -73,7 +73,7 @@ def test_every_generate_flag_says_its_default():
 def test_serve_help_writes_defaults_one_way_and_in_user_words():
     """Every default reads "(default: X)" (the admission and EPLB groups wrote
     "(default X)"), no help names an internal constant (--num-decode-steps named
-    step_shapes.SMALL_BATCH_DECODE_STEPS), the counts of steps and tokens show as N,
+    step_shapes.CPU_DECODE_STEP_FACTORS), the counts of steps and tokens show as N,
     and --tls-cert says that the HTTP API is served over TLS too."""
     actions = {a.dest: a for a in _serve_parser()._actions}
     helps = {dest: a.help or "" for dest, a in actions.items()}

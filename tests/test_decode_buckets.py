@@ -49,18 +49,18 @@ def test_one_seq_engine_has_one_decode_bucket():
 
 
 def test_small_row_buckets_run_more_steps_when_scaled():
-    """scale_small_decodes (the CPU's): each decode row bucket's call runs num_decode_steps
-    times its SMALL_BATCH_DECODE_STEPS factor; a decision picks the smallest bucket that
+    """cpu_decode_factors (the CPU's): each decode row bucket's call runs num_decode_steps
+    times its CPU_DECODE_STEP_FACTORS factor; a decision picks the smallest bucket that
     holds its rows and runs its steps, and a count no bucket runs is refused."""
-    from jaxserve.engine.step_shapes import SMALL_BATCH_DECODE_STEPS
+    from jaxserve.engine.step_shapes import CPU_DECODE_STEP_FACTORS
 
-    builder = InputBuilder((16, 32), 24, 64, 8, 100, decode_steps=4, scale_small_decodes=True)
+    builder = InputBuilder((16, 32), 24, 64, 8, 100, decode_steps=4, cpu_decode_factors=True)
 
     def factor(rows: int) -> int:  # the table read directly, first match
-        return next((f for most, f in SMALL_BATCH_DECODE_STEPS if rows <= most), 1)
+        return next((f for most, f in CPU_DECODE_STEP_FACTORS if most is None or rows <= most), 1)
 
     want = {r: 4 * factor(r) for r in builder.decode_row_buckets}
-    assert want[1] > want[24] == 4  # the table does scale batch 1, and not the largest
+    assert want[1] > want[24] > 4  # the table scales batch 1 most, and the largest too
     assert {s.num_rows: s.num_steps for s in builder.shapes() if s.num_steps > 1} == want
     for n in range(1, 25):
         bucket = min(r for r in builder.decode_row_buckets if r >= n)

@@ -136,7 +136,7 @@ class ModelRunner:
             model_config.vocab_size,
             num_decode_steps,
             dp=self.dp,
-            scale_small_decodes=mesh.devices.flat[0].platform == "cpu",
+            cpu_decode_factors=mesh.devices.flat[0].platform == "cpu",
         )
         self.max_blocks_per_seq = self.builder.max_blocks_per_seq
         self.moe_layers: tuple[int, ...] = model.moe_layers()

@@ -105,7 +105,7 @@ class InputBuilder(StepBuckets):
     (its `StepBuckets`).
 
     Args:
-        token_buckets, max_num_seqs, max_model_len, decode_steps, dp, scale_small_decodes:
+        token_buckets, max_num_seqs, max_model_len, decode_steps, dp, cpu_decode_factors:
             as `StepBuckets`; max_model_len also sets the block-table width with
             block_size.
         block_size: tokens per KV block.
@@ -121,10 +121,10 @@ class InputBuilder(StepBuckets):
         vocab_size: int,
         decode_steps: int = 1,
         dp: int = 1,
-        scale_small_decodes: bool = False,
+        cpu_decode_factors: bool = False,
     ):
         super().__init__(
-            token_buckets, max_num_seqs, max_model_len, decode_steps, dp, scale_small_decodes
+            token_buckets, max_num_seqs, max_model_len, decode_steps, dp, cpu_decode_factors
         )
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)

@@ -29,17 +29,27 @@ MIN_TOKEN_BUCKET = 16
 MIN_DECODE_ROWS = 4
 SINGLE_ROW_DECODE_BUCKET = True
 
-# Small decode batches run more steps per multi-step call on the CPU: (most rows, factor
-# on num_decode_steps), first match. There a call of few rows is mostly fixed cost
-# (dispatch, packing, fetching: about 1 ms a call on the demo model at batch 1, against
-# about 0.2 ms of device work a step) on the same two cores as the device work, with no
-# async scheduling to hide it. Measured on the demo model (LLM.generate, 64 tokens,
-# interleaved, medians of 7; 2-core CPU): batch 1 gave 1635 / 1860 / 2622 tok/s at 4 / 8 /
-# 16 steps a call, batch 8 4829 / 6171 / 5756, batch 32 6728 / 6798 / 6815. The cost is
-# a longer call: a request arriving meanwhile waits for it, and up to factor x
-# num_decode_steps - 1 surplus steps past a request's end. Not on accelerators, where async
+# On the CPU every decode batch runs more steps per multi-step call: (most rows or None
+# for any, factor on num_decode_steps), first match. Not on accelerators, where async
 # scheduling overlaps the host step with the device's.
-SMALL_BATCH_DECODE_STEPS = ((1, 4), (8, 2))
+# - Small batches: a call of few rows is mostly fixed cost (dispatch, packing, fetching:
+#   about 1 ms a call on the demo model at batch 1, against about 0.2 ms of device work a
+#   step) on the same two cores as the device work, with no async scheduling to hide it.
+#   Measured on the demo model (LLM.generate, 64 tokens, interleaved, medians of 7; 2-core
+#   CPU): batch 1 gave 1635 / 1860 / 2622 tok/s at 4 / 8 / 16 steps a call, batch 8 4829 /
+#   6171 / 5756, batch 32 6728 / 6798 / 6815.
+# - Every batch, when served: a call's outputs cost the serving stack (sidecar, frontend,
+#   gRPC, and a client on the same machine) about 300 us of CPU per row, whatever the
+#   steps, taken from the cores the device work runs on; on the random Qwen3-MoE a decode
+#   step costs about as much per row, so at 4 steps a call serving cost the engine ~11%,
+#   8 halves that (scripts/bench_serve.py CPU us/token of frontend + sidecar + client:
+#   71-89 -> 40-45). Interleaved A/Bs, 64 tokens: served concurrency 16 / 64 / 256 gave
+#   1.07 / 1.08 / 1.03x; offline (LLM.generate) Qwen3-MoE batch 16 / 32 / 128 0.99 / 1.00 /
+#   0.98x (noise: runs spread 5-15%), the demo model batch 16 / 32 / 128 1.06 / 1.19 / 1.19x.
+# The cost is a longer call: a request arriving meanwhile waits for it, tokens stream in
+# bursts of the call's steps, and up to factor x num_decode_steps - 1 surplus steps past a
+# request's end.
+CPU_DECODE_STEP_FACTORS = ((1, 4), (None, 2))
 
 
 class StepShape(NamedTuple):
@@ -68,8 +78,8 @@ class StepBuckets:
         max_model_len: history width L of a step with a penalized row.
         decode_steps: decode steps of the multi-step decode family (1: none).
         dp: dp ranks of every step (a row's rank is `row.seq.rank`); T and R are per rank.
-        scale_small_decodes: small row buckets run more decode steps per call
-            (SMALL_BATCH_DECODE_STEPS; the engine sets it on the CPU).
+        cpu_decode_factors: decode row buckets run more decode steps per call
+            (CPU_DECODE_STEP_FACTORS; the engine sets it on the CPU).
     """
 
     def __init__(
@@ -79,7 +89,7 @@ class StepBuckets:
         max_model_len: int,
         decode_steps: int = 1,
         dp: int = 1,
-        scale_small_decodes: bool = False,
+        cpu_decode_factors: bool = False,
     ):
         self.dp = dp
         self.token_buckets = token_buckets
@@ -92,7 +102,7 @@ class StepBuckets:
         )
         # The decode steps of each decode row bucket's call.
         self._decode_steps = {
-            r: decode_steps * _small_batch_factor(r) if scale_small_decodes else decode_steps
+            r: decode_steps * _cpu_decode_factor(r) if cpu_decode_factors else decode_steps
             for r in self._decode_row_buckets
         }
 
@@ -110,7 +120,7 @@ class StepBuckets:
 
     def decode_steps_for_rows(self, n_rows: int) -> int:
         """The decode steps of the multi-step call that runs n_rows rows (of the busiest
-        rank): its row bucket's, `decode_steps` unless `scale_small_decodes`. Raises
+        rank): its row bucket's, `decode_steps` unless `cpu_decode_factors`. Raises
         ValueError when n_rows exceeds the largest bucket."""
         return self._decode_steps[pick_bucket(self._decode_row_buckets, n_rows)]
 
@@ -156,9 +166,9 @@ class StepBuckets:
         return StepShape(t, r, self.max_model_len, t) if full else StepShape(t, r)
 
 
-def _small_batch_factor(rows: int) -> int:
-    """SMALL_BATCH_DECODE_STEPS' factor for a decode row bucket of `rows` rows."""
-    return next((f for most, f in SMALL_BATCH_DECODE_STEPS if rows <= most), 1)
+def _cpu_decode_factor(rows: int) -> int:
+    """CPU_DECODE_STEP_FACTORS' factor for a decode row bucket of `rows` rows."""
+    return next((f for most, f in CPU_DECODE_STEP_FACTORS if most is None or rows <= most), 1)
 
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
