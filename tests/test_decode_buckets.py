@@ -48,7 +48,7 @@ def test_one_seq_engine_has_one_decode_bucket():
     assert _builder(max_num_seqs=1).decode_row_buckets == (1,)
 
 
-def test_small_row_buckets_run_more_steps_when_scaled():
+def test_cpu_decode_buckets_run_their_factor_of_steps():
     """cpu_decode_factors (the CPU's): each decode row bucket's call runs num_decode_steps
     times its CPU_DECODE_STEP_FACTORS factor; a decision picks the smallest bucket that
     holds its rows and runs its steps, and a count no bucket runs is refused."""
