@@ -24,7 +24,9 @@ transport parses HTTP in Python, which would bill client work to the server).
 
 --stream-interval 1,16 starts one server per value (`serve --stream-interval`: tokens per
 stream message) and runs them interleaved with the rest ("vs gRPC" is then against the
-server at 1). Every served row also gives each process's CPU microseconds per output
+server at 1). --serve-flags='--num-decode-steps 2' (repeatable) likewise starts one more
+server with those `jaxserve serve` flags added: an A/B of serve options in one run. Every
+served row also gives each process's CPU microseconds per output
 token: engine, frontend, detokenizer sidecar, and this process's client (psutil), the
 share the serving stack takes from an engine whose cores it shares; an offline row gives
 its engine's (this process), and "cores" is CPU seconds of all of them per second.
@@ -55,6 +57,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -92,6 +95,9 @@ class Server(ServeProcess):
         # to the compiled shapes, and the background compiles take CPU from the steps.
         self.warm = threading.Event()
         super().__init__(cmd, stdout=subprocess.DEVNULL, stop_timeout_s=15)
+        # `jaxserve serve` outlives its parent (only its own children die with it): stop
+        # it when this script exits, also on an error before the load's try/finally.
+        atexit.register(self.stop)
 
     def on_line(self, line: str) -> None:
         if re.search(r"all \d+ step shapes compiled|compiled \d+ step shapes in", line):
@@ -101,17 +107,25 @@ class Server(ServeProcess):
         """Wait until the server's background compilation is done; returns the seconds
         waited. Raises RuntimeError if it is not done within `timeout`."""
         t0 = time.perf_counter()
-        if not self.warm.wait(timeout):
-            raise RuntimeError("background compilation not done:\n" + "".join(self.log[-30:]))
+        self._wait(self.warm, timeout, "background compilation not done")
         return time.perf_counter() - t0
+
+    def _wait(self, event: threading.Event, timeout: float, what: str) -> None:
+        """Wait for `event`; RuntimeError(`what` and the log's tail) past `timeout` or as
+        soon as the server exits (a flag it refuses, e.g. from --serve-flags)."""
+        deadline = time.perf_counter() + timeout
+        while not event.wait(0.5):
+            code = self.proc.poll()
+            if code is not None or time.perf_counter() > deadline:
+                self.stop()
+                why = f" (the server exited with {code})" if code is not None else ""
+                raise RuntimeError(f"{what}{why}:\n" + "".join(self.log[-30:]))
 
     def time_to_first_token(self, timeout: float = 900) -> float:
         """Seconds from process start to the first streamed token of one request."""
         from jaxserve.frontend.client import JaxserveClient
 
-        if not self.ready.wait(timeout):
-            self.stop()
-            raise RuntimeError("server did not become ready:\n" + "".join(self.log[-30:]))
+        self._wait(self.ready, timeout, "server did not become ready")
         with JaxserveClient(f"127.0.0.1:{self.port}") as c:
             for d in c.generate("import ", max_tokens=1, temperature=0):
                 if d.token_ids or d.text or d.finish_reason:
@@ -237,6 +251,20 @@ def _prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
 
+def _parse_serve_flags(ap, texts: list[str]) -> dict[str, list[str]]:
+    """--serve-flags values -> {the value as given: its flags}, shell-split."""
+    variants = {}
+    for text in texts:
+        try:
+            flags = shlex.split(text)
+        except ValueError as e:
+            ap.error(f"--serve-flags {text!r}: {e}")
+        if not flags or text in variants:
+            ap.error(f"--serve-flags {text!r}: empty or given twice")
+        variants[text] = flags
+    return variants
+
+
 def _parse_pinning(ap, text: str | None) -> tuple[set[int], set[int]] | None:
     """--engine-cpus -> (engine CPUs, the other CPUs this process may use), or None."""
     if text is None:
@@ -274,12 +302,20 @@ def main() -> None:
         "interleaved over gRPC (default: 1)",
     )
     ap.add_argument(
+        "--serve-flags",
+        action="append",
+        default=[],
+        help="extra `jaxserve serve` flags (one string: --serve-flags='--num-decode-steps 2') "
+        "for one more server, measured interleaved with the rest; repeatable",
+    )
+    ap.add_argument(
         "--engine-cpus",
         help="CPUs (e.g. 0 or 0,1) for the engine on both paths; the frontend, sidecar and "
         "client get the others (default: no pinning, all share every CPU)",
     )
     args = ap.parse_args()
     pinning = _parse_pinning(ap, args.engine_cpus)
+    variants = _parse_serve_flags(ap, args.serve_flags)
     levels = [int(c) for c in args.concurrency.split(",")]
     repeats = args.repeats
     extra = ["--max-num-seqs", str(max(levels))]
@@ -303,6 +339,8 @@ def main() -> None:
         servers[name] = Server(args.model, cache, flags, http=args.http and i == 0)
         if i == 0:
             result["startup_warm_s"] = servers[name].time_to_first_token()
+    for text, flags in variants.items():
+        servers[f"serve {text}"] = Server(args.model, cache, [*extra, *flags])
     # Steady state only: the load starts once every step shape is compiled (a served
     # run during the background compile measured 0.66x at concurrency 1).
     result["background_compile_wait_s"] = max(s.wait_warm() for s in servers.values())
