@@ -42,11 +42,12 @@ SINGLE_ROW_DECODE_BUCKET = True
 #   gRPC, and a client on the same machine) about 300 us of CPU per row, whatever the
 #   steps, taken from the cores the device work runs on; on the random Qwen3-MoE a decode
 #   step costs about as much per row, so at 4 steps a call serving cost the engine ~11%,
-#   8 halves that (scripts/bench_serve.py CPU us/token of frontend + sidecar + client at
-#   concurrency 64 / 256: 76 / 90 -> 41 / 47). Interleaved A/Bs, 64 tokens: served
-#   concurrency 16 / 64 / 256 gave 1.07 / 1.08 / 1.03x; offline (LLM.generate) Qwen3-MoE
-#   batch 16 / 32 / 128 0.99 / 1.00 / 0.98x (noise: runs spread 5-15%), the demo model
-#   batch 16 / 32 / 128 1.06 / 1.19 / 1.19x.
+#   8 halves that. Measured (2-core CPU, random Qwen3-MoE, 64 tokens, interleaved,
+#   medians of 5): scripts/bench_serve.py --serve-flags='--num-decode-steps 2' (4 steps)
+#   against the default: served concurrency 16 / 64 / 256 1.03 / 1.04 / 1.04x for 8 steps,
+#   frontend + sidecar + client CPU 99 / 76 / 78 -> 73 / 51 / 57 us/token; offline
+#   (compare_hf.py --baseline-python) batch 16 / 32 / 128 1.09 / 0.99 / 1.02x (runs
+#   spread 5-21%: neutral), the demo model 1.06 / 1.19 / 1.19x (3 repeats).
 # The cost is a longer call: a request arriving meanwhile waits for it, tokens stream in
 # bursts of the call's steps, and up to factor x num_decode_steps - 1 surplus steps past a
 # request's end.
