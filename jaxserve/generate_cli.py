@@ -20,6 +20,7 @@ import sys
 from jaxserve.config import ServerConfig
 from jaxserve.flag_types import INT32, INT64, int_within, positive_float
 from jaxserve.frontend import client_auth, server_address
+from jaxserve.sampling_params import MAX_N
 
 # The flags that are fields of the request by the same name (`JaxserveClient.generate`).
 _REQUEST_FLAGS = (
@@ -70,7 +71,7 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "-n",
         "--n",
-        type=int_within(1, INT32[1]),
+        type=int_within(1, MAX_N),  # the server's limit, not only what the proto holds
         help="samples of the prompt, printed one by one (default: 1)",
     )
     g.add_argument(

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from jaxserve.cli import build_parser
+from jaxserve.sampling_params import MAX_N
 
 _GENERATE = ["generate", "hi"]
 _PROFILE = ["profile", "--server", "h:1", "--out", "d"]
@@ -39,14 +40,16 @@ def test_a_client_time_that_is_not_positive_is_a_usage_error(command, flag, valu
      ("--max-tokens", "2147483648", "[1, 2147483647]"),
      ("--max-tokens", "0", "[1, 2147483647]"),
      ("--top-k", "-2147483649", "[-2147483648, 2147483647]"),
-     ("-n", "99999999999", "[1, 2147483647]"),
-     ("-n", "-1", "[1, 2147483647]")],
+     ("-n", "99999999999", f"[1, {MAX_N}]"),
+     ("-n", "-1", f"[1, {MAX_N}]"),
+     ("-n", str(MAX_N + 1), f"[1, {MAX_N}]")],
 )  # fmt: skip
 def test_a_generate_int_the_request_cannot_hold_names_the_flag_and_range(
     flag, value, bounds, capsys
 ):
     """`generate --seed 99999999999999999999999` used to say protobuf's "Value out of
-    range: ..." without the flag: a usage error naming the flag and the field's range."""
+    range: ..." without the flag: a usage error naming the flag and the field's range
+    (for -n the server's MAX_N: `-n 0` used to say [1, 2147483647])."""
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([*_GENERATE, flag, value])
     assert e.value.code == 2
