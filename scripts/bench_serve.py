@@ -259,8 +259,10 @@ def _parse_serve_flags(ap, texts: list[str]) -> dict[str, list[str]]:
             flags = shlex.split(text)
         except ValueError as e:
             ap.error(f"--serve-flags {text!r}: {e}")
-        if not flags or text in variants:
-            ap.error(f"--serve-flags {text!r}: empty or given twice")
+        if not flags:
+            ap.error(f"--serve-flags {text!r}: no flags in it")
+        if text in variants:
+            ap.error(f"--serve-flags {text!r}: given twice (each value starts one server)")
         variants[text] = flags
     return variants
 
@@ -445,8 +447,9 @@ def main() -> None:
     for key in ("startup_cold_s", "startup_warm_s"):
         if key in result:
             print(f"{key}: {result[key]:.1f}")
+    width = max(22, *(len(r["path"]) + 1 for r in rows))  # --serve-flags names are long
     print(
-        f"{'path':<22}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
+        f"{'path':<{width}}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
         f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text  steps  device s  "
         f"cores  CPU us/token: {' '.join(CPU_ROLES)}"
     )
@@ -455,7 +458,7 @@ def main() -> None:
         ratio = f"{r['tok_s_vs_grpc']:.2f}x" if "tok_s_vs_grpc" in r else ""
         vs_off = f"{r['tok_s_vs_offline']:.2f}x" if "tok_s_vs_offline" in r else ""
         print(
-            f"{r['path']:<22}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
+            f"{r['path']:<{width}}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
             f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}{vs_off:>11}{r['load']:>6.1f}  "
             f"{r.get('texts_equal_to_served', ''):>9}  {r['engine_steps']:5.0f}  "
             f"{r['engine_device_s']:8.2f}  {r['cores_used']:5.2f}  "
