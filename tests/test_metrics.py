@@ -249,3 +249,25 @@ def test_requests_rejected_counts_by_limit_and_keeps_its_labels_bounded():
     assert get(name, {"model": MODEL, "limit": "bytes"}) is None
     with pytest.raises(ValueError, match="limit: 'max_tokens'"):
         metrics.request_rejected("max_tokens")
+
+
+def test_request_timing_counts_one_itl_per_token_after_the_first(monkeypatch):
+    """Deliveries of 3, 2 and 1 tokens (the first merged, as a slow reader gets them): the
+    ITL histogram counts 5 = tokens - 1 gaps whatever the first delivery held (the two
+    delivered with the first came 0 s after it), so the mean ITL equals the TPOT."""
+    from jaxserve.ipc import TextOutput
+    from jaxserve.observability import request_timing
+
+    clock = iter([1.0, 1.5, 2.5])
+    monkeypatch.setattr(request_timing.time, "perf_counter", lambda: next(clock))
+    metrics = Metrics(model=MODEL)
+    timing = request_timing.RequestTiming(metrics, start=0.5)
+    timing.observe([TextOutput("r", "ab", [1, 2]), TextOutput("r", "c", [3])])
+    timing.observe([TextOutput("r", "de", [4, 5])])
+    timing.observe([TextOutput("r", "f", [6], "length", None, 4, 6)])
+    itl = "jaxserve_inter_token_latency_seconds"
+    assert _value(metrics, f"{itl}_count") == 5
+    assert _value(metrics, f"{itl}_sum") == pytest.approx(0.5 + 1.0)
+    assert _value(metrics, "jaxserve_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    tpot = _value(metrics, "jaxserve_time_per_output_token_seconds_sum")
+    assert tpot == pytest.approx((2.5 - 1.0) / 5) == _value(metrics, f"{itl}_sum") / 5

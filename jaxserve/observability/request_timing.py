@@ -12,7 +12,8 @@ from jaxserve.observability.metrics import Metrics, observe_repeated
 
 class RequestTiming:
     """Client-facing latencies of one sample, as the frontend sees them (vLLM's definitions):
-    TTFT = first output token - arrival; ITL = gap between token deliveries, per token;
+    TTFT = first output token - arrival; ITL = gap between token deliveries, per token
+    after the first (a delivery of n tokens counts n gaps of 1/n of its wait);
     TPOT = (last token - first token) / (output tokens - 1); e2e = final output - arrival."""
 
     def __init__(self, metrics: Metrics, start: float | None = None) -> None:
@@ -34,6 +35,10 @@ class RequestTiming:
             if self._first is None:
                 self._first = now
                 self._m.ttft.observe(now - self._start)
+                # Tokens delivered with the first one (a slow reader's merged outputs, a
+                # multi-token first output) came 0 s after it: every token but the first
+                # has one ITL, so the ITLs' count is tokens - 1 and their mean the TPOT.
+                observe_repeated(self._m.itl, 0.0, n_tokens - 1)
             elif self._last is not None:
                 # n_tokens inter-token latencies of the same gap, in one observation.
                 observe_repeated(self._m.itl, (now - self._last) / n_tokens, n_tokens)
