@@ -148,6 +148,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"jaxserve generate: error: {why}", file=sys.stderr)
                 return 2
             hint = _unavailable_hint(e, args.server, auth.uses_tls)
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is not None:
+                hint = (
+                    f"; --timeout {args.timeout:g} s passed (raise it, or leave it out: no limit)"
+                )
             print(f"jaxserve generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # leaving the loop cancelled the request on the server

@@ -158,6 +158,13 @@ BAD = [
     # a number (1e+16)" (test_a_huge_max_tokens_names_the_limit for max_tokens).
     ("/v1/completions", {"prompt": "a", "n": 1e16}, "n",
      "n: must be in [1, 128], got 10000000000000000"),
+    # A huge one is abbreviated (1e300 echoed its 301 digits: session 25's trial).
+    ("/v1/completions", {"prompt": "a", "n": 1e300}, "n",
+     f"n: must be in [1, 128], got {str(int(1e300))[:12]}... (301 digits)"),
+    ("/v1/completions", {"prompt": "a", "top_k": -1e300}, "top_k",
+     f"got -{str(int(1e300))[:11]}... (301 digits)"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1e300}, "max_tokens",
+     f"got {str(int(1e300))[:12]}... (301 digits)"),
     # ... throughout the message, not only at its start (it said "+ max_tokens (1000000)").
     ("/v1/completions", {"prompt": "a", "max_tokens": None, "max_completion_tokens": 10**6},
      "max_completion_tokens", "+ max_completion_tokens (1000000) exceeds max_model_len"),

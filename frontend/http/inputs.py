@@ -62,7 +62,14 @@ def _check_int(
     range, which would suggest that values the server refuses anyway are fine."""
     if value is not None and not low <= value <= high:
         rule = accepted or f"within [{low}, {high}]"
-        raise FieldError(name, f"{name}: must be {rule}, got {value}")
+        raise FieldError(name, f"{name}: must be {rule}, got {_shown_int(value)}")
+
+
+def _shown_int(value: int) -> str:
+    """An integer for an error message, a huge one abbreviated: JSON's 1e300 is an int here
+    (pydantic takes a float without a fraction) and its 301 digits would fill the error."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
 
 
 def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
@@ -152,7 +159,7 @@ def _max_tokens(
         high = limits.max_model_len - 1
         raise FieldError(
             name, f"{name}: must be within [1, {high}] (prompt + {name} <= max_model_len "
-            f"{limits.max_model_len}), got {value}",
+            f"{limits.max_model_len}), got {_shown_int(value)}",
         )  # fmt: skip
     request.max_tokens = value
 

@@ -67,6 +67,20 @@ def test_cli_generate_reports_bad_input(server):
     assert len(lines) == 1 and lines[0].startswith("jaxserve generate: error: --top-p:"), lines
 
 
+def test_cli_generate_timeout_names_the_flag(server):
+    """A stream past --timeout ends with gRPC's DEADLINE_EXCEEDED and the flag that set
+    it (it said only "Deadline Exceeded"): exit 1, one line on stderr."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
+         "--max-tokens", "1000", "--timeout", "0.5", "hi"],
+        capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: DEADLINE_EXCEEDED: "), lines
+    assert lines[0].endswith("; --timeout 0.5 s passed (raise it, or leave it out: no limit)")
+
+
 def test_cli_generate_from_a_closed_stdin_is_one_line():
     # Started with stdin closed (`<&-`): sys.stdin is None, which raised AttributeError.
     out = subprocess.run(
