@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import grpc
 
 # grpc is imported where a channel is made: the CLI builds these flags for every command.
@@ -236,14 +238,19 @@ def from_args(args: argparse.Namespace) -> ClientAuth:
         raise ValueError(flag_error(e)) from None
 
 
-def flag_error(e: Exception, flags: dict[str, str] | None = None) -> str:
+def flag_error(
+    e: Exception, flags: dict[str, str] | None = None, known: Collection[str] | None = None
+) -> str:
     """A ValueError naming a field ("tls_ca_cert: ...", "from: ...") in the words of the
-    flag the user typed ("--tls-ca-cert: ..."), as every client command says its usage
-    errors; `flags` maps a field whose flag has another name ({"out_dir": "--out"}).
-    A message that names a flag already, or no field, is left as it is."""
+    flag the user typed ("--tls-ca-cert: ..."), as every command says its usage errors;
+    `flags` maps a field whose flag has another name ({"out_dir": "--out"}); `known`: the
+    command's flags, when a field may be no flag (serve's settings name config fields):
+    a field whose --flag is not among them keeps its name. A message that names a flag
+    already, or no field, is left as it is."""
     option, sep, rest = str(e).partition(":")
     if flags and option in flags:
         return f"{flags[option]}{sep}{rest}"
     if not sep or not re.fullmatch(r"[a-z][a-z0-9_-]*", option):
         return str(e)
-    return f"--{option.replace('_', '-')}{sep}{rest}"
+    flag = f"--{option.replace('_', '-')}"
+    return str(e) if known is not None and flag not in known else f"{flag}{sep}{rest}"

@@ -76,13 +76,26 @@ def _fail(error: BaseException, code: int, dist=None) -> int:
     followers (`jaxserve.distributed.start_status`), so that they end too. Returns `code`."""
     logging.getLogger("jaxserve").debug("start-up error", exc_info=error)
     drop_start_logs()  # the start's INFO lines, held back: this line is all it says
-    line = describe_error(error)
+    line = in_flag_words(describe_error(error), "serve")
     print(f"jaxserve serve: error: {line}", file=sys.stderr, flush=True)
     if dist is not None and dist.is_leader:
         from jaxserve.distributed.start_status import announce_failure
 
         announce_failure(dist, line)
     return code
+
+
+def in_flag_words(line: str, command: str) -> str:
+    """A start-up error's line with the field it names as the flag of `command` ("serve",
+    "engine") the user typed ("port: cannot bind" -> "--port: cannot bind"), as the
+    client commands and argparse say theirs; a field that is no flag of it keeps its
+    name. "model" stays: it is mostly given as the positional MODEL."""
+    from jaxserve.frontend.client_auth import flag_error
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    known = set(sub.choices[command]._option_string_actions) - {"--model"}
+    return flag_error(ValueError(line), known=known)
 
 
 def _leader_failed(cause: str) -> None:
@@ -279,7 +292,12 @@ def _add_frontend_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxserve", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="jaxserve",
+        description="An inference server for Mixture-of-Experts LLMs on JAX. Start with "
+        "`jaxserve serve [MODEL]` (default: the bundled demo model), then `jaxserve "
+        "generate 'a prompt'` in another shell; `jaxserve COMMAND --help` for each.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
 

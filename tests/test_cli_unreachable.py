@@ -109,7 +109,7 @@ def test_engine_to_an_address_where_nothing_listens_says_so_and_gives_up(host):
     # Both said at once, not only when giving up 4 s later.
     assert refused[0] < ended - 2.0, text
     last = lines[-1][1]
-    assert last.startswith("jaxserve engine: error: frontend: no answer within 4 s"), text
+    assert last.startswith("jaxserve engine: error: --frontend: no answer within 4 s"), text
     assert f"nothing listens at {address}" in last and "Traceback" not in text
 
 
@@ -137,7 +137,7 @@ def test_an_ipv6_replica_address_is_refused_by_name_on_both_sides(command, flag,
     r = _jaxserve(command, str(DEMO_MODEL_DIR), f"--{flag}", f"[::1]:{free_port()}", *more)
     assert r.returncode == 2, r
     assert r.stderr.splitlines() == [
-        f"jaxserve {command}: error: {flag}: IPv6 addresses (::1) are not supported yet; "
+        f"jaxserve {command}: error: --{flag}: IPv6 addresses (::1) are not supported yet; "
         "give an IPv4 address or a host name"
     ], r.stderr
 
@@ -154,7 +154,8 @@ def test_a_port_outside_the_tcp_range_is_refused_by_name(command, flag, more, po
     r = _jaxserve(command, str(DEMO_MODEL_DIR), f"--{flag}", f"127.0.0.1:{port}", *more)
     assert r.returncode == 2, r
     assert r.stderr.splitlines() == [
-        f"jaxserve {command}: error: {flag}: port must be within [1, 65535], got '127.0.0.1:{port}'"
+        f"jaxserve {command}: error: --{flag}: port must be within [1, 65535], "
+        f"got '127.0.0.1:{port}'"
     ], r.stderr
 
 
@@ -171,7 +172,7 @@ def test_a_listen_host_that_does_not_resolve_is_refused_by_name(more):
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(
-        "jaxserve serve: error: replica-listen: host nosuchhost.invalid does not resolve ("
+        "jaxserve serve: error: --replica-listen: host nosuchhost.invalid does not resolve ("
     ), lines[0]
     assert lines[0].endswith("); give an IPv4 address or a host name that resolves to one")
 
@@ -196,7 +197,7 @@ def test_a_frontend_host_that_does_not_resolve_is_waited_for_then_named():
         for line in lines[:-1]
     ), r.stderr
     assert lines[-1].startswith(
-        "jaxserve engine: error: frontend: host nosuchhost.invalid does not resolve ("
+        "jaxserve engine: error: --frontend: host nosuchhost.invalid does not resolve ("
     ), lines[-1]
     assert lines[-1].endswith(
         ") after 2 s; give an address or a host name that resolves to an IPv4 address"

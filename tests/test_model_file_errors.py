@@ -221,5 +221,5 @@ def test_empty_chat_template_is_refused_at_start(model_copy, tmp_path, text):
     code, lines = serve(str(model_copy), "--chat-template", str(path), "--http-port", "0", *MOCK)
     assert code == 2
     assert one_error_line(lines) == (
-        f"jaxserve serve: error: chat-template: {path} is empty (no template text)"
+        f"jaxserve serve: error: --chat-template: {path} is empty (no template text)"
     )

@@ -121,7 +121,7 @@ def test_max_model_len_above_the_models_limit_fails_before_any_process_starts():
     limit = json.loads((DEMO_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
     assert code == 2
     line = one_error_line(lines)
-    assert line.startswith(f"jaxserve serve: error: max-model-len: {10**9} tokens"), line
+    assert line.startswith(f"jaxserve serve: error: --max-model-len: {10**9} tokens"), line
     assert f"limit of {limit}" in line and f"--max-model-len {limit} or less" in line
 
 
@@ -324,7 +324,7 @@ def test_follower_ends_within_seconds_when_the_leader_fails_to_start(model_copy)
         follower.kill()
     assert follower.returncode == 2 and took < 15, (took, stderr)
     line = one_error_line(stderr.splitlines())
-    assert "process 0 (the leader) failed to start: port: cannot bind" in line
+    assert "process 0 (the leader) failed to start: --port: cannot bind" in line
 
 
 @pytest.mark.parametrize(

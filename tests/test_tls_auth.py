@@ -343,13 +343,13 @@ def test_http_401_names_the_header_not_grpc_metadata(headers):
 @pytest.mark.parametrize(
     ("flags", "cause"),
     [
-        ({"--tls-cert": "nope.pem"}, "tls-cert: cannot read {d}/nope.pem"),
-        ({"--tls-cert": "server.csr"}, "tls-cert: {d}/server.csr holds no PEM certificate"),
-        ({"--tls-key": "."}, "tls-key: cannot read {d} (Is a directory)"),
-        ({"--tls-key": "client.key"}, "tls-key: {d}/client.key is not the private key of the "
+        ({"--tls-cert": "nope.pem"}, "--tls-cert: cannot read {d}/nope.pem"),
+        ({"--tls-cert": "server.csr"}, "--tls-cert: {d}/server.csr holds no PEM certificate"),
+        ({"--tls-key": "."}, "--tls-key: cannot read {d} (Is a directory)"),
+        ({"--tls-key": "client.key"}, "--tls-key: {d}/client.key is not the private key of the "
          "certificate in {d}/server.pem"),
-        ({"--tls-key": "server.pem"}, "tls-key: {d}/server.pem holds no PEM private key"),
-        ({"--tls-client-ca": "ca.key"}, "tls-client-ca: {d}/ca.key holds no PEM certificate"),
+        ({"--tls-key": "server.pem"}, "--tls-key: {d}/server.pem holds no PEM private key"),
+        ({"--tls-client-ca": "ca.key"}, "--tls-client-ca: {d}/ca.key holds no PEM certificate"),
     ],
 )  # fmt: skip
 def test_serve_with_a_bad_tls_file_is_one_line_naming_the_flag(mock_model_dir, pki, flags, cause):

@@ -270,7 +270,7 @@ def cmd_engine(args) -> int:
         # Mistakes that need no device, before the engine process starts (exit code 2).
         preflight.check_engine_settings(config, check_model=args.engine_class is None)
     except (ValueError, OSError) as e:
-        print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
+        print(f"jaxserve engine: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)
         return 2
     try:
         return run_headless(
@@ -278,8 +278,15 @@ def cmd_engine(args) -> int:
             engine_class=args.engine_class, log_level=args.log_level,
         )  # fmt: skip
     except HeadlessError as e:
-        print(f"jaxserve engine: error: {e}", file=sys.stderr, flush=True)
+        print(f"jaxserve engine: error: {in_flag_words(str(e))}", file=sys.stderr, flush=True)
         return e.code
+
+
+def in_flag_words(line: str) -> str:
+    """`cli.in_flag_words` for this command ("frontend: ..." -> "--frontend: ...")."""
+    from jaxserve import cli  # noqa: PLC0415 (cli imports this module)
+
+    return cli.in_flag_words(line, "engine")
 
 
 def _refuse_multi_process(args) -> None:

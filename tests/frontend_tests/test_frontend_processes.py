@@ -37,7 +37,7 @@ def test_busy_port_is_an_error(server, model_dir):
     )  # fmt: skip
     assert out.returncode == 1, out.stderr
     # The metrics port's style: the flag, the address and the OS's reason.
-    assert f"jaxserve serve: error: port: cannot bind 127.0.0.1:{port} ([Errno " in out.stderr
+    assert f"jaxserve serve: error: --port: cannot bind 127.0.0.1:{port} ([Errno " in out.stderr
 
 
 def test_busy_metrics_port_is_an_error_naming_the_flag(model_dir):
@@ -54,7 +54,7 @@ def test_busy_metrics_port_is_an_error_naming_the_flag(model_dir):
         )  # fmt: skip
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr
-    assert f"jaxserve serve: error: metrics-port: cannot bind 127.0.0.1:{port} (" in stderr
+    assert f"jaxserve serve: error: --metrics-port: cannot bind 127.0.0.1:{port} (" in stderr
     # No child outlived it (children carry their parent's pid on their command line).
     marker = f"--parent-pid {proc.pid}"
     leftovers = [
