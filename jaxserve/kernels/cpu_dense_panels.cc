@@ -169,8 +169,8 @@ struct Problem {
 template <int R = jaxserve::kTileRows>
 inline void PanelTile(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                       int64_t col, int lanes, float* const* out) {
-  if (rows >= R) return WideTile<R, 1>(x, ldx, panel, K, col, lanes, out);
-  if constexpr (R > 1) PanelTile<R - 1>(rows, x, ldx, panel, K, col, lanes, out);
+  jaxserve::WithRows<R>(
+      rows, [&](auto r) { WideTile<decltype(r)::value, 1>(x, ldx, panel, K, col, lanes, out); });
 }
 
 // Panels [p0, p1) of row blocks [b0, b1): y[rows, 16 p0 : min(N, 16 p1)]. Panels outer,

@@ -81,9 +81,9 @@ inline void ChunkTile(const float* at, const float* w, int64_t ldw, int64_t kn, 
 template <int R, bool kAcc, bool kCopy>
 inline void ChunkTileRows(int rows, const float* at, const float* w, int64_t ldw, int64_t kn,
                           int64_t col, float* const* out, const float* next, float* copy) {
-  if (rows >= R) return ChunkTile<R, kAcc, kCopy>(at, w, ldw, kn, col, out, next, copy);
-  if constexpr (R > 1)
-    ChunkTileRows<R - 1, kAcc, kCopy>(rows, at, w, ldw, kn, col, out, next, copy);
+  WithRows<R>(rows, [&](auto r) {
+    ChunkTile<decltype(r)::value, kAcc, kCopy>(at, w, ldw, kn, col, out, next, copy);
+  });
 }
 
 template <bool kAcc, bool kCopy>

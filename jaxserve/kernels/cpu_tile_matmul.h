@@ -52,6 +52,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 // AVX2 + FMA builds (most laptops, AMD Zen 2/3) get the same tiles on 8-lane registers:
@@ -78,6 +80,18 @@ namespace jaxserve {
 
 // Rows of a register tile (accumulators: one zmm, or two ymm, per row).
 constexpr int kTileRows = JAXSERVE_TILES_AVX2 ? 6 : 8;
+
+// f(std::integral_constant<int, rows>{}) for a runtime rows in [1, R] (R when larger): a
+// register tile needs its row count at compile time, so every tile's runtime-rows entry
+// point is this chain of R compares over its instantiations, e.g.
+//   WithRows<kTileRows>(rows, [&](auto r) { Tile<decltype(r)::value>(...); });
+template <int R, class F>
+inline decltype(auto) WithRows(int rows, F&& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return WithRows<R - 1>(rows, std::forward<F>(f));
+  }
+  return f(std::integral_constant<int, R>{});
+}
 
 #if JAXSERVE_HAVE_TILES
 
@@ -165,14 +179,12 @@ template <int R, bool kCopy = false>
 inline void TileRows(int rows, const float* at, const float* w, int64_t ldw, int64_t K,
                      int64_t col, Mask16 mask, float* const* out, int64_t ahead,
                      int64_t lead, float* copy = nullptr) {
-  if constexpr (kCopy) {
-    if (rows >= R) return Tile<R, true>(at, w, ldw, K, col, mask, out, ahead, lead, copy);
-    if constexpr (R > 1)
-      TileRows<R - 1, true>(rows, at, w, ldw, K, col, mask, out, ahead, lead, copy);
-  } else {
-    if (rows >= R) return Tile<R>(at, w, ldw, K, col, mask, out, ahead, lead);
-    if constexpr (R > 1) TileRows<R - 1>(rows, at, w, ldw, K, col, mask, out, ahead, lead);
-  }
+  WithRows<R>(rows, [&](auto r) {
+    if constexpr (kCopy)
+      Tile<decltype(r)::value, true>(at, w, ldw, K, col, mask, out, ahead, lead, copy);
+    else
+      Tile<decltype(r)::value>(at, w, ldw, K, col, mask, out, ahead, lead);
+  });
 }
 
 #endif  // JAXSERVE_HAVE_TILES
@@ -413,11 +425,10 @@ template <int R, int Hint>
 inline const float* PanelsTileRows(int rows, const float* at, const float* panel, int64_t K,
                                    int64_t col, Mask16 mask, float* const* out, const float* pf,
                                    const float* pf_end, const float* pf_next) {
-  if (rows >= R)
-    return PanelsTile<R, Hint>(at, panel, K, col, mask, out, pf, pf_end, pf_next);
-  if constexpr (R > 1)
-    return PanelsTileRows<R - 1, Hint>(rows, at, panel, K, col, mask, out, pf, pf_end, pf_next);
-  return pf;
+  return WithRows<R>(rows, [&](auto r) {
+    return PanelsTile<decltype(r)::value, Hint>(at, panel, K, col, mask, out, pf, pf_end,
+                                                pf_next);
+  });
 }
 #endif
 
