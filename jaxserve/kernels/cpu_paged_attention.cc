@@ -379,7 +379,8 @@ int64_t PlanUnits(Problem& p, const int32_t* qsl, int64_t num_tokens, int64_t nu
       for (int64_t h = 0; h < p.kv_heads; h += heads_per_unit)
         p.units.push_back({static_cast<int32_t>(r), static_cast<int32_t>(h),
                            static_cast<int32_t>(heads_per_unit), static_cast<int32_t>(t), n});
-      work += n * p.heads * p.head_dim * std::min<int64_t>(p.seq_lens[r], p.table_width * p.block_size);
+      const int64_t context = std::min<int64_t>(p.seq_lens[r], p.table_width * p.block_size);
+      work += n * p.heads * p.head_dim * context;
     }
   }
   return work;

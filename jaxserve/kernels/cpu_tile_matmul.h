@@ -224,8 +224,8 @@ inline void SwiGlu(float* gate, const float* up, int64_t n) {
   for (; c + 8 <= n; c += 8) {
     const __m256 g = _mm256_loadu_ps(gate + c);
     const __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(gate + c,
-                     _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + c)));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(gate + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
   }
 #endif
   for (; c < n; ++c) gate[c] = gate[c] / (1.f + std::exp(-gate[c])) * up[c];

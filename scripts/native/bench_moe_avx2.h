@@ -121,7 +121,8 @@ void YMatmul(const jaxserve::RowBlocks& blocks, const float* packed, const float
     const __m256i last = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
     const int64_t lead = variant.pf < 0 && col < -variant.pf * 16 ? variant.lead * N : 0;
     if (variant.kc == 1 && lanes == width && blocks.blocks > 1) {  // copy, then read the copy
-      if (copy_buffer.size() < static_cast<size_t>(K * width + 8)) copy_buffer.resize(K * width + 8);
+      if (copy_buffer.size() < static_cast<size_t>(K * width + 8))
+        copy_buffer.resize(K * width + 8);
       float* buf = copy_buffer.data();
       buf += (8 - reinterpret_cast<uintptr_t>(buf) / 4 % 8) % 8;  // 32-byte aligned
       YTileRows<V, R, Hint, kMaskAll, false, true>(blocks.BlockRows(0), packed, w, N, K, col,

@@ -34,9 +34,9 @@
 // BENCH_HUGEPAGES=1 puts the weights on transparent huge pages (fewer TLB misses on
 // the row-strided reads; the older prefetch gains most from them). E.g. T=128 on two
 // shared Zen 4 cores (load ~1.8), ms and x tile:1,8, 4 KB pages / huge pages: base 2.97
-// (1.36x) / 2.60 (1.20x), pm (then a tile variant on panel-major weights) 2.97 (1.36x) / 2.74 (1.14x), tile:1,8,-3,0 1.29x / 1.15x,
-// tile:2,8,-4,0 1.21x / 0.93x, tile:4,6 1.00x / 0.84x, pack:1,8 0.87x / 0.69x,
-// chunk:4,6,0,0,64,1 0.95x / 0.76x.
+// (1.36x) / 2.60 (1.20x), pm (then a tile variant on panel-major weights) 2.97 (1.36x) /
+// 2.74 (1.14x), tile:1,8,-3,0 1.29x / 1.15x, tile:2,8,-4,0 1.21x / 0.93x, tile:4,6 1.00x /
+// 0.84x, pack:1,8 0.87x / 0.69x, chunk:4,6,0,0,64,1 0.95x / 0.76x.
 //
 //   g++ -O3 -march=native -std=c++17 -I$(python -c 'import jax; print(jax.ffi.include_dir())') \
 //       -Ijaxserve/kernels scripts/native/bench_moe_kernel.cc -o /tmp/bench_moe_kernel -pthread
@@ -435,7 +435,8 @@ int main(int argc, char** argv) {
         const auto main_done = std::chrono::steady_clock::now();
         while (finished.load() == before) std::this_thread::yield();
         if (c >= 2)
-          tails[vi].push_back(std::abs(std::chrono::duration<double>(main_done - helper_done).count()));
+          tails[vi].push_back(
+              std::abs(std::chrono::duration<double>(main_done - helper_done).count()));
         const double t =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (c >= 2) times[vi].push_back(t);  // each round's first two calls: warm-up
@@ -447,7 +448,10 @@ int main(int argc, char** argv) {
             std::vector<double> hid(I);
             for (int j = 0; j < I; ++j) {
               double g = 0, u = 0;
-              for (int k = 0; k < H; ++k) g += xr[k] * wg[l][(e * H + k) * I + j], u += xr[k] * wu[l][(e * H + k) * I + j];
+              for (int k = 0; k < H; ++k) {
+                g += xr[k] * wg[l][(e * H + k) * I + j];
+                u += xr[k] * wu[l][(e * H + k) * I + j];
+              }
               hid[j] = g / (1 + std::exp(-g)) * u;
             }
             for (int o = 0; o < H; ++o) {
