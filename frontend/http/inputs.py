@@ -69,7 +69,7 @@ def _shown_int(value: int) -> str:
     """An integer for an error message, a huge one abbreviated: JSON's 1e300 is an int here
     (pydantic takes a float without a fraction) and its 301 digits would fill the error."""
     text = str(value)
-    return text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
 
 
 def _token_ids(name: str, ids: list[int], limits: ModelLimits) -> list[int]:
