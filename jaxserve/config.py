@@ -150,6 +150,10 @@ class SchedulerConfig:
     stream_interval: a running request's tokens are published in messages of at least
         this many (its first and final output excepted; `engine.stream_interval`); 1
         publishes every step's tokens at once.
+    burst_gather_ms: an idle engine that receives a request waits while more keep
+        arriving, each within this many milliseconds of the last (at most
+        `engine.process.BURST_GATHER_MAX_S` in all), so that a burst is prefilled in one
+        step; 0 (the default) starts at once.
     """
 
     max_num_seqs: int = 64
@@ -159,6 +163,7 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     num_decode_steps: int = 4
     stream_interval: int = 1
+    burst_gather_ms: float = 0.0
 
 
 def resolve_async_scheduling(value: bool | None, platform: str) -> bool:

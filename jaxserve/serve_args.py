@@ -224,6 +224,15 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "engine step's tokens at once)",
     )
     sc.add_argument(
+        "--burst-gather-ms",
+        type=non_negative_float,
+        metavar="MS",
+        help="an idle engine that receives a request waits while more keep arriving, each "
+        "within MS of the last (at most 0.1 s in all), and prefills them in one step "
+        "instead of several: a burst's throughput for up to MS more time to first token "
+        f"(default: {sched.burst_gather_ms:g}, start at once)",
+    )
+    sc.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -80,6 +80,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineC
             async_scheduling=args.async_scheduling,
             num_decode_steps=args.num_decode_steps,
             stream_interval=args.stream_interval,
+            burst_gather_ms=args.burst_gather_ms,
         )
     )
     if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:

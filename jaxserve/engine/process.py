@@ -86,6 +86,9 @@ DEFAULT_ENGINE_CLASS = "jaxserve.engine.core:EngineCore"
 # An idle engine wakes this often even without messages (ms); parent death is handled
 # by jaxserve.lifetime, so this only bounds how stale nothing can be.
 _IDLE_POLL_MS = 1000
+# The longest an idle engine gathers a burst of requests before its first step
+# (`SchedulerConfig.burst_gather_ms`), seconds.
+BURST_GATHER_MAX_S = 0.1
 
 
 def load_engine_class(path: str) -> type:
@@ -105,6 +108,7 @@ class EngineLoop:
         piece a call, returning whether more is pending).
     stream_interval: tokens a running request's output message carries at least
         (`engine.stream_interval`); 1 publishes every step's outputs as they are.
+    burst_gather_ms: `SchedulerConfig.burst_gather_ms` (0: none).
     """
 
     def __init__(
@@ -118,8 +122,10 @@ class EngineLoop:
         control: EngineControl | None = None,
         kv_events_socket: zmq.Socket | None = None,
         stream_interval: int = 1,
+        burst_gather_ms: float = 0.0,
     ) -> None:
         self._core = core
+        self._burst_gather_ms = burst_gather_ms
         self._coalescer = OutputCoalescer(stream_interval)
         self._kv_socket = kv_events_socket
         self._kv_log = None
@@ -149,7 +155,8 @@ class EngineLoop:
         """Send the ready handshake, then loop until a Shutdown message arrives."""
         self._send_stats(force=True)
         while self._running:
-            if not self._core.has_work():
+            idle = not self._core.has_work()
+            if idle:
                 self._flush_kv_events()
                 self._send_stats()  # the idle gauges (e.g. all blocks free) always arrive
                 idle_work = getattr(self._core, "idle_work", None)
@@ -163,6 +170,8 @@ class EngineLoop:
             if self._control_socket is not None:
                 self._drain_input(self._control_socket)
             self._drain_input()
+            if idle and self._burst_gather_ms > 0 and self._core.has_work():
+                self._gather_burst()
             TIMELINE.span("drain inputs", t)
             self._tick()
             if self._running and self._core.has_work():
@@ -170,6 +179,23 @@ class EngineLoop:
         if self._profile is not None and self._profile.done is False:
             if TIMELINE.active:
                 self._profile.finish()  # shutting down: write what was captured, now
+
+    def _gather_burst(self) -> None:
+        """Take the requests that keep arriving, each within burst_gather_ms of the last
+        (BURST_GATHER_MAX_S at most in all), before the first step after idleness: a
+        burst of requests (a client's batch, a wave of a load test) is prefilled in one
+        step instead of a step per few arrivals, each of which would also run the
+        earlier arrivals' decode one token at a time (no multi-step decode beside a
+        prefill). The idea of TensorRT-LLM's batch_wait_timeout_ms, which waits for a
+        full batch instead; this waits only while requests keep coming."""
+        end = time.monotonic() + BURST_GATHER_MAX_S
+        while self._running:
+            left_ms = (end - time.monotonic()) * 1000
+            if left_ms <= 0 or not self._poller.poll(min(self._burst_gather_ms, left_ms)):
+                return
+            if self._control_socket is not None:
+                self._drain_input(self._control_socket)
+            self._drain_input()
 
     def _tick(self) -> None:
         """Abort the requests whose deadline passed; send the heartbeat when due."""
@@ -367,6 +393,7 @@ def run_engine_process(
             EngineLoop(
                 core, input_socket, output_socket, control_socket=control_socket,
                 kv_events_socket=kv_socket, stream_interval=config.scheduler.stream_interval,
+                burst_gather_ms=config.scheduler.burst_gather_ms,
             ).run()  # fmt: skip
         except Exception:
             logger.exception("engine step failed; the engine process exits")
