@@ -250,7 +250,9 @@ def flag_error(
     option, sep, rest = str(e).partition(":")
     if flags and option in flags:
         return f"{flags[option]}{sep}{rest}"
-    if not sep or not re.fullmatch(r"[a-z][a-z0-9_-]*", option):
+    # An item of a list field ("stop[0]: ...") is its repeatable flag's ("--stop: ...").
+    field = re.fullmatch(r"([a-z][a-z0-9_-]*)(?:\[\d+\])?", option) if sep else None
+    if field is None:
         return str(e)
-    flag = f"--{option.replace('_', '-')}"
+    flag = f"--{field[1].replace('_', '-')}"
     return str(e) if known is not None and flag not in known else f"{flag}{sep}{rest}"

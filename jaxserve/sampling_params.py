@@ -47,6 +47,8 @@ MAX_STOP_TOTAL_BYTES = 4096  # UTF-8 bytes of all stop strings together
 MAX_STOP_TOKEN_IDS = 128
 # The sampler holds every float parameter as float32: larger magnitudes would overflow.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest normal float32 (a top_p below it is raised to it: `validate`).
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 _FLOAT_FIELDS = (
     "temperature",
@@ -140,6 +142,10 @@ class SamplingParams:
         # keeps no token, and a penalty of 0 divides logits by zero.
         if not (0.0 < self.top_p <= 1.0 and np.float32(self.top_p) > 0.0):
             raise ValueError(f"top_p: must be in (0, 1] (and > 0 in float32), got {self.top_p}")
+        # Below float32's smallest normal number top_p is 0 on the device (XLA's CPU
+        # flushes denormals to zero), which kept no token and ended the request with an
+        # empty text; so small a top_p means the most likely token, as FLOAT32_TINY does.
+        self.top_p = max(self.top_p, FLOAT32_TINY)
         if self.top_k < -1:
             raise ValueError(f"top_k: must be {TOP_K_ACCEPTED}, got {self.top_k}")
         if self.top_k == 0:  # vLLM's "disabled"; the sampler's is -1 (all tokens)

@@ -161,6 +161,9 @@ BAD = [
     # A huge one is abbreviated (1e300 echoed its 301 digits: session 25's trial).
     ("/v1/completions", {"prompt": "a", "n": 1e300}, "n",
      f"n: must be in [1, 128], got {str(int(1e300))[:12]}... (301 digits)"),
+    # past int32: the message gives the upper end (it said ">= 1, got 2147483648").
+    ("/v1/completions", {"prompt": "a", "top_k": 2**31}, "top_k",
+     "top_k: must be -1 or 0 (disabled) or >= 1, at most 2147483647, got 2147483648"),
     ("/v1/completions", {"prompt": "a", "top_k": -1e300}, "top_k",
      f"got -{str(int(1e300))[:11]}... (301 digits)"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1e300}, "max_tokens",

@@ -532,3 +532,15 @@ def test_first_argmax_equals_numpy_argmax_with_ties_nan_and_inf():
         got = np.asarray(jax.jit(sampler.first_argmax)(jnp.asarray(x)))
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("top_p", [1e-40, 1e-45, 1.2e-38])
+def test_a_top_p_below_float32s_smallest_normal_keeps_the_most_likely_token(top_p):
+    """A top_p of 1e-40 is a float32 denormal, which the device flushed to 0: no token was
+    kept and the request ended at once with an empty text (fresh-user trial). Any top_p
+    that small keeps exactly the most likely token, whatever the seed."""
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    params.validate()
+    logits_row = random_logits(5, rows=1)[0]
+    tokens = many_seeds(logits_row, params, 64)
+    assert (tokens == np.argmax(logits_row)).all(), tokens

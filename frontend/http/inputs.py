@@ -113,7 +113,7 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
             setattr(s, name, value)
     if body.repetition_penalty is not None:
         s.repetition_penalty = body.repetition_penalty
-    _check_int("top_k", body.top_k, accepted=TOP_K_ACCEPTED)
+    _check_int("top_k", body.top_k, accepted=f"{TOP_K_ACCEPTED}, at most {INT32_MAX}")
     if body.top_k is not None:
         s.top_k = body.top_k
     if body.n is not None:

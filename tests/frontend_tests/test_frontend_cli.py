@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from frontend_tests.helpers import (
     REPO_DIR,
     _expected_ids,
@@ -53,18 +55,23 @@ def test_cli_generate_prints_each_of_n_samples(server, tok, vocab):
     ]
 
 
-def test_cli_generate_reports_bad_input(server):
+@pytest.mark.parametrize(
+    "flags, named",
+    # An item of a list field ("stop[0]: ...") is its repeatable flag's (it said "stop[0]").
+    [(["--top-p", "2"], "--top-p:"), (["--stop", "ok", "--stop", ""], "--stop: ")],
+)
+def test_cli_generate_reports_bad_input(server, flags, named):
     """A value the server refuses (INVALID_ARGUMENT naming its field) is a usage error:
     exit 2, one line naming the flag as typed, as the client commands' own checks."""
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--server", server.target,
-         "--top-p", "2", "hi"],
+         *flags, "hi"],
         capture_output=True, timeout=60, cwd=REPO_DIR, text=True,
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stdout == ""  # no text, so no newline to end it
     lines = out.stderr.splitlines()  # one line, no empty one before it
-    assert len(lines) == 1 and lines[0].startswith("jaxserve generate: error: --top-p:"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"jaxserve generate: error: {named}"), lines
 
 
 def test_cli_generate_timeout_names_the_flag(server):
