@@ -55,7 +55,8 @@ def test_an_integral_float_is_the_int_and_others_are_refused_by_name(model, base
     )  # fmt: skip
     if field == "seed":  # an int64 past 2**53: a float would silently be another seed
         assert _refused(model, {**base, field: 1e30}) == (
-            field, f"{field}: must be an integer, got a number (1e+30)"
+            field, f"{field}: must be an integer, got a number (1e+30), past 2**53, where a "
+            "JSON number with an exponent or fraction is no exact integer: write its digits"
         )  # fmt: skip
     else:  # far past the count's range, which names its limit (tests/test_http_port.py)
         assert getattr(_parse(model, {**base, field: 1e16}), field) == 10**16

@@ -85,6 +85,8 @@ def _integral(value: float) -> int:
     otherwise (8.5, 1e30: past 2**53 a float is no exact integer)."""
     if abs(value) <= _MAX_EXACT_FLOAT:
         return _whole(value)
+    if value.is_integer():  # 1e18: said as such, not as "must be an integer" alone
+        raise PydanticCustomError("int_inexact_float", "Input should be an exact integer")
     raise PydanticCustomError("int_from_float", "Input should be a valid integer")
 
 
@@ -319,6 +321,11 @@ _UNION_KINDS = {"stop": "a string or a list of strings"}
 _ITEMS = {"stop": "stop strings", "stop_token_ids": "ids", "messages": "messages", "tools": "tools"}
 
 
+def _cause_first(error: dict) -> tuple[bool, bool, int]:
+    """The sort key of a field's errors that puts the one naming the cause first."""
+    return error["type"] != "too_long", error["type"] != "int_inexact_float", -len(error["loc"])
+
+
 def _in_our_words(error: dict, param: str) -> str:
     """pydantic's error on `param` as the frontend's other messages say it: the field
     first, then what it must be and what came ("max_tokens: must be an integer, got a
@@ -336,6 +343,12 @@ def _in_our_words(error: dict, param: str) -> str:
         )
     if kind == "too_short":
         return f"{param}: must not be empty"
+    if kind == "int_inexact_float":
+        return (
+            f"{param}: must be an integer, got {json_kind(error['input'])}, past 2**53, "
+            "where a JSON number with an exponent or fraction is no exact integer: "
+            "write its digits"
+        )
     if kind in _EXPECTED:
         expected = _UNION_KINDS.get(param, _EXPECTED[kind])
         return f"{param}: must be {expected}, got {json_kind(error['input'])}"
@@ -408,8 +421,10 @@ def parse_body(model: type[BaseModel], body: bytes, charset: str | None = None) 
                 raise named from None
         # A field that is a union (stop: str | list[str]) fails once per branch, and the
         # first is the plain-string one ("Input should be a valid string"), which hides
-        # the cause: a list past its limit wins, then the error deepest inside the value.
-        first = min(errors, key=lambda err: (err["type"] != "too_long", -len(err["loc"])))
+        # the cause: a list past its limit wins, then an integer past float's exactness
+        # (Int's float branch: its int branch says only "not an int"), then the error
+        # deepest inside the value.
+        first = min(errors, key=_cause_first)
         if not first["loc"]:  # the body itself
             if first["type"] == "json_invalid":  # not JSON text, or a string not Unicode
                 why = first["msg"].removeprefix("Invalid JSON: ")
