@@ -230,7 +230,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="an idle engine that receives a request waits while more keep arriving, each "
         "within MS of the last (at most 0.1 s in all), and prefills them in one step "
         "instead of several: a burst's throughput for up to MS more time to first token "
-        f"(default: {sched.burst_gather_ms:g}, start at once)",
+        "(default: 2 on the CPU, 0 (off) on an accelerator)",
     )
     sc.add_argument(
         "--async-scheduling",

@@ -1,6 +1,7 @@
 """`serve --burst-gather-ms` (`EngineLoop._gather_burst`): an idle engine that receives a
 request takes the ones that keep arriving before its first step, within the gap, and for
-at most `BURST_GATHER_MAX_S` in all; with 0 (the default) it steps at once."""
+at most `BURST_GATHER_MAX_S` in all; with 0 it steps at once. Unset, the gap follows the
+backend (`config.resolve_burst_gather_ms`)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,17 @@ def test_the_serve_flag_reaches_the_scheduler_config_and_refuses_a_negative_gap(
     parser = build_parser()
     args = parser.parse_args(["serve", "--burst-gather-ms", "2.5"])
     assert engine_config(args).scheduler.burst_gather_ms == 2.5
-    assert engine_config(parser.parse_args(["serve"])).scheduler.burst_gather_ms == 0.0
+    assert engine_config(parser.parse_args(["serve"])).scheduler.burst_gather_ms is None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--burst-gather-ms", "-1"])
+
+
+def test_unset_the_gap_follows_the_backend():
+    """None: CPU_BURST_GATHER_MS on the CPU, off elsewhere (a GPU, the mock engine);
+    a value given, 0 too, is kept on every backend."""
+    from jaxserve.config import CPU_BURST_GATHER_MS, resolve_burst_gather_ms
+
+    assert CPU_BURST_GATHER_MS > 0
+    assert resolve_burst_gather_ms(None, "cpu") == CPU_BURST_GATHER_MS
+    assert resolve_burst_gather_ms(None, "gpu") == resolve_burst_gather_ms(None, "none") == 0
+    assert resolve_burst_gather_ms(0.0, "cpu") == 0 and resolve_burst_gather_ms(3, "gpu") == 3

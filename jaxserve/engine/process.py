@@ -45,7 +45,7 @@ from typing import Any
 import zmq
 
 from jaxserve import distributed
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, resolve_burst_gather_ms
 from jaxserve.distributed.processes import (
     EXIT_START_FAILED,
     EXIT_STEP_FAILED,
@@ -191,7 +191,12 @@ class EngineLoop:
         end = time.monotonic() + BURST_GATHER_MAX_S
         while self._running:
             left_ms = (end - time.monotonic()) * 1000
-            if left_ms <= 0 or not self._poller.poll(min(self._burst_gather_ms, left_ms)):
+            if left_ms <= 0:
+                return
+            waited = time.perf_counter()
+            ready = self._poller.poll(min(self._burst_gather_ms, left_ms))
+            self._wait_s += time.perf_counter() - waited  # waiting, as an idle poll is
+            if not ready:
                 return
             if self._control_socket is not None:
                 self._drain_input(self._control_socket)
@@ -330,6 +335,16 @@ class EngineLoop:
         self._last_stats, self._last_stats_time = stats, now
 
 
+def _platform() -> str:
+    """JAX's platform of the engine's devices; "none" for an engine class without JAX
+    (the mock engine of the tests)."""
+    if "jax" not in sys.modules:
+        return "none"
+    import jax  # noqa: PLC0415
+
+    return jax.devices()[0].platform
+
+
 def run_engine_process(
     config: EngineConfig,
     engine_input: str,
@@ -389,11 +404,12 @@ def run_engine_process(
                 announce_failure(dist, describe_error(e))
             return EXIT_START_FAILED
         release_start_logs()
+        gather_ms = resolve_burst_gather_ms(config.scheduler.burst_gather_ms, _platform())
         try:
             EngineLoop(
                 core, input_socket, output_socket, control_socket=control_socket,
                 kv_events_socket=kv_socket, stream_interval=config.scheduler.stream_interval,
-                burst_gather_ms=config.scheduler.burst_gather_ms,
+                burst_gather_ms=gather_ms,
             ).run()  # fmt: skip
         except Exception:
             logger.exception("engine step failed; the engine process exits")
