@@ -199,11 +199,13 @@ def resolve_burst_gather_ms(value: float | None, platform: str) -> float:
     requests takes to arrive through the frontend (~1 ms of its CPU each), so without the
     gather a burst of 64 was prefilled in 3 steps, the first arrivals decoding a token a
     step meanwhile, where offline `LLM.generate` takes one. Measured (2-core CPU, random
-    Qwen3-MoE, scripts/bench_serve.py --serve-flags='--burst-gather-ms 2', interleaved,
-    medians of 5): concurrency 16 / 64 1.07 / 1.03x, steps 42 -> 36 and 11 -> 9 (as
-    offline); with 256 requests a level 1.04 / 1.03 / 1.06 / 0.99x at concurrency 1 / 16 /
-    64 / 256. The cost: an isolated request waits the gap (TTFT p50 at concurrency 1 14 ->
-    16 ms). On an accelerator steps are short and async scheduling overlaps them: off.
+    Qwen3-MoE, scripts/bench_serve.py with --serve-flags='--burst-gather-ms 2' or '0',
+    interleaved, medians of 5, three runs): the steps fall to offline's count (42 -> 36
+    at concurrency 16, 11 -> 9 at 64); tokens/s at 64 1.03 / 1.04 / 1.06x (256 requests
+    a level in the last), at 16 1.07 / 0.95 / 1.03x and at 256 0.99 / 0.99x (run-to-run
+    noise is about +-5%). The cost: an isolated request waits the gap (TTFT p50 at
+    concurrency 1 11-14 -> 14-16 ms). On an accelerator steps are short and async
+    scheduling overlaps them: off.
     """
     if value is not None:
         return float(value)
