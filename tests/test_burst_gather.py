@@ -12,15 +12,7 @@ import numpy as np
 import pytest
 from engine_loop_sockets import loop_sockets
 
-from jaxserve.ipc import (
-    EngineOutputs,
-    EngineRequest,
-    EngineStats,
-    Shutdown,
-    TokenOutput,
-    decode,
-    encode,
-)
+from jaxserve import ipc
 
 
 class _BatchCore:
@@ -39,14 +31,16 @@ class _BatchCore:
     def has_work(self) -> bool:
         return bool(self.held)
 
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[ipc.TokenOutput]:
         self.step_sizes.append(len(self.held))
-        outs = [TokenOutput(r, [1], finish_reason="length", num_output_tokens=1) for r in self.held]
+        outs = [
+            ipc.TokenOutput(r, [1], finish_reason="length", num_output_tokens=1) for r in self.held
+        ]
         self.held = []
         return outs
 
     def stats(self):
-        return EngineStats()
+        return ipc.EngineStats()
 
 
 def _run(gather_ms: float, num: int, every_s: float, name: str) -> list[int]:
@@ -60,15 +54,15 @@ def _run(gather_ms: float, num: int, every_s: float, name: str) -> list[int]:
         thread = threading.Thread(target=loop.run)
         thread.start()
         for i in range(num):
-            to_loop.send(encode(EngineRequest(f"r{i}", np.asarray([1], np.int32), {})))
+            to_loop.send(ipc.encode(ipc.EngineRequest(f"r{i}", np.asarray([1], np.int32), {})))
             time.sleep(every_s)
         finished = 0
         while finished < num:
             assert from_loop.poll(10_000), "the loop published no final output"
-            msg = decode(from_loop.recv())
-            if isinstance(msg, EngineOutputs):
+            msg = ipc.decode(from_loop.recv())
+            if isinstance(msg, ipc.EngineOutputs):
                 finished += len(msg.outputs)
-        to_loop.send(encode(Shutdown("test")))
+        to_loop.send(ipc.encode(ipc.Shutdown("test")))
         thread.join(10)
     assert sum(core.step_sizes) == num
     return core.step_sizes
