@@ -41,6 +41,8 @@ logger = logging.getLogger("jaxserve.frontend.http")
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+# top_k's values: the shared rule's, which has no upper end, and the proto's int32 one.
+_TOP_K_IN_INT32 = f"{TOP_K_ACCEPTED}, at most {INT32_MAX}"
 
 
 def log_unknown_fields(body, endpoint: str) -> None:
@@ -113,7 +115,7 @@ def _sampling(body, request: pb.GenerateRequest, limits: ModelLimits) -> None:
             setattr(s, name, value)
     if body.repetition_penalty is not None:
         s.repetition_penalty = body.repetition_penalty
-    _check_int("top_k", body.top_k, accepted=f"{TOP_K_ACCEPTED}, at most {INT32_MAX}")
+    _check_int("top_k", body.top_k, accepted=_TOP_K_IN_INT32)
     if body.top_k is not None:
         s.top_k = body.top_k
     if body.n is not None:

@@ -163,13 +163,10 @@ class EngineLoop:
                 more = idle_work() if idle_work is not None else False
                 waited = time.perf_counter()
                 timeout = self._control.poll_timeout_ms(time.time(), time.monotonic())
-                self._poller.poll(0 if more else min(_IDLE_POLL_MS, timeout))
-                self._wait_s += time.perf_counter() - waited
+                self._wait(0 if more else min(_IDLE_POLL_MS, timeout))
                 TIMELINE.span("poll (idle)", waited)
             t = TIMELINE.now()
-            if self._control_socket is not None:
-                self._drain_input(self._control_socket)
-            self._drain_input()
+            self._drain_inputs()
             if idle and self._burst_gather_ms > 0 and self._core.has_work():
                 self._gather_burst()
             TIMELINE.span("drain inputs", t)
@@ -193,14 +190,23 @@ class EngineLoop:
             left_ms = (end - time.monotonic()) * 1000
             if left_ms <= 0:
                 return
-            waited = time.perf_counter()
-            ready = self._poller.poll(min(self._burst_gather_ms, left_ms))
-            self._wait_s += time.perf_counter() - waited  # waiting, as an idle poll is
-            if not ready:
+            if not self._wait(min(self._burst_gather_ms, left_ms)):
                 return
-            if self._control_socket is not None:
-                self._drain_input(self._control_socket)
-            self._drain_input()
+            self._drain_inputs()
+
+    def _wait(self, timeout_ms: float) -> bool:
+        """Block in poll for input up to timeout_ms, counted as the loop's wait (not its
+        work); whether any input is ready."""
+        waited = time.perf_counter()
+        ready = self._poller.poll(timeout_ms)
+        self._wait_s += time.perf_counter() - waited
+        return bool(ready)
+
+    def _drain_inputs(self) -> None:
+        """Take every message queued: aborts (the control path) first, then requests."""
+        if self._control_socket is not None:
+            self._drain_input(self._control_socket)
+        self._drain_input()
 
     def _tick(self) -> None:
         """Abort the requests whose deadline passed; send the heartbeat when due."""
