@@ -100,6 +100,7 @@ class ProfileSession:
                 raise ValueError(f"seconds: must be in (0, {MAX_SECONDS:g}], got {seconds}")
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / MANIFEST).unlink(missing_ok=True)
+            self._before = _trace_files(self.out)
             if jax_trace:
                 import jax  # noqa: PLC0415 - the engine process only
 
@@ -120,6 +121,7 @@ class ProfileSession:
         return self._writer is not None and not self._writer.is_alive()
 
     _writer: threading.Thread | None = None
+    _before: dict[Path, int] = {}  # the trace files already there at the start
 
     def stop(self) -> None:
         """End the capture: the timeline now, the JAX trace and the files in a thread."""
@@ -147,7 +149,14 @@ class ProfileSession:
             if self.out.is_dir():
                 timeline = self.out / HOST_TIMELINE
                 timeline.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-                files = sorted(str(p) for p in self.out.rglob("*") if p.is_file())
+                # This capture's files only: not an earlier capture's in the same folder
+                # (the XLA trace goes to a new plugins/profile/<time>/ each time), nor
+                # whatever else the folder holds (walking an --out of $HOME took long).
+                before = self._before
+                files = [str(timeline)] + sorted(
+                    str(p) for p, mtime in _trace_files(self.out).items()
+                    if before.get(p) != mtime
+                )  # fmt: skip
             manifest["files"] = files
             manifest["host_timeline"] = str((self.out / HOST_TIMELINE).resolve())
             manifest["xplane"] = [f for f in files if f.endswith(".xplane.pb")]
@@ -159,3 +168,16 @@ class ProfileSession:
             logger.error("profile: cannot write %s: %s", self.out, e)
         logger.info("profile written to %s (%d steps)", self.out, self.steps)
         return manifest
+
+
+def _trace_files(out: Path) -> dict[Path, int]:
+    """The files under OUT/plugins/profile (where jax.profiler writes its traces) and their
+    modification times (ns): those new or rewritten since a capture began are its own."""
+    found = {}
+    for p in (out / "plugins" / "profile").rglob("*"):
+        try:
+            if p.is_file():
+                found[p] = p.stat().st_mtime_ns
+        except OSError:
+            pass
+    return found

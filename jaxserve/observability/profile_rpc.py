@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 from pathlib import Path
 
 import grpc
@@ -108,7 +109,8 @@ def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth 
     Raises ValueError naming `seconds` or `out_dir` (checked here first, and the
     server's INVALID_ARGUMENT: a folder it cannot write) or a TLS file that cannot be
     read, RuntimeError ("profile: CODE: details") when the server refuses or fails."""
-    out_dir = os.path.abspath(out_dir)
+    if out_dir.strip():  # an empty --out is refused, not taken for the current folder
+        out_dir = os.path.abspath(out_dir)
     validate({"out_dir": out_dir, "seconds": seconds})
     auth = auth or ClientAuth()
     with auth.channel(server) as channel:
@@ -136,7 +138,7 @@ def describe(manifest: dict) -> str:
     if manifest.get("xplane"):
         lines.append(
             f"  XLA trace (TensorBoard / XProf): {Path(manifest['xplane'][0]).parent}  -> "
-            f"tensorboard --logdir {manifest['out_dir']} (Profile tab), or xprof"
+            f"tensorboard --logdir {shlex.quote(manifest['out_dir'])} (Profile tab), or xprof"
         )
     lines.append(
         f"  engine loop timeline: {manifest['host_timeline']}  -> open in "
