@@ -160,6 +160,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
     if not args.warmup_timeout >= 0:  # NaN too
         raise ValueError(f"--warmup-timeout: must be >= 0, got {args.warmup_timeout}")
+    if args.seed < 0:  # numpy's generators take none: "expected non-negative integer"
+        raise ValueError(f"--seed: must be >= 0, got {args.seed}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups: must be >= 0, got {args.num_warmups}")
     if not args.temperature >= 0:  # NaN too
@@ -170,6 +172,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness: must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+
+
+def _load_tokenizer(load, folder: str):
+    """`load(folder)`; raises ValueError naming --tokenizer for a folder without a
+    readable tokenizer.json (it said "--dataset-path: model: no tokenizer.json in ...")."""
+    try:
+        return load(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer: {str(e).removeprefix('model: ')}") from None
 
 
 def _check_installed(flag: str, module: str) -> None:
@@ -293,6 +304,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _check_flags(args)
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
+        # A --tokenizer folder is checked before the server is asked (a usage error).
+        tokenizer = _load_tokenizer(load_tokenizer, args.tokenizer) if args.tokenizer else None
         try:
             # One question: the model (for the tokenizer) and, over gRPC, the step shapes
             # still compiling (the warm-up wait's first count).
@@ -300,7 +313,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ServerUnreachableError as e:
             return _error(str(e), 1)
         tokenizer_dir = _tokenizer_dir(args, served.model)
-        tokenizer = load_tokenizer(tokenizer_dir)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(load_tokenizer, tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))
