@@ -109,3 +109,33 @@ def test_an_idle_loop_blocks_between_heartbeats():
         to_loop.send(encode(Shutdown("test")))
         thread.join(10)
     assert core.stats_built <= 10, core.stats_built
+
+
+def test_an_idle_loop_sends_its_clocks():
+    """Idle, nothing in the stats changes but the loop's clocks: they still go out (every
+    IDLE_CLOCKS_S), so the wait counter advances while the engine waits. They stayed at
+    the last step's values, and a `jaxserve diagnose` window that ran past the end of a
+    load took the engine for saturated (engine_busy 0.92 over a 5 s window with 2.3 s of
+    load)."""
+    from jaxserve.engine.process import IDLE_CLOCKS_S
+
+    core = _CountedCore()
+    idle_s = 2 * IDLE_CLOCKS_S + 1.0
+    with loop_sockets("loop-clocks") as (to_loop, loop_in, loop_out, from_loop):
+        loop = EngineLoop(core, loop_in, loop_out)
+        thread = threading.Thread(target=loop.run)
+        start = time.perf_counter()
+        thread.start()
+        time.sleep(idle_s)
+        stats = []
+        while from_loop.poll(0):
+            msg = decode(from_loop.recv())
+            if isinstance(msg, EngineStats):
+                stats.append(msg.counters)
+        elapsed = time.perf_counter() - start
+        to_loop.send(encode(Shutdown("test")))
+        thread.join(10)
+    assert stats[0].loop_wait_s == 0.0  # the ready handshake, before any wait
+    # Sent after at least IDLE_CLOCKS_S of waiting, and never more than the time passed.
+    assert IDLE_CLOCKS_S <= stats[-1].loop_wait_s <= elapsed
+    assert stats[-1].loop_work_s < stats[-1].loop_wait_s  # idle: mostly waiting

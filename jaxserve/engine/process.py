@@ -9,7 +9,8 @@ its outputs to the detokenizer sidecar; a Heartbeat goes out every
 `control.HEARTBEAT_INTERVAL_S`, idle or not (`jaxserve.engine.control`). While there is
 work, nothing waits on a socket; only an idle engine blocks, in `poll`. Stats (the ready
 handshake at start, then changes, at most every `stats_interval_s` while busy and always
-on going idle) travel on the outputs socket so they stay ordered with outputs.
+on going idle; idle, the loop's clocks every `IDLE_CLOCKS_S`) travel on the outputs socket
+so they stay ordered with outputs.
 
 KV events (`engine.kv_events`, for the router) go out after each step on their own
 socket (`--kv-events`), and a `KvSnapshotRequest` on the control path is answered there
@@ -86,6 +87,7 @@ DEFAULT_ENGINE_CLASS = "jaxserve.engine.core:EngineCore"
 # An idle engine wakes this often even without messages (ms); parent death is handled
 # by jaxserve.lifetime, so this only bounds how stale nothing can be.
 _IDLE_POLL_MS = 1000
+IDLE_CLOCKS_S = 1.0  # an idle loop sends its clocks (wait, work, CPU) this often
 # The longest an idle engine gathers a burst of requests before its first step
 # (`SchedulerConfig.burst_gather_ms`), seconds.
 BURST_GATHER_MAX_S = 0.1
@@ -326,7 +328,11 @@ class EngineLoop:
             counters.loop_wait_s = last.counters.loop_wait_s
             counters.loop_work_s = last.counters.loop_work_s
             counters.process_cpu_s = last.counters.process_cpu_s
-        if not force and stats == last:
+        # Idle, the stats do not change, but the loop's clocks do: they go out every
+        # IDLE_CLOCKS_S, so that the wait and CPU counters advance while the engine
+        # waits (a diagnose window after a load ended took it for saturated).
+        clocks_due = not rate_limited and now - self._last_stats_time >= IDLE_CLOCKS_S
+        if not force and stats == last and not clocks_due:
             return
         counters.loop_wait_s = self._wait_s
         counters.loop_work_s = time.perf_counter() - self._started - self._wait_s
