@@ -11,6 +11,7 @@ No JAX here.
 from __future__ import annotations
 
 import json
+import math
 
 from jaxserve.observability.diagnose import Diagnosis, Finding
 
@@ -28,9 +29,9 @@ def diagnose_bench(doc: dict, source: str) -> Diagnosis:
     m = doc.get("metrics") if isinstance(doc, dict) else None
     if not isinstance(m, dict) or "ttft_ms" not in m:
         raise ValueError("from: not a jaxserve bench --out file (no metrics.ttft_ms)")
-    ttft, itl = m["ttft_ms"], m["itl_ms"]
-    summary = {"requests": m.get("completed", 0), "failed": m.get("failed", 0),
-               "output_tok_s": m.get("output_throughput", 0.0),
+    ttft, itl = _latency(m, "ttft_ms"), _latency(m, "itl_ms")
+    summary = {"requests": _count(m, "completed"), "failed": _count(m, "failed"),
+               "output_tok_s": _count(m, "output_throughput"),
                "ttft_p50_ms": ttft["median"], "ttft_p99_ms": ttft.get("p99", ttft["median"]),
                "itl_p50_ms": itl["median"],
                "itl_p99_ms": itl.get("p99", itl["median"])}  # fmt: skip
@@ -40,7 +41,7 @@ def diagnose_bench(doc: dict, source: str) -> Diagnosis:
             "application (errors)", "requests failed", {"failed": m["failed"]},
             "the failed requests' errors are in the bench JSON's requests; the server log",
         ))  # fmt: skip
-    prompt = m.get("total_input_tokens", 0) / max(m.get("completed", 0), 1)
+    prompt = _count(m, "total_input_tokens") / max(summary["requests"], 1)
     prefill_steps = max(1.0, prompt / PREFILL_TOKENS)
     waited = summary["ttft_p50_ms"] > WAIT_STEPS * prefill_steps * summary["itl_p50_ms"]
     if waited or summary["ttft_p99_ms"] > TAIL_RATIO * max(summary["ttft_p50_ms"], 1e-9):
@@ -49,7 +50,7 @@ def diagnose_bench(doc: dict, source: str) -> Diagnosis:
             "steps long, or has a long tail",
             {"ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
              "itl_p50_ms": summary["itl_p50_ms"], "prompt_tokens_mean": prompt,
-             "max_concurrency_observed": m.get("max_concurrency_observed", 0)},
+             "max_concurrency_observed": _count(m, "max_concurrency_observed")},
             "jaxserve diagnose --server (queue time vs prefill); --max-num-seqs",
         ))  # fmt: skip
     if summary["itl_p99_ms"] > TAIL_RATIO * max(summary["itl_p50_ms"], 1e-9):
@@ -62,6 +63,36 @@ def diagnose_bench(doc: dict, source: str) -> Diagnosis:
     note = ("client-side numbers only: run jaxserve diagnose --server HOST:METRICS_PORT "
             "during the load to see the layer")  # fmt: skip
     return Diagnosis(source, findings, summary, note)
+
+
+def _bad(field: str, value, expected: str = "a number >= 0") -> ValueError:
+    return ValueError(
+        f"from: not a jaxserve bench --out file (metrics.{field}: expected {expected}, "
+        f"got {value!r:.40})"
+    )
+
+
+def _number(value, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise _bad(field, value)
+    return value
+
+
+def _count(m: dict, key: str) -> float:
+    """metrics[key], 0 when absent (an older file); ValueError naming it when not a number."""
+    return _number(m.get(key, 0), key)
+
+
+def _latency(m: dict, key: str) -> dict:
+    """metrics[key]'s median and, when there, p99, checked to be numbers (a hand-edited or
+    truncated file ended in a KeyError or TypeError traceback)."""
+    stats = m.get(key)
+    if not isinstance(stats, dict):
+        raise _bad(key, stats, "an object of percentiles")
+    out = {"median": _number(stats.get("median"), f"{key}.median")}
+    if "p99" in stats:
+        out["p99"] = _number(stats["p99"], f"{key}.p99")
+    return out
 
 
 def load_bench(path: str) -> Diagnosis:
