@@ -79,3 +79,18 @@ def test_the_tensorboard_command_can_be_pasted_for_a_folder_with_a_space(tmp_pat
     line = next(x for x in profile_rpc.describe(manifest).splitlines() if "--logdir" in x)
     command = line.split("-> ", 1)[1].split(" (Profile tab)")[0]
     assert shlex.split(command) == ["tensorboard", "--logdir", str(out.resolve())]
+
+
+def test_every_replicas_timeline_is_printed(tmp_path):
+    """With replicas the combined manifest's host_timeline is replica 0's; the printed
+    lines named only it, not replica 1's timeline."""
+    each = {
+        str(k): ProfileSession(str(tmp_path / f"replica-{k}"), 0.01, jax_trace=False).finish()
+        for k in range(2)
+    }
+    manifest = {**each["0"], "out_dir": str(tmp_path), "replicas": {**each, "2": None}}
+    described = profile_rpc.describe(manifest)
+    for k in range(2):
+        timeline = str((tmp_path / f"replica-{k}" / "host_timeline.json").resolve())
+        assert f"engine loop timeline (replica {k}): {timeline}  -> " in described
+    assert "replica 2" not in described  # no manifest: the error line says so

@@ -140,8 +140,12 @@ def describe(manifest: dict) -> str:
             f"  XLA trace (TensorBoard / XProf): {Path(manifest['xplane'][0]).parent}  -> "
             f"tensorboard --logdir {shlex.quote(manifest['out_dir'])} (Profile tab), or xprof"
         )
-    lines.append(
-        f"  engine loop timeline: {manifest['host_timeline']}  -> open in "
-        "https://ui.perfetto.dev or chrome://tracing"
-    )
+    # Replicas (router.profiles): a timeline each; the top level names replica 0's only.
+    replicas = manifest.get("replicas") or {}
+    timelines = [(f" (replica {k})", m["host_timeline"]) for k, m in replicas.items() if m]
+    for which, path in timelines or [("", manifest["host_timeline"])]:
+        lines.append(
+            f"  engine loop timeline{which}: {path}  -> open in "
+            "https://ui.perfetto.dev or chrome://tracing"
+        )
     return "\n".join(lines)
