@@ -113,7 +113,19 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
             api_key, flag = os.environ.get(API_KEY_ENV), API_KEY_ENV
     if api_key is not None and not api_key.strip():
         raise ValueError(f"{flag}: the API key is empty")
-    return api_key.strip() if api_key is not None else None
+    if api_key is not None:
+        api_key = api_key.strip()
+        # It travels as a header value (gRPC metadata, HTTP Authorization): printable
+        # ASCII only. A client sending another said "GetServerInfo failed (INTERNAL:
+        # Invalid metadata)"; a server given one could not be reached. The key itself
+        # is a secret: only the offending character's position is named.
+        bad = next((i for i, c in enumerate(api_key) if not " " <= c <= "~"), None)
+        if bad is not None:
+            raise ValueError(
+                f"{flag}: the API key must be printable ASCII (it is sent as a header); "
+                f"character {bad + 1} is not"
+            )
+    return api_key
 
 
 def is_loopback(host: str) -> bool:
