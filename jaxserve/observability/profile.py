@@ -151,7 +151,7 @@ class ProfileSession:
                 timeline.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
                 # This capture's files only: not an earlier capture's in the same folder
                 # (the XLA trace goes to a new plugins/profile/<time>/ each time), nor
-                # whatever else the folder holds (walking an --out of $HOME took long).
+                # whatever else the folder holds (it walked all of --out, $HOME if given).
                 before = self._before
                 files = [str(timeline)] + sorted(
                     str(p) for p, mtime in _trace_files(self.out).items()
