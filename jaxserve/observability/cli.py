@@ -43,8 +43,9 @@ def add_subparsers(sub) -> None:
                      help="a jaxserve bench --out file (client-side numbers only)")  # fmt: skip
     d.add_argument("--seconds", type=float, default=10.0,
                    help="sampling window (default %(default)s)")  # fmt: skip
-    d.add_argument("--interval", type=float, default=0.5,
-                   help="seconds between scrapes (default %(default)s)")  # fmt: skip
+    d.add_argument("--interval", type=float, default=None,
+                   help="seconds between scrapes (default 0.5, or --seconds when "
+                   "shorter)")  # fmt: skip
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     client_auth.add_flags(d, api_key=False)  # the metrics port is HTTPS with --tls-cert
     d.set_defaults(func=_cmd_diagnose)
@@ -84,6 +85,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--seconds: must be in (0, {diagnose.MAX_SECONDS:g}], got {args.seconds}"
             )
+        if args.interval is None:  # a short window alone is no error of a flag not given
+            args.interval = min(0.5, args.seconds)
         if not 0 < args.interval <= args.seconds:
             raise ValueError(f"--interval: must be in (0, --seconds], got {args.interval}")
         if args.from_file:
