@@ -42,10 +42,10 @@ def add_subparsers(sub) -> None:
     src.add_argument("--from", dest="from_file", metavar="BENCH.json",
                      help="a jaxserve bench --out file (client-side numbers only)")  # fmt: skip
     d.add_argument("--seconds", type=float, default=10.0,
-                   help="sampling window (default %(default)s)")  # fmt: skip
+                   help="sampling window, at most 3600 (default %(default)s)")  # fmt: skip
     d.add_argument("--interval", type=float, default=None,
-                   help="seconds between scrapes (default 0.5, or --seconds when "
-                   "shorter)")  # fmt: skip
+                   help="seconds between scrapes, at least 0.05 (default 0.5, or "
+                   "--seconds when shorter)")  # fmt: skip
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     client_auth.add_flags(d, api_key=False)  # the metrics port is HTTPS with --tls-cert
     d.set_defaults(func=_cmd_diagnose)
@@ -68,7 +68,7 @@ def add_subparsers(sub) -> None:
         "--seconds",
         type=positive_float,
         default=5.0,
-        help="capture length (default %(default)s)",
+        help="capture length, at most 600 (default %(default)s)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     client_auth.add_flags(p)
@@ -87,8 +87,11 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             )
         if args.interval is None:  # a short window alone is no error of a flag not given
             args.interval = min(0.5, args.seconds)
-        if not 0 < args.interval <= args.seconds:
-            raise ValueError(f"--interval: must be in (0, --seconds], got {args.interval}")
+        elif not diagnose.MIN_INTERVAL_S <= args.interval <= args.seconds:
+            raise ValueError(
+                f"--interval: must be in [{diagnose.MIN_INTERVAL_S:g}, --seconds], "
+                f"got {args.interval}"
+            )
         if args.from_file:
             result = diagnose_bench.load_bench(args.from_file)
         else:

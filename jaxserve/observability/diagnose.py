@@ -91,6 +91,7 @@ BUSY = 0.9  # engine loop work / (work + wait): saturated
 HOST_SHARE = 0.6  # host time / (host + device time) of the steps
 MBU_LOW = 0.05  # device-bound and under 5% of the bandwidth peak
 MAX_SECONDS = 3600.0
+MIN_INTERVAL_S = 0.05  # between scrapes: each one reads and parses the whole /metrics page
 
 
 def _ratio(a: float, b: float) -> float:

@@ -69,7 +69,9 @@ def handler(engine) -> grpc.GenericRpcHandler:
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if busy.locked():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "profile: a capture is running")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "a capture is running; retry when it ends"
+            )
         async with busy:
             manifest = Path(out_dir) / MANIFEST
             try:  # here first, so that an unwritable folder is the caller's error at once
