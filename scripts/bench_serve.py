@@ -29,7 +29,10 @@ server with those `jaxserve serve` flags added: an A/B of serve options in one r
 served row also gives each process's CPU microseconds per output
 token: engine, frontend, detokenizer sidecar, and this process's client (psutil), the
 share the serving stack takes from an engine whose cores it shares; an offline row gives
-its engine's (this process), and "cores" is CPU seconds of all of them per second.
+its engine's (this process), and "cores" is CPU seconds of all of them per second;
+"stack" is the same of all but the engine: on cores the engine shares, serving loses
+about what the offline engine loses beside a co-runner process of that many cores
+(scripts/bench_interference.py: on the 2-core CPU, 0.05 cores cost it ~5%, 0.1 cores 7-11%).
 Every row also gives the engine's steps and device seconds per run (medians): served
 device seconds above offline's for the same tokens are XLA's threads slowed by the other
 processes on their cores; more steps are requests arriving one by one (each new prompt
@@ -423,6 +426,11 @@ def main() -> None:
                     if k in results[0][4]
                 }
                 rows[-1]["cores_used"] = _median([sum(r[4].values()) / r[0] for r in results])
+                rows[-1]["stack_cores"] = _median(
+                    [  # 0 offline: it has no stack
+                        sum(v for k, v in r[4].items() if k != "engine") / r[0] for r in results
+                    ]
+                )
                 rows[-1].update({f"engine_{k}": _median([r[5][k] for r in results])
                                  for k in ENGINE_COUNTERS})  # fmt: skip
     finally:
@@ -451,7 +459,7 @@ def main() -> None:
     print(
         f"{'path':<{width}}{'conc':>6}{'reqs':>6}{'tok/s':>10}{'req/s':>8}{'TTFT p50':>10}"
         f"{'vs gRPC':>9}{'vs offline':>11}{'load':>6}  same text  steps  device s  "
-        f"cores  CPU us/token: {' '.join(CPU_ROLES)}"
+        f"cores  stack  CPU us/token: {' '.join(CPU_ROLES)}"
     )
     for r in sorted(rows, key=lambda r: r["concurrency"]):
         ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
@@ -461,7 +469,7 @@ def main() -> None:
             f"{r['path']:<{width}}{r['concurrency']:>6}{r['requests']:>6}{r['output_tok_s']:>10.1f}"
             f"{r['req_s']:>8.2f}{ttft:>10}{ratio:>9}{vs_off:>11}{r['load']:>6.1f}  "
             f"{r.get('texts_equal_to_served', ''):>9}  {r['engine_steps']:5.0f}  "
-            f"{r['engine_device_s']:8.2f}  {r['cores_used']:5.2f}  "
+            f"{r['engine_device_s']:8.2f}  {r['cores_used']:5.2f}  {r['stack_cores']:5.3f}  "
             + " ".join(f"{v:.0f}" for v in r.get("cpu_us_per_token", {}).values())
         )
     out = Path(args.out)
