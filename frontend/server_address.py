@@ -85,6 +85,8 @@ def grpc_target_error(address: str) -> str | None:
         )
     elif error is None and _BARE_IPV6_PORT.match(address):
         error = f"an IPv6 host goes in brackets before the port ([::1]:50051), got {address}"
+    elif error is None and not address.strip():
+        error = "must not be empty (e.g. 127.0.0.1:50051)"
     elif error is None and (":" not in address or re.fullmatch(r"\[[^\]]*\]", address)):
         # gRPC would dial port 443
         error = (
@@ -100,6 +102,18 @@ def server_arg(text: str) -> str:
     """argparse `type` of --server: `text` unchanged; a bad HOST:PORT (`port_error`) is a
     usage error ("argument --server: port must be in [1, 65535], got N", exit 2)."""
     return _usage_checked(text, port_error(text))
+
+
+def metrics_server_arg(text: str) -> str:
+    """argparse `type` of diagnose's --server (serve's --metrics-port): as `server_arg`,
+    and a host with neither a port nor a URL scheme, or nothing, is a usage error too:
+    "127.0.0.1" was read as http://127.0.0.1/metrics, port 80, and failed later."""
+    error = port_error(text)
+    if error is None and not text.strip():
+        error = "must not be empty (e.g. 127.0.0.1:9090, serve's --metrics-port)"
+    elif error is None and "://" not in text and not _HOST_PORT.match(text):
+        error = f"{text} has no port; give serve's --metrics-port (e.g. {text}:9090)"
+    return _usage_checked(text, error)
 
 
 def grpc_server_arg(text: str) -> str:

@@ -95,6 +95,11 @@ def in_flag_words(line: str, command: str) -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     known = set(sub.choices[command]._option_string_actions) - {"--model"}
+    # A child's line ("engine failed to start: num_blocks: ...") names its field after
+    # the child's words.
+    head, sep, cause = line.partition(" failed to start: ")
+    if sep:
+        return head + sep + flag_error(ValueError(cause), known=known)
     return flag_error(ValueError(line), known=known)
 
 

@@ -93,6 +93,16 @@ def positive_float(text: str) -> float:
     return _float(text, lambda v: 0.0 < v < float("inf"), "a finite number > 0", _text)
 
 
+# The longest client deadline taken (about 11.6 days): gRPC's deadline clock overflows
+# near 9.2e9 s and then fails the call at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT_S = 1e6
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: a client deadline in seconds, in (0, MAX_TIMEOUT_S]."""
+    return _float(text, lambda v: 0.0 < v <= MAX_TIMEOUT_S, f"in (0, {MAX_TIMEOUT_S:g}]", _text)
+
+
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 

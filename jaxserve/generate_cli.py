@@ -18,7 +18,7 @@ import os
 import sys
 
 from jaxserve.config import ServerConfig
-from jaxserve.flag_types import INT32, INT64, int_within, positive_float
+from jaxserve.flag_types import INT32, INT64, MAX_TIMEOUT_S, int_within, timeout_seconds
 from jaxserve.frontend import client_auth, server_address
 from jaxserve.sampling_params import MAX_N
 
@@ -84,7 +84,9 @@ def _add_arguments(g: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="go on past the EOS token (default: off)"
     )
     g.add_argument(
-        "--timeout", type=positive_float, help="seconds for the whole call (default: no limit)"
+        "--timeout",
+        type=timeout_seconds,
+        help=f"seconds for the whole call, at most {MAX_TIMEOUT_S:g} (default: no limit)",
     )
     g.add_argument(
         "-v",

@@ -43,7 +43,11 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
 
 def model_argument(args: argparse.Namespace) -> str:
     """The model the user named: `serve MODEL` or `--model MODEL` (the demo if neither).
-    Raises ValueError when both are given and differ."""
+    Raises ValueError when both are given and differ, or one is given empty (`serve ""`
+    served the demo, as if no model were named)."""
+    for given in (args.model_tag, args.model):
+        if given is not None and not given.strip():
+            raise ValueError(f"model: empty, got {given!r} (leave it out for the demo model)")
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(
             f"model: given twice, as {args.model_tag!r} (positional) and --model {args.model!r}"

@@ -26,6 +26,13 @@ def test_positional_model_is_the_same_as_the_flag(tmp_path):
         _config(str(tmp_path), "--model", str(DEMO_MODEL_DIR))
 
 
+@pytest.mark.parametrize("argv", [[""], ["  "], ["--model", ""]])
+def test_an_empty_model_is_refused_not_the_demo(argv):
+    """`serve ""` served the demo model, as if no model were named."""
+    with pytest.raises(ValueError, match=r"^model: empty, got '\s*' \(leave it out"):
+        _config(*argv)
+
+
 def test_vllm_parallel_sizes_are_the_mesh():
     assert _config("--tensor-parallel-size", "4", "--data-parallel-size", "2").mesh == MeshConfig(
         2, 4
@@ -167,6 +174,30 @@ def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
     got = kv_sizing.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
     assert got == int(pages * page * 0.25) // block_bytes
     assert kv_sizing.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1
+
+
+def test_num_blocks_past_all_of_the_hosts_memory_is_refused(monkeypatch):
+    """--num-blocks is checked against the host's physical memory (the whole of it: the
+    user may know better than what is free now); past it the allocation ended in a bare
+    MemoryError. The limit is exact: the block count that just fits is taken."""
+    import os
+
+    import jax.numpy as jnp
+
+    from jaxserve.engine import kv_sizing
+    from jaxserve.models.config import ModelConfig
+
+    hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    pages, page = 1000, 4096
+    real_sysconf = os.sysconf
+    fake = {"SC_PHYS_PAGES": pages, "SC_PAGE_SIZE": page}
+    monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
+    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
+    fits = pages * page // block_bytes
+    kv_sizing.check_num_blocks(fits, config, 16, jnp.float32)
+    with pytest.raises(ValueError, match=f"^num_blocks: {fits + 1} blocks of 16 tokens need "):
+        kv_sizing.check_num_blocks(fits + 1, config, 16, jnp.float32)
 
 
 @pytest.mark.parametrize(

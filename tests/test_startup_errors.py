@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from server_harness import cpu_xla_flags, ep_test_threshold, free_port
 
@@ -260,6 +261,26 @@ def test_engine_error_at_info_is_one_line_and_debug_shows_the_traceback():
     code, lines = serve("--mesh", "dp=1,tp=3", "--log-level", "debug", env=MESH_ENV, timeout=120)
     assert code == 2 and any("Traceback" in line for line in lines)
     assert lines[-1].startswith("jaxserve serve: error: engine failed to start: mesh dp=1,tp=3")
+
+
+def test_num_blocks_past_the_hosts_memory_names_the_flag():
+    """--num-blocks whose KV cache cannot fit in the host's memory at all: it ended in
+    "engine failed to start: MemoryError" (exit 1) when the block manager was built."""
+    from jaxserve.engine.kv_sizing import kv_block_bytes
+    from jaxserve.models.config import ModelConfig
+
+    config = ModelConfig.from_hf(json.loads((Path(DEMO_MODEL_DIR) / "config.json").read_text()))
+    per_block = kv_block_bytes(config, 16, np.float32)
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    blocks = host // per_block + 1  # one block more than the host holds in all
+    code, lines = serve("--num-blocks", str(blocks), "--log-level", "warning", timeout=120)
+    line = one_error_line(lines)
+    assert code == 2, line
+    assert line.startswith(
+        f"jaxserve serve: error: engine failed to start: --num-blocks: {blocks} blocks of 16 "
+        "tokens need "
+    ), line
+    assert "this host has in all" in line
 
 
 def test_more_devices_than_visible_is_a_bad_setting():

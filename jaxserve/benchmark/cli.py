@@ -28,7 +28,7 @@ from pathlib import Path
 from jaxserve.benchmark.probe import ServerUnreachableError, ask_server
 from jaxserve.benchmark.server_warmup import wait_for_warmup
 from jaxserve.config import DEMO_MODEL_DIR, ServerConfig
-from jaxserve.flag_types import check_writable
+from jaxserve.flag_types import MAX_TIMEOUT_S, check_writable
 from jaxserve.frontend import client_auth, server_address
 
 MAX_PROMPTS = 1_000_000  # --num-prompts: requests (or conversations) one run builds
@@ -117,7 +117,8 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
     t.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     t.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
-    t.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    t.add_argument("--timeout", type=float, default=600.0,
+                   help=f"seconds per request, at most {MAX_TIMEOUT_S:g}")  # fmt: skip
     t.add_argument(
         "--warmup-timeout", type=float, default=900.0, metavar="SECONDS",
         help="gRPC: wait at most this long for the server's background compilation to end "
@@ -156,8 +157,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts: must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
     if args.dataset in ("sharegpt", "text") and not args.dataset_path:
         raise ValueError(f"--dataset-path: required by --dataset {args.dataset}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN too
+        raise ValueError(f"--timeout: must be in (0, {MAX_TIMEOUT_S:g}], got {args.timeout}")
     if not args.warmup_timeout >= 0:  # NaN too
         raise ValueError(f"--warmup-timeout: must be >= 0, got {args.warmup_timeout}")
     if args.seed < 0:  # numpy's generators take none: "expected non-negative integer"

@@ -25,6 +25,7 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile_counter import BACKEND_COMPILE_EVENT, CompileCounter  # noqa: F401
 from jaxserve.engine.kv_sizing import (
     check_max_model_len,
+    check_num_blocks,
     fit_kv_cache,
     kv_token_bytes,
     num_kv_blocks,
@@ -134,6 +135,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # Blocks per dp rank (each rank's pool has its own null block 0).
     # What the cache holds per token is the model's declaration (per-head K/V, MLA latent).
     kv_layout = model.kv_layout()
+    if cc.num_blocks is not None:
+        check_num_blocks(
+            cc.num_blocks, mc, cc.block_size, dtype, kv_head_shards=config.mesh.tp,
+            layout=kv_layout,
+        )  # fmt: skip
     num_blocks = cc.num_blocks or num_kv_blocks(
         mc,
         cc.block_size,

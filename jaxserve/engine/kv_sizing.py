@@ -75,6 +75,36 @@ def num_kv_blocks(
     return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))
 
 
+def check_num_blocks(
+    num_blocks: int,
+    config: ModelConfig,
+    block_size: int,
+    dtype: jnp.dtype,
+    device: jax.Device | None = None,
+    kv_head_shards: int = 1,
+    layout: KVLayout | None = None,
+) -> None:
+    """Raises ValueError("num_blocks: ...") when a `num_blocks` the user gave needs more
+    KV cache bytes than the device holds in all (its `bytes_limit`; on the CPU, the host's
+    physical memory): the allocation would end in a bare MemoryError or an out-of-memory
+    kill rather than an error naming the flag. Arguments as `num_kv_blocks`."""
+    if layout is not None and not layout.shard_heads:
+        kv_head_shards = 1
+    need = num_blocks * (kv_block_bytes(config, block_size, dtype, layout) // kv_head_shards)
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        have, where = stats["bytes_limit"], f"the {device.platform} device"
+    else:
+        have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host"
+    if need > have:
+        raise ValueError(
+            f"num_blocks: {num_blocks} blocks of {block_size} tokens need "
+            f"{need / 2**30:.3g} GiB of KV cache, more than the {have / 2**30:.3g} GiB "
+            f"{where} has in all"
+        )
+
+
 def check_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
     """The max_model_len asked for (default: the model's max_position_embeddings).
 

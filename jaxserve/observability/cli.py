@@ -36,7 +36,7 @@ def add_subparsers(sub) -> None:
     src.add_argument(
         "--server",
         metavar="HOST:PORT",
-        type=server_address.server_arg,
+        type=server_address.metrics_server_arg,
         help="the server's metrics endpoint",
     )
     src.add_argument("--from", dest="from_file", metavar="BENCH.json",

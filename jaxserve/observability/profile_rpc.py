@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from jaxserve.frontend.client import answered_http1, http1_hint
 from jaxserve.frontend.client_auth import ClientAuth
 from jaxserve.ipc import ProfileRequest
 from jaxserve.observability.profile import MANIFEST, MAX_SECONDS
@@ -110,7 +111,8 @@ def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth 
 
     Raises ValueError naming `seconds` or `out_dir` (checked here first, and the
     server's INVALID_ARGUMENT: a folder it cannot write) or a TLS file that cannot be
-    read, RuntimeError ("profile: CODE: details") when the server refuses or fails."""
+    read, RuntimeError ("CODE: details") when the server refuses or fails (with what to
+    do when an HTTP/1 server answered: the metrics or HTTP API port)."""
     if out_dir.strip():  # an empty --out is refused, not taken for the current folder
         out_dir = os.path.abspath(out_dir)
     validate({"out_dir": out_dir, "seconds": seconds})
@@ -126,7 +128,10 @@ def request_profile(server: str, seconds: float, out_dir: str, auth: ClientAuth 
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # its details name the field
                 raise ValueError(e.details()) from None
-            raise RuntimeError(f"profile: {e.code().name}: {e.details()}") from None
+            details = e.details() or ""
+            if answered_http1(e):
+                details += "; " + http1_hint(server, "profile")
+            raise RuntimeError(f"{e.code().name}: {details}") from None
 
 
 def describe(manifest: dict) -> str:
