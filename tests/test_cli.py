@@ -154,23 +154,30 @@ def test_serve_compiles_in_the_background_unless_told_otherwise():
     assert _config("--compile-all-at-start").background_compile is False
 
 
-def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
-    """--gpu-memory-utilization works on the CPU too: that fraction of the host's available
-    memory, in whole blocks; without it the CPU default (requests x length) stays."""
+def _demo_kv_on_a_host(monkeypatch, pages: dict, page: int):
+    """The demo model's config and its KV bytes per block of 16 float32 tokens (K and V
+    of every layer and KV head), on a host whose os.sysconf says `pages` of `page` bytes."""
     import os
 
-    import jax.numpy as jnp
-
-    from jaxserve.engine import kv_sizing
     from jaxserve.models.config import ModelConfig
 
     hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
-    config = ModelConfig.from_hf(hf)
-    pages, page = 1_000_000, 4096
     real_sysconf = os.sysconf
-    fake = {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page}
+    fake = {**pages, "SC_PAGE_SIZE": page}
     monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
     block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
+    return ModelConfig.from_hf(hf), block_bytes
+
+
+def test_kv_memory_fraction_sizes_the_cache_on_the_cpu(monkeypatch):
+    """--gpu-memory-utilization works on the CPU too: that fraction of the host's available
+    memory, in whole blocks; without it the CPU default (requests x length) stays."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine import kv_sizing
+
+    pages, page = 1_000_000, 4096
+    config, block_bytes = _demo_kv_on_a_host(monkeypatch, {"SC_AVPHYS_PAGES": pages}, page)
     got = kv_sizing.num_kv_blocks(config, 16, jnp.float32, 0.25, 4, 64)
     assert got == int(pages * page * 0.25) // block_bytes
     assert kv_sizing.num_kv_blocks(config, 16, jnp.float32, None, 4, 64) == 4 * 4 + 1
@@ -180,20 +187,12 @@ def test_num_blocks_past_all_of_the_hosts_memory_is_refused(monkeypatch):
     """--num-blocks is checked against the host's physical memory (the whole of it: the
     user may know better than what is free now); past it the allocation ended in a bare
     MemoryError. The limit is exact: the block count that just fits is taken."""
-    import os
-
     import jax.numpy as jnp
 
     from jaxserve.engine import kv_sizing
-    from jaxserve.models.config import ModelConfig
 
-    hf = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
-    config = ModelConfig.from_hf(hf)
     pages, page = 1000, 4096
-    real_sysconf = os.sysconf
-    fake = {"SC_PHYS_PAGES": pages, "SC_PAGE_SIZE": page}
-    monkeypatch.setattr(os, "sysconf", lambda name: fake.get(name) or real_sysconf(name))
-    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * hf["head_dim"] * 4
+    config, block_bytes = _demo_kv_on_a_host(monkeypatch, {"SC_PHYS_PAGES": pages}, page)
     fits = pages * page // block_bytes
     kv_sizing.check_num_blocks(fits, config, 16, jnp.float32)
     with pytest.raises(ValueError, match=f"^num_blocks: {fits + 1} blocks of 16 tokens need "):

@@ -16,6 +16,16 @@ _GENERATE = ["generate", "hi"]
 _PROFILE = ["profile", "--server", "h:1", "--out", "d"]
 
 
+def _usage_line(capsys, argv: list[str]) -> str:
+    """The one stderr line of `jaxserve ARGV` refused while parsing (exit code 2)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
 @pytest.mark.parametrize(
     ("command", "flag", "value"),
     [(_PROFILE, "--seconds", "-5"), (_PROFILE, "--seconds", "nan")],
@@ -86,12 +96,8 @@ _SERVER_COMMANDS = [["generate", "hi"], ["bench"], ["diagnose"], ["profile", "--
 def test_a_server_port_out_of_range_is_a_usage_error(command, server, port, capsys):
     """`generate --server 127.0.0.1:99999` used to reach gRPC, which takes the port modulo
     65536 (a server on 34463 would answer): refused while parsing, in every client tool."""
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([*command, "--server", server])
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1, lines
-    assert f"error: argument --server: port must be in [1, 65535], got {port}" in lines[0]
+    line = _usage_line(capsys, [*command, "--server", server])
+    assert f"error: argument --server: port must be in [1, 65535], got {port}" in line
 
 
 @pytest.mark.parametrize("command", _SERVER_COMMANDS)
@@ -135,11 +141,8 @@ def test_a_server_without_a_port_or_empty_is_a_usage_error(command, server, word
     """`diagnose --server 127.0.0.1` read http://127.0.0.1/metrics (port 80) and failed
     with "Connection refused", and `--server ''` with "no host given", both exit 1; an
     empty gRPC --server said "argument --server:  has no port" (two spaces, no host)."""
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([*command, "--server", server])
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and f"error: argument --server: {words}" in lines[0], lines
+    line = _usage_line(capsys, [*command, "--server", server])
+    assert f"error: argument --server: {words}" in line, line
 
 
 @pytest.mark.parametrize("command", _SERVER_COMMANDS)
@@ -205,10 +208,6 @@ def test_generate_timeout_out_of_range_is_a_usage_error(value, capsys):
     """`generate --timeout 1e10` failed at once with "DEADLINE_EXCEEDED ...; --timeout
     1e+10 s passed (raise it ...)": gRPC's deadline clock overflows near 9.2e9 s. And
     `--timeout -1` was sent as a deadline already past."""
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([*_GENERATE, "--timeout", value])
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1, lines
-    assert f"argument --timeout: must be in (0, 1e+06], got {value}" in lines[0]
+    line = _usage_line(capsys, [*_GENERATE, "--timeout", value])
+    assert f"argument --timeout: must be in (0, 1e+06], got {value}" in line
     assert build_parser().parse_args([*_GENERATE, "--timeout", "1e6"]).timeout == 1e6
