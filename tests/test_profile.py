@@ -87,3 +87,10 @@ def test_profile_bad_arguments_are_usage_errors(server, tmp_path):
     assert proc.stderr.splitlines() == [
         "jaxserve profile: error: --out: cannot write /proc/x (No such file or directory)"
     ]
+    # A file there: it said "cannot write F (File exists)".
+    (tmp_path / "a_file").write_text("")
+    proc = _profile(server, tmp_path / "a_file")
+    assert proc.returncode == 2, proc
+    assert proc.stderr.splitlines() == [
+        f"jaxserve profile: error: --out: {tmp_path / 'a_file'} is a file, not a folder"
+    ]

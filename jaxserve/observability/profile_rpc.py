@@ -78,6 +78,10 @@ def handler(engine) -> grpc.GenericRpcHandler:
             try:  # here first, so that an unwritable folder is the caller's error at once
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 manifest.unlink(missing_ok=True)
+            except FileExistsError:  # mkdir's words for a file there: "File exists"
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"out_dir: {out_dir} is a file, not a folder"
+                )
             except OSError as e:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
