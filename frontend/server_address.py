@@ -91,7 +91,7 @@ def grpc_target_error(address: str) -> str | None:
         # gRPC would dial port 443
         error = (
             f"{address} has no port; the gRPC API takes HOST:PORT with serve's --port "
-            f"(e.g. {address or '127.0.0.1'}:50051)"
+            f"(e.g. {address}:50051)"
         )
     return error
 

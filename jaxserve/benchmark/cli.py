@@ -175,11 +175,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
 
 
-def _load_tokenizer(load, folder: str):
-    """`load(folder)`; raises ValueError naming --tokenizer for a folder without a
-    readable tokenizer.json (it said "--dataset-path: model: no tokenizer.json in ...")."""
+def _load_tokenizer(folder: str):
+    """`load_tokenizer(folder)`; raises ValueError naming --tokenizer for a folder without
+    a readable tokenizer.json (it said "--dataset-path: model: no tokenizer.json in ...")."""
+    from jaxserve.frontend.tokenizer import load_tokenizer
+
     try:
-        return load(folder)
+        return load_tokenizer(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"--tokenizer: {str(e).removeprefix('model: ')}") from None
 
@@ -294,7 +296,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from jaxserve.benchmark import client, report
     from jaxserve.benchmark.backends import Sampling, make_backend
-    from jaxserve.frontend.tokenizer import load_tokenizer
 
     try:
         auth = client_auth.from_args(args)
@@ -306,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         slo = report.parse_slo(args.slo) if args.slo else None
         percentiles = report.parse_percentiles(args.percentiles)
         # A --tokenizer folder is checked before the server is asked (a usage error).
-        tokenizer = _load_tokenizer(load_tokenizer, args.tokenizer) if args.tokenizer else None
+        tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
         try:
             # One question: the model (for the tokenizer) and, over gRPC, the step shapes
             # still compiling (the warm-up wait's first count).
@@ -315,7 +316,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _error(str(e), 1)
         tokenizer_dir = _tokenizer_dir(args, served.model)
         if tokenizer is None:
-            tokenizer = _load_tokenizer(load_tokenizer, tokenizer_dir)
+            tokenizer = _load_tokenizer(tokenizer_dir)
         sessions = build_dataset(args, tokenizer)
     except ValueError as e:
         return _error(str(e).replace("slo:", "--slo:").replace("percentiles:", "--percentiles:"))

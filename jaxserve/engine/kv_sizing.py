@@ -59,11 +59,9 @@ def num_kv_blocks(
     one dp rank, whose devices each hold 1 / kv_head_shards (tp) of every block, or all
     of it for a layout that is not sharded by head (an MLA latent, replicated over tp).
     """
-    if layout is not None and not layout.shard_heads:
-        kv_head_shards = 1
-    per_block = kv_block_bytes(config, block_size, dtype, layout) // kv_head_shards
+    per_block = _device_block_bytes(config, block_size, dtype, kv_head_shards, layout)
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
+    stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
@@ -88,11 +86,9 @@ def check_num_blocks(
     KV cache bytes than the device holds in all (its `bytes_limit`; on the CPU, the host's
     physical memory): the allocation would end in a bare MemoryError or an out-of-memory
     kill rather than an error naming the flag. Arguments as `num_kv_blocks`."""
-    if layout is not None and not layout.shard_heads:
-        kv_head_shards = 1
-    need = num_blocks * (kv_block_bytes(config, block_size, dtype, layout) // kv_head_shards)
+    need = num_blocks * _device_block_bytes(config, block_size, dtype, kv_head_shards, layout)
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
+    stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         have, where = stats["bytes_limit"], f"the {device.platform} device"
     else:
@@ -103,6 +99,26 @@ def check_num_blocks(
             f"{need / 2**30:.3g} GiB of KV cache, more than the {have / 2**30:.3g} GiB "
             f"{where} has in all"
         )
+
+
+def _device_block_bytes(
+    config: ModelConfig,
+    block_size: int,
+    dtype: jnp.dtype,
+    kv_head_shards: int,
+    layout: KVLayout | None,
+) -> int:
+    """Bytes of one KV block on one device: 1 / kv_head_shards of it, or all of it for a
+    layout that is not sharded by head (an MLA latent, replicated over tp)."""
+    if layout is not None and not layout.shard_heads:
+        kv_head_shards = 1
+    return kv_block_bytes(config, block_size, dtype, layout) // kv_head_shards
+
+
+def _memory_stats(device: jax.Device) -> dict | None:
+    """The device's memory statistics; None on the CPU (the host's memory is asked of
+    os.sysconf instead)."""
+    return device.memory_stats() if device.platform != "cpu" else None
 
 
 def check_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
