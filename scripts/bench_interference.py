@@ -9,8 +9,10 @@ co-runner process, interleaved (--repeats rounds; medians and the ratio to alone
 - `mem`: numpy copies between two 16 MiB buffers (CPU time and cache pollution: it
   evicts the engine's weights and KV from the shared L3 and its core's L2).
 
-each at a duty cycle (busy for duty x 6 ms of every 6 ms) and a nice value. A co-runner
-at nice 19 gets a core only when the engine leaves one idle, so what it still costs the
+each at a duty cycle (busy for duty x 6 ms of every 6 ms) and a nice value, or "idle"
+(SCHED_IDLE: it runs only on a CPU no other task wants, and a waking task preempts it at
+once). A co-runner at nice 19 or idle gets a core only when the engine leaves one idle,
+so what it still costs the
 engine is not CPU time taken but caches polluted and wake-ups delayed; the serving stack
 (frontend, sidecar, client) is such a co-runner.
 
@@ -34,11 +36,14 @@ from pathlib import Path
 
 from jaxserve.flag_types import POSITIVE, positive_float
 
-# The co-runner: kind, duty (fraction of each 6 ms period spent busy), nice.
+# The co-runner: kind, duty (fraction of each 6 ms period spent busy), nice or "idle".
 CO_RUNNER = """
 import os, sys, time
-kind, duty, nice = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-os.nice(nice)
+kind, duty, nice = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+if nice == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+else:
+    os.nice(int(nice))
 if kind == "mem":
     import numpy as np
     a = np.ones(4 << 20, np.float32)  # 16 MiB
@@ -58,19 +63,22 @@ while True:
 """
 
 
-def parse_co_runners(text: str) -> list[tuple[str, float, int]]:
-    """ "alu:0.3:0,mem:1:19" -> [("alu", 0.3, 0), ("mem", 1.0, 19)]. Raises ValueError
-    naming the bad entry."""
+def parse_co_runners(text: str) -> list[tuple[str, float, str]]:
+    """ "alu:0.3:0,mem:1:idle" -> [("alu", 0.3, "0"), ("mem", 1.0, "idle")]. Raises
+    ValueError naming the bad entry."""
     out = []
     for entry in text.split(","):
         try:
             kind, duty, nice = entry.split(":")
-            duty_f, nice_i = float(duty), int(nice)
+            duty_f = float(duty)
         except ValueError:
             raise ValueError(f"--co-runners: {entry!r} is not KIND:DUTY:NICE") from None
-        if kind not in ("alu", "mem") or not 0 < duty_f <= 1 or not 0 <= nice_i <= 19:
-            raise ValueError(f"--co-runners: {entry!r}: KIND alu|mem, DUTY in (0, 1], NICE 0-19")
-        out.append((kind, duty_f, nice_i))
+        nice_ok = nice == "idle" or (nice.isdigit() and int(nice) <= 19)
+        if kind not in ("alu", "mem") or not 0 < duty_f <= 1 or not nice_ok:
+            raise ValueError(
+                f"--co-runners: {entry!r}: KIND alu|mem, DUTY in (0, 1], NICE 0-19 or idle"
+            )
+        out.append((kind, duty_f, nice))
     return out
 
 
@@ -93,7 +101,7 @@ def main() -> None:
     ap.add_argument(
         "--co-runners",
         default="alu:0.3:0,mem:0.3:0,alu:1:19,mem:1:19",
-        help="KIND:DUTY:NICE,...: KIND alu or mem, DUTY in (0, 1], NICE 0-19",
+        help="KIND:DUTY:NICE,...: KIND alu or mem, DUTY in (0, 1], NICE 0-19 or idle (SCHED_IDLE)",
     )
     ap.add_argument("--repeats", type=POSITIVE, default=2, help="rounds (medians)")
     ap.add_argument("--out", default="bench_results/interference.json", help="JSON written")
