@@ -32,7 +32,7 @@ share the serving stack takes from an engine whose cores it shares; an offline r
 its engine's (this process), and "cores" is CPU seconds of all of them per second;
 "stack" is the same of all but the engine: on cores the engine shares, serving loses
 about what the offline engine loses beside a co-runner process of that many cores
-(scripts/bench_interference.py: on the 2-core CPU, 0.05 cores cost it ~5%, 0.1 cores 7-11%).
+(scripts/bench_interference.py: on the 2-core CPU, 0.05 cores cost it 4-5%, 0.1 cores 4-11%).
 Every row also gives the engine's steps and device seconds per run (medians): served
 device seconds above offline's for the same tokens are XLA's threads slowed by the other
 processes on their cores; more steps are requests arriving one by one (each new prompt
